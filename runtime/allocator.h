@@ -131,8 +131,7 @@ class Allocator {
 };
 
 // Aligned host memory. `alignment` must be a power of two (checked).
-std::unique_ptr<Allocator> CreateHostAllocator(size_t alignment = 64,
-                                               std::string name = "host");
+std::unique_ptr<Allocator> CreateHostAllocator(size_t alignment = 64, std::string name = "host");
 
 // Page-locked host memory and CUDA device memory. Unimplemented without CUDA.
 absl::StatusOr<std::unique_ptr<Allocator>> CreatePinnedAllocator(std::string name = "pinned");

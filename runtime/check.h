@@ -37,15 +37,16 @@ struct Voidify {
 
 }  // namespace shardline::internal
 
-#define SL_CHECK(cond)                      \
-  ABSL_PREDICT_TRUE(cond) ? (void)0         \
-                          : ::shardline::internal::Voidify() & \
-                                ::shardline::internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
+#define SL_CHECK(cond)                     \
+  ABSL_PREDICT_TRUE(cond)                  \
+      ? (void)0                            \
+      : ::shardline::internal::Voidify() & \
+            ::shardline::internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
 
-#define SL_CHECK_OK(expr)                                                               \
-  do {                                                                                  \
-    ::absl::Status sl_check_status_ = (expr);                                           \
-    SL_CHECK(sl_check_status_.ok()) << sl_check_status_;                                \
+#define SL_CHECK_OK(expr)                                \
+  do {                                                   \
+    ::absl::Status sl_check_status_ = (expr);            \
+    SL_CHECK(sl_check_status_.ok()) << sl_check_status_; \
   } while (0)
 
 #ifdef NDEBUG

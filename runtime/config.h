@@ -23,8 +23,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -129,12 +129,12 @@ absl::Time DefaultDeadline();
 }  // namespace shardline
 
 // SL_PARAM(type, FnName, "SUFFIX", default, "help"[, check]) defines Param<type>& ParamFnName().
-#define SL_PARAM(type, fn_name, suffix, default_value, help, ...)                   \
-  const ::shardline::Param<type>& Param##fn_name() {                                \
+#define SL_PARAM(type, fn_name, suffix, default_value, help, ...)                      \
+  const ::shardline::Param<type>& Param##fn_name() {                                   \
     static const ::shardline::Param<type>* const param = new ::shardline::Param<type>( \
-        suffix, #type, default_value, help __VA_OPT__(, ) __VA_ARGS__);             \
-    return *param;                                                                  \
-  }                                                                                 \
+        suffix, #type, default_value, help __VA_OPT__(, ) __VA_ARGS__);                \
+    return *param;                                                                     \
+  }                                                                                    \
   [[maybe_unused]] static const ::shardline::ParamBase& sl_param_registrar_##fn_name = \
       Param##fn_name()
 

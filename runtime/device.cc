@@ -26,8 +26,6 @@ std::string Device::ToString() const {
   return is_host() ? std::string("host") : absl::StrCat("cuda:", index_);
 }
 
-std::ostream& operator<<(std::ostream& os, const Device& device) {
-  return os << device.ToString();
-}
+std::ostream& operator<<(std::ostream& os, const Device& device) { return os << device.ToString(); }
 
 }  // namespace shardline

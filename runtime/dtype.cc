@@ -36,10 +36,10 @@ absl::StatusOr<DType> ParseDType(absl::string_view text) {
     DType dtype;
   };
   static constexpr Alias kAliases[] = {
-      {"float", DType::kF32},    {"float32", DType::kF32},  {"double", DType::kF64},
-      {"float64", DType::kF64},  {"half", DType::kF16},     {"float16", DType::kF16},
+      {"float", DType::kF32},     {"float32", DType::kF32}, {"double", DType::kF64},
+      {"float64", DType::kF64},   {"half", DType::kF16},    {"float16", DType::kF16},
       {"bfloat16", DType::kBF16}, {"int8", DType::kI8},     {"uint8", DType::kU8},
-      {"int", DType::kI32},      {"int32", DType::kI32},    {"int64", DType::kI64},
+      {"int", DType::kI32},       {"int32", DType::kI32},   {"int64", DType::kI64},
   };
   const std::string lower = absl::AsciiStrToLower(text);
   for (DType dtype : kAllDTypes) {

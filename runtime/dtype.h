@@ -20,9 +20,9 @@ namespace shardline {
 
 enum class DType : uint8_t { kF32, kF64, kF16, kBF16, kI8, kU8, kI32, kI64 };
 
-inline constexpr std::array<DType, 8> kAllDTypes = {DType::kF32, DType::kF64, DType::kF16,
-                                                   DType::kBF16, DType::kI8,  DType::kU8,
-                                                   DType::kI32,  DType::kI64};
+inline constexpr std::array<DType, 8> kAllDTypes = {DType::kF32,  DType::kF64, DType::kF16,
+                                                    DType::kBF16, DType::kI8,  DType::kU8,
+                                                    DType::kI32,  DType::kI64};
 
 // Bytes per element.
 constexpr size_t DTypeSize(DType dtype) {
@@ -63,7 +63,7 @@ std::ostream& operator<<(std::ostream& os, DType dtype);
 enum class ReduceOp : uint8_t { kSum, kAvg, kMin, kMax };
 
 inline constexpr std::array<ReduceOp, 4> kAllReduceOps = {ReduceOp::kSum, ReduceOp::kAvg,
-                                                         ReduceOp::kMin, ReduceOp::kMax};
+                                                          ReduceOp::kMin, ReduceOp::kMax};
 
 // "sum", "avg", "min", "max".
 absl::string_view ReduceOpName(ReduceOp op);

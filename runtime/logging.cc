@@ -37,9 +37,9 @@ struct SubsysName {
   uint32_t bit;
 };
 constexpr SubsysName kSubsysNames[] = {
-    {"INIT", kLogInit}, {"ENV", kLogEnv},     {"STREAM", kLogStream}, {"ALLOC", kLogAlloc},
-    {"COLL", kLogColl}, {"STORE", kLogStore}, {"NET", kLogNet},       {"SCHED", kLogSched},
-    {"BENCH", kLogBench},
+    {"INIT", kLogInit},   {"ENV", kLogEnv},     {"STREAM", kLogStream},
+    {"ALLOC", kLogAlloc}, {"COLL", kLogColl},   {"STORE", kLogStore},
+    {"NET", kLogNet},     {"SCHED", kLogSched}, {"BENCH", kLogBench},
 };
 
 absl::string_view SubsysLabel(uint32_t subsys) {
@@ -121,8 +121,8 @@ void InitLocked(LogState& state) {
       std::setvbuf(file, nullptr, _IOLBF, 0);
       state.file = file;
     } else {
-      state.config_errors.push_back(absl::StrCat("environment variable SHARDLINE_DEBUG_FILE: ",
-                                                 "cannot open '", path, "' for appending"));
+      state.config_errors.push_back(absl::StrCat(
+          "environment variable SHARDLINE_DEBUG_FILE: ", "cannot open '", path, "' for appending"));
     }
   }
   g_subsys.store(state.subsys, std::memory_order_relaxed);
@@ -140,8 +140,8 @@ void EnsureInit() {
 
 absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view text) {
   const std::string upper = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));
-  for (LogLevel level : {LogLevel::kNone, LogLevel::kVersion, LogLevel::kWarn, LogLevel::kInfo,
-                         LogLevel::kTrace}) {
+  for (LogLevel level :
+       {LogLevel::kNone, LogLevel::kVersion, LogLevel::kWarn, LogLevel::kInfo, LogLevel::kTrace}) {
     if (upper == LevelLabel(level)) return level;
   }
   return absl::InvalidArgumentError(

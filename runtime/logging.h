@@ -99,12 +99,12 @@ struct LogVoidify {
 #define SL_LOG_ENABLED(level, subsys) \
   ::shardline::LogEnabled(SL_LOG_LEVEL_##level, SL_LOG_SUBSYS_##subsys)
 
-#define SL_LOG(level, subsys)                                                     \
-  !SL_LOG_ENABLED(level, subsys)                                                  \
-      ? (void)0                                                                   \
-      : ::shardline::internal::LogVoidify() &                                     \
+#define SL_LOG(level, subsys)                                                               \
+  !SL_LOG_ENABLED(level, subsys)                                                            \
+      ? (void)0                                                                             \
+      : ::shardline::internal::LogVoidify() &                                               \
             ::shardline::internal::LogMessage(SL_LOG_LEVEL_##level, SL_LOG_SUBSYS_##subsys, \
-                                              __FILE__, __LINE__)                 \
+                                              __FILE__, __LINE__)                           \
                 .stream()
 
 #endif  // SHARDLINE_RUNTIME_LOGGING_H_

@@ -27,9 +27,9 @@
 #define SL_STATUS_CONCAT_(a, b) SL_STATUS_CONCAT_INNER_(a, b)
 
 // Evaluates `expr` (an absl::Status) and returns it from the current function if not OK.
-#define SL_RETURN_IF_ERROR(expr)                       \
-  do {                                                 \
-    ::absl::Status sl_status_ = (expr);                \
+#define SL_RETURN_IF_ERROR(expr)                                 \
+  do {                                                           \
+    ::absl::Status sl_status_ = (expr);                          \
     if (ABSL_PREDICT_FALSE(!sl_status_.ok())) return sl_status_; \
   } while (0)
 
@@ -37,8 +37,8 @@
 // into `lhs`, which may be a declaration: SL_ASSIGN_OR_RETURN(auto buf, pool.Allocate(n));
 #define SL_ASSIGN_OR_RETURN(lhs, rexpr) \
   SL_ASSIGN_OR_RETURN_IMPL_(SL_STATUS_CONCAT_(sl_statusor_, __LINE__), lhs, rexpr)
-#define SL_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr)            \
-  auto statusor = (rexpr);                                         \
+#define SL_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr)             \
+  auto statusor = (rexpr);                                          \
   if (ABSL_PREDICT_FALSE(!statusor.ok())) return statusor.status(); \
   lhs = std::move(statusor).value()
 

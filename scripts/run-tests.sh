@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs every test: the README's second command, and what
+# .ci/run calls. Stages, in order (the first failure stops the run):
+#   1. build/ (RelWithDebInfo; CUDA sources compile whenever nvcc is present) + ctest -L unit
+#   2. the installed CMake package, consumed by tests/consumer through find_package(shardline)
+#   3. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer): ctest -L unit
+#   4. build-tsan/ (ThreadSanitizer): ctest -L stream (streams, events, pools: the threaded parts)
+#   5. clang-format of every tracked C++ file
+# SHARDLINE_TEST_STAGES="1 2" runs a subset.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+stages=${SHARDLINE_TEST_STAGES:-1 2 3 4 5}
+jobs=${SHARDLINE_JOBS:-$(nproc)}
+ctest_args=(--output-on-failure --no-tests=error -j "$jobs")
+want() { [[ " $stages " == *" $1 "* ]]; }
+stage() { printf '\n=== %s (%ds)\n' "$1" "$SECONDS"; }
+
+scripts/install-deps.sh
+
+if want 1; then
+  stage "1. build and unit tests"
+  scripts/build.sh build
+  ctest --test-dir build -L unit "${ctest_args[@]}"
+fi
+
+if want 2; then
+  stage "2. install and consume the CMake package"
+  [[ -d build ]] || scripts/build.sh build
+  rm -rf build/install build/consumer
+  cmake --install build --prefix build/install >/dev/null
+  cmake -S tests/consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$root/build/install" \
+    >build/consumer-configure.log 2>&1 || { cat build/consumer-configure.log; exit 1; }
+  cmake --build build/consumer
+  build/consumer/shardline_consumer
+fi
+
+sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL
+  local dir=$1 sanitize=$2 label=$3
+  mkdir -p "$dir"
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSHARDLINE_SANITIZE="$sanitize" \
+    -DSHARDLINE_WITH_CUDA=OFF -DSHARDLINE_BUILD_BENCH=OFF -DSHARDLINE_BUILD_EXAMPLES=OFF \
+    >"$dir/configure.log" 2>&1 || { cat "$dir/configure.log"; exit 1; }
+  # Build only the executables of the tests that carry the label (test name = target name).
+  mapfile -t targets < <(ctest --test-dir "$dir" -N -L "$label" | sed -n 's/^ *Test *#[0-9]*: //p')
+  ((${#targets[@]})) || { echo "no tests labelled $label" >&2; exit 1; }
+  cmake --build "$dir" -j "$jobs" --target "${targets[@]}"
+  ctest --test-dir "$dir" -L "$label" "${ctest_args[@]}"
+}
+
+if want 3; then
+  stage "3. AddressSanitizer + UndefinedBehaviorSanitizer"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    sanitized_tests build-asan address,undefined unit
+fi
+
+if want 4; then
+  stage "4. ThreadSanitizer"
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 sanitized_tests build-tsan thread stream
+fi
+
+if want 5; then
+  stage "5. clang-format"
+  mapfile -t files < <(git ls-files '*.h' '*.cc' '*.cu' '*.cuh')
+  clang-format --dry-run -Werror "${files[@]}"
+fi
+
+stage "all tests passed"

@@ -1,0 +1,209 @@
+// Environment knobs and logging configuration.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "runtime/config.h"
+#include "runtime/logging.h"
+
+namespace shardline {
+namespace {
+
+SL_PARAM(int64_t, TestChunk, "TEST_CHUNK_BYTES", 4096, "A knob declared by this test.",
+         [](const int64_t& v) {
+           return v > 0 ? absl::OkStatus() : absl::InvalidArgumentError("must be positive");
+         });
+SL_PARAM(bool, TestFlag, "TEST_FLAG", false, "A boolean knob declared by this test.");
+SL_PARAM(double, TestRatio, "TEST_RATIO", 0.5, "A floating knob declared by this test.");
+
+// Sets (or unsets) an environment variable for one test and restores it afterwards.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = getenv(name);
+    if (old != nullptr) old_ = old;
+    had_old_ = old != nullptr;
+    if (value != nullptr) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_old_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+
+ private:
+  std::string name_;
+  std::string old_;
+  bool had_old_ = false;
+};
+
+TEST(ConfigTest, DefaultWhenUnset) {
+  ScopedEnv env("SHARDLINE_TEST_CHUNK_BYTES", nullptr);
+  ParamTestChunk().ResetCacheForTesting();
+  EXPECT_EQ(*ParamTestChunk().Get(), 4096);
+  EXPECT_EQ(ParamTestChunk().env_name(), "SHARDLINE_TEST_CHUNK_BYTES");
+}
+
+TEST(ConfigTest, ReadsAndCachesTheEnvironment) {
+  ScopedEnv env("SHARDLINE_TEST_CHUNK_BYTES", "65536");
+  ParamTestChunk().ResetCacheForTesting();
+  EXPECT_EQ(*ParamTestChunk().Get(), 65536);
+  setenv("SHARDLINE_TEST_CHUNK_BYTES", "1", 1);
+  EXPECT_EQ(*ParamTestChunk().Get(), 65536);  // read once
+  ParamTestChunk().ResetCacheForTesting();
+  EXPECT_EQ(*ParamTestChunk().Get(), 1);
+}
+
+TEST(ConfigTest, BadValueNamesTheVariable) {
+  ScopedEnv env("SHARDLINE_TEST_CHUNK_BYTES", "12k");
+  ParamTestChunk().ResetCacheForTesting();
+  absl::StatusOr<int64_t> value = ParamTestChunk().Get();
+  ASSERT_EQ(value.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(value.status().message(), "SHARDLINE_TEST_CHUNK_BYTES"));
+  EXPECT_TRUE(absl::StrContains(value.status().message(), "'12k'"));
+  // ValidateAllParams finds it too.
+  absl::Status all = ValidateAllParams();
+  EXPECT_TRUE(absl::StrContains(all.message(), "SHARDLINE_TEST_CHUNK_BYTES")) << all;
+}
+
+TEST(ConfigTest, CheckRejectsOutOfRange) {
+  ScopedEnv env("SHARDLINE_TEST_CHUNK_BYTES", "-5");
+  ParamTestChunk().ResetCacheForTesting();
+  absl::Status status = ParamTestChunk().Get().status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(status.message(), "must be positive")) << status;
+  ParamTestChunk().ResetCacheForTesting();
+}
+
+TEST(ConfigTest, BooleanAndDoubleGrammar) {
+  for (const char* yes : {"1", "true", "YES", "on"}) {
+    ScopedEnv env("SHARDLINE_TEST_FLAG", yes);
+    ParamTestFlag().ResetCacheForTesting();
+    EXPECT_TRUE(*ParamTestFlag().Get()) << yes;
+  }
+  for (const char* no : {"0", "false", "No", "OFF"}) {
+    ScopedEnv env("SHARDLINE_TEST_FLAG", no);
+    ParamTestFlag().ResetCacheForTesting();
+    EXPECT_FALSE(*ParamTestFlag().Get()) << no;
+  }
+  {
+    ScopedEnv env("SHARDLINE_TEST_FLAG", "maybe");
+    ParamTestFlag().ResetCacheForTesting();
+    EXPECT_FALSE(ParamTestFlag().Get().ok());
+  }
+  {
+    ScopedEnv env("SHARDLINE_TEST_RATIO", "nan");
+    ParamTestRatio().ResetCacheForTesting();
+    EXPECT_FALSE(ParamTestRatio().Get().ok());
+  }
+  ParamTestFlag().ResetCacheForTesting();
+  ParamTestRatio().ResetCacheForTesting();
+}
+
+TEST(ConfigTest, RegistryListsEveryKnobOnce) {
+  std::vector<const ParamBase*> params = AllParams();
+  int timeout = 0, chunk = 0;
+  for (const ParamBase* p : params) {
+    timeout += p->env_name() == "SHARDLINE_TIMEOUT_S";
+    chunk += p->env_name() == "SHARDLINE_TEST_CHUNK_BYTES";
+  }
+  EXPECT_EQ(timeout, 1);
+  EXPECT_EQ(chunk, 1);
+  EXPECT_TRUE(absl::StrContains(DescribeParams(), "SHARDLINE_DEBUG_SUBSYS"));
+}
+
+TEST(ConfigTest, TimeoutMustBePositive) {
+  {
+    ScopedEnv env("SHARDLINE_TIMEOUT_S", "0");
+    ParamTimeout().ResetCacheForTesting();
+    absl::StatusOr<absl::Duration> timeout = DefaultTimeout();
+    EXPECT_EQ(timeout.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(timeout.status().message(), "SHARDLINE_TIMEOUT_S"));
+    // Waits still get a finite deadline: the default.
+    EXPECT_LT(DefaultDeadline(), absl::Now() + absl::Seconds(601));
+  }
+  {
+    ScopedEnv env("SHARDLINE_TIMEOUT_S", "2.5");
+    ParamTimeout().ResetCacheForTesting();
+    EXPECT_EQ(*DefaultTimeout(), absl::Milliseconds(2500));
+  }
+  ParamTimeout().ResetCacheForTesting();
+}
+
+TEST(LoggingTest, ParsersFollowNcclGrammar) {
+  EXPECT_EQ(*ParseLogLevel("info"), LogLevel::kInfo);
+  EXPECT_EQ(*ParseLogLevel("TRACE"), LogLevel::kTrace);
+  EXPECT_FALSE(ParseLogLevel("LOUD").ok());
+  EXPECT_EQ(*ParseLogSubsys("INIT,COLL"), kLogInit | kLogColl);
+  EXPECT_EQ(*ParseLogSubsys("ALL"), kLogAll);
+  EXPECT_EQ(*ParseLogSubsys("^STORE"), ~static_cast<uint32_t>(kLogStore));
+  absl::StatusOr<uint32_t> bad = ParseLogSubsys("INIT,BOGUS");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "BOGUS"));
+}
+
+TEST(LoggingTest, DebugFilePatternExpandsHostAndPid) {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  EXPECT_EQ(ExpandDebugFilePattern("/tmp/sl.%h.%p.log"),
+            absl::StrCat("/tmp/sl.", host, ".", getpid(), ".log"));
+  EXPECT_EQ(ExpandDebugFilePattern("100%%"), "100%");
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream file(path);
+  std::stringstream buffer;
+  buffer << file.rdbuf();
+  return buffer.str();
+}
+
+TEST(LoggingTest, LevelsSubsystemsAndFile) {
+  const std::string path = absl::StrCat(testing::TempDir(), "/shardline_log_%p.txt");
+  const std::string expanded = ExpandDebugFilePattern(path);
+  std::remove(expanded.c_str());
+  {
+    ScopedEnv level("SHARDLINE_DEBUG", "INFO");
+    ScopedEnv subsys("SHARDLINE_DEBUG_SUBSYS", "COLL");
+    ScopedEnv file("SHARDLINE_DEBUG_FILE", path.c_str());
+    ReinitLoggingForTesting();
+    EXPECT_TRUE(SL_LOG_ENABLED(INFO, COLL));
+    EXPECT_FALSE(SL_LOG_ENABLED(INFO, STORE));
+    EXPECT_FALSE(SL_LOG_ENABLED(TRACE, COLL));
+    EXPECT_TRUE(SL_LOG_ENABLED(WARN, STORE));  // warnings ignore SUBSYS
+    SetLogRank(5);
+    SL_LOG(INFO, COLL) << "collective line";
+    SL_LOG(INFO, STORE) << "filtered line";
+    SL_LOG(WARN, STORE) << "warning line";
+    SetLogRank(-1);
+  }
+  ReinitLoggingForTesting();
+  const std::string text = ReadFile(expanded);
+  EXPECT_TRUE(absl::StrContains(text, "[5] shardline INFO COLL collective line")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "shardline WARN STORE warning line")) << text;
+  EXPECT_FALSE(absl::StrContains(text, "filtered line")) << text;
+  std::remove(expanded.c_str());
+}
+
+TEST(LoggingTest, BadLevelIsReportedNotFatal) {
+  ScopedEnv level("SHARDLINE_DEBUG", "LOUD");
+  ParamTimeout().ResetCacheForTesting();
+  ReinitLoggingForTesting();
+  EXPECT_FALSE(SL_LOG_ENABLED(INFO, INIT));  // falls back to WARN
+  EXPECT_TRUE(SL_LOG_ENABLED(WARN, INIT));
+  absl::Status all = ValidateAllParams();
+  EXPECT_TRUE(absl::StrContains(all.message(), "SHARDLINE_DEBUG")) << all;
+}
+
+}  // namespace
+}  // namespace shardline
