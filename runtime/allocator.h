@@ -88,7 +88,8 @@ class Allocator {
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
   // Blocks until guarded blocks are free (each guard bounded by SHARDLINE_TIMEOUT_S) and frees
-  // them. Destroying an allocator while Buffers from it are alive is a bug (checked).
+  // them (implementations do this by calling DrainPending() in their destructors). Destroying an
+  // allocator while Buffers from it are alive is a bug (checked).
   virtual ~Allocator();
 
   Device device() const { return device_; }
@@ -108,9 +109,19 @@ class Allocator {
   int Collect();
 
  protected:
-  // Implementations provide raw memory. `bytes` > 0.
+  // Implementations provide raw memory. `bytes` > 0. May be called from any thread, without the
+  // allocator's lock held. A failure's Status is passed up with the allocator's name, the size
+  // and the current usage added (keep its code: ResourceExhausted when memory ran out).
   virtual absl::StatusOr<void*> AllocateRaw(size_t bytes) = 0;
+  // `bytes` is the size that was passed to AllocateRaw for `data`.
   virtual void DeallocateRaw(void* data, size_t bytes) = 0;
+
+  // Blocks until every guarded block's events complete (each bounded by SHARDLINE_TIMEOUT_S) and
+  // frees them through DeallocateRaw; a block whose guard times out is leaked (logged), never
+  // freed under a possible reader. Every implementation calls this first thing in its
+  // destructor: the base destructor runs after the derived part is gone and cannot call
+  // DeallocateRaw.
+  void DrainPending();
 
  private:
   friend class Buffer;
@@ -120,8 +131,11 @@ class Allocator {
     std::vector<std::shared_ptr<Event>> guards;
   };
   void Release(void* data, size_t bytes, std::vector<std::shared_ptr<Event>> guards);
-  // Frees the ready pending blocks; returns how many.
+  // Moves the pending blocks whose guards have all completed into `ready` (mu_ held); returns
+  // how many. The caller frees them with FreeBlocks after dropping the lock.
   int CollectLocked(std::vector<Pending>& ready);
+  // DeallocateRaw for each block, then updates the counters.
+  void FreeBlocks(std::vector<Pending>& blocks);
 
   Device device_;
   std::string name_;

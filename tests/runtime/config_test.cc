@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/config.h"
 #include "runtime/logging.h"
+#include "tests/common/scoped_env.h"
 
 namespace shardline {
 namespace {
@@ -21,32 +22,7 @@ SL_PARAM(int64_t, TestChunk, "TEST_CHUNK_BYTES", 4096, "A knob declared by this 
 SL_PARAM(bool, TestFlag, "TEST_FLAG", false, "A boolean knob declared by this test.");
 SL_PARAM(double, TestRatio, "TEST_RATIO", 0.5, "A floating knob declared by this test.");
 
-// Sets (or unsets) an environment variable for one test and restores it afterwards.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = getenv(name);
-    if (old != nullptr) old_ = old;
-    had_old_ = old != nullptr;
-    if (value != nullptr) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (had_old_) {
-      setenv(name_.c_str(), old_.c_str(), 1);
-    } else {
-      unsetenv(name_.c_str());
-    }
-  }
-
- private:
-  std::string name_;
-  std::string old_;
-  bool had_old_ = false;
-};
+using ::shardline::testing::ScopedEnv;
 
 TEST(ConfigTest, DefaultWhenUnset) {
   ScopedEnv env("SHARDLINE_TEST_CHUNK_BYTES", nullptr);
@@ -169,7 +145,7 @@ std::string ReadFile(const std::string& path) {
 }
 
 TEST(LoggingTest, LevelsSubsystemsAndFile) {
-  const std::string path = absl::StrCat(testing::TempDir(), "/shardline_log_%p.txt");
+  const std::string path = absl::StrCat(::testing::TempDir(), "/shardline_log_%p.txt");
   const std::string expanded = ExpandDebugFilePattern(path);
   std::remove(expanded.c_str());
   {

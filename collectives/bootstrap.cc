@@ -1,0 +1,310 @@
+#include "collectives/bootstrap.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "collectives/store/tcp_store.h"
+#include "collectives/ucx/ucx_communicator.h"
+#include "runtime/config.h"
+#include "runtime/logging.h"
+#include "runtime/status.h"
+
+namespace shardline {
+namespace {
+
+constexpr absl::string_view kVersion = "0.1.0";
+
+std::optional<std::string> Env(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+// An integer variable in [min, max]; `fallback` if unset; InvalidArgument naming it otherwise.
+absl::StatusOr<int> IntEnv(const char* name, int min, int max, std::optional<int> fallback) {
+  std::optional<std::string> text = Env(name);
+  if (!text.has_value()) {
+    if (fallback.has_value()) return *fallback;
+    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, " is not set"));
+  }
+  int value = 0;
+  if (!absl::SimpleAtoi(*text, &value) || value < min || value > max) {
+    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, "='", *text,
+                                                   "' is not an integer in [", min, ", ", max,
+                                                   "]"));
+  }
+  return value;
+}
+
+// SLURM_TASKS_PER_NODE is a list like "4(x2),3": tasks on node 0, 1 and 2.
+absl::StatusOr<int> SlurmTasksOnNode(absl::string_view list, int node) {
+  int index = 0;
+  for (absl::string_view item : absl::StrSplit(list, ',')) {
+    int tasks = 0, repeat = 1;
+    std::vector<absl::string_view> parts = absl::StrSplit(item, "(x");
+    bool ok = absl::SimpleAtoi(parts[0], &tasks);
+    if (parts.size() == 2) {
+      absl::string_view rep = parts[1];
+      ok = ok && !rep.empty() && rep.back() == ')' &&
+           absl::SimpleAtoi(rep.substr(0, rep.size() - 1), &repeat);
+    }
+    if (!ok || parts.size() > 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("environment variable SLURM_TASKS_PER_NODE='", list, "' is malformed"));
+    }
+    if (node < index + repeat) return tasks;
+    index += repeat;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("SLURM_TASKS_PER_NODE='", list, "' has no entry for SLURM_NODEID=", node));
+}
+
+absl::Status FillStoreAddress(LaunchInfo& info, absl::string_view hint) {
+  std::optional<std::string> addr = Env("MASTER_ADDR");
+  SL_ASSIGN_OR_RETURN(std::optional<int> port_or, ([]() -> absl::StatusOr<std::optional<int>> {
+                        if (!Env("MASTER_PORT").has_value()) return std::optional<int>();
+                        SL_ASSIGN_OR_RETURN(int port, IntEnv("MASTER_PORT", 1, 65535, {}));
+                        return std::optional<int>(port);
+                      }()));
+  if (addr.has_value()) info.master_addr = *addr;
+  if (port_or.has_value()) info.master_port = *port_or;
+  if (info.world_size == 1 && !addr.has_value()) {
+    info.master_addr = "127.0.0.1";
+    if (!port_or.has_value()) info.master_port = 0;  // alone: any free port will do
+    return absl::OkStatus();
+  }
+  if (!addr.has_value() || !port_or.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        info.launcher, " launch of ", info.world_size, " ranks: ", hint.empty() ? "" : hint,
+        "set MASTER_ADDR and MASTER_PORT to the address and a free port of rank 0's host"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRanks(const LaunchInfo& info, absl::string_view rank_var) {
+  if (info.rank >= info.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rank_var, "=", info.rank, " is not below the world size ", info.world_size));
+  }
+  if (info.local_rank >= info.local_world_size || info.local_world_size > info.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        info.launcher, " launch: local rank ", info.local_rank, " of ", info.local_world_size,
+        " ranks per host does not fit a world of ", info.world_size));
+  }
+  return absl::OkStatus();
+}
+
+// One "key=value" line per field that every rank of a job must agree on.
+std::vector<std::pair<std::string, std::string>> JoinFields(const LaunchInfo& info,
+                                                            const std::string& backend,
+                                                            Device device, absl::Duration timeout) {
+  return {{"version", std::string(kVersion)},
+          {"world_size", absl::StrCat(info.world_size)},
+          {"backend", backend},
+          {"device", device.is_host() ? "host" : "cuda"},
+          {"timeout_s", absl::StrCat(absl::ToDoubleSeconds(timeout))}};
+}
+
+std::string EncodeFields(const std::vector<std::pair<std::string, std::string>>& fields) {
+  return absl::StrJoin(fields, "\n", absl::PairFormatter("="));
+}
+
+// Publishes this rank's join fields and compares everyone's. `joined` receives the ranks that
+// showed up (all of them unless the deadline passed).
+absl::Status CheckJoin(Store& store, const std::string& name, const LaunchInfo& info,
+                       const std::string& mine, absl::Time deadline, std::vector<int>* joined) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < info.world_size; ++r) keys.push_back(absl::StrCat(name, "/join/", r));
+  SL_RETURN_IF_ERROR(store.Set(keys[info.rank], mine));
+  absl::Status all_joined = store.Wait(keys, deadline);
+  for (int r = 0; r < info.world_size; ++r) joined->push_back(r);
+  if (absl::IsDeadlineExceeded(all_joined)) {
+    joined->clear();
+    std::vector<int> missing;
+    for (int r = 0; r < info.world_size; ++r) {
+      absl::StatusOr<bool> present = store.Check({keys[r]});
+      if (present.ok() && !*present) {
+        missing.push_back(r);
+      } else {
+        joined->push_back(r);
+      }
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat("join of ", name, " (rank ", info.rank, " of ", info.world_size,
+                     "): timed out waiting for rank(s) ", absl::StrJoin(missing, ", ")));
+  }
+  SL_RETURN_IF_ERROR(all_joined);
+  // Every rank compares every rank with rank 0, so all report the same first difference.
+  SL_ASSIGN_OR_RETURN(std::string reference, store.Get(keys[0], deadline));
+  std::vector<std::string> ref_lines = absl::StrSplit(reference, '\n');
+  for (int r = 1; r < info.world_size; ++r) {
+    SL_ASSIGN_OR_RETURN(std::string theirs, store.Get(keys[r], deadline));
+    std::vector<std::string> lines = absl::StrSplit(theirs, '\n');
+    for (size_t i = 0; i < std::max(lines.size(), ref_lines.size()); ++i) {
+      const std::string a = i < ref_lines.size() ? ref_lines[i] : "<missing>";
+      const std::string b = i < lines.size() ? lines[i] : "<missing>";
+      if (a != b) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("join of ", name, ": rank ", r, " has ", b, " but rank 0 has ", a));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<LaunchInfo> ReadLaunchEnvironment() {
+  constexpr int kMaxRanks = 1 << 24;
+  LaunchInfo info;
+  if (Env("RANK").has_value() || Env("WORLD_SIZE").has_value()) {
+    info.launcher = "torchrun";
+    SL_ASSIGN_OR_RETURN(info.world_size, IntEnv("WORLD_SIZE", 1, kMaxRanks, {}));
+    SL_ASSIGN_OR_RETURN(info.rank, IntEnv("RANK", 0, kMaxRanks, {}));
+    SL_ASSIGN_OR_RETURN(info.local_rank, IntEnv("LOCAL_RANK", 0, kMaxRanks, info.rank));
+    SL_ASSIGN_OR_RETURN(info.local_world_size,
+                        IntEnv("LOCAL_WORLD_SIZE", 1, kMaxRanks, info.world_size));
+    SL_RETURN_IF_ERROR(CheckRanks(info, "RANK"));
+    SL_RETURN_IF_ERROR(FillStoreAddress(info, ""));
+    return info;
+  }
+  if (Env("OMPI_COMM_WORLD_RANK").has_value()) {
+    info.launcher = "openmpi";
+    SL_ASSIGN_OR_RETURN(info.world_size, IntEnv("OMPI_COMM_WORLD_SIZE", 1, kMaxRanks, {}));
+    SL_ASSIGN_OR_RETURN(info.rank, IntEnv("OMPI_COMM_WORLD_RANK", 0, kMaxRanks, {}));
+    SL_ASSIGN_OR_RETURN(info.local_rank,
+                        IntEnv("OMPI_COMM_WORLD_LOCAL_RANK", 0, kMaxRanks, info.rank));
+    SL_ASSIGN_OR_RETURN(info.local_world_size,
+                        IntEnv("OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxRanks, info.world_size));
+    SL_RETURN_IF_ERROR(CheckRanks(info, "OMPI_COMM_WORLD_RANK"));
+    SL_RETURN_IF_ERROR(FillStoreAddress(info, "pass them with mpirun -x; "));
+    return info;
+  }
+  if (Env("SLURM_PROCID").has_value()) {
+    info.launcher = "slurm";
+    SL_ASSIGN_OR_RETURN(info.world_size, IntEnv("SLURM_NTASKS", 1, kMaxRanks, {}));
+    SL_ASSIGN_OR_RETURN(info.rank, IntEnv("SLURM_PROCID", 0, kMaxRanks, {}));
+    SL_ASSIGN_OR_RETURN(info.local_rank, IntEnv("SLURM_LOCALID", 0, kMaxRanks, 0));
+    if (Env("SLURM_NTASKS_PER_NODE").has_value()) {
+      SL_ASSIGN_OR_RETURN(info.local_world_size, IntEnv("SLURM_NTASKS_PER_NODE", 1, kMaxRanks, {}));
+    } else if (std::optional<std::string> per_node = Env("SLURM_TASKS_PER_NODE")) {
+      SL_ASSIGN_OR_RETURN(int node, IntEnv("SLURM_NODEID", 0, kMaxRanks, 0));
+      SL_ASSIGN_OR_RETURN(info.local_world_size, SlurmTasksOnNode(*per_node, node));
+    } else {
+      info.local_world_size = 1;
+    }
+    SL_RETURN_IF_ERROR(CheckRanks(info, "SLURM_PROCID"));
+    // Slurm names the launch node; the port follows the job id so concurrent jobs differ.
+    if (!Env("MASTER_ADDR").has_value()) {
+      if (std::optional<std::string> node = Env("SLURM_LAUNCH_NODE_IPADDR")) {
+        info.master_addr = *node;
+        setenv("MASTER_ADDR", node->c_str(), 0);
+      }
+    }
+    if (!Env("MASTER_PORT").has_value()) {
+      SL_ASSIGN_OR_RETURN(int job, IntEnv("SLURM_JOB_ID", 0, 1 << 30, 0));
+      setenv("MASTER_PORT", absl::StrCat(20000 + job % 20000).c_str(), 0);
+    }
+    SL_RETURN_IF_ERROR(FillStoreAddress(info, ""));
+    return info;
+  }
+  return absl::NotFoundError(
+      "no launcher environment found: start the processes with shardline-launch, torchrun, "
+      "mpirun or srun, or pass the rank, world size and store address explicitly");
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
+    const CommunicatorOptions& options) {
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", options.rank, " is not in a world of ", options.size));
+  }
+  if (options.store == nullptr) {
+    return absl::InvalidArgumentError("CreateCommunicator needs a store");
+  }
+  if (options.backend == "ucx") {
+    if (!options.device.is_host()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the ucx backend moves host memory; device ", options.device.ToString(),
+          " needs the nccl backend"));
+    }
+    return CreateUcxCommunicator({.rank = options.rank,
+                                  .size = options.size,
+                                  .store = options.store,
+                                  .name = options.name,
+                                  .timeout = options.timeout,
+                                  .local_size = options.local_size});
+  }
+  if (options.backend == "local") {
+    return absl::InvalidArgumentError(
+        "the local backend joins threads of one process: use CreateLocalCommunicators");
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown backend '", options.backend, "' (expected ucx or nccl)"));
+}
+
+absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
+  SL_RETURN_IF_ERROR(ValidateAllParams());
+  ProcessGroup group;
+  if (options.launch.has_value()) {
+    group.launch = *options.launch;
+  } else {
+    SL_ASSIGN_OR_RETURN(group.launch, ReadLaunchEnvironment());
+  }
+  const LaunchInfo& info = group.launch;
+  SL_RETURN_IF_ERROR(CheckRanks(info, "rank"));
+  absl::Duration timeout = options.timeout;
+  if (timeout == absl::ZeroDuration()) {
+    SL_ASSIGN_OR_RETURN(timeout, DefaultTimeout());
+  }
+  const absl::Time deadline = absl::Now() + timeout;
+  SetLogRank(info.rank);
+
+  TcpStoreOptions store_options;
+  store_options.host = info.master_addr;
+  store_options.port = info.master_port;
+  store_options.rank = info.rank;
+  store_options.timeout = timeout;
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> store,
+                      TcpStore::Create(store_options, /*is_server=*/info.rank == 0, deadline));
+  group.store = std::move(store);
+
+  Device device = options.device.value_or(options.backend == "nccl" ? Device::Cuda(info.local_rank)
+                                                                    : Device::Host());
+  std::vector<int> joined;
+  absl::Status join = CheckJoin(*group.store, options.name, info,
+                                EncodeFields(JoinFields(info, options.backend, device, timeout)),
+                                deadline, &joined);
+  // Rank 0 hosts the store: it must not take it away while the others still read the join
+  // records, whether the join succeeded or not. Each rank marks that it is done reading; rank 0
+  // waits for the marks of everyone who joined (bounded: a few seconds past the deadline).
+  const std::string done_prefix = absl::StrCat(options.name, "/join_done/");
+  absl::Status marked = group.store->Set(absl::StrCat(done_prefix, info.rank), "");
+  if (info.rank == 0 && marked.ok()) {
+    std::vector<std::string> done_keys;
+    for (int r : joined) done_keys.push_back(absl::StrCat(done_prefix, r));
+    (void)group.store->Wait(done_keys, std::max(deadline, absl::Now()) + absl::Seconds(5));
+  }
+  SL_RETURN_IF_ERROR(join);
+  SL_LOG(INFO, INIT) << "rank " << info.rank << " of " << info.world_size << " joined "
+                     << options.name << " (" << info.launcher << ", store " << info.master_addr
+                     << ":" << info.master_port << ", backend " << options.backend << ")";
+  CommunicatorOptions comm;
+  comm.backend = options.backend;
+  comm.rank = info.rank;
+  comm.size = info.world_size;
+  comm.store = group.store;
+  comm.device = device;
+  comm.name = options.name;
+  comm.timeout = timeout;
+  comm.local_size = info.local_world_size;
+  SL_ASSIGN_OR_RETURN(group.world, CreateCommunicator(comm));
+  return group;
+}
+
+}  // namespace shardline

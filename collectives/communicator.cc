@@ -1,0 +1,349 @@
+#include "collectives/communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "runtime/config.h"
+#include "runtime/logging.h"
+#include "runtime/status.h"
+
+namespace shardline {
+namespace {
+
+bool IsReduction(CollectiveKind kind) {
+  return kind == CollectiveKind::kReduceScatter || kind == CollectiveKind::kAllReduce;
+}
+
+// Byte-moving collectives accept every dtype; reductions need arithmetic ones.
+bool DTypeAllowed(CollectiveKind kind, DType dtype) {
+  if (dtype == DType::kU8 || dtype == DType::kI8) {
+    return kind == CollectiveKind::kAllGather || kind == CollectiveKind::kBroadcast ||
+           kind == CollectiveKind::kAllToAll || kind == CollectiveKind::kBarrier;
+  }
+  return true;
+}
+
+void PutU64(uint8_t* out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint64_t GetU64(const uint8_t* in) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(in[i]) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+absl::string_view CollectiveName(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather:
+      return "all_gather";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllReduce:
+      return "all_reduce";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kAllToAll:
+      return "all_to_all";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+  }
+  return "invalid";
+}
+
+std::string CollectiveFingerprint::CallString() const {
+  if (kind == CollectiveKind::kBarrier) return "barrier()";
+  std::string out = absl::StrCat(CollectiveName(kind), "(count=", count, ", ", DTypeName(dtype));
+  if (IsReduction(kind)) absl::StrAppend(&out, ", ", ReduceOpName(op));
+  if (kind == CollectiveKind::kBroadcast) absl::StrAppend(&out, ", root=", root);
+  out += ")";
+  return out;
+}
+
+std::string CollectiveFingerprint::ToString() const {
+  return absl::StrCat(CallString(), " #", seq);
+}
+
+void CollectiveFingerprint::Encode(uint8_t out[kEncodedSize]) const {
+  out[0] = static_cast<uint8_t>(kind);
+  out[1] = static_cast<uint8_t>(dtype);
+  out[2] = static_cast<uint8_t>(op);
+  out[3] = 0;
+  const uint32_t r = static_cast<uint32_t>(root);
+  for (int i = 0; i < 4; ++i) out[4 + i] = static_cast<uint8_t>(r >> (8 * i));
+  PutU64(out + 8, seq);
+  PutU64(out + 16, count);
+}
+
+absl::StatusOr<CollectiveFingerprint> CollectiveFingerprint::Decode(
+    const uint8_t in[kEncodedSize]) {
+  if (in[0] > static_cast<uint8_t>(CollectiveKind::kBarrier) ||
+      in[1] > static_cast<uint8_t>(DType::kI64) || in[2] > static_cast<uint8_t>(ReduceOp::kMax) ||
+      in[3] != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed collective fingerprint (kind ", in[0],
+                                                   ", dtype ", in[1], ", op ", in[2], ")"));
+  }
+  CollectiveFingerprint fp;
+  fp.kind = static_cast<CollectiveKind>(in[0]);
+  fp.dtype = static_cast<DType>(in[1]);
+  fp.op = static_cast<ReduceOp>(in[2]);
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>(in[4 + i]) << (8 * i);
+  fp.root = static_cast<int32_t>(r);
+  fp.seq = GetU64(in + 8);
+  fp.count = GetU64(in + 16);
+  return fp;
+}
+
+bool Work::IsCompleted() const {
+  if (done_ == nullptr) return true;
+  absl::StatusOr<bool> done = done_->Query();
+  return !done.ok() || *done;
+}
+
+absl::Status Work::Wait(absl::Time deadline) const {
+  if (done_ == nullptr) return absl::OkStatus();
+  return done_->Synchronize(deadline);
+}
+
+absl::Status Work::Synchronize(Stream& stream) const {
+  if (done_ == nullptr) return absl::OkStatus();
+  return stream.WaitEvent(*done_);
+}
+
+void Work::Abort() const {
+  if (std::shared_ptr<Communicator> comm = comm_.lock()) {
+    comm->Abort(absl::AbortedError("aborted through a Work handle"));
+  }
+}
+
+Communicator::Communicator(int rank, int size, Device device, std::string name,
+                           absl::Duration timeout)
+    : rank_(rank), size_(size), device_(device), name_(std::move(name)), timeout_(timeout) {}
+
+std::string Communicator::Describe(const Op& op) const {
+  return absl::StrCat(CollectiveName(op.fingerprint.kind), " #", op.fingerprint.seq, " on ", name_,
+                      " (rank ", rank_, " of ", size_, ", ", backend(), ")");
+}
+
+absl::Status Communicator::MismatchError(const Op& op, int rank_a,
+                                         const CollectiveFingerprint& fp_a, int rank_b,
+                                         const CollectiveFingerprint& fp_b) const {
+  std::string detail = absl::StrCat("rank ", rank_a, " called ", fp_a.CallString(), " but rank ",
+                                    rank_b, " called ", fp_b.CallString());
+  if (fp_a.seq != fp_b.seq) {
+    detail = absl::StrCat("rank ", rank_a, " is at collective #", fp_a.seq, " (", fp_a.CallString(),
+                          ") but rank ", rank_b, " at #", fp_b.seq, " (", fp_b.CallString(), ")");
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(Describe(op), ": ranks disagree on the collective: ", detail));
+}
+
+absl::Status Communicator::DeadlineError(const Op& op, const std::vector<int>& missing) const {
+  return absl::DeadlineExceededError(absl::StrCat(
+      Describe(op), ": timed out after ", absl::FormatDuration(op.timeout),
+      missing.empty() ? std::string()
+                      : absl::StrCat(" waiting for rank(s) ", absl::StrJoin(missing, ", "))));
+}
+
+void Communicator::Abort(absl::Status reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.load(std::memory_order_relaxed)) return;
+    abort_status_ = reason.ok() ? absl::AbortedError(absl::StrCat("communicator ", name_, " (rank ",
+                                                                  rank_, ") was aborted"))
+                                : reason;
+    aborted_.store(true, std::memory_order_release);
+  }
+  SL_LOG(INFO, COLL) << "communicator " << name_ << " rank " << rank_
+                     << " aborted: " << abort_status_;
+  OnAbort(abort_status_);
+}
+
+absl::Status Communicator::status() const {
+  if (!aborted_.load(std::memory_order_acquire)) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  return abort_status_;
+}
+
+absl::Status Communicator::CheckStream(const Stream& stream) const {
+  if (!stream.device().is_host()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "communicator ", name_, " (", backend(), ") moves host memory and runs on ",
+        "host streams, but stream '", stream.name(), "' is on ", stream.device().ToString()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Communicator::Launch(Op op, Stream& stream) {
+  return stream.Enqueue([self = shared_from_this(), op]() mutable -> absl::Status {
+    SL_RETURN_IF_ERROR(self->status());
+    op.deadline = absl::Now() + op.timeout;
+    absl::Status status = self->Run(op);
+    if (!status.ok()) self->Abort(status);
+    return status;
+  });
+}
+
+absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input, void* output,
+                                         size_t input_count, size_t output_count, size_t count,
+                                         DType dtype, ReduceOp reduce_op, int root, Stream& stream,
+                                         const CollectiveOptions& options) {
+  SL_RETURN_IF_ERROR(status());
+  const absl::string_view what = CollectiveName(kind);
+  auto invalid = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_, "): ", parts...));
+  };
+  if (!DTypeAllowed(kind, dtype)) {
+    return invalid("dtype ", DTypeName(dtype), " is not supported (reductions take f32, f64, ",
+                   "f16, bf16, i32 or i64)");
+  }
+  if (options.timeout < absl::ZeroDuration()) {
+    return invalid("negative timeout ", absl::FormatDuration(options.timeout));
+  }
+  if (kind == CollectiveKind::kBroadcast && (root < 0 || root >= size_)) {
+    return invalid("root ", root, " is not a rank of this communicator (size ", size_, ")");
+  }
+  const size_t esize = DTypeSize(dtype);
+  const size_t kMax = std::numeric_limits<size_t>::max() / 16;
+  if (count > kMax / esize / static_cast<size_t>(size_)) {
+    return invalid("count ", count, " of ", DTypeName(dtype), " overflows the address space");
+  }
+  const size_t in_bytes = input_count * esize;
+  const size_t out_bytes = output_count * esize;
+  if (in_bytes > 0 && input == nullptr) return invalid("input is null but count is ", count);
+  if (out_bytes > 0 && output == nullptr) return invalid("output is null but count is ", count);
+
+  // Aliasing: only NCCL's in-place forms may overlap.
+  const auto in_begin = reinterpret_cast<uintptr_t>(input);
+  const auto out_begin = reinterpret_cast<uintptr_t>(output);
+  const bool overlap = in_bytes > 0 && out_bytes > 0 && in_begin < out_begin + out_bytes &&
+                       out_begin < in_begin + in_bytes;
+  if (overlap) {
+    const size_t slice = count * esize * static_cast<size_t>(rank_);
+    bool in_place = false;
+    switch (kind) {
+      case CollectiveKind::kAllGather:
+        in_place = in_begin == out_begin + slice;
+        break;
+      case CollectiveKind::kReduceScatter:
+        in_place = out_begin == in_begin + slice;
+        break;
+      case CollectiveKind::kAllReduce:
+      case CollectiveKind::kBroadcast:
+        in_place = in_begin == out_begin;
+        break;
+      case CollectiveKind::kAllToAll:
+      case CollectiveKind::kBarrier:
+        break;
+    }
+    if (!in_place) {
+      return invalid("input [", absl::Hex(in_begin), ", +", in_bytes, ") and output [",
+                     absl::Hex(out_begin), ", +", out_bytes,
+                     ") overlap but are not the in-place form of ", what,
+                     kind == CollectiveKind::kAllToAll ? " (all_to_all has none)" : "");
+    }
+  }
+  SL_RETURN_IF_ERROR(CheckStream(stream));
+
+  Op op;
+  op.fingerprint = CollectiveFingerprint{kind,
+                                         next_seq_++,
+                                         count,
+                                         dtype,
+                                         IsReduction(kind) ? reduce_op : ReduceOp::kSum,
+                                         kind == CollectiveKind::kBroadcast ? root : 0};
+  op.input = input;
+  op.output = output;
+  op.element_size = esize;
+  op.input_count = input_count;
+  op.output_count = output_count;
+  op.timeout = options.timeout == absl::ZeroDuration() ? timeout_ : options.timeout;
+
+  absl::Status launched = Launch(op, stream);
+  if (!launched.ok()) {
+    // The sequence number is spent, so the peers would wait for this rank in vain: tell them.
+    Abort(launched);
+    return launched;
+  }
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, RecordEvent(stream));
+  return Work(std::move(done), weak_from_this());
+}
+
+absl::StatusOr<Work> Communicator::AllGather(const void* input, void* output, size_t count,
+                                             DType dtype, Stream& stream,
+                                             const CollectiveOptions& options) {
+  return Issue(CollectiveKind::kAllGather, input, output, count, count * size_, count, dtype,
+               ReduceOp::kSum, 0, stream, options);
+}
+
+absl::StatusOr<Work> Communicator::ReduceScatter(const void* input, void* output, size_t count,
+                                                 DType dtype, Stream& stream,
+                                                 const ReduceOptions& options) {
+  return Issue(CollectiveKind::kReduceScatter, input, output, count * size_, count, count, dtype,
+               options.op, 0, stream, options);
+}
+
+absl::StatusOr<Work> Communicator::AllReduce(const void* input, void* output, size_t count,
+                                             DType dtype, Stream& stream,
+                                             const ReduceOptions& options) {
+  return Issue(CollectiveKind::kAllReduce, input, output, count, count, count, dtype, options.op, 0,
+               stream, options);
+}
+
+absl::StatusOr<Work> Communicator::Broadcast(void* buffer, size_t count, DType dtype,
+                                             Stream& stream, const BroadcastOptions& options) {
+  return Issue(CollectiveKind::kBroadcast, buffer, buffer, count, count, count, dtype,
+               ReduceOp::kSum, options.root, stream, options);
+}
+
+absl::StatusOr<Work> Communicator::AllToAll(const void* input, void* output, size_t count,
+                                            DType dtype, Stream& stream,
+                                            const CollectiveOptions& options) {
+  return Issue(CollectiveKind::kAllToAll, input, output, count * size_, count * size_, count, dtype,
+               ReduceOp::kSum, 0, stream, options);
+}
+
+absl::StatusOr<Work> Communicator::Barrier(Stream& stream, const CollectiveOptions& options) {
+  return Issue(CollectiveKind::kBarrier, nullptr, nullptr, 0, 0, 0, DType::kU8, ReduceOp::kSum, 0,
+               stream, options);
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> Communicator::Split(int color, int key,
+                                                                  absl::Time deadline) {
+  SL_RETURN_IF_ERROR(status());
+  return SplitImpl(color, key, deadline);
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> Communicator::SplitImpl(int color, int key,
+                                                                      absl::Time deadline) {
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
+                      CreateCallerStream({.name = absl::StrCat(name_, ".split")}));
+  const int32_t mine[2] = {color, key};
+  std::vector<int32_t> all(2 * static_cast<size_t>(size_));
+  CollectiveOptions options;
+  options.timeout = std::max(deadline - absl::Now(), absl::Milliseconds(1));
+  SL_ASSIGN_OR_RETURN(Work work, AllGather(mine, all.data(), 2, DType::kI32, *stream, options));
+  SL_RETURN_IF_ERROR(work.Wait(deadline));
+  const uint64_t split_index = next_split_++;
+  if (color < 0) return std::shared_ptr<Communicator>();
+
+  std::vector<int> members;
+  for (int r = 0; r < size_; ++r) {
+    if (all[2 * r] == color) members.push_back(r);
+  }
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+  const int index =
+      static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+  return CreateSubgroup(members, index, absl::StrCat(name_, "/split", split_index, ".color", color),
+                        deadline);
+}
+
+}  // namespace shardline

@@ -1,0 +1,264 @@
+// File: collectives/communicator.h
+// -----------------------------------------------------------------------------
+// The Communicator API: the collectives FSDP needs, over a group of ranks, enqueued on a Stream
+// and returning a Work handle. Backends (collectives/<name>/) implement the data movement; this
+// class owns everything they have in common, so that every backend validates, numbers and
+// fails the same way:
+//
+//   * Argument validation. Sizes, dtypes, ops, roots, aliasing and the stream's device are
+//     checked before anything is enqueued; a violation is InvalidArgument naming the collective,
+//     the argument and the value. Nothing is enqueued then.
+//   * Sequence numbers and fingerprints. Every collective gets the communicator's next sequence
+//     number and a fingerprint (kind, count, dtype, op, root). Backends compare fingerprints
+//     across ranks before moving data: if ranks disagree, every rank fails with an error that
+//     names the collective and the two differing ranks, e.g.
+//       "all_gather #12 on world (rank 0 of 4): rank 0 called all_gather(count=7, f32) but
+//        rank 2 called all_gather(count=8, f32)"
+//     and no memory is written.
+//   * Deadlines and abort. Every collective gives up at its deadline (its start on the stream
+//     plus the timeout, default SHARDLINE_TIMEOUT_S) with DeadlineExceeded naming the ranks it
+//     was waiting for. A dead peer, a failed collective or Abort() aborts the communicator: the
+//     in-flight and every later collective fail with the first error (Aborted/Unavailable/...),
+//     on every rank the backend can reach.
+//
+// Counts follow NCCL: `count` is the number of elements each rank contributes (AllGather,
+// AllToAll: per peer) or receives (ReduceScatter); for AllReduce and Broadcast it is the size of
+// the whole buffer. A count of 0 is legal and still synchronises nothing but the sequence.
+//
+// In-place forms, as NCCL defines them (element size e, rank r, size n):
+//   AllGather      input == output + r * count * e
+//   ReduceScatter  output == input + r * count * e
+//   AllReduce      input == output
+//   Broadcast      one buffer (input == output)
+// Any other overlap of input and output is InvalidArgument. AllToAll has no in-place form.
+//
+// Dtypes: f32, f64, f16, bf16, i32, i64 everywhere; u8 and i8 for AllGather, Broadcast and
+// AllToAll (byte movement only). Reductions: sum, avg, min, max (avg of integers truncates).
+//
+// Thread safety: a Communicator may be used from one thread at a time for issuing collectives
+// (as NCCL communicators are); Abort() and status() may be called from any thread. All ranks
+// must issue the same collectives in the same order.
+
+#ifndef SHARDLINE_COLLECTIVES_COMMUNICATOR_H_
+#define SHARDLINE_COLLECTIVES_COMMUNICATOR_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "runtime/device.h"
+#include "runtime/dtype.h"
+#include "runtime/stream.h"
+
+namespace shardline {
+
+enum class CollectiveKind : uint8_t {
+  kAllGather,
+  kReduceScatter,
+  kAllReduce,
+  kBroadcast,
+  kAllToAll,
+  kBarrier,
+};
+
+// "all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "barrier".
+absl::string_view CollectiveName(CollectiveKind kind);
+
+// What all ranks must agree on for one collective.
+struct CollectiveFingerprint {
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  uint64_t seq = 0;
+  uint64_t count = 0;
+  DType dtype = DType::kU8;
+  ReduceOp op = ReduceOp::kSum;
+  int32_t root = 0;
+
+  friend bool operator==(const CollectiveFingerprint&, const CollectiveFingerprint&) = default;
+
+  // "all_gather #12 (count=7, f32)"; reductions add the op, broadcasts the root.
+  std::string ToString() const;
+  // The call as the user wrote it, without the sequence number: "all_gather(count=7, f32)".
+  std::string CallString() const;
+
+  // Fixed-size little-endian wire form, for backends that ship fingerprints to peers.
+  static constexpr size_t kEncodedSize = 24;
+  void Encode(uint8_t out[kEncodedSize]) const;
+  // InvalidArgument if the bytes do not decode to a valid fingerprint.
+  static absl::StatusOr<CollectiveFingerprint> Decode(const uint8_t in[kEncodedSize]);
+};
+
+struct CollectiveOptions {
+  // How long the collective may take once it starts on its stream. Unset (zero): the
+  // communicator's timeout, which defaults to SHARDLINE_TIMEOUT_S.
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
+struct ReduceOptions : CollectiveOptions {
+  ReduceOp op = ReduceOp::kSum;
+};
+
+struct BroadcastOptions : CollectiveOptions {
+  int root = 0;
+};
+
+class Communicator;
+
+// The handle of one enqueued collective (c10d's Work). Copyable; all copies refer to the same
+// collective. A default-constructed Work is complete.
+class Work {
+ public:
+  Work() = default;
+
+  // True once the collective finished, successfully or not (Wait() tells which).
+  bool IsCompleted() const;
+  // Blocks the calling thread until the collective finished: OK, its error, or DeadlineExceeded
+  // if `deadline` passes first (the collective itself keeps running then).
+  absl::Status Wait(absl::Time deadline) const;
+  // Makes work enqueued on `stream` afterwards wait for the collective, without blocking the
+  // host (for host streams: the stream's worker waits).
+  absl::Status Synchronize(Stream& stream) const;
+  // Aborts the communicator that issued the collective: it and every collective in flight or
+  // issued later fail with Aborted.
+  void Abort() const;
+
+  // The event recorded after the collective on its stream (null for a default Work).
+  const std::shared_ptr<Event>& event() const { return done_; }
+
+ private:
+  friend class Communicator;
+  Work(std::shared_ptr<Event> done, std::weak_ptr<Communicator> comm)
+      : done_(std::move(done)), comm_(std::move(comm)) {}
+
+  std::shared_ptr<Event> done_;
+  std::weak_ptr<Communicator> comm_;
+};
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+  virtual ~Communicator() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // The device whose memory the collectives move (host for local/ucx, cuda:N for nccl).
+  Device device() const { return device_; }
+  // "local", "ucx", "nccl", "sim".
+  virtual absl::string_view backend() const = 0;
+  // A name for messages: "world", "world/split(color=1)", "mesh.shard"...
+  const std::string& name() const { return name_; }
+  absl::Duration timeout() const { return timeout_; }
+
+  absl::StatusOr<Work> AllGather(const void* input, void* output, size_t count, DType dtype,
+                                 Stream& stream, const CollectiveOptions& options = {});
+  absl::StatusOr<Work> ReduceScatter(const void* input, void* output, size_t count, DType dtype,
+                                     Stream& stream, const ReduceOptions& options = {});
+  absl::StatusOr<Work> AllReduce(const void* input, void* output, size_t count, DType dtype,
+                                 Stream& stream, const ReduceOptions& options = {});
+  absl::StatusOr<Work> Broadcast(void* buffer, size_t count, DType dtype, Stream& stream,
+                                 const BroadcastOptions& options = {});
+  absl::StatusOr<Work> AllToAll(const void* input, void* output, size_t count, DType dtype,
+                                Stream& stream, const CollectiveOptions& options = {});
+  absl::StatusOr<Work> Barrier(Stream& stream, const CollectiveOptions& options = {});
+
+  // Splits the group as MPI_Comm_split does: ranks with the same `color` form a new
+  // communicator, ordered by (`key`, rank). A negative color takes part in the split but joins
+  // no group (the result is nullptr). Collective over this communicator: every rank must call
+  // it, in the same position of its sequence of collectives. Blocks the calling thread until
+  // the new communicator is ready or `deadline` passes.
+  absl::StatusOr<std::shared_ptr<Communicator>> Split(int color, int key, absl::Time deadline);
+
+  // Aborts: every collective in flight or issued later fails with `reason` (as Aborted if
+  // `reason` is OK). Backends also tell the peers they can reach. Idempotent; the first reason
+  // wins.
+  void Abort(absl::Status reason = absl::OkStatus());
+  // OK, or the error that aborted the communicator.
+  absl::Status status() const;
+
+  // The sequence number the next collective will get (starts at 0).
+  uint64_t next_seq() const { return next_seq_; }
+
+ protected:
+  Communicator(int rank, int size, Device device, std::string name, absl::Duration timeout);
+
+  // One validated collective, as a backend receives it.
+  struct Op {
+    CollectiveFingerprint fingerprint;
+    const void* input = nullptr;
+    void* output = nullptr;
+    // How long the op may run once started; Launch() sets `deadline` = start + timeout before
+    // calling Run().
+    absl::Duration timeout;
+    absl::Time deadline = absl::InfiniteFuture();
+    // Bytes per element and elements of input and output, for convenience.
+    size_t element_size = 0;
+    size_t input_count = 0;
+    size_t output_count = 0;
+  };
+
+  // Host backends: moves the data of `op`, blocking the calling thread (a stream's worker) until
+  // done, op.deadline passes, or the communicator is aborted. Must check fingerprints first.
+  virtual absl::Status Run(const Op& op) = 0;
+
+  // Enqueues `op` on `stream`. The default enqueues host work that sets the deadline and calls
+  // Run(), and aborts the communicator if Run() fails. Device backends (NCCL) override it to
+  // launch on the device stream.
+  virtual absl::Status Launch(Op op, Stream& stream);
+
+  // The stream kinds this backend can run on (default: host memory on host/caller streams).
+  virtual absl::Status CheckStream(const Stream& stream) const;
+
+  // Split() after validation. The default agrees on the membership with an AllGather of every
+  // rank's (color, key) over this communicator (on a caller stream, host memory) and calls
+  // CreateSubgroup(); backends with a native split (ncclCommSplit) override it.
+  virtual absl::StatusOr<std::shared_ptr<Communicator>> SplitImpl(int color, int key,
+                                                                  absl::Time deadline);
+
+  // Creates this rank's communicator for a split group: `ranks` are the members' ranks in this
+  // communicator, in their new order; `index` is this rank's position in it; `name` is the same
+  // on all members and unique per split group (usable as a store prefix).
+  virtual absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(
+      const std::vector<int>& ranks, int index, const std::string& name, absl::Time deadline) = 0;
+
+  // Called once when the communicator is aborted, with the reason (to wake waiters, tell peers).
+  virtual void OnAbort(const absl::Status& reason) {}
+
+  // Helpers for backends.
+  // The error every rank reports when fingerprints differ; `a` < `b` are the first two
+  // differing ranks.
+  absl::Status MismatchError(const Op& op, int rank_a, const CollectiveFingerprint& fp_a,
+                             int rank_b, const CollectiveFingerprint& fp_b) const;
+  // "all_gather #12 on world (rank 0 of 4)": the prefix of every error about `op`.
+  std::string Describe(const Op& op) const;
+  // DeadlineExceeded for `op`, naming the ranks that did not show up.
+  absl::Status DeadlineError(const Op& op, const std::vector<int>& missing_ranks) const;
+
+ private:
+  absl::StatusOr<Work> Issue(CollectiveKind kind, const void* input, void* output,
+                             size_t input_count, size_t output_count, size_t count, DType dtype,
+                             ReduceOp op, int root, Stream& stream,
+                             const CollectiveOptions& options);
+
+  const int rank_;
+  const int size_;
+  const Device device_;
+  const std::string name_;
+  const absl::Duration timeout_;
+  uint64_t next_seq_ = 0;
+  uint64_t next_split_ = 0;
+  mutable std::mutex mu_;
+  absl::Status abort_status_;
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace shardline
+
+#endif  // SHARDLINE_COLLECTIVES_COMMUNICATOR_H_

@@ -1,0 +1,239 @@
+#include "collectives/local/local_communicator.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/config.h"
+#include "runtime/host_kernels.h"
+#include "runtime/status.h"
+
+namespace shardline {
+namespace {
+
+// The state shared by the ranks of one group.
+class LocalGroup {
+ public:
+  LocalGroup(int size, std::string name) : size_(size), name_(std::move(name)), slots_(size) {}
+
+  int size() const { return size_; }
+
+  struct Slot {
+    CollectiveFingerprint fingerprint;
+    const void* input = nullptr;
+    void* output = nullptr;
+    uint64_t phases = 0;  // barrier phases this rank has entered
+  };
+
+  // Posts rank's slot for a new collective (before its first phase).
+  void Post(int rank, const CollectiveFingerprint& fp, const void* input, void* output) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot& slot = slots_[rank];
+    slot.fingerprint = fp;
+    slot.input = input;
+    slot.output = output;
+  }
+
+  // Enters the next barrier phase and waits until every rank has entered it. On a deadline,
+  // fills `missing` with the ranks that had not and returns false with OK status.
+  absl::Status Arrive(int rank, absl::Time deadline, std::vector<int>* missing, bool* timed_out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t target = ++slots_[rank].phases;
+    cv_.notify_all();
+    auto all_arrived = [&] {
+      return std::all_of(slots_.begin(), slots_.end(),
+                         [&](const Slot& s) { return s.phases >= target; });
+    };
+    while (!all_arrived() && status_.ok()) {
+      if (cv_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout &&
+          !all_arrived() && status_.ok()) {
+        for (int r = 0; r < size_; ++r) {
+          if (slots_[r].phases < target) missing->push_back(r);
+        }
+        *timed_out = true;
+        return absl::OkStatus();
+      }
+    }
+    return status_;
+  }
+
+  // Snapshot of every rank's slot; valid between two phases that all ranks have passed.
+  std::vector<Slot> Slots() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return slots_;
+  }
+
+  void Abort(const absl::Status& reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok()) status_ = reason;
+    cv_.notify_all();
+  }
+
+  // The group that the members of a split called `name` share; created by the first of them.
+  std::shared_ptr<LocalGroup> Child(const std::string& name, int size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ChildEntry& entry = children_[name];
+    if (entry.group == nullptr) entry.group = std::make_shared<LocalGroup>(size, name);
+    std::shared_ptr<LocalGroup> group = entry.group;
+    if (++entry.joined == size) children_.erase(name);  // every member has its reference
+    return group;
+  }
+
+ private:
+  struct ChildEntry {
+    std::shared_ptr<LocalGroup> group;
+    int joined = 0;
+  };
+
+  const int size_;
+  const std::string name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Slot> slots_;
+  absl::Status status_;
+  std::map<std::string, ChildEntry> children_;
+};
+
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator(int rank, std::shared_ptr<LocalGroup> group, std::string name,
+                    absl::Duration timeout)
+      : Communicator(rank, group->size(), Device::Host(), std::move(name), timeout),
+        group_(std::move(group)) {}
+
+  absl::string_view backend() const override { return "local"; }
+
+ protected:
+  absl::Status Run(const Op& op) override;
+  absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
+                                                               int index, const std::string& name,
+                                                               absl::Time deadline) override {
+    std::shared_ptr<LocalGroup> child = group_->Child(name, static_cast<int>(ranks.size()));
+    return std::shared_ptr<Communicator>(
+        std::make_shared<LocalCommunicator>(index, std::move(child), name, timeout()));
+  }
+  void OnAbort(const absl::Status& reason) override {
+    group_->Abort(absl::Status(reason.code(),
+                               absl::StrCat("peer rank ", rank(), " aborted: ", reason.message())));
+  }
+
+ private:
+  absl::Status Phase(const Op& op) {
+    std::vector<int> missing;
+    bool timed_out = false;
+    absl::Status status = group_->Arrive(rank(), op.deadline, &missing, &timed_out);
+    if (timed_out) return DeadlineError(op, missing);
+    if (!status.ok()) return Annotate(status, Describe(op));
+    return absl::OkStatus();
+  }
+
+  absl::Status Move(const Op& op, const std::vector<LocalGroup::Slot>& slots);
+
+  std::shared_ptr<LocalGroup> group_;
+};
+
+absl::Status LocalCommunicator::Run(const Op& op) {
+  group_->Post(rank(), op.fingerprint, op.input, op.output);
+  SL_RETURN_IF_ERROR(Phase(op));
+  const std::vector<LocalGroup::Slot> slots = group_->Slots();
+  // Every rank runs the same comparison, so every rank reports the same pair.
+  for (int r = 1; r < size(); ++r) {
+    if (!(slots[r].fingerprint == slots[0].fingerprint)) {
+      return MismatchError(op, 0, slots[0].fingerprint, r, slots[r].fingerprint);
+    }
+  }
+  if (op.fingerprint.kind == CollectiveKind::kBarrier) return absl::OkStatus();
+  SL_RETURN_IF_ERROR(Move(op, slots));
+  // Nobody may reuse its buffers before every peer finished reading them.
+  return Phase(op);
+}
+
+absl::Status LocalCommunicator::Move(const Op& op, const std::vector<LocalGroup::Slot>& slots) {
+  const CollectiveFingerprint& fp = op.fingerprint;
+  const int n = size();
+  const int r = rank();
+  const size_t chunk = fp.count * op.element_size;  // bytes per rank
+  auto in = [&](int s) { return static_cast<const uint8_t*>(slots[s].input); };
+  auto* out = static_cast<uint8_t*>(op.output);
+  auto copy = [](void* dst, const void* src, size_t bytes) {
+    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+  };
+  auto finish_avg = [&](void* data, size_t count) -> absl::Status {
+    if (fp.op != ReduceOp::kAvg) return absl::OkStatus();
+    return Scale(data, count, fp.dtype, 1.0 / n);
+  };
+
+  switch (fp.kind) {
+    case CollectiveKind::kAllGather:
+      for (int s = 0; s < n; ++s) copy(out + s * chunk, in(s), chunk);
+      return absl::OkStatus();
+
+    case CollectiveKind::kAllToAll:
+      for (int s = 0; s < n; ++s) copy(out + s * chunk, in(s) + r * chunk, chunk);
+      return absl::OkStatus();
+
+    case CollectiveKind::kBroadcast:
+      copy(out, in(fp.root), chunk);
+      return absl::OkStatus();
+
+    case CollectiveKind::kReduceScatter: {
+      if (fp.count == 0) return absl::OkStatus();
+      // Rank order, as AllReduce: both give bit-identical sums. In place, the output is this
+      // rank's own slice of its input, which ReduceMany allows.
+      std::vector<const void*> inputs;
+      for (int s = 0; s < n; ++s) inputs.push_back(in(s) + r * chunk);
+      SL_RETURN_IF_ERROR(ReduceMany(out, inputs.data(), n, fp.count, fp.dtype, fp.op));
+      return finish_avg(out, fp.count);
+    }
+
+    case CollectiveKind::kAllReduce: {
+      // Rank r reduces block r of every input (in rank order, so the result does not depend on
+      // who computed it), then writes it into every rank's output once all inputs are read.
+      const size_t per = (fp.count + n - 1) / n;
+      const size_t begin = std::min(fp.count, per * r);
+      const size_t len = std::min(fp.count, begin + per) - begin;
+      std::vector<uint8_t> scratch(len * op.element_size);
+      if (len > 0) {
+        std::vector<const void*> inputs;
+        for (int s = 0; s < n; ++s) inputs.push_back(in(s) + begin * op.element_size);
+        SL_RETURN_IF_ERROR(ReduceMany(scratch.data(), inputs.data(), n, len, fp.dtype, fp.op));
+        SL_RETURN_IF_ERROR(finish_avg(scratch.data(), len));
+      }
+      SL_RETURN_IF_ERROR(Phase(op));
+      for (int s = 0; s < n; ++s) {
+        copy(static_cast<uint8_t*>(slots[s].output) + begin * op.element_size, scratch.data(),
+             scratch.size());
+      }
+      return absl::OkStatus();
+    }
+
+    case CollectiveKind::kBarrier:
+      return absl::OkStatus();
+  }
+  return absl::InternalError("unknown collective kind");
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateLocalCommunicators(
+    int size, const LocalOptions& options) {
+  if (size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("local communicator size must be at least 1, got ", size));
+  }
+  absl::Duration timeout = options.timeout;
+  if (timeout == absl::ZeroDuration()) {
+    SL_ASSIGN_OR_RETURN(timeout, DefaultTimeout());
+  }
+  auto group = std::make_shared<LocalGroup>(size, options.name);
+  std::vector<std::shared_ptr<Communicator>> comms;
+  for (int r = 0; r < size; ++r) {
+    comms.push_back(std::make_shared<LocalCommunicator>(r, group, options.name, timeout));
+  }
+  return comms;
+}
+
+}  // namespace shardline

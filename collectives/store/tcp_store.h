@@ -1,0 +1,165 @@
+// File: collectives/store/tcp_store.h
+// -----------------------------------------------------------------------------
+// The multi-process store: a TcpStoreServer (hosted by rank 0 or a standalone process) and
+// TcpStore clients speaking the protocol of store_protocol.h over TCP (Boost.Asio).
+//
+//   // rank 0 hosts the server in-process and is also a client of it (c10d's is_master):
+//   ASSIGN_OR_RETURN(auto store, TcpStore::Create({.host = addr, .port = 29500},
+//                                                 /*is_server=*/rank == 0, deadline));
+//   RETURN_IF_ERROR(store->Set("rank0/addr", my_address));
+//
+// Server: one io_context on its own thread; the table lives on that thread, so requests are
+// applied one at a time in arrival order. A Get/Wait on a missing key is parked and answered
+// when the key appears or its timeout passes — nothing polls. One request per connection is
+// in flight at a time and each read buffer is capped by the maximum message size, so a
+// connection costs bounded memory. A connection that sends a malformed, oversized, truncated
+// or out-of-order message is closed with one WARN line naming the peer and the reason; every
+// other connection keeps being served. If a token is configured (SHARDLINE_STORE_TOKEN), the
+// first message of every connection must carry it (compared in constant time) or the client is
+// refused.
+//
+// Client: connects with retries and exponential backoff until its deadline; every call is
+// bounded by a deadline (Get/Wait: the caller's; the others: TcpStoreOptions::timeout). A call
+// never hangs on a dead server: a closed connection is Unavailable, a silent one
+// DeadlineExceeded (for Get/Wait the server answers at the deadline; the client gives a silent
+// server 2 s more before it drops the connection). After a lost connection the next call
+// reconnects once (within 2 s). Calls from several threads are serialised on one connection.
+//
+// Errors (all name host:port):
+//   port in use          FailedPrecondition "... port 29500 on 0.0.0.0 is already in use ..."
+//   unreachable store    Unavailable "store at h:p unreachable: ... attempts ...: <last error>"
+//   wrong/missing token  PermissionDenied "store at h:p refused the token (SHARDLINE_STORE_TOKEN)"
+//   server gone          Unavailable "store at h:p: connection lost during GET 'k': ..."
+
+#ifndef SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_
+#define SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/time/time.h"
+#include "collectives/store/store.h"
+#include "runtime/config.h"
+
+namespace shardline {
+
+// SHARDLINE_STORE_TOKEN: shared secret; empty (default) means no authentication.
+const Param<std::string>& ParamStoreToken();
+// SHARDLINE_STORE_MAX_MESSAGE_BYTES: largest accepted message payload (default 64 MiB).
+const Param<int64_t>& ParamStoreMaxMessageBytes();
+
+struct TcpStoreServerOptions {
+  // Address to listen on: "0.0.0.0" (every IPv4 interface), "::", "127.0.0.1", a hostname.
+  std::string host = "0.0.0.0";
+  // 0 picks an ephemeral port; read it back with TcpStoreServer::port().
+  int port = 0;
+  // Unset: SHARDLINE_STORE_TOKEN. Empty: no authentication.
+  std::optional<std::string> token;
+  // 0: SHARDLINE_STORE_MAX_MESSAGE_BYTES.
+  int64_t max_message_bytes = 0;
+  // Connections beyond this many are accepted and closed at once with a WARN line.
+  int max_connections = 4096;
+};
+
+class TcpStoreServer {
+ public:
+  // Binds, listens and starts the I/O thread. FailedPrecondition naming the port if it is in
+  // use; InvalidArgument for a bad option or knob.
+  static absl::StatusOr<std::unique_ptr<TcpStoreServer>> Start(TcpStoreServerOptions options);
+
+  TcpStoreServer(const TcpStoreServer&) = delete;
+  TcpStoreServer& operator=(const TcpStoreServer&) = delete;
+  // Shutdown().
+  ~TcpStoreServer();
+
+  // Closes the listener and every connection (parked requests see the connection drop), then
+  // joins the I/O thread. Idempotent.
+  void Shutdown();
+
+  const std::string& host() const;
+  // The bound port (the ephemeral one if options.port was 0).
+  int port() const;
+
+  struct Stats {
+    int64_t open_connections = 0;
+    int64_t parked_requests = 0;      // Get/Wait waiting for keys
+    int64_t dropped_connections = 0;  // closed for a protocol violation or a wrong token
+    int64_t refused_connections = 0;  // over max_connections
+    int64_t keys = 0;
+  };
+  Stats stats() const;
+  // Blocks until `ready(stats())` holds (re-checked at every change) or `deadline`; returns
+  // whether it holds. For tests that must know e.g. that a Get is parked before acting.
+  bool AwaitStats(const std::function<bool(const Stats&)>& ready, absl::Time deadline) const;
+
+  class Impl;
+
+ private:
+  explicit TcpStoreServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+struct TcpStoreOptions {
+  // The server's address (MASTER_ADDR) and port. With Create(is_server=true), port 0 lets the
+  // server pick one; read it back with TcpStore::port().
+  std::string host = "127.0.0.1";
+  int port = 0;
+  // Unset: SHARDLINE_STORE_TOKEN.
+  std::optional<std::string> token;
+  // Bound on each short call (Set, Add, CompareSet, Check, Delete, NumKeys). Zero: the default
+  // timeout (SHARDLINE_TIMEOUT_S).
+  absl::Duration timeout = absl::ZeroDuration();
+  // Shown in the server's logs.
+  int64_t rank = -1;
+  std::string client_name;
+  // 0: SHARDLINE_STORE_MAX_MESSAGE_BYTES.
+  int64_t max_message_bytes = 0;
+  // Create(is_server=true) only: where the hosted server listens.
+  std::string listen_host = "0.0.0.0";
+  int max_connections = 4096;
+};
+
+class TcpStore final : public Store {
+ public:
+  // Connects to a running server, retrying with backoff until `deadline`, and authenticates.
+  static absl::StatusOr<std::unique_ptr<TcpStore>> Connect(TcpStoreOptions options,
+                                                           absl::Time deadline);
+  // As Connect; with `is_server` the store first starts a TcpStoreServer on
+  // options.listen_host:options.port, owns it (it shuts down with this store) and connects to
+  // it. The other ranks Connect (or Create with is_server=false).
+  static absl::StatusOr<std::unique_ptr<TcpStore>> Create(TcpStoreOptions options, bool is_server,
+                                                          absl::Time deadline);
+  ~TcpStore() override;
+
+  const std::string& host() const;
+  int port() const;
+  // The hosted server, or nullptr.
+  TcpStoreServer* server() const { return server_.get(); }
+
+  class Client;
+
+ protected:
+  absl::Status DoSet(absl::string_view key, absl::string_view value) override;
+  absl::StatusOr<std::string> DoGet(absl::string_view key, absl::Time deadline) override;
+  absl::StatusOr<int64_t> DoAdd(absl::string_view key, int64_t delta) override;
+  absl::StatusOr<std::string> DoCompareSet(absl::string_view key, absl::string_view expected,
+                                           absl::string_view desired) override;
+  absl::Status DoWait(absl::Span<const std::string> keys, absl::Time deadline) override;
+  absl::StatusOr<bool> DoCheck(absl::Span<const std::string> keys) override;
+  absl::StatusOr<bool> DoDelete(absl::string_view key) override;
+  absl::StatusOr<int64_t> DoNumKeys() override;
+
+ private:
+  TcpStore(std::unique_ptr<TcpStoreServer> server, std::unique_ptr<Client> client);
+
+  // Declared first so that it is destroyed last: the client disconnects before the server stops.
+  std::unique_ptr<TcpStoreServer> server_;
+  std::unique_ptr<Client> client_;
+};
+
+}  // namespace shardline
+
+#endif  // SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_

@@ -1,0 +1,113 @@
+// File: collectives/ucx/internal/ucx_collective.h
+// -----------------------------------------------------------------------------
+// One collective of the ucx backend in flight (backend-private): the operation, the batch of
+// requests it posted, and the wait loop every algorithm uses. The algorithms themselves are free
+// functions over a CollectiveRun (ucx_algorithms.cc):
+//
+//   RunCollective   fingerprint exchange (+ the payload of small collectives), then the
+//                   large-message algorithm of the op's kind.
+//
+// Every wait goes through Drive(): progress the worker, let the algorithm make a step, fail on
+// an aborted communicator, a dead peer or the deadline (naming the ranks still pending), and
+// sleep on the worker's event fd once a short spin found nothing to do.
+
+#ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_COLLECTIVE_H_
+#define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_COLLECTIVE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+#include "collectives/ucx/internal/ucx_transport.h"
+
+namespace shardline::ucx_internal {
+
+// What the communicator lends an algorithm (its protected helpers, as callables).
+struct CollectiveHooks {
+  std::function<absl::Status()> comm_status;
+  std::function<absl::Status(const std::vector<int>& missing)> deadline_error;
+  std::function<absl::Status(int a, const CollectiveFingerprint& fa, int b,
+                             const CollectiveFingerprint& fb)>
+      mismatch_error;
+  std::string describe;  // "all_gather #3 on world (rank 0 of 2, ucx)"
+};
+
+struct Tuning {
+  size_t chunk_bytes = 512 * 1024;
+  size_t small_bytes = 16 * 1024;
+  int window = 3;
+  absl::Duration spin = absl::Microseconds(200);
+  static absl::StatusOr<Tuning> FromEnvironment();
+};
+
+class CollectiveRun {
+ public:
+  CollectiveRun(UcxTransport& transport, const CollectiveFingerprint& fp, const void* input,
+                void* output, size_t element_size, absl::Time deadline, CollectiveHooks hooks,
+                Tuning tuning)
+      : transport_(transport),
+        fp_(fp),
+        input_(static_cast<const uint8_t*>(input)),
+        output_(static_cast<uint8_t*>(output)),
+        esize_(element_size),
+        deadline_(deadline),
+        hooks_(std::move(hooks)),
+        tuning_(tuning),
+        batch_(std::make_unique<Batch>()) {}
+
+  int rank() const { return transport_.rank(); }
+  int size() const { return transport_.size(); }
+  const CollectiveFingerprint& fp() const { return fp_; }
+  const uint8_t* input() const { return input_; }
+  uint8_t* output() const { return output_; }
+  size_t esize() const { return esize_; }
+  const Tuning& tuning() const { return tuning_; }
+  const CollectiveHooks& hooks() const { return hooks_; }
+  Batch& batch() { return *batch_; }
+  std::unique_ptr<Batch> TakeBatch() { return std::move(batch_); }
+
+  // Post a send / receive of `bytes` with `tag` (the phase, source rank, this op's sequence and
+  // `chunk`). The buffer must stay valid until the collective ends.
+  Completion* Send(int peer, const void* buffer, size_t bytes, Phase phase, uint64_t chunk);
+  Completion* Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk);
+
+  // Loops until `step` returns true (or an error): see the file comment.
+  absl::Status Drive(absl::FunctionRef<absl::StatusOr<bool>()> step);
+  // Drive() until every completion in `cs` (nulls skipped) is done and OK.
+  absl::Status WaitAll(const std::vector<Completion*>& cs);
+  // Drive() until every request of the batch is done.
+  absl::Status WaitBatch();
+
+  // OK if `c` finished well (and, for a receive, got exactly the bytes expected); otherwise the
+  // error to report (the communicator's abort reason if it has one).
+  absl::Status Check(const Completion& c) const;
+  // True if done; an error if done badly.
+  absl::StatusOr<bool> Done(const Completion* c) const;
+
+ private:
+  std::vector<int> PendingPeers();
+
+  UcxTransport& transport_;
+  const CollectiveFingerprint fp_;
+  const uint8_t* const input_;
+  uint8_t* const output_;
+  const size_t esize_;
+  const absl::Time deadline_;
+  const CollectiveHooks hooks_;
+  const Tuning tuning_;
+  std::unique_ptr<Batch> batch_;
+};
+
+// The whole collective (size >= 2): fingerprints first, then the data.
+absl::Status RunCollective(CollectiveRun& run);
+
+}  // namespace shardline::ucx_internal
+
+#endif  // SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_COLLECTIVE_H_

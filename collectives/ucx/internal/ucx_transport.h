@@ -1,0 +1,234 @@
+// File: collectives/ucx/internal/ucx_transport.h
+// -----------------------------------------------------------------------------
+// The UCX plumbing of one communicator (backend-private): a ucp worker (the ucp context is
+// shared by every communicator of the process), an endpoint to every peer, tagged sends and
+// receives that complete into Completion slots, a control channel (abort notices, goodbyes),
+// failure detection, and the progress model:
+//
+//   * While a collective runs, the stream thread that runs it drives the worker itself
+//     (ucp_worker_progress, a short bounded spin, then ucp_worker_arm + poll on the worker's
+//     event fd, so an idle wait sleeps in the kernel).
+//   * Between collectives an idle progress thread sleeps on the same event fd and handles what
+//     arrives (peer aborts, goodbyes, endpoint errors, UCX wire-up and keepalive); it pauses
+//     while a collective runs so that two threads never compete for the worker.
+//   The worker is created with UCS_THREAD_MODE_MULTI: Abort() may post control messages from
+//   any thread.
+//
+// Endpoints to peers on the same host use UCP_ERR_HANDLING_MODE_NONE by default, because
+// UCX 1.13 offers CMA (single-copy reads) only there; their death is detected by watching the
+// peer's pid (CheckPeers). With SHARDLINE_UCX_CMA=0 they use MODE_PEER over shared memory with
+// UCX_MM_ERROR_HANDLING=y (no CMA). Peers on other hosts always use MODE_PEER with an error
+// callback.
+
+#ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
+#define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "collectives/store/store.h"
+#include "runtime/config.h"
+
+namespace shardline::ucx_internal {
+
+// SHARDLINE_UCX_* knobs.
+const Param<int64_t>& ParamUcxChunkBytes();
+const Param<int64_t>& ParamUcxSmallBytes();
+const Param<int64_t>& ParamUcxWindow();
+const Param<int64_t>& ParamUcxSpinUs();
+const Param<bool>& ParamUcxShm();
+const Param<bool>& ParamUcxCma();
+
+// Tag layout (64 bits): phase (4) | source rank (16) | sequence (24) | chunk (20). A worker
+// belongs to one communicator, so tags never need a communicator id. Header tags carry no
+// sequence: headers from one peer are matched in send order, so a peer that is at another
+// collective is reported as a mismatch instead of never matching.
+enum class Phase : uint64_t {
+  kHeader = 0,   // fingerprint
+  kSmall = 1,    // one-round payloads of small collectives
+  kData = 2,     // first data phase of large collectives
+  kGather = 3,   // all-gather phase of the large all-reduce
+  kControl = 15  // abort notices and goodbyes
+};
+constexpr int kMaxRanks = 1 << 16;
+constexpr uint64_t kMaxChunks = uint64_t{1} << 20;
+constexpr uint64_t kFullMask = ~uint64_t{0};
+constexpr uint64_t kPhaseMask = uint64_t{0xF} << 60;
+
+inline uint64_t MakeTag(Phase phase, int src, uint64_t seq, uint64_t chunk) {
+  return (static_cast<uint64_t>(phase) << 60) | (static_cast<uint64_t>(src) << 44) |
+         ((seq & 0xFFFFFF) << 20) | (chunk & (kMaxChunks - 1));
+}
+inline int TagSource(uint64_t tag) { return static_cast<int>((tag >> 44) & 0xFFFF); }
+
+// Where one posted send or receive completes. Written by UCX callbacks (on whichever thread
+// progresses the worker), read by the thread that runs the collective.
+struct Completion {
+  std::atomic<bool> done{false};
+  ucs_status_t status = UCS_OK;
+  size_t length = 0;  // bytes received
+  size_t expected = 0;
+  bool is_send = false;
+  int peer = -1;
+  void* request = nullptr;  // UCX's request while pending; freed by Batch
+  ucp_tag_recv_info_t info{};
+};
+
+// The posted operations of one collective and the buffers they use. Completion slots have
+// stable addresses; a Batch outlives every request that points into it (see Release).
+class Batch {
+ public:
+  Completion* Add(int peer, bool is_send) {
+    Completion& c = slots_.emplace_back();
+    c.peer = peer;
+    c.is_send = is_send;
+    return &c;
+  }
+  // A buffer owned by the batch (staging, scratch, encoded headers).
+  uint8_t* Buffer(size_t bytes) {
+    buffers_.emplace_back(new uint8_t[bytes == 0 ? 1 : bytes]);
+    return buffers_.back().get();
+  }
+  std::deque<Completion>& slots() { return slots_; }
+
+ private:
+  std::deque<Completion> slots_;
+  std::vector<std::unique_ptr<uint8_t[]>> buffers_;
+};
+
+class UcxTransport {
+ public:
+  // Publishes this rank's address under "<name>/ucx/addr/<rank>", reads every peer's (until
+  // `deadline`) and connects to them.
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(int rank, int size, Store& store,
+                                                              absl::string_view name,
+                                                              absl::Time deadline);
+  UcxTransport(const UcxTransport&) = delete;
+  UcxTransport& operator=(const UcxTransport&) = delete;
+  // Says goodbye to the peers, closes the endpoints (bounded: a few seconds at most, forced for
+  // failed peers) and destroys the worker.
+  ~UcxTransport();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // Called (never with an internal lock held) with the error that must abort the communicator:
+  // a peer's abort notice (`forward` false: the sender told everyone itself), an unreachable or
+  // dead peer (`forward` true). Set once, right after Create.
+  using AbortHandler = std::function<void(const absl::Status&, bool forward)>;
+  void SetAbortHandler(AbortHandler handler);
+
+  // Posts a tagged send of `bytes` at `buffer` to `peer` / a receive from `peer` of at most
+  // `bytes` into `buffer`. The buffer must stay valid until `c` is done. Internal on a UCX error.
+  absl::Status Send(int peer, const void* buffer, size_t bytes, uint64_t tag, Completion* c);
+  absl::Status Recv(int peer, void* buffer, size_t bytes, uint64_t tag, Completion* c);
+
+  // Progresses the worker, then handles control messages and endpoint failures. Returns
+  // whether UCX reported any activity.
+  bool Progress();
+  // Sleeps until the worker has events, Wake() is called, or `until` (capped at 200 ms).
+  void Sleep(absl::Time until);
+  // Interrupts Sleep() (from any thread).
+  void Wake();
+
+  // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
+  // reports it through the abort handler. OK otherwise.
+  absl::Status CheckPeers();
+
+  // Brackets a collective: the idle progress thread pauses in between.
+  void BeginCollective();
+  void EndCollective();
+
+  // Sends `reason` to every peer still reachable (best effort, does not wait).
+  void BroadcastAbort(const absl::Status& reason);
+
+  // Cancels what is still pending in `batch`, waits (bounded) for the cancellations and frees
+  // the requests. A batch whose requests do not complete in time is kept alive until the
+  // transport is destroyed, so late completions never touch freed memory.
+  void Release(std::unique_ptr<Batch> batch);
+
+ private:
+  struct Peer {
+    ucp_ep_h ep = nullptr;
+    bool local = false;      // same host: shared memory, pid watched
+    bool peer_mode = false;  // UCP_ERR_HANDLING_MODE_PEER (error callback, forced close)
+    int64_t pid = 0;
+    bool failed = false;    // endpoint error seen
+    bool departed = false;  // said goodbye
+  };
+  struct ErrorArg {
+    UcxTransport* transport;
+    int peer;
+  };
+  struct Failure {
+    int peer;
+    ucs_status_t status;
+  };
+  struct Outgoing {
+    std::string bytes;
+    Completion completion;
+  };
+
+  UcxTransport(int rank, int size, std::string name);
+  absl::Status Init(Store& store, absl::Time deadline);
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  void PostControlRecv();
+  void HandleControl(const Completion& c, std::vector<absl::Status>* notices);
+  void SendControl(int peer, uint8_t type, const absl::Status& status);
+  void ProgressThread();
+  void Report(const absl::Status& status, bool forward);
+  void FreeRequests(Batch& batch);
+  void DrainUnexpected();
+
+  const int rank_;
+  const int size_;
+  const std::string name_;
+  std::shared_ptr<void> context_;  // the process-wide ucp context
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+  std::vector<Peer> peers_;
+  std::vector<std::unique_ptr<ErrorArg>> error_args_;
+  AbortHandler abort_handler_;
+
+  std::mutex mu_;  // guards failures_, peers_[].failed/departed, outgoing_, graveyard_
+  std::vector<Failure> failures_;
+  std::deque<Outgoing> outgoing_;
+  std::vector<std::unique_ptr<Batch>> graveyard_;
+  std::vector<void*> force_closing_;  // close requests of dead peers' endpoints
+  std::atomic<bool> unclean_{false};  // a collective failed: close endpoints by force
+
+  std::mutex control_mu_;  // guards the control receive
+  Completion control_;
+  std::unique_ptr<uint8_t[]> control_buffer_;
+  bool control_posted_ = false;
+
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+  int active_ = 0;
+  bool stop_ = false;
+  std::thread progress_thread_;
+
+  absl::Time next_peer_check_ = absl::InfinitePast();
+  absl::Status peers_status_;
+};
+
+// "Connection reset by remote peer" for a UCX status.
+std::string UcxError(ucs_status_t status);
+
+}  // namespace shardline::ucx_internal
+
+#endif  // SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_

@@ -1,0 +1,248 @@
+#include "collectives/ucx/internal/ucx_algorithms.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "runtime/host_kernels.h"
+#include "runtime/status.h"
+
+namespace shardline::ucx_internal {
+namespace {
+
+// Bytes per rank of the op: the block each rank contributes (all-gather, all-to-all per peer),
+// receives (reduce-scatter) or the whole buffer (all-reduce, broadcast).
+size_t BlockBytes(const CollectiveRun& run) { return run.fp().count * run.esize(); }
+
+void CopyBytes(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+}
+
+absl::Status FinishAverage(const CollectiveRun& run, void* data, size_t count) {
+  if (run.fp().op != ReduceOp::kAvg || count == 0) return absl::OkStatus();
+  return Scale(data, count, run.fp().dtype, 1.0 / run.size());
+}
+
+// The pipeline chunk: the knob, rounded to whole elements, large enough that a block has fewer
+// chunks than the tag's chunk field can count.
+size_t ChunkBytes(const CollectiveRun& run, size_t max_block) {
+  const size_t e = run.esize();
+  size_t chunk = std::max(e, run.tuning().chunk_bytes / e * e);
+  size_t floor = (max_block + kMaxChunks - 2) / (kMaxChunks - 1);
+  floor = (floor + e - 1) / e * e;
+  return std::max(chunk, floor);
+}
+
+struct Block {
+  size_t offset = 0;  // bytes into the input (and, for all-reduce, the output)
+  size_t bytes = 0;
+};
+
+// The direct pipelined reduction shared by reduce-scatter and all-reduce: this rank reduces
+// blocks[rank] of every rank's input into `target`; with `gather`, each reduced chunk is sent
+// to every peer and their reduced chunks are received into the output at their block offsets.
+absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks, uint8_t* target,
+                            bool gather) {
+  const int n = run.size();
+  const int me = run.rank();
+  const size_t e = run.esize();
+  size_t max_block = 0;
+  for (const Block& b : blocks) max_block = std::max(max_block, b.bytes);
+  const size_t chunk = ChunkBytes(run, max_block);
+  auto num_chunks = [&](size_t bytes) { return (bytes + chunk - 1) / chunk; };
+  auto chunk_len = [&](size_t bytes, size_t c) { return std::min(chunk, bytes - c * chunk); };
+
+  // Every peer's share of this rank's input, all at once (rendezvous: the peers pull them as
+  // they post their receives).
+  for (int i = 1; i < n; ++i) {
+    const int p = (me + i) % n;
+    const Block& b = blocks[p];
+    for (size_t c = 0; c < num_chunks(b.bytes); ++c) {
+      run.Send(p, run.input() + b.offset + c * chunk, chunk_len(b.bytes, c), Phase::kData, c);
+    }
+  }
+  if (gather) {
+    for (int i = 1; i < n; ++i) {
+      const int p = (me - i + n) % n;
+      const Block& b = blocks[p];
+      for (size_t c = 0; c < num_chunks(b.bytes); ++c) {
+        run.Recv(p, run.output() + b.offset + c * chunk, chunk_len(b.bytes, c), Phase::kGather, c);
+      }
+    }
+  }
+
+  const Block& mine = blocks[me];
+  const size_t total = num_chunks(mine.bytes);
+  if (total == 0) return absl::OkStatus();
+  const size_t window = std::min<size_t>(run.tuning().window, total);
+  uint8_t* scratch = run.batch().Buffer(window * (n - 1) * chunk);
+  auto slot = [&](size_t c, int p) {
+    return scratch + ((c % window) * (n - 1) + (p < me ? p : p - 1)) * chunk;
+  };
+  std::vector<std::vector<Completion*>> pending(window, std::vector<Completion*>(n, nullptr));
+  auto post = [&](size_t c) {
+    for (int i = 1; i < n; ++i) {
+      const int p = (me - i + n) % n;
+      pending[c % window][p] = run.Recv(p, slot(c, p), chunk_len(mine.bytes, c), Phase::kData, c);
+    }
+  };
+  size_t next_post = 0;
+  while (next_post < window) post(next_post++);
+
+  size_t next_reduce = 0;
+  std::vector<const void*> inputs(n);
+  return run.Drive([&]() -> absl::StatusOr<bool> {
+    while (next_reduce < total) {
+      const size_t c = next_reduce;
+      for (int p = 0; p < n; ++p) {
+        SL_ASSIGN_OR_RETURN(const bool done, run.Done(pending[c % window][p]));
+        if (!done) return false;
+      }
+      const size_t len = chunk_len(mine.bytes, c);
+      // Rank order, as the local backend: the same bits whoever reduces.
+      for (int p = 0; p < n; ++p) {
+        inputs[p] =
+            p == me ? static_cast<const void*>(run.input() + mine.offset + c * chunk) : slot(c, p);
+      }
+      uint8_t* dst = target + c * chunk;
+      SL_RETURN_IF_ERROR(ReduceMany(dst, inputs.data(), n, len / e, run.fp().dtype, run.fp().op));
+      SL_RETURN_IF_ERROR(FinishAverage(run, dst, len / e));
+      if (gather) {
+        for (int i = 1; i < n; ++i) run.Send((me + i) % n, dst, len, Phase::kGather, c);
+      }
+      for (int p = 0; p < n; ++p) pending[c % window][p] = nullptr;
+      ++next_reduce;
+      if (next_post < total) post(next_post++);
+    }
+    return true;
+  });
+}
+
+}  // namespace
+
+bool IsSmall(const CollectiveRun& run) {
+  return run.fp().kind == CollectiveKind::kBarrier || BlockBytes(run) <= run.tuning().small_bytes;
+}
+
+size_t SmallPayloadBytes(const CollectiveRun& run, int from, int /*to*/) {
+  switch (run.fp().kind) {
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kAllToAll:
+    case CollectiveKind::kReduceScatter:
+    case CollectiveKind::kAllReduce:
+      return BlockBytes(run);
+    case CollectiveKind::kBroadcast:
+      return from == run.fp().root ? BlockBytes(run) : 0;
+    case CollectiveKind::kBarrier:
+      return 0;
+  }
+  return 0;
+}
+
+const void* SmallPayload(const CollectiveRun& run, int to) {
+  switch (run.fp().kind) {
+    case CollectiveKind::kAllToAll:
+    case CollectiveKind::kReduceScatter:
+      return run.input() + to * BlockBytes(run);
+    default:
+      return run.input();
+  }
+}
+
+absl::Status FinishSmall(CollectiveRun& run, const std::vector<const uint8_t*>& staging) {
+  const int n = run.size();
+  const int me = run.rank();
+  const size_t bytes = BlockBytes(run);
+  const CollectiveFingerprint& fp = run.fp();
+  if (bytes == 0) return absl::OkStatus();
+  switch (fp.kind) {
+    case CollectiveKind::kAllGather:
+      for (int p = 0; p < n; ++p) {
+        CopyBytes(run.output() + p * bytes, p == me ? run.input() : staging[p], bytes);
+      }
+      return absl::OkStatus();
+    case CollectiveKind::kAllToAll:
+      for (int p = 0; p < n; ++p) {
+        CopyBytes(run.output() + p * bytes, p == me ? run.input() + me * bytes : staging[p], bytes);
+      }
+      return absl::OkStatus();
+    case CollectiveKind::kBroadcast:
+      if (me != fp.root) CopyBytes(run.output(), staging[fp.root], bytes);
+      return absl::OkStatus();
+    case CollectiveKind::kReduceScatter:
+    case CollectiveKind::kAllReduce: {
+      const size_t own = fp.kind == CollectiveKind::kReduceScatter ? me * bytes : 0;
+      std::vector<const void*> inputs(n);
+      for (int p = 0; p < n; ++p) inputs[p] = p == me ? run.input() + own : staging[p];
+      SL_RETURN_IF_ERROR(ReduceMany(run.output(), inputs.data(), n, fp.count, fp.dtype, fp.op));
+      return FinishAverage(run, run.output(), fp.count);
+    }
+    case CollectiveKind::kBarrier:
+      return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LargeAllGather(CollectiveRun& run) {
+  const int n = run.size();
+  const int me = run.rank();
+  const size_t bytes = BlockBytes(run);
+  for (int i = 1; i < n; ++i) {
+    const int p = (me - i + n) % n;
+    run.Recv(p, run.output() + p * bytes, bytes, Phase::kData, 0);
+  }
+  for (int i = 1; i < n; ++i) run.Send((me + i) % n, run.input(), bytes, Phase::kData, 0);
+  // In place, the input already is this rank's slice.
+  CopyBytes(run.output() + me * bytes, run.input(), bytes);
+  return absl::OkStatus();
+}
+
+absl::Status LargeAllToAll(CollectiveRun& run) {
+  const int n = run.size();
+  const int me = run.rank();
+  const size_t bytes = BlockBytes(run);
+  for (int i = 1; i < n; ++i) {
+    const int p = (me - i + n) % n;
+    run.Recv(p, run.output() + p * bytes, bytes, Phase::kData, 0);
+  }
+  for (int i = 1; i < n; ++i) {
+    const int p = (me + i) % n;
+    run.Send(p, run.input() + p * bytes, bytes, Phase::kData, 0);
+  }
+  CopyBytes(run.output() + me * bytes, run.input() + me * bytes, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status LargeBroadcast(CollectiveRun& run) {
+  const int n = run.size();
+  const int me = run.rank();
+  const int root = run.fp().root;
+  const size_t bytes = BlockBytes(run);
+  if (me == root) {
+    for (int i = 1; i < n; ++i) run.Send((me + i) % n, run.output(), bytes, Phase::kData, 0);
+  } else {
+    run.Recv(root, run.output(), bytes, Phase::kData, 0);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LargeReduceScatter(CollectiveRun& run) {
+  const size_t bytes = BlockBytes(run);
+  std::vector<Block> blocks(run.size());
+  for (int p = 0; p < run.size(); ++p) blocks[p] = {p * bytes, bytes};
+  return ReducePipeline(run, blocks, run.output(), /*gather=*/false);
+}
+
+absl::Status LargeAllReduce(CollectiveRun& run) {
+  const int n = run.size();
+  const size_t count = run.fp().count;
+  const size_t per = (count + n - 1) / n;
+  std::vector<Block> blocks(n);
+  for (int p = 0; p < n; ++p) {
+    const size_t begin = std::min(count, per * p);
+    const size_t end = std::min(count, per * (p + 1));
+    blocks[p] = {begin * run.esize(), (end - begin) * run.esize()};
+  }
+  return ReducePipeline(run, blocks, run.output() + blocks[run.rank()].offset, /*gather=*/true);
+}
+
+}  // namespace shardline::ucx_internal

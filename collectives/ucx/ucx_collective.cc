@@ -1,0 +1,191 @@
+#include "collectives/ucx/internal/ucx_collective.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "collectives/ucx/internal/ucx_algorithms.h"
+#include "runtime/status.h"
+
+namespace shardline::ucx_internal {
+
+absl::StatusOr<Tuning> Tuning::FromEnvironment() {
+  Tuning t;
+  SL_ASSIGN_OR_RETURN(const int64_t chunk, ParamUcxChunkBytes().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t small, ParamUcxSmallBytes().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t window, ParamUcxWindow().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t spin, ParamUcxSpinUs().Get());
+  t.chunk_bytes = static_cast<size_t>(chunk);
+  t.small_bytes = static_cast<size_t>(small);
+  t.window = static_cast<int>(std::min<int64_t>(window, 64));
+  t.spin = absl::Microseconds(spin);
+  return t;
+}
+
+Completion* CollectiveRun::Send(int peer, const void* buffer, size_t bytes, Phase phase,
+                                uint64_t chunk) {
+  Completion* c = batch_->Add(peer, /*is_send=*/true);
+  // Headers carry no sequence: see the tag layout in ucx_transport.h.
+  const uint64_t seq = phase == Phase::kHeader ? 0 : fp_.seq;
+  transport_.Send(peer, buffer, bytes, MakeTag(phase, rank(), seq, chunk), c).IgnoreError();
+  return c;
+}
+
+Completion* CollectiveRun::Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk) {
+  Completion* c = batch_->Add(peer, /*is_send=*/false);
+  // Headers carry no sequence: see the tag layout in ucx_transport.h.
+  const uint64_t seq = phase == Phase::kHeader ? 0 : fp_.seq;
+  transport_.Recv(peer, buffer, bytes, MakeTag(phase, peer, seq, chunk), c).IgnoreError();
+  return c;
+}
+
+absl::Status CollectiveRun::Check(const Completion& c) const {
+  if (c.status == UCS_OK) {
+    if (!c.is_send && c.length != c.expected) {
+      return absl::InternalError(absl::StrCat(hooks_.describe, ": rank ", c.peer, " sent ",
+                                              c.length, " bytes where ", c.expected,
+                                              " were expected"));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status comm = hooks_.comm_status();
+  if (!comm.ok()) return Annotate(comm, hooks_.describe);
+  if (c.status == UCS_ERR_MESSAGE_TRUNCATED) {
+    return absl::InternalError(absl::StrCat(hooks_.describe, ": rank ", c.peer,
+                                            " sent more than the ", c.expected,
+                                            " bytes expected (message truncated, discarded)"));
+  }
+  return absl::UnavailableError(
+      absl::StrCat(hooks_.describe, ": ", c.is_send ? "sending to" : "receiving from",
+                   " peer rank ", c.peer, " failed (ucx: ", UcxError(c.status), ")"));
+}
+
+absl::StatusOr<bool> CollectiveRun::Done(const Completion* c) const {
+  if (c == nullptr) return true;
+  if (!c->done.load(std::memory_order_acquire)) return false;
+  SL_RETURN_IF_ERROR(Check(*c));
+  return true;
+}
+
+std::vector<int> CollectiveRun::PendingPeers() {
+  std::vector<int> peers;
+  for (const Completion& c : batch_->slots()) {
+    if (!c.done.load(std::memory_order_acquire)) peers.push_back(c.peer);
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  return peers;
+}
+
+absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step) {
+  absl::Time last_activity = absl::Now();
+  while (true) {
+    const bool activity = transport_.Progress();
+    SL_ASSIGN_OR_RETURN(const bool finished, step());
+    if (finished) return absl::OkStatus();
+    absl::Status comm = hooks_.comm_status();
+    if (!comm.ok()) return Annotate(comm, hooks_.describe);
+    absl::Status peers = transport_.CheckPeers();
+    if (!peers.ok()) return Annotate(peers, hooks_.describe);
+    const absl::Time now = absl::Now();
+    if (now >= deadline_) return hooks_.deadline_error(PendingPeers());
+    if (activity) last_activity = now;
+    if (now - last_activity < tuning_.spin) continue;
+    transport_.Sleep(deadline_);
+  }
+}
+
+absl::Status CollectiveRun::WaitAll(const std::vector<Completion*>& cs) {
+  size_t next = 0;  // completions finish roughly in order: skip the prefix known done
+  return Drive([&]() -> absl::StatusOr<bool> {
+    for (; next < cs.size(); ++next) {
+      SL_ASSIGN_OR_RETURN(const bool done, Done(cs[next]));
+      if (!done) return false;
+    }
+    return true;
+  });
+}
+
+absl::Status CollectiveRun::WaitBatch() {
+  std::vector<Completion*> all;
+  for (Completion& c : batch_->slots()) all.push_back(&c);
+  return WaitAll(all);
+}
+
+absl::Status RunCollective(CollectiveRun& run) {
+  const int n = run.size();
+  const int me = run.rank();
+  constexpr size_t kFp = CollectiveFingerprint::kEncodedSize;
+
+  // Fingerprints to and from every peer; small payloads travel with them.
+  uint8_t* headers = run.batch().Buffer(kFp * n);
+  run.fp().Encode(headers + kFp * me);
+  const bool small = IsSmall(run);
+  std::vector<Completion*> header_recvs(n, nullptr);
+  std::vector<Completion*> small_recvs(n, nullptr);
+  std::vector<const uint8_t*> staging(n, nullptr);
+  for (int i = 1; i < n; ++i) {
+    const int p = (me - i + n) % n;
+    header_recvs[p] = run.Recv(p, headers + kFp * p, kFp, Phase::kHeader, 0);
+    const size_t bytes = small ? SmallPayloadBytes(run, p, me) : 0;
+    if (bytes > 0) {
+      uint8_t* buffer = run.batch().Buffer(bytes);
+      staging[p] = buffer;
+      small_recvs[p] = run.Recv(p, buffer, bytes, Phase::kSmall, 0);
+    }
+  }
+  for (int i = 1; i < n; ++i) {
+    const int p = (me + i) % n;
+    run.Send(p, headers + kFp * me, kFp, Phase::kHeader, 0);
+    const size_t bytes = small ? SmallPayloadBytes(run, me, p) : 0;
+    if (bytes > 0) run.Send(p, SmallPayload(run, p), bytes, Phase::kSmall, 0);
+  }
+  SL_RETURN_IF_ERROR(run.WaitAll(header_recvs));
+
+  // Every rank compares the same table the same way, so every rank names the same pair.
+  std::vector<CollectiveFingerprint> fps(n);
+  for (int p = 0; p < n; ++p) {
+    if (p == me) {
+      fps[p] = run.fp();
+      continue;
+    }
+    absl::StatusOr<CollectiveFingerprint> fp = CollectiveFingerprint::Decode(headers + kFp * p);
+    if (!fp.ok()) {
+      return absl::InternalError(
+          absl::StrCat(run.hooks().describe, ": rank ", p,
+                       " sent a malformed fingerprint: ", fp.status().message()));
+    }
+    fps[p] = *fp;
+  }
+  for (int p = 1; p < n; ++p) {
+    if (!(fps[p] == fps[0])) return run.hooks().mismatch_error(0, fps[0], p, fps[p]);
+  }
+
+  if (small) {
+    // Sends too: an in-place output may be the buffer a peer still reads.
+    SL_RETURN_IF_ERROR(run.WaitBatch());
+    return FinishSmall(run, staging);
+  }
+  switch (run.fp().kind) {
+    case CollectiveKind::kAllGather:
+      SL_RETURN_IF_ERROR(LargeAllGather(run));
+      break;
+    case CollectiveKind::kAllToAll:
+      SL_RETURN_IF_ERROR(LargeAllToAll(run));
+      break;
+    case CollectiveKind::kBroadcast:
+      SL_RETURN_IF_ERROR(LargeBroadcast(run));
+      break;
+    case CollectiveKind::kReduceScatter:
+      SL_RETURN_IF_ERROR(LargeReduceScatter(run));
+      break;
+    case CollectiveKind::kAllReduce:
+      SL_RETURN_IF_ERROR(LargeAllReduce(run));
+      break;
+    case CollectiveKind::kBarrier:
+      break;
+  }
+  // Nothing may still read or write user memory when the collective returns.
+  return run.WaitBatch();
+}
+
+}  // namespace shardline::ucx_internal

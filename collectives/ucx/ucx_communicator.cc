@@ -1,0 +1,178 @@
+#include "collectives/ucx/ucx_communicator.h"
+
+#include <cstring>
+#include <optional>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "collectives/ucx/internal/ucx_collective.h"
+#include "collectives/ucx/internal/ucx_transport.h"
+#include "runtime/config.h"
+#include "runtime/host_kernels.h"
+#include "runtime/status.h"
+
+namespace shardline {
+namespace {
+
+using ucx_internal::CollectiveHooks;
+using ucx_internal::CollectiveRun;
+using ucx_internal::Tuning;
+using ucx_internal::UcxTransport;
+
+// CreateUcxCommunicator with an explicit bound on the address exchange (Split passes its own).
+absl::StatusOr<std::shared_ptr<Communicator>> CreateWithDeadline(
+    const UcxOptions& options, std::optional<absl::Time> deadline);
+
+class UcxCommunicator final : public Communicator {
+ public:
+  UcxCommunicator(int rank, int size, std::string name, absl::Duration timeout,
+                  std::shared_ptr<Store> store, std::unique_ptr<UcxTransport> transport,
+                  Tuning tuning)
+      : Communicator(rank, size, Device::Host(), std::move(name), timeout),
+        store_(std::move(store)),
+        transport_(std::move(transport)),
+        tuning_(tuning) {}
+
+  // Connects the transport's failure reports to Abort(); after construction, since it needs
+  // weak_from_this().
+  void Attach() {
+    if (transport_ == nullptr) return;
+    std::weak_ptr<Communicator> weak = weak_from_this();
+    transport_->SetAbortHandler([weak](const absl::Status& reason, bool forward) {
+      std::shared_ptr<Communicator> self = weak.lock();
+      if (self == nullptr) return;
+      forward_abort_ = forward;
+      self->Abort(reason);
+      forward_abort_ = true;
+    });
+  }
+
+  ~UcxCommunicator() override = default;
+
+  absl::string_view backend() const override { return "ucx"; }
+
+ protected:
+  absl::Status Run(const Op& op) override;
+  absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
+                                                               int index, const std::string& name,
+                                                               absl::Time deadline) override;
+  void OnAbort(const absl::Status& reason) override {
+    if (transport_ == nullptr) return;
+    // A peer's abort notice went to every rank already; anything else is news to the peers.
+    if (forward_abort_) {
+      transport_->BroadcastAbort(reason);
+    } else {
+      transport_->Wake();
+    }
+  }
+
+ private:
+  absl::Status RunAlone(const Op& op);
+
+  // Whether an abort raised on this thread must be sent to the peers (false while handling a
+  // peer's notice).
+  static thread_local bool forward_abort_;
+
+  std::shared_ptr<Store> store_;
+  std::unique_ptr<UcxTransport> transport_;  // null for a group of one
+  const Tuning tuning_;
+};
+
+thread_local bool UcxCommunicator::forward_abort_ = true;
+
+absl::Status UcxCommunicator::RunAlone(const Op& op) {
+  const CollectiveFingerprint& fp = op.fingerprint;
+  const size_t bytes = fp.count * op.element_size;
+  auto copy = [&](void* dst, const void* src) {
+    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+  };
+  switch (fp.kind) {
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kAllToAll:
+    case CollectiveKind::kReduceScatter:
+    case CollectiveKind::kAllReduce:
+      copy(op.output, op.input);
+      return absl::OkStatus();
+    case CollectiveKind::kBroadcast:
+    case CollectiveKind::kBarrier:
+      return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxCommunicator::Run(const Op& op) {
+  if (size() == 1) return RunAlone(op);
+  transport_->BeginCollective();
+  absl::Cleanup end = [&] { transport_->EndCollective(); };
+
+  CollectiveHooks hooks;
+  hooks.comm_status = [this] { return status(); };
+  hooks.deadline_error = [this, &op](const std::vector<int>& missing) {
+    return DeadlineError(op, missing);
+  };
+  hooks.mismatch_error = [this, &op](int a, const CollectiveFingerprint& fa, int b,
+                                     const CollectiveFingerprint& fb) {
+    return MismatchError(op, a, fa, b, fb);
+  };
+  hooks.describe = Describe(op);
+  CollectiveRun run(*transport_, op.fingerprint, op.input, op.output, op.element_size, op.deadline,
+                    std::move(hooks), tuning_);
+  absl::Status status = ucx_internal::RunCollective(run);
+  transport_->Release(run.TakeBatch());
+  return status;
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> UcxCommunicator::CreateSubgroup(
+    const std::vector<int>& ranks, int index, const std::string& name, absl::Time deadline) {
+  return CreateWithDeadline({.rank = index,
+                             .size = static_cast<int>(ranks.size()),
+                             .store = store_,
+                             .name = name,
+                             .timeout = timeout(),
+                             .local_size = 1},
+                            deadline);
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> CreateWithDeadline(
+    const UcxOptions& options, std::optional<absl::Time> deadline) {
+  const std::string where = absl::StrCat("creating ucx communicator ", options.name);
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": rank ", options.rank,
+                                                   " is not in [0, size) for size ", options.size));
+  }
+  if (options.store == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": store is null"));
+  }
+  if (options.local_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": local_size must be >= 1, got ", options.local_size));
+  }
+  if (options.timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": negative timeout ", absl::FormatDuration(options.timeout)));
+  }
+  absl::Duration timeout = options.timeout;
+  if (timeout == absl::ZeroDuration()) {
+    SL_ASSIGN_OR_RETURN(timeout, DefaultTimeout());
+  }
+  SL_ASSIGN_OR_RETURN(const Tuning tuning, Tuning::FromEnvironment());
+  SL_RETURN_IF_ERROR(ucx_internal::ParamUcxShm().Get().status());
+  std::unique_ptr<UcxTransport> transport;
+  if (options.size > 1) {
+    SL_ASSIGN_OR_RETURN(
+        transport, UcxTransport::Create(options.rank, options.size, *options.store, options.name,
+                                        deadline.value_or(absl::Now() + timeout)));
+  }
+  auto comm = std::make_shared<UcxCommunicator>(options.rank, options.size, options.name, timeout,
+                                                options.store, std::move(transport), tuning);
+  comm->Attach();
+  return std::shared_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Communicator>> CreateUcxCommunicator(const UcxOptions& options) {
+  return CreateWithDeadline(options, std::nullopt);
+}
+
+}  // namespace shardline

@@ -1,0 +1,65 @@
+// File: collectives/ucx/ucx_communicator.h
+// -----------------------------------------------------------------------------
+// The `ucx` backend: collectives over host memory between processes, within a machine (shared
+// memory: UCX's sysv/posix transports for small messages, CMA single-copy reads for large ones)
+// and across machines (TCP, InfiniBand — whatever UCX finds). It is the default backend of
+// InitProcessGroup() and what runs on laptops and CPU clusters.
+//
+//   SL_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> world,
+//                       CreateUcxCommunicator({.rank = r, .size = n, .store = store}));
+//
+// Every rank creates its communicator with the same `name` over a store all ranks share; the
+// ranks exchange UCX worker addresses under "<name>/ucx/..." keys and connect to each other.
+// Creation blocks until every rank has published its address or the timeout passes
+// (DeadlineExceeded naming the missing ranks).
+//
+// Algorithms (docs/collectives.md has the numbers): every collective starts with an exchange of
+// fingerprints between all ranks, so mismatched collectives fail on every rank before any user
+// memory is written. Small payloads ride along with the fingerprints (one message round);
+// large ones are received straight into the output (all-gather, all-to-all, broadcast) or
+// reduced chunk by chunk from the receive buffers in rank order, overlapping the next chunk's
+// transfer (reduce-scatter; all-reduce = reduce-scatter + all-gather). Results are bit-identical
+// to the local backend's.
+//
+// Failures: a peer that dies is an error on every survivor (Unavailable naming the peer) within
+// a fraction of a second on the same machine and through UCX's keepalive across machines; a
+// rank that does not show up is DeadlineExceeded naming it; an error on one rank is sent to
+// every peer, whose pending collectives fail with it. Destroying the communicator never hangs.
+//
+// Knobs: SHARDLINE_UCX_CHUNK_BYTES, SHARDLINE_UCX_SMALL_BYTES, SHARDLINE_UCX_WINDOW,
+// SHARDLINE_UCX_SPIN_US, SHARDLINE_UCX_SHM; UCX's own UCX_* variables apply as usual.
+
+#ifndef SHARDLINE_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_
+#define SHARDLINE_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+#include "collectives/store/store.h"
+
+namespace shardline {
+
+struct UcxOptions {
+  int rank = 0;
+  int size = 1;
+  // Shared by all ranks; the communicator keeps a reference (subgroups from Split use it too).
+  std::shared_ptr<Store> store;
+  // The same on every rank; prefixes the store keys and appears in messages.
+  std::string name = "world";
+  // Bound on creation and the default of every collective. Unset (zero): SHARDLINE_TIMEOUT_S.
+  absl::Duration timeout = absl::ZeroDuration();
+  // Ranks per host (a hint; peers on the same host are found by comparing host identities).
+  int local_size = 1;
+};
+
+// This rank's communicator of the group. InvalidArgument for a bad rank, size or missing
+// store; DeadlineExceeded if the peers do not publish their addresses in time; Internal if UCX
+// cannot be initialised.
+absl::StatusOr<std::shared_ptr<Communicator>> CreateUcxCommunicator(const UcxOptions& options);
+
+}  // namespace shardline
+
+#endif  // SHARDLINE_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_

@@ -1,0 +1,384 @@
+// GCC's -O2 uses the "very-cheap" vectoriser cost model, which refuses any loop that needs a
+// scalar epilogue, a runtime alias check or if-conversion — i.e. every loop here; the dynamic
+// model (the -O3 default) vectorises them. -fno-trapping-math lets GCC if-convert the selects
+// around floating-point operations in the f16 conversions (we never unmask FP exceptions).
+// Neither option changes a single result bit: no reassociation, no contraction, same rounding.
+// Must precede the includes so the inlined helpers are compiled under the same options.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("vect-cost-model=dynamic", "no-trapping-math")
+#endif
+
+#include "runtime/host_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "runtime/half.h"
+
+namespace shardline {
+namespace {
+
+// Loads and stores go through memcpy: any byte address is valid, and GCC turns a fixed-size
+// memcpy into a plain (unaligned) load or store, which vectorises.
+template <typename T>
+inline T Load(const std::byte* p, size_t i) {
+  T v;
+  std::memcpy(&v, p + i * sizeof(T), sizeof(T));
+  return v;
+}
+template <typename T>
+inline void Store(std::byte* p, size_t i, T v) {
+  std::memcpy(p + i * sizeof(T), &v, sizeof(T));
+}
+
+// Storage type S (what memory holds) and compute type C (what arithmetic happens in).
+template <DType D>
+struct Elem;
+template <typename T>
+struct SameElem {
+  using S = T;
+  using C = T;
+  static C ToC(S s) { return s; }
+  static S FromC(C c) { return c; }
+};
+template <>
+struct Elem<DType::kF32> : SameElem<float> {};
+template <>
+struct Elem<DType::kF64> : SameElem<double> {};
+template <>
+struct Elem<DType::kI8> : SameElem<int8_t> {};
+template <>
+struct Elem<DType::kU8> : SameElem<uint8_t> {};
+template <>
+struct Elem<DType::kI32> : SameElem<int32_t> {};
+template <>
+struct Elem<DType::kI64> : SameElem<int64_t> {};
+template <>
+struct Elem<DType::kF16> {
+  using S = uint16_t;
+  using C = float;
+  static C ToC(S s) { return HalfBitsToFloat(s); }
+  static S FromC(C c) { return FloatToHalfBits(c); }
+};
+template <>
+struct Elem<DType::kBF16> {
+  using S = uint16_t;
+  using C = float;
+  static C ToC(S s) { return Bf16BitsToFloat(s); }
+  static S FromC(C c) { return FloatToBf16Bits(c); }
+};
+
+struct SumOp {
+  template <typename C>
+  static C Apply(C a, C b) {
+    if constexpr (std::is_integral_v<C>) {
+      // Wraps modulo 2^bits instead of overflowing (undefined for signed types).
+      using U = std::make_unsigned_t<C>;
+      return static_cast<C>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return a + b;
+    }
+  }
+};
+struct MinOp {
+  template <typename C>
+  static C Apply(C a, C b) {
+    return a < b ? a : b;
+  }
+};
+struct MaxOp {
+  template <typename C>
+  static C Apply(C a, C b) {
+    return a > b ? a : b;
+  }
+};
+
+// Calls f(std::integral_constant<DType, D>{}) for the runtime `dtype`; false if unknown.
+template <typename F>
+bool DispatchDType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32:
+      f(std::integral_constant<DType, DType::kF32>{});
+      return true;
+    case DType::kF64:
+      f(std::integral_constant<DType, DType::kF64>{});
+      return true;
+    case DType::kF16:
+      f(std::integral_constant<DType, DType::kF16>{});
+      return true;
+    case DType::kBF16:
+      f(std::integral_constant<DType, DType::kBF16>{});
+      return true;
+    case DType::kI8:
+      f(std::integral_constant<DType, DType::kI8>{});
+      return true;
+    case DType::kU8:
+      f(std::integral_constant<DType, DType::kU8>{});
+      return true;
+    case DType::kI32:
+      f(std::integral_constant<DType, DType::kI32>{});
+      return true;
+    case DType::kI64:
+      f(std::integral_constant<DType, DType::kI64>{});
+      return true;
+  }
+  return false;
+}
+
+template <typename F>
+bool DispatchOp(ReduceOp op, F&& f) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      f(SumOp{});
+      return true;
+    case ReduceOp::kMin:
+      f(MinOp{});
+      return true;
+    case ReduceOp::kMax:
+      f(MaxOp{});
+      return true;
+  }
+  return false;
+}
+
+// ---- Cast ------------------------------------------------------------------------------------
+
+// One floating element from Src to Dst. Everything except f64 widens exactly to f32, so the only
+// rounding is the final one; f64 sources round once, directly (see runtime/half.h).
+template <DType Src, DType Dst>
+inline typename Elem<Dst>::S ConvertOne(typename Elem<Src>::S v) {
+  if constexpr (Src == DType::kF64) {
+    if constexpr (Dst == DType::kF32) return static_cast<float>(v);
+    if constexpr (Dst == DType::kF16) return DoubleToHalfBits(v);
+    if constexpr (Dst == DType::kBF16) return DoubleToBf16Bits(v);
+  } else {
+    const float x = Elem<Src>::ToC(v);
+    if constexpr (Dst == DType::kF64) {
+      return static_cast<double>(x);
+    } else {
+      return Elem<Dst>::FromC(x);
+    }
+  }
+}
+
+template <DType Src, DType Dst>
+void CastImpl(const std::byte* src, std::byte* dst, size_t count) {
+  using SS = typename Elem<Src>::S;
+  using DS = typename Elem<Dst>::S;
+  for (size_t i = 0; i < count; ++i) Store<DS>(dst, i, ConvertOne<Src, Dst>(Load<SS>(src, i)));
+}
+
+// ---- Reduce ----------------------------------------------------------------------------------
+
+template <DType D, typename Op>
+void ReduceImpl(std::byte* inout, const std::byte* in, size_t count) {
+  using E = Elem<D>;
+  using S = typename E::S;
+  for (size_t i = 0; i < count; ++i) {
+    Store<S>(inout, i, E::FromC(Op::Apply(E::ToC(Load<S>(inout, i)), E::ToC(Load<S>(in, i)))));
+  }
+}
+
+// Accumulates a chunk of every input in a compute-type buffer that stays in L1, then rounds and
+// stores it once: one pass over each input, one rounding, and `out` may alias any input because
+// a chunk is read completely before it is written.
+template <DType D, typename Op>
+void ReduceManyImpl(std::byte* out, const std::byte* const* inputs, int num_inputs, size_t count) {
+  using E = Elem<D>;
+  using S = typename E::S;
+  using C = typename E::C;
+  constexpr size_t kChunk = 1024;
+  C acc[kChunk];
+  for (size_t base = 0; base < count; base += kChunk) {
+    const size_t len = std::min(kChunk, count - base);
+    const size_t offset = base * sizeof(S);
+    const std::byte* first = inputs[0] + offset;
+    for (size_t j = 0; j < len; ++j) acc[j] = E::ToC(Load<S>(first, j));
+    for (int k = 1; k < num_inputs; ++k) {
+      const std::byte* p = inputs[k] + offset;
+      for (size_t j = 0; j < len; ++j) acc[j] = Op::Apply(acc[j], E::ToC(Load<S>(p, j)));
+    }
+    std::byte* o = out + offset;
+    for (size_t j = 0; j < len; ++j) Store<S>(o, j, E::FromC(acc[j]));
+  }
+}
+
+// ---- Scale -----------------------------------------------------------------------------------
+
+template <DType D>
+void ScaleFloatImpl(std::byte* inout, size_t count, double factor) {
+  using E = Elem<D>;
+  using S = typename E::S;
+  using C = typename E::C;
+  const C f = static_cast<C>(factor);
+  for (size_t i = 0; i < count; ++i) Store<S>(inout, i, E::FromC(E::ToC(Load<S>(inout, i)) * f));
+}
+
+template <DType D>
+void ScaleDivideImpl(std::byte* inout, size_t count, int64_t divisor) {
+  using S = typename Elem<D>::S;
+  if constexpr (sizeof(S) < sizeof(int64_t)) {
+    // 32-bit division when the divisor fits (it vectorises better than 64-bit division).
+    if (divisor <= std::numeric_limits<S>::max()) {
+      const int32_t d = static_cast<int32_t>(divisor);
+      for (size_t i = 0; i < count; ++i) {
+        Store<S>(inout, i, static_cast<S>(static_cast<int32_t>(Load<S>(inout, i)) / d));
+      }
+      return;
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    Store<S>(inout, i, static_cast<S>(static_cast<int64_t>(Load<S>(inout, i)) / divisor));
+  }
+}
+
+template <DType D>
+void ScaleIntegerMultiplyImpl(std::byte* inout, size_t count, double factor) {
+  using S = typename Elem<D>::S;
+  // Bounds as doubles: for 64-bit types max() is not representable; 2^63 is, and anything at or
+  // above it saturates.
+  const double lo = static_cast<double>(std::numeric_limits<S>::min());
+  const double hi = static_cast<double>(std::numeric_limits<S>::max());
+  for (size_t i = 0; i < count; ++i) {
+    const double v = std::trunc(static_cast<double>(Load<S>(inout, i)) * factor);
+    S r;
+    if (v <= lo) {
+      r = std::numeric_limits<S>::min();
+    } else if (v >= hi) {
+      r = std::numeric_limits<S>::max();
+    } else {
+      r = static_cast<S>(v);
+    }
+    Store<S>(inout, i, r);
+  }
+}
+
+absl::Status NullError(absl::string_view fn, absl::string_view arg, size_t count) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(fn, ": ", arg, " is null with count=", count, " > 0"));
+}
+
+}  // namespace
+
+absl::Status Cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t count) {
+  if (!IsFloatingPoint(src_dtype) || !IsFloatingPoint(dst_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Cast: unsupported dtype pair ", DTypeName(src_dtype), " -> ",
+                     DTypeName(dst_dtype), " (only f32, f64, f16, bf16 are supported)"));
+  }
+  if (count == 0) return absl::OkStatus();
+  if (src == nullptr) return NullError("Cast", "src", count);
+  if (dst == nullptr) return NullError("Cast", "dst", count);
+  if (src_dtype == dst_dtype) {
+    if (src != dst) std::memcpy(dst, src, count * DTypeSize(src_dtype));
+    return absl::OkStatus();
+  }
+  const auto* s = static_cast<const std::byte*>(src);
+  auto* d = static_cast<std::byte*>(dst);
+  DispatchDType(src_dtype, [&](auto src_tag) {
+    DispatchDType(dst_dtype, [&](auto dst_tag) {
+      constexpr DType kSrc = decltype(src_tag)::value;
+      constexpr DType kDst = decltype(dst_tag)::value;
+      if constexpr (IsFloatingPoint(kSrc) && IsFloatingPoint(kDst) && kSrc != kDst) {
+        CastImpl<kSrc, kDst>(s, d, count);
+      }
+    });
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Reduce(void* inout, const void* in, size_t count, DType dtype, ReduceOp op) {
+  bool known_op = DispatchOp(op, [](auto) {});
+  if (!known_op) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Reduce: invalid reduce op ", static_cast<int>(op)));
+  }
+  bool known_dtype = DispatchDType(dtype, [](auto) {});
+  if (!known_dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Reduce: invalid dtype ", static_cast<int>(dtype)));
+  }
+  if (count == 0) return absl::OkStatus();
+  if (inout == nullptr) return NullError("Reduce", "inout", count);
+  if (in == nullptr) return NullError("Reduce", "in", count);
+  auto* io = static_cast<std::byte*>(inout);
+  const auto* p = static_cast<const std::byte*>(in);
+  DispatchDType(dtype, [&](auto tag) {
+    DispatchOp(
+        op, [&](auto op_tag) { ReduceImpl<decltype(tag)::value, decltype(op_tag)>(io, p, count); });
+  });
+  return absl::OkStatus();
+}
+
+absl::Status ReduceMany(void* out, const void* const* inputs, int num_inputs, size_t count,
+                        DType dtype, ReduceOp op) {
+  if (num_inputs < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReduceMany: num_inputs must be >= 1, got ", num_inputs));
+  }
+  if (!DispatchOp(op, [](auto) {})) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReduceMany: invalid reduce op ", static_cast<int>(op)));
+  }
+  if (!DispatchDType(dtype, [](auto) {})) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReduceMany: invalid dtype ", static_cast<int>(dtype)));
+  }
+  if (count == 0) return absl::OkStatus();
+  if (out == nullptr) return NullError("ReduceMany", "out", count);
+  if (inputs == nullptr) return NullError("ReduceMany", "inputs", count);
+  for (int k = 0; k < num_inputs; ++k) {
+    if (inputs[k] == nullptr)
+      return NullError("ReduceMany", absl::StrCat("inputs[", k, "]"), count);
+  }
+  auto* o = static_cast<std::byte*>(out);
+  const auto* const* in = reinterpret_cast<const std::byte* const*>(inputs);
+  DispatchDType(dtype, [&](auto tag) {
+    DispatchOp(op, [&](auto op_tag) {
+      ReduceManyImpl<decltype(tag)::value, decltype(op_tag)>(o, in, num_inputs, count);
+    });
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Scale(void* inout, size_t count, DType dtype, double factor) {
+  if (!std::isfinite(factor)) {
+    return absl::InvalidArgumentError(absl::StrCat("Scale: factor must be finite, got ", factor));
+  }
+  if (!DispatchDType(dtype, [](auto) {})) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Scale: invalid dtype ", static_cast<int>(dtype)));
+  }
+  if (count == 0) return absl::OkStatus();
+  if (inout == nullptr) return NullError("Scale", "inout", count);
+  auto* io = static_cast<std::byte*>(inout);
+  // Integer division when factor is 1/n: avg of integers divides exactly as C++ does.
+  int64_t divisor = 0;
+  if (factor > 0) {
+    const double reciprocal = 1.0 / factor;
+    const double n = std::round(reciprocal);
+    if (n >= 1 && n < 0x1p62 && std::fabs(reciprocal - n) <= 1e-9 * n) {
+      divisor = static_cast<int64_t>(n);
+    }
+  }
+  DispatchDType(dtype, [&](auto tag) {
+    constexpr DType kD = decltype(tag)::value;
+    if constexpr (IsFloatingPoint(kD)) {
+      ScaleFloatImpl<kD>(io, count, factor);
+    } else if (divisor > 0) {
+      ScaleDivideImpl<kD>(io, count, divisor);
+    } else {
+      ScaleIntegerMultiplyImpl<kD>(io, count, factor);
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace shardline

@@ -1,0 +1,119 @@
+// File: runtime/host_stream_internal.h
+// -----------------------------------------------------------------------------
+// Internal to the stream implementations (runtime/host_stream.cc, runtime/cuda/cuda_stream.cc):
+// the shared state of a host event and the two small interfaces through which one kind of stream
+// records or waits for another kind's events. Not part of the public API.
+//
+// A host event's Record() makes a fresh HostCapture and hands it to the stream, which completes it
+// when the work enqueued before it has run. Waiters (Event::Synchronize, a host stream's worker, a
+// caller stream's thread, a CUDA host function) hold the capture they saw when they started, so
+// re-recording the event never changes what an earlier wait waits for, which is CUDA's rule.
+
+#ifndef SHARDLINE_RUNTIME_HOST_STREAM_INTERNAL_H_
+#define SHARDLINE_RUNTIME_HOST_STREAM_INTERNAL_H_
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "runtime/stream.h"
+
+namespace shardline::internal {
+
+// Waits on `cv` (with `lock` held) until `done()` or `deadline`; returns done(). The stream code
+// uses std::mutex and std::condition_variable rather than absl::Mutex: the system's abseil is not
+// built with ThreadSanitizer, which then cannot see absl::Mutex's synchronization.
+template <typename Pred>
+bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, absl::Time deadline,
+               Pred done) {
+  if (deadline == absl::InfiniteFuture()) {
+    cv.wait(lock, done);
+    return true;
+  }
+  return cv.wait_until(lock, absl::ToChronoTime(deadline), done);
+}
+
+// One Record() of a host event.
+class HostCapture {
+ public:
+  explicit HostCapture(std::string stream_name) : stream_name_(std::move(stream_name)) {}
+
+  // Marks the capture complete with `status` (OK, or the failure of the stream it was recorded
+  // on) and wakes every waiter. Only the first call counts.
+  void Complete(absl::Status status);
+
+  // OK once complete: the failure's Status if the captured work failed. DeadlineExceeded if
+  // `deadline` passes first, naming `waiter` ("Event::Synchronize", "stream 'x'") and the stream
+  // the event was recorded on.
+  absl::Status Wait(absl::Time deadline, absl::string_view waiter);
+
+  // false while pending; true once complete, with the outcome in *status.
+  bool done(absl::Status* status);
+
+  const std::string& stream_name() const { return stream_name_; }
+
+ private:
+  const std::string stream_name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// Implemented by every stream a host event can be recorded on (host, caller and CUDA streams).
+class HostCaptureRecorder {
+ public:
+  // Completes `capture` once the work enqueued so far has run. If the stream is poisoned the
+  // capture completes at once with the stream's Status, which is also returned.
+  virtual absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) = 0;
+
+ protected:
+  ~HostCaptureRecorder() = default;
+};
+
+// Implemented by events of other kinds (CUDA) that host and caller streams can wait for by
+// blocking a host thread.
+class HostWaitable {
+ public:
+  using Waiter = absl::AnyInvocable<absl::Status(absl::Time deadline) &&>;
+
+  // A closure that blocks until the work captured by the event's latest Record() (as of this call)
+  // has completed: OK, the failure's Status, or DeadlineExceeded at `deadline`. It keeps what it
+  // needs alive, so the event may be destroyed before it runs. InvalidArgument if this event cannot
+  // be waited for from the host.
+  virtual absl::StatusOr<Waiter> SnapshotForHostWait() = 0;
+
+ protected:
+  ~HostWaitable() = default;
+};
+
+// The wait_timeout a stream named options.name uses: options.wait_timeout if set, else
+// SHARDLINE_TIMEOUT_S. InvalidArgument if it is negative, or unset and the knob is invalid.
+absl::StatusOr<absl::Duration> ResolveWaitTimeout(const StreamOptions& options);
+
+// The event of host and caller streams. Record() works on any stream that implements
+// HostCaptureRecorder.
+class HostEvent final : public Event {
+ public:
+  Device device() const override { return Device::Host(); }
+  absl::Status Record(Stream& stream) override;
+  absl::StatusOr<bool> Query() override;
+  absl::Status Synchronize(absl::Time deadline) override;
+
+  // The capture of the latest Record(); nullptr if the event was never recorded.
+  std::shared_ptr<HostCapture> current() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::shared_ptr<HostCapture> current_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardline::internal
+
+#endif  // SHARDLINE_RUNTIME_HOST_STREAM_INTERNAL_H_

@@ -1,0 +1,238 @@
+// Reading the launchers' environments and the join check.
+#include "collectives/bootstrap.h"
+
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <functional>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "tests/common/scoped_env.h"
+
+namespace shardline {
+namespace {
+
+using ::shardline::testing::ScopedEnv;
+
+// Every variable any launcher sets, unset, so each test starts from a clean environment.
+#define CLEAN_LAUNCH_ENV                                                                   \
+  ScopedEnv clean {                                                                        \
+    {"RANK", nullptr}, {"WORLD_SIZE", nullptr}, {"LOCAL_RANK", nullptr},                   \
+        {"LOCAL_WORLD_SIZE", nullptr}, {"MASTER_ADDR", nullptr}, {"MASTER_PORT", nullptr}, \
+        {"OMPI_COMM_WORLD_RANK", nullptr}, {"OMPI_COMM_WORLD_SIZE", nullptr},              \
+        {"OMPI_COMM_WORLD_LOCAL_RANK", nullptr}, {"OMPI_COMM_WORLD_LOCAL_SIZE", nullptr},  \
+        {"SLURM_PROCID", nullptr}, {"SLURM_NTASKS", nullptr}, {"SLURM_LOCALID", nullptr},  \
+        {"SLURM_NTASKS_PER_NODE", nullptr}, {"SLURM_TASKS_PER_NODE", nullptr},             \
+        {"SLURM_NODEID", nullptr}, {"SLURM_LAUNCH_NODE_IPADDR", nullptr},                  \
+        {"SLURM_JOB_ID", nullptr},                                                         \
+  }
+
+TEST(LaunchEnvironmentTest, NoneIsNotFound) {
+  CLEAN_LAUNCH_ENV;
+  EXPECT_EQ(ReadLaunchEnvironment().status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(LaunchEnvironmentTest, Torchrun) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"RANK", "5"},
+                {"WORLD_SIZE", "8"},
+                {"LOCAL_RANK", "1"},
+                {"LOCAL_WORLD_SIZE", "4"},
+                {"MASTER_ADDR", "node0"},
+                {"MASTER_PORT", "29501"}};
+  absl::StatusOr<LaunchInfo> info = ReadLaunchEnvironment();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->launcher, "torchrun");
+  EXPECT_EQ(info->rank, 5);
+  EXPECT_EQ(info->world_size, 8);
+  EXPECT_EQ(info->local_rank, 1);
+  EXPECT_EQ(info->local_world_size, 4);
+  EXPECT_EQ(info->master_addr, "node0");
+  EXPECT_EQ(info->master_port, 29501);
+}
+
+TEST(LaunchEnvironmentTest, TorchrunErrorsNameTheVariable) {
+  CLEAN_LAUNCH_ENV;
+  {
+    ScopedEnv env{{"RANK", "x"}, {"WORLD_SIZE", "2"}};
+    absl::Status status = ReadLaunchEnvironment().status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(status.message(), "RANK='x'")) << status;
+  }
+  {
+    ScopedEnv env{{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}};
+    absl::Status status = ReadLaunchEnvironment().status();
+    EXPECT_TRUE(absl::StrContains(status.message(), "not below the world size 2")) << status;
+  }
+  {
+    ScopedEnv env{{"RANK", "0"}, {"WORLD_SIZE", "2"}};
+    absl::Status status = ReadLaunchEnvironment().status();
+    EXPECT_TRUE(absl::StrContains(status.message(), "MASTER_ADDR")) << status;
+  }
+  {
+    ScopedEnv env{
+        {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}};
+    absl::Status status = ReadLaunchEnvironment().status();
+    EXPECT_TRUE(absl::StrContains(status.message(), "MASTER_PORT='70000'")) << status;
+  }
+}
+
+TEST(LaunchEnvironmentTest, SingleProcessNeedsNoStoreAddress) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  absl::StatusOr<LaunchInfo> info = ReadLaunchEnvironment();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->master_addr, "127.0.0.1");
+  EXPECT_EQ(info->master_port, 0);
+}
+
+TEST(LaunchEnvironmentTest, OpenMpi) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"OMPI_COMM_WORLD_RANK", "3"},       {"OMPI_COMM_WORLD_SIZE", "4"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                {"MASTER_ADDR", "10.0.0.1"},         {"MASTER_PORT", "29400"}};
+  absl::StatusOr<LaunchInfo> info = ReadLaunchEnvironment();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->launcher, "openmpi");
+  EXPECT_EQ(info->rank, 3);
+  EXPECT_EQ(info->local_world_size, 2);
+  EXPECT_EQ(info->master_addr, "10.0.0.1");
+}
+
+TEST(LaunchEnvironmentTest, OpenMpiWithoutStoreAddressSaysHow) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}};
+  absl::Status status = ReadLaunchEnvironment().status();
+  EXPECT_TRUE(absl::StrContains(status.message(), "mpirun -x")) << status;
+}
+
+TEST(LaunchEnvironmentTest, SlurmWithTaskListAndDerivedPort) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"SLURM_PROCID", "9"},
+                {"SLURM_NTASKS", "11"},
+                {"SLURM_LOCALID", "1"},
+                {"SLURM_NODEID", "2"},
+                {"SLURM_TASKS_PER_NODE", "4(x2),3"},
+                {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"},
+                {"SLURM_JOB_ID", "123456"}};
+  absl::StatusOr<LaunchInfo> info = ReadLaunchEnvironment();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->launcher, "slurm");
+  EXPECT_EQ(info->rank, 9);
+  EXPECT_EQ(info->world_size, 11);
+  EXPECT_EQ(info->local_world_size, 3);  // node 2 has 3 tasks
+  EXPECT_EQ(info->master_addr, "10.1.2.3");
+  EXPECT_EQ(info->master_port, 20000 + 123456 % 20000);
+}
+
+TEST(LaunchEnvironmentTest, SlurmMalformedTaskList) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"SLURM_PROCID", "0"},
+                {"SLURM_NTASKS", "2"},
+                {"SLURM_TASKS_PER_NODE", "2(x"},
+                {"MASTER_ADDR", "h"},
+                {"MASTER_PORT", "5"}};
+  absl::Status status = ReadLaunchEnvironment().status();
+  EXPECT_TRUE(absl::StrContains(status.message(), "SLURM_TASKS_PER_NODE")) << status;
+}
+
+// A port that was free a moment ago (the store binds it right after; tests only).
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Joins `n` ranks as threads; `backend_of(rank)` picks each rank's backend.
+std::vector<absl::Status> JoinAsThreads(int n, const std::function<std::string(int)>& backend_of,
+                                        absl::Duration timeout) {
+  const int port = FreePort();
+  std::vector<absl::Status> results(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      InitOptions options;
+      options.backend = backend_of(r);
+      options.device = Device::Host();
+      options.timeout = timeout;
+      LaunchInfo info;
+      info.rank = r;
+      info.world_size = n;
+      info.local_rank = r;
+      info.local_world_size = n;
+      info.master_port = port;
+      options.launch = info;
+      results[r] = InitProcessGroup(options).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+TEST(InitProcessGroupTest, MismatchedJoinFailsOnEveryRankNamingTheField) {
+  std::vector<absl::Status> results = JoinAsThreads(
+      3, [](int r) { return r == 2 ? "nccl" : "ucx"; }, absl::Seconds(20));
+  for (const absl::Status& status : results) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_TRUE(
+        absl::StrContains(status.message(), "rank 2 has backend=nccl but rank 0 has backend=ucx"))
+        << status;
+  }
+}
+
+TEST(InitProcessGroupTest, MissingRankTimesOutNamingIt) {
+  const absl::Time start = absl::Now();
+  // World of 3, but only ranks 0 and 1 start.
+  const int port = FreePort();
+  std::vector<absl::Status> results(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      InitOptions options;
+      options.device = Device::Host();
+      options.timeout = absl::Seconds(1);
+      LaunchInfo info;
+      info.rank = r;
+      info.world_size = 3;
+      info.local_world_size = 3;
+      info.local_rank = r;
+      info.master_port = port;
+      options.launch = info;
+      results[r] = InitProcessGroup(options).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+  // Rank 0 hosts the store and names the missing rank. Rank 1 does too unless rank 0 gave up
+  // first and took the store with it, which rank 1 then reports as the store being gone.
+  EXPECT_EQ(results[0].code(), absl::StatusCode::kDeadlineExceeded) << results[0];
+  EXPECT_TRUE(absl::StrContains(results[0].message(), "waiting for rank(s) 2")) << results[0];
+  if (results[1].code() == absl::StatusCode::kDeadlineExceeded) {
+    EXPECT_TRUE(absl::StrContains(results[1].message(), "waiting for rank(s) 2")) << results[1];
+  } else {
+    EXPECT_EQ(results[1].code(), absl::StatusCode::kUnavailable) << results[1];
+  }
+}
+
+TEST(CreateCommunicatorTest, RejectsBadArguments) {
+  CommunicatorOptions options;
+  options.rank = 2;
+  options.size = 2;
+  EXPECT_EQ(CreateCommunicator(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.rank = 0;
+  EXPECT_TRUE(absl::StrContains(CreateCommunicator(options).status().message(), "store"));
+}
+
+}  // namespace
+}  // namespace shardline

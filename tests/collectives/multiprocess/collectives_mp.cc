@@ -1,0 +1,403 @@
+// Multi-process test program of the ucx backend, started by shardline-launch (RANK, WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT) and driven by tests/scripts/multiprocess_test.py:
+//
+//   collectives_mp correctness   every op x dtype x count {0, 1, 7, 4097, 2^20+3}, in place and
+//                                out of place, against plain-loop references; then splits
+//   collectives_mp mismatch      ranks disagree on counts, then on dtypes: every rank must get
+//                                the mismatch error naming two ranks (exit 0 if so)
+//   collectives_mp kill          rank 1 SIGKILLs itself in the middle of a large all-reduce;
+//                                survivors must fail within the deadline + a few seconds, shut
+//                                down cleanly and exit with kSurvivorExit
+//   collectives_mp flood         rank 0 floods the store's port with garbage and oversized
+//                                frames from a thread while the collectives run; they must pass
+//   collectives_mp quick         a few collectives of every kind (used over TCP)
+//
+// Prints "OK <scenario> rank <r>" on success; failures print the reason and exit 1.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "collectives/store/tcp_store.h"
+#include "collectives/ucx/ucx_communicator.h"
+#include "runtime/stream.h"
+#include "tests/common/typed_values.h"
+
+namespace shardline {
+namespace {
+
+using testing::GetElement;
+using testing::PatternBuffer;
+using testing::PatternValue;
+using testing::ReferenceReduce;
+using testing::SetElement;
+using testing::Tolerance;
+
+constexpr int kSurvivorExit = 3;
+
+int g_rank = 0;
+int g_size = 1;
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, what.c_str());
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
+int EnvInt(const char* name) {
+  const char* v = std::getenv(name);
+  int out = 0;
+  if (v == nullptr || !absl::SimpleAtoi(v, &out)) Fail(absl::StrCat("bad or missing ", name));
+  return out;
+}
+
+struct World {
+  std::shared_ptr<Store> store;
+  std::shared_ptr<Communicator> comm;
+  std::unique_ptr<Stream> stream;
+};
+
+World Join(absl::Duration timeout) {
+  g_rank = EnvInt("RANK");
+  g_size = EnvInt("WORLD_SIZE");
+  const char* addr = std::getenv("MASTER_ADDR");
+  TcpStoreOptions options;
+  options.host = addr != nullptr ? addr : "127.0.0.1";
+  options.port = EnvInt("MASTER_PORT");
+  options.rank = g_rank;
+  options.timeout = timeout;
+  absl::StatusOr<std::unique_ptr<TcpStore>> store =
+      TcpStore::Create(options, /*is_server=*/g_rank == 0, absl::Now() + timeout);
+  if (!store.ok()) Fail(absl::StrCat("store: ", store.status().ToString()));
+  World world;
+  world.store = std::shared_ptr<Store>(std::move(*store));
+  absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
+      {.rank = g_rank, .size = g_size, .store = world.store, .timeout = timeout});
+  if (!comm.ok()) Fail(absl::StrCat("create: ", comm.status().ToString()));
+  world.comm = *comm;
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = "mp"});
+  if (!stream.ok()) Fail(stream.status().ToString());
+  world.stream = std::move(*stream);
+  return world;
+}
+
+absl::Status WaitFor(const absl::StatusOr<Work>& work) {
+  if (!work.ok()) return work.status();
+  return work->Wait(absl::Now() + absl::Seconds(120));
+}
+
+void Expect(bool ok, const std::string& what) {
+  if (!ok) Fail(what);
+}
+
+void ExpectOk(const absl::Status& status, const std::string& what) {
+  if (!status.ok()) Fail(absl::StrCat(what, ": ", status.ToString()));
+}
+
+// Checks every `stride`-th element (all of them for small counts).
+size_t Stride(size_t count) { return count > 100000 ? 101 : 1; }
+
+void CheckAllKinds(Communicator& comm, Stream& stream, const std::vector<size_t>& counts,
+                   bool big_subset) {
+  const int n = comm.size();
+  const int r = comm.rank();
+  for (size_t count : counts) {
+    const bool big = count > 100000;
+    for (DType dtype : kAllDTypes) {
+      if (big && big_subset && dtype != DType::kF32 && dtype != DType::kBF16 &&
+          dtype != DType::kI64 && dtype != DType::kU8) {
+        continue;
+      }
+      const size_t e = DTypeSize(dtype);
+      const std::string tag = absl::StrCat(DTypeName(dtype), " count ", count);
+      // all_gather, in and out of place.
+      for (bool in_place : {false, true}) {
+        std::vector<uint8_t> input = PatternBuffer(dtype, r, count);
+        std::vector<uint8_t> output(n * count * e, 0xAB);
+        const void* in = input.data();
+        if (in_place) {
+          std::copy(input.begin(), input.end(), output.begin() + r * count * e);
+          in = output.data() + r * count * e;
+        }
+        ExpectOk(WaitFor(comm.AllGather(in, output.data(), count, dtype, stream)),
+                 "all_gather " + tag);
+        for (int s = 0; s < n; ++s) {
+          for (size_t i = 0; i < count; i += Stride(count)) {
+            Expect(GetElement(dtype, output.data(), s * count + i) == PatternValue(dtype, s, i),
+                   absl::StrCat("all_gather ", tag, " wrong at ", s, ":", i));
+          }
+        }
+      }
+      // broadcast from the last rank, all_to_all (smaller: count per peer).
+      {
+        const int root = n - 1;
+        std::vector<uint8_t> buffer = PatternBuffer(dtype, r, count, /*salt=*/3);
+        ExpectOk(WaitFor(comm.Broadcast(buffer.data(), count, dtype, stream, {.root = root})),
+                 "broadcast " + tag);
+        for (size_t i = 0; i < count; i += Stride(count)) {
+          Expect(GetElement(dtype, buffer.data(), i) == PatternValue(dtype, root, i, 3),
+                 "broadcast " + tag);
+        }
+        const size_t per = big ? count / n : count;
+        std::vector<uint8_t> input = PatternBuffer(dtype, r, n * per);
+        std::vector<uint8_t> output(input.size());
+        ExpectOk(WaitFor(comm.AllToAll(input.data(), output.data(), per, dtype, stream)),
+                 "all_to_all " + tag);
+        for (int s = 0; s < n; ++s) {
+          for (size_t i = 0; i < per; i += Stride(per)) {
+            Expect(GetElement(dtype, output.data(), s * per + i) ==
+                       PatternValue(dtype, s, r * per + i),
+                   "all_to_all " + tag);
+          }
+        }
+      }
+      if (dtype == DType::kU8 || dtype == DType::kI8) continue;
+      for (ReduceOp op : kAllReduceOps) {
+        if (big && big_subset && op != ReduceOp::kSum && op != ReduceOp::kAvg) continue;
+        const std::string rtag = absl::StrCat(tag, " ", ReduceOpName(op));
+        for (bool in_place : {false, true}) {
+          std::vector<uint8_t> input = PatternBuffer(dtype, r, n * count);
+          std::vector<uint8_t> separate(count * e);
+          void* out = in_place ? input.data() + r * count * e : separate.data();
+          ExpectOk(WaitFor(comm.ReduceScatter(input.data(), out, count, dtype, stream, {.op = op})),
+                   "reduce_scatter " + rtag);
+          for (size_t i = 0; i < count; i += Stride(count)) {
+            const double want = ReferenceReduce(dtype, op, n, r * count + i);
+            Expect(std::abs(GetElement(dtype, out, i) - want) <= Tolerance(dtype, op),
+                   absl::StrCat("reduce_scatter ", rtag, " wrong at ", i));
+          }
+          std::vector<uint8_t> all = PatternBuffer(dtype, r, count, /*salt=*/1);
+          std::vector<uint8_t> all_out(all.size());
+          void* aout = in_place ? all.data() : all_out.data();
+          ExpectOk(WaitFor(comm.AllReduce(all.data(), aout, count, dtype, stream, {.op = op})),
+                   "all_reduce " + rtag);
+          for (size_t i = 0; i < count; i += Stride(count)) {
+            const double want = ReferenceReduce(dtype, op, n, i, /*salt=*/1);
+            Expect(std::abs(GetElement(dtype, aout, i) - want) <= Tolerance(dtype, op),
+                   absl::StrCat("all_reduce ", rtag, " wrong at ", i));
+          }
+        }
+      }
+    }
+  }
+  ExpectOk(WaitFor(comm.Barrier(stream)), "barrier");
+}
+
+void CheckSplit(World& w) {
+  const int r = g_rank;
+  const int n = g_size;
+  // Odd and even ranks, reversed; the subgroup runs next to the world.
+  const int color = r % 2;
+  absl::StatusOr<std::shared_ptr<Communicator>> sub =
+      w.comm->Split(color, -r, absl::Now() + absl::Seconds(60));
+  ExpectOk(sub.status(), "split");
+  std::vector<int> members;
+  for (int s = n - 1; s >= 0; --s) {
+    if (s % 2 == color) members.push_back(s);
+  }
+  Expect((*sub)->size() == static_cast<int>(members.size()), "split size");
+  int32_t mine = r;
+  std::vector<int32_t> got(members.size());
+  ExpectOk(WaitFor((*sub)->AllGather(&mine, got.data(), 1, DType::kI32, *w.stream)),
+           "split all_gather");
+  Expect(got == std::vector<int32_t>(members.begin(), members.end()), "split membership");
+  CheckAllKinds(**sub, *w.stream, {7, 4097}, true);
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "world barrier after split");
+}
+
+int Correctness() {
+  World w = Join(absl::Seconds(60));
+  CheckAllKinds(*w.comm, *w.stream, {0, 1, 7, 4097, (1 << 20) + 3}, true);
+  CheckSplit(w);
+  std::printf("OK correctness rank %d\n", g_rank);
+  return 0;
+}
+
+int Quick() {
+  World w = Join(absl::Seconds(60));
+  CheckAllKinds(*w.comm, *w.stream, {1, 4097, 300000}, true);
+  std::printf("OK quick rank %d\n", g_rank);
+  return 0;
+}
+
+int Mismatch() {
+  World w = Join(absl::Seconds(30));
+  const int last = g_size - 1;
+  {
+    const size_t count = g_rank == last ? 8 : 7;
+    std::vector<float> in(8), out(8 * g_size, -1.0f);
+    absl::Status s =
+        WaitFor(w.comm->AllGather(in.data(), out.data(), count, DType::kF32, *w.stream));
+    const std::string want = absl::StrCat("rank 0 called all_gather(count=7, f32) but rank ", last,
+                                          " called all_gather(count=8, f32)");
+    Expect(s.code() == absl::StatusCode::kInvalidArgument && absl::StrContains(s.message(), want),
+           absl::StrCat("expected the count mismatch, got ", s.ToString()));
+    Expect(out[0] == -1.0f, "output written despite the mismatch");
+  }
+  // The communicator is aborted now; a fresh one for the dtype mismatch.
+  absl::StatusOr<std::shared_ptr<Communicator>> second =
+      CreateUcxCommunicator({.rank = g_rank,
+                             .size = g_size,
+                             .store = w.store,
+                             .name = "second",
+                             .timeout = absl::Seconds(30)});
+  ExpectOk(second.status(), "second communicator");
+  // The failed collective poisoned the stream too: a fresh one.
+  absl::StatusOr<std::unique_ptr<Stream>> fresh = CreateHostStream({.name = "mp2"});
+  ExpectOk(fresh.status(), "stream");
+  w.stream = std::move(*fresh);
+  {
+    const DType dtype = g_rank == last ? DType::kI32 : DType::kF32;
+    std::vector<float> buffer(200000, 1.0f);  // large: the zero-copy path
+    absl::Status s = WaitFor(
+        (*second)->AllReduce(buffer.data(), buffer.data(), buffer.size(), dtype, *w.stream));
+    const std::string want =
+        absl::StrCat("but rank ", last, " called all_reduce(count=200000, i32");
+    Expect(s.code() == absl::StatusCode::kInvalidArgument && absl::StrContains(s.message(), want),
+           absl::StrCat("expected the dtype mismatch, got ", s.ToString()));
+    Expect(buffer[0] == 1.0f && buffer.back() == 1.0f, "buffer written despite the mismatch");
+  }
+  std::printf("OK mismatch rank %d\n", g_rank);
+  return 0;
+}
+
+int Kill() {
+  const absl::Duration timeout = absl::Seconds(20);
+  World w = Join(timeout);
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  std::vector<float> buffer(8 << 20, 1.0f);
+  if (g_rank == 1) {
+    // Dies while the collective is in flight on the stream's thread.
+    std::thread killer([] {
+      absl::SleepFor(absl::Milliseconds(20));
+      raise(SIGKILL);
+    });
+    killer.detach();
+  }
+  const absl::Time start = absl::Now();
+  absl::Status status;
+  for (int i = 0; i < 1000 && status.ok(); ++i) {
+    status = WaitFor(
+        w.comm->AllReduce(buffer.data(), buffer.data(), buffer.size(), DType::kF32, *w.stream));
+  }
+  const absl::Duration took = absl::Now() - start;
+  if (g_rank == 1) Fail("rank 1 survived its own SIGKILL");
+  if (status.ok()) Fail("survivor finished 1000 all_reduces without noticing rank 1's death");
+  std::printf("SURVIVOR rank %d failed after %.2f s: %s\n", g_rank, absl::ToDoubleSeconds(took),
+              status.ToString().c_str());
+  Expect(took < timeout + absl::Seconds(5), "survivor took longer than the deadline");
+  std::fflush(stdout);
+  const absl::Time shutdown = absl::Now();
+  w.stream.reset();
+  w.comm.reset();
+  w.store.reset();
+  std::printf("SHUTDOWN rank %d in %.2f s\n", g_rank,
+              absl::ToDoubleSeconds(absl::Now() - shutdown));
+  std::fflush(stdout);
+  return kSurvivorExit;
+}
+
+// Opens raw connections to the store and writes garbage, truncated and oversized frames.
+void Flood(const std::string& host, int port, std::atomic<bool>* stop, int* sent) {
+  uint32_t seed = 12345;
+  while (!stop->load()) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      std::vector<uint8_t> junk(1 + seed % 4096);
+      for (uint8_t& b : junk) {
+        seed = seed * 1103515245 + 12345;
+        b = static_cast<uint8_t>(seed >> 16);
+      }
+      if (seed % 3 == 0) std::memset(junk.data(), 0xFF, std::min<size_t>(junk.size(), 16));
+      (void)!send(fd, junk.data(), junk.size(), MSG_NOSIGNAL);
+      ++*sent;
+    }
+    close(fd);
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+}
+
+int FloodScenario() {
+  World w = Join(absl::Seconds(60));
+  std::atomic<bool> stop{false};
+  int sent = 0;
+  std::thread flooder;
+  if (g_rank == 0) {
+    const char* addr = std::getenv("MASTER_ADDR");
+    flooder = std::thread(Flood, addr != nullptr ? addr : "127.0.0.1", EnvInt("MASTER_PORT"), &stop,
+                          &sent);
+  }
+  CheckAllKinds(*w.comm, *w.stream, {7, 4097}, true);
+  CheckSplit(w);  // uses the store while it is flooded
+  stop = true;
+  if (flooder.joinable()) flooder.join();
+  if (g_rank == 0) Expect(sent > 0, "the flood never connected");
+  std::printf("OK flood rank %d (%d garbage connections)\n", g_rank, sent);
+  return 0;
+}
+
+// Ad-hoc timing (not a test): prints per-collective times on rank 0.
+int Bench() {
+  World w = Join(absl::Seconds(120));
+  auto time_it = [&](const char* what, size_t bytes, int iters, auto&& issue) {
+    for (int i = 0; i < 2; ++i) ExpectOk(WaitFor(issue()), what);
+    ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < iters; ++i) ExpectOk(WaitFor(issue()), what);
+    const double us = absl::ToDoubleMicroseconds(absl::Now() - start) / iters;
+    if (g_rank == 0) {
+      std::printf("%-24s %10zu B  %10.1f us  algbw %6.2f GB/s\n", what, bytes, us,
+                  bytes / us / 1e3);
+    }
+  };
+  const int n = g_size;
+  for (size_t bytes : {size_t{8} << 10, size_t{16} << 20, size_t{64} << 20}) {
+    const int iters = bytes < (1 << 20) ? 2000 : 5;
+    const size_t count = bytes / 4;
+    std::vector<float> big(count, 1.0f), out(count);
+    time_it("all_gather in-place", bytes, iters, [&] {
+      return w.comm->AllGather(big.data() + g_rank * (count / n), big.data(), count / n,
+                               DType::kF32, *w.stream);
+    });
+    time_it("reduce_scatter", bytes, iters, [&] {
+      return w.comm->ReduceScatter(big.data(), out.data(), count / n, DType::kF32, *w.stream);
+    });
+    time_it("all_reduce", bytes, iters, [&] {
+      return w.comm->AllReduce(big.data(), out.data(), count, DType::kF32, *w.stream);
+    });
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardline
+
+int main(int argc, char** argv) {
+  const std::string scenario = argc > 1 ? argv[1] : "correctness";
+  if (scenario == "correctness") return shardline::Correctness();
+  if (scenario == "quick") return shardline::Quick();
+  if (scenario == "mismatch") return shardline::Mismatch();
+  if (scenario == "kill") return shardline::Kill();
+  if (scenario == "flood") return shardline::FloodScenario();
+  if (scenario == "bench") return shardline::Bench();
+  std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
+  return 2;
+}

@@ -1,0 +1,656 @@
+// Host and caller streams, host events: ordering, cross-stream waits, deadlines, poisoning.
+
+#include "runtime/stream.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "runtime/config.h"
+
+namespace shardline {
+namespace {
+
+using ::testing::HasSubstr;
+
+absl::Time Soon() { return absl::Now() + absl::Seconds(20); }
+
+std::unique_ptr<Stream> MakeHost(const std::string& name,
+                                 absl::Duration wait_timeout = absl::Seconds(20)) {
+  StreamOptions options;
+  options.name = name;
+  options.wait_timeout = wait_timeout;
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream(options);
+  EXPECT_TRUE(stream.ok()) << stream.status();
+  return std::move(stream).value();
+}
+
+std::unique_ptr<Stream> MakeCaller(const std::string& name,
+                                   absl::Duration wait_timeout = absl::Seconds(20)) {
+  StreamOptions options;
+  options.name = name;
+  options.wait_timeout = wait_timeout;
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateCallerStream(options);
+  EXPECT_TRUE(stream.ok()) << stream.status();
+  return std::move(stream).value();
+}
+
+// A one-shot gate. Not absl::Notification: the system's abseil is not built with
+// ThreadSanitizer, which then cannot see the ordering it provides.
+class Gate {
+ public:
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  // Bounded, so that a broken test fails instead of hanging.
+  bool Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(20), [this] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// A work item that blocks until `gate` opens (bounded, so that a broken test cannot hang).
+Stream::Work BlockOn(Gate& gate) {
+  return [&gate] {
+    gate.Wait();
+    return absl::OkStatus();
+  };
+}
+
+std::string Message(const absl::Status& status) { return std::string(status.message()); }
+
+// ---------------------------------------------------------------------------------------------
+// Ordering stress: 4 host streams x 10,000 ops with random cross-stream waits. Every op takes a
+// number from one global atomic counter; afterwards each happens-before edge is checked: FIFO
+// order within each stream, and for each wait, the last op enqueued on A before the Record took
+// a smaller number than the first op enqueued on B after the WaitEvent.
+TEST(HostStreamTest, OrderingStressWithRandomCrossStreamWaits) {
+  constexpr int kStreams = 4;
+  constexpr int kOpsPerStream = 10000;
+  std::mt19937 rng(20240611);
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int s = 0; s < kStreams; ++s) streams.push_back(MakeHost("stress" + std::to_string(s)));
+
+  std::atomic<int64_t> clock{0};
+  std::vector<std::vector<int64_t>> seq(kStreams, std::vector<int64_t>(kOpsPerStream, -1));
+  std::vector<int> enqueued(kStreams, 0);
+  struct Edge {
+    int a, ops_before;  // ops [0, ops_before) of stream a happen before ...
+    int b, ops_after;   // ... ops [ops_after, end) of stream b
+  };
+  std::vector<Edge> edges;
+
+  std::uniform_int_distribution<int> pick_stream(0, kStreams - 1);
+  std::uniform_int_distribution<int> percent(0, 99);
+  int remaining = kStreams * kOpsPerStream;
+  while (remaining > 0) {
+    const int s = pick_stream(rng);
+    if (enqueued[s] == kOpsPerStream) continue;
+    const int index = enqueued[s]++;
+    --remaining;
+    // Some ops pause a little so that the streams drift apart and the waits really block.
+    const bool pause = percent(rng) == 0;
+    ASSERT_TRUE(streams[s]
+                    ->Enqueue([&seq, &clock, s, index, pause] {
+                      if (pause) absl::SleepFor(absl::Microseconds(50));
+                      seq[s][index] = clock.fetch_add(1);
+                      return absl::OkStatus();
+                    })
+                    .ok());
+    if (percent(rng) < 3) {
+      const int a = pick_stream(rng);
+      int b = pick_stream(rng);
+      if (b == a) b = (a + 1) % kStreams;
+      absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*streams[a]);
+      ASSERT_TRUE(event.ok()) << event.status();
+      ASSERT_TRUE(streams[b]->WaitEvent(**event).ok());
+      edges.push_back({a, enqueued[a], b, enqueued[b]});
+    }
+  }
+  for (auto& stream : streams) ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+
+  for (int s = 0; s < kStreams; ++s) {
+    for (int i = 0; i < kOpsPerStream; ++i) {
+      ASSERT_GE(seq[s][i], 0) << "op " << i << " of stream " << s << " never ran";
+      if (i > 0) {
+        ASSERT_LT(seq[s][i - 1], seq[s][i]) << "FIFO broken on stream " << s;
+      }
+    }
+  }
+  ASSERT_GT(edges.size(), 100u);
+  for (const Edge& e : edges) {
+    if (e.ops_before == 0 || e.ops_after == kOpsPerStream) continue;
+    EXPECT_LT(seq[e.a][e.ops_before - 1], seq[e.b][e.ops_after])
+        << "stream " << e.b << " op " << e.ops_after << " ran before stream " << e.a << " op "
+        << e.ops_before - 1 << " that it waited for";
+  }
+}
+
+TEST(HostStreamTest, RunsWorkInOrderOnOneThreadAndDrainsOnDestruction) {
+  std::vector<int> order;
+  std::atomic<int> ran{0};
+  {
+    auto stream = MakeHost("drain");
+    for (int i = 0; i < 100; ++i) {
+      ASSERT_TRUE(stream
+                      ->Enqueue([&order, &ran, i] {
+                        order.push_back(i);
+                        ran.fetch_add(1);
+                        return absl::OkStatus();
+                      })
+                      .ok());
+    }
+  }  // the destructor lets all 100 run
+  EXPECT_EQ(ran.load(), 100);
+  std::vector<int> expected;
+  for (int i = 0; i < 100; ++i) expected.push_back(i);
+  EXPECT_EQ(order, expected);
+}
+
+TEST(HostStreamTest, WorkCanEnqueueOnItsOwnStream) {
+  auto stream = MakeHost("nested");
+  std::atomic<int> ran{0};
+  Stream* raw = stream.get();
+  ASSERT_TRUE(stream
+                  ->Enqueue([raw, &ran] {
+                    ran.fetch_add(1);
+                    return raw->Enqueue([&ran] {
+                      ran.fetch_add(1);
+                      return absl::OkStatus();
+                    });
+                  })
+                  .ok());
+  // The nested item is enqueued before the outer one finishes, so one Synchronize after the
+  // outer one has run is not enough: synchronize twice.
+  ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+  ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+  EXPECT_EQ(ran.load(), 2);
+}
+
+TEST(HostStreamTest, SynchronizeFromOwnWorkIsAnError) {
+  auto stream = MakeHost("self");
+  absl::Status inner;
+  Stream* raw = stream.get();
+  ASSERT_TRUE(stream
+                  ->Enqueue([raw, &inner] {
+                    inner = raw->Synchronize(Soon());
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+  EXPECT_EQ(inner.code(), absl::StatusCode::kFailedPrecondition) << inner;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deadlines.
+
+TEST(HostStreamTest, SynchronizeDeadlineFiresThenCompletes) {
+  auto stream = MakeHost("slow");
+  Gate gate;
+  ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*stream);
+  ASSERT_TRUE(event.ok()) << event.status();
+
+  absl::Status status = (*event)->Synchronize(absl::Now() + absl::Milliseconds(30));
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_THAT(Message(status), HasSubstr("slow"));
+  EXPECT_EQ((*event)->Query().value_or(true), false);
+  status = stream->Synchronize(absl::Now() + absl::Milliseconds(30));
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_THAT(Message(status), HasSubstr("slow"));
+
+  gate.Open();
+  EXPECT_TRUE((*event)->Synchronize(Soon()).ok());
+  EXPECT_EQ((*event)->Query().value_or(false), true);
+  EXPECT_TRUE(stream->Synchronize(Soon()).ok());
+  EXPECT_TRUE(stream->status().ok());
+}
+
+TEST(HostStreamTest, WaitTimeoutPoisonsTheStream) {
+  auto producer = MakeHost("producer");
+  auto consumer = MakeHost("consumer", absl::Milliseconds(30));
+  Gate gate;
+  ASSERT_TRUE(producer->Enqueue(BlockOn(gate)).ok());
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*producer);
+  ASSERT_TRUE(event.ok());
+
+  std::atomic<bool> before{false}, after{false};
+  ASSERT_TRUE(consumer
+                  ->Enqueue([&before] {
+                    before = true;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  ASSERT_TRUE(consumer->WaitEvent(**event).ok());
+  ASSERT_TRUE(consumer
+                  ->Enqueue([&after] {
+                    after = true;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  absl::Status status = consumer->Synchronize(Soon());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_THAT(Message(status), HasSubstr("consumer"));
+  EXPECT_THAT(Message(status), HasSubstr("producer"));
+  EXPECT_EQ(consumer->status(), status);
+  EXPECT_TRUE(before);
+  EXPECT_FALSE(after);
+  EXPECT_EQ(consumer->Enqueue([] { return absl::OkStatus(); }), status);
+
+  gate.Open();
+  EXPECT_TRUE(producer->Synchronize(Soon()).ok());
+  EXPECT_EQ(consumer->status(), status);  // stays poisoned
+}
+
+TEST(HostStreamTest, InvalidWaitTimeoutIsRejected) {
+  StreamOptions options;
+  options.name = "bad";
+  options.wait_timeout = absl::Seconds(-1);
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream(options);
+  EXPECT_EQ(stream.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(stream.status()), HasSubstr("bad"));
+  EXPECT_EQ(CreateCallerStream(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(HostStreamTest, InvalidTimeoutKnobIsRejectedWhenWaitTimeoutIsUnset) {
+  const char* old = std::getenv("SHARDLINE_TIMEOUT_S");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("SHARDLINE_TIMEOUT_S", "soon", 1);
+  ParamTimeout().ResetCacheForTesting();
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream();
+  EXPECT_EQ(stream.status().code(), absl::StatusCode::kInvalidArgument) << stream.status();
+  StreamOptions explicit_timeout;
+  explicit_timeout.wait_timeout = absl::Seconds(1);
+  EXPECT_TRUE(CreateHostStream(explicit_timeout).ok());
+  if (old != nullptr) {
+    setenv("SHARDLINE_TIMEOUT_S", saved.c_str(), 1);
+  } else {
+    unsetenv("SHARDLINE_TIMEOUT_S");
+  }
+  ParamTimeout().ResetCacheForTesting();
+  EXPECT_TRUE(CreateHostStream().ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Poisoning.
+
+TEST(HostStreamTest, FailurePoisonsStreamEventsAndWaiters) {
+  auto gather = MakeHost("gather");
+  auto reduce = MakeHost("reduce");
+  Gate gate;
+  std::atomic<int> ran{0};
+  auto count = [&ran] {
+    ran.fetch_add(1);
+    return absl::OkStatus();
+  };
+
+  ASSERT_TRUE(gather->Enqueue(count).ok());
+  absl::StatusOr<std::shared_ptr<Event>> before = RecordEvent(*gather);
+  ASSERT_TRUE(before.ok());
+  ASSERT_TRUE(gather->Enqueue(BlockOn(gate)).ok());
+  ASSERT_TRUE(gather->Enqueue([] { return absl::InternalError("boom"); }).ok());
+  // Enqueued while the failure is still ahead of the worker: accepted, then dropped.
+  ASSERT_TRUE(gather->Enqueue(count).ok());
+  absl::StatusOr<std::shared_ptr<Event>> after = RecordEvent(*gather);
+  ASSERT_TRUE(after.ok());
+
+  ASSERT_TRUE(reduce->Enqueue(count).ok());
+  ASSERT_TRUE(reduce->WaitEvent(**after).ok());
+  ASSERT_TRUE(reduce->Enqueue(count).ok());
+
+  gate.Open();
+  absl::Status status = gather->Synchronize(Soon());
+  EXPECT_EQ(status.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(Message(status), HasSubstr("gather"));
+  EXPECT_THAT(Message(status), HasSubstr("boom"));
+  EXPECT_EQ(gather->status(), status);
+
+  EXPECT_TRUE((*before)->Synchronize(Soon()).ok());
+  EXPECT_EQ((*before)->Query().value_or(false), true);
+  EXPECT_EQ((*after)->Synchronize(Soon()), status);
+  EXPECT_EQ((*after)->Query().status(), status);
+
+  // The error travelled along the wait: same Status on the waiting stream.
+  EXPECT_EQ(reduce->Synchronize(Soon()), status);
+  EXPECT_EQ(ran.load(), 2);  // gather's first op and reduce's op before the wait
+
+  // Poisoned for good: Enqueue refuses, new events report the error at once.
+  EXPECT_EQ(gather->Enqueue(count), status);
+  std::shared_ptr<Event> late = gather->CreateEvent();
+  EXPECT_EQ(late->Record(*gather), status);
+  EXPECT_EQ(late->Query().status(), status);
+  EXPECT_EQ(reduce->Enqueue(count), status);
+  EXPECT_EQ(ran.load(), 2);
+
+  // A third stream waiting on an event that has already failed gets poisoned too, after the
+  // work it had enqueued before the wait.
+  auto third = MakeHost("third");
+  ASSERT_TRUE(third->Enqueue(count).ok());
+  ASSERT_TRUE(third->WaitEvent(**after).ok());
+  EXPECT_EQ(third->Synchronize(Soon()), status);
+  EXPECT_EQ(ran.load(), 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Events.
+
+TEST(EventTest, NeverRecordedEventIsComplete) {
+  std::shared_ptr<Event> event = CreateHostEvent();
+  EXPECT_EQ(event->device(), Device::Host());
+  EXPECT_EQ(event->Query().value_or(false), true);
+  EXPECT_TRUE(event->Synchronize(absl::Now()).ok());
+  auto stream = MakeHost("idle");
+  EXPECT_TRUE(stream->WaitEvent(*event).ok());
+  auto caller = MakeCaller("idle-caller");
+  EXPECT_TRUE(caller->WaitEvent(*event).ok());
+  EXPECT_TRUE(stream->Synchronize(Soon()).ok());
+}
+
+TEST(EventTest, ReRecordReplacesTheCaptureButNotEarlierWaits) {
+  auto slow = MakeHost("slow");
+  auto fast = MakeHost("fast");
+  auto waiter = MakeHost("waiter");
+  Gate gate;
+  std::atomic<bool> slow_done{false};
+  ASSERT_TRUE(slow->Enqueue(BlockOn(gate)).ok());
+  ASSERT_TRUE(slow->Enqueue([&slow_done] {
+                    slow_done = true;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+
+  std::shared_ptr<Event> event = slow->CreateEvent();
+  ASSERT_TRUE(event->Record(*slow).ok());
+  EXPECT_EQ(event->Query().value_or(true), false);
+
+  // This wait captured the record on `slow`; re-recording must not release it early.
+  ASSERT_TRUE(waiter->WaitEvent(*event).ok());
+  std::atomic<bool> saw_slow_done{false};
+  ASSERT_TRUE(waiter
+                  ->Enqueue([&] {
+                    saw_slow_done = slow_done.load();
+                    return absl::OkStatus();
+                  })
+                  .ok());
+
+  ASSERT_TRUE(event->Record(*fast).ok());
+  EXPECT_TRUE(event->Synchronize(Soon()).ok());  // captures only fast's (empty) work
+  EXPECT_FALSE(slow_done);
+
+  gate.Open();
+  ASSERT_TRUE(waiter->Synchronize(Soon()).ok());
+  EXPECT_TRUE(saw_slow_done);
+}
+
+TEST(EventTest, RecordEventHelperMarksThePoint) {
+  auto stream = MakeHost("mark");
+  std::atomic<int> ran{0};
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_TRUE(stream
+                    ->Enqueue([&ran] {
+                      ran.fetch_add(1);
+                      return absl::OkStatus();
+                    })
+                    .ok());
+  }
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*stream);
+  ASSERT_TRUE(event.ok());
+  ASSERT_TRUE((*event)->Synchronize(Soon()).ok());
+  EXPECT_EQ(ran.load(), 10);
+  EXPECT_EQ((*event)->device(), Device::Host());
+}
+
+class ForeignEvent final : public Event {
+ public:
+  Device device() const override { return Device::Cuda(3); }
+  absl::Status Record(Stream&) override { return absl::OkStatus(); }
+  absl::StatusOr<bool> Query() override { return true; }
+  absl::Status Synchronize(absl::Time) override { return absl::OkStatus(); }
+};
+
+class ForeignStream final : public Stream {
+ public:
+  Device device() const override { return Device::Cuda(3); }
+  const std::string& name() const override { return name_; }
+  absl::Status Enqueue(Work) override { return absl::OkStatus(); }
+  absl::Status WaitEvent(Event&) override { return absl::OkStatus(); }
+  absl::Status Synchronize(absl::Time) override { return absl::OkStatus(); }
+  absl::Status status() const override { return absl::OkStatus(); }
+  std::shared_ptr<Event> CreateEvent() override { return std::make_shared<ForeignEvent>(); }
+
+ private:
+  std::string name_ = "foreign";
+};
+
+TEST(EventTest, MismatchedKindsAreInvalidArguments) {
+  auto stream = MakeHost("host");
+  ForeignEvent foreign_event;
+  absl::Status status = stream->WaitEvent(foreign_event);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_EQ(MakeCaller("caller")->WaitEvent(foreign_event).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  ForeignStream foreign_stream;
+  std::shared_ptr<Event> event = CreateHostEvent();
+  status = event->Record(foreign_stream);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(Message(status), HasSubstr("foreign"));
+  EXPECT_TRUE(stream->status().ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Caller streams.
+
+TEST(CallerStreamTest, RunsWorkInlineOnTheCallingThread) {
+  auto stream = MakeCaller("compute");
+  EXPECT_EQ(stream->device(), Device::Host());
+  EXPECT_EQ(stream->name(), "compute");
+  EXPECT_EQ(stream->native_handle(), nullptr);
+  std::thread::id ran_on;
+  int value = 0;
+  ASSERT_TRUE(stream
+                  ->Enqueue([&] {
+                    ran_on = std::this_thread::get_id();
+                    value = 42;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(value, 42);  // already ran: no Synchronize needed
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*stream);
+  ASSERT_TRUE(event.ok());
+  EXPECT_EQ((*event)->Query().value_or(false), true);
+  EXPECT_TRUE(stream->Synchronize(absl::Now()).ok());
+}
+
+TEST(CallerStreamTest, FailurePoisons) {
+  auto stream = MakeCaller("compute");
+  absl::Status status = stream->Enqueue([] { return absl::AbortedError("nan loss"); });
+  EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(Message(status), HasSubstr("compute"));
+  EXPECT_THAT(Message(status), HasSubstr("nan loss"));
+  bool ran = false;
+  EXPECT_EQ(stream->Enqueue([&ran] {
+    ran = true;
+    return absl::OkStatus();
+  }),
+            status);
+  EXPECT_FALSE(ran);
+  EXPECT_EQ(stream->Synchronize(Soon()), status);
+  std::shared_ptr<Event> event = stream->CreateEvent();
+  EXPECT_EQ(event->Record(*stream), status);
+  EXPECT_EQ(event->Query().status(), status);
+
+  auto host = MakeHost("host");
+  ASSERT_TRUE(host->WaitEvent(*event).ok());
+  EXPECT_EQ(host->Synchronize(Soon()), status);
+}
+
+TEST(CallerStreamTest, WaitBlocksTheCallerUntilAHostStreamEventCompletes) {
+  auto host = MakeHost("gather");
+  auto caller = MakeCaller("compute");
+  Gate gate;
+  std::atomic<bool> gathered{false};
+  ASSERT_TRUE(host->Enqueue(BlockOn(gate)).ok());
+  ASSERT_TRUE(host->Enqueue([&gathered] {
+                    gathered = true;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*host);
+  ASSERT_TRUE(event.ok());
+
+  // Opens the gate a little later, so that the caller really blocks in WaitEvent.
+  std::thread opener([&gate] {
+    absl::SleepFor(absl::Milliseconds(20));
+    gate.Open();
+  });
+  EXPECT_TRUE(caller->WaitEvent(**event).ok());
+  EXPECT_TRUE(gathered);
+  opener.join();
+}
+
+TEST(CallerStreamTest, WaitTimeoutPoisonsTheCallerStream) {
+  auto host = MakeHost("gather");
+  auto caller = MakeCaller("compute", absl::Milliseconds(30));
+  Gate gate;
+  ASSERT_TRUE(host->Enqueue(BlockOn(gate)).ok());
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*host);
+  ASSERT_TRUE(event.ok());
+
+  absl::Status status = caller->WaitEvent(**event);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_THAT(Message(status), HasSubstr("compute"));
+  EXPECT_THAT(Message(status), HasSubstr("gather"));
+  EXPECT_EQ(caller->status(), status);
+  EXPECT_EQ(caller->Enqueue([] { return absl::OkStatus(); }), status);
+  gate.Open();
+  EXPECT_TRUE(host->Synchronize(Soon()).ok());
+}
+
+TEST(CallerStreamTest, WaitOnAFailedEventPoisonsTheCallerStream) {
+  auto host = MakeHost("gather");
+  auto caller = MakeCaller("compute");
+  ASSERT_TRUE(host->Enqueue([] { return absl::UnavailableError("peer 3 gone"); }).ok());
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*host);
+  // Depending on timing the record lands before or after the failure: both report it.
+  std::shared_ptr<Event> recorded = event.ok() ? *event : nullptr;
+  absl::Status host_status = host->Synchronize(Soon());
+  ASSERT_EQ(host_status.code(), absl::StatusCode::kUnavailable);
+  if (recorded == nullptr) {
+    recorded = host->CreateEvent();
+    EXPECT_EQ(recorded->Record(*host), host_status);
+  }
+  EXPECT_EQ(caller->WaitEvent(*recorded), host_status);
+  EXPECT_EQ(caller->status(), host_status);
+}
+
+TEST(CallerStreamTest, HostStreamWaitsForCallerWorkRunningOnAnotherThread) {
+  auto caller = MakeCaller("compute");
+  auto host = MakeHost("reduce");
+  Gate started, gate;
+  std::atomic<bool> computed{false};
+  std::thread worker([&] {
+    EXPECT_TRUE(caller
+                    ->Enqueue([&] {
+                      started.Open();
+                      gate.Wait();
+                      computed = true;
+                      return absl::OkStatus();
+                    })
+                    .ok());
+  });
+  ASSERT_TRUE(started.Wait());
+  // The caller stream is busy on `worker`: the event completes only when that work finishes.
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*caller);
+  ASSERT_TRUE(event.ok());
+  EXPECT_EQ((*event)->Query().value_or(true), false);
+  ASSERT_TRUE(host->WaitEvent(**event).ok());
+  std::atomic<bool> saw_computed{false};
+  ASSERT_TRUE(host->Enqueue([&] {
+                    saw_computed = computed.load();
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  gate.Open();
+  ASSERT_TRUE(host->Synchronize(Soon()).ok());
+  EXPECT_TRUE(saw_computed);
+  EXPECT_TRUE(caller->Synchronize(Soon()).ok());
+  worker.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Factories.
+
+TEST(CreateStreamTest, HostDeviceGivesAHostStream) {
+  StreamOptions options;
+  options.name = "by-device";
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateStream(Device::Host(), options);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  EXPECT_EQ((*stream)->name(), "by-device");
+  EXPECT_EQ((*stream)->device(), Device::Host());
+  std::atomic<bool> ran{false};
+  ASSERT_TRUE((*stream)
+                  ->Enqueue([&ran] {
+                    ran = true;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  ASSERT_TRUE((*stream)->Synchronize(Soon()).ok());
+  EXPECT_TRUE(ran);
+}
+
+TEST(CreateStreamTest, CudaDeviceWorksOrFailsCleanly) {
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateStream(Device::Cuda(0));
+  if (!stream.ok()) {
+    // Built without CUDA (Unimplemented) or no GPU here (Unavailable).
+    EXPECT_THAT(stream.status().code(),
+                ::testing::AnyOf(absl::StatusCode::kUnimplemented, absl::StatusCode::kUnavailable))
+        << stream.status();
+    EXPECT_THAT(Message(stream.status()), HasSubstr("cuda:0"));
+    return;
+  }
+  EXPECT_EQ((*stream)->device(), Device::Cuda(0));
+  EXPECT_NE((*stream)->native_handle(), nullptr);
+  std::atomic<bool> ran{false};
+  ASSERT_TRUE((*stream)
+                  ->Enqueue([&ran] {
+                    ran = true;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  ASSERT_TRUE((*stream)->Synchronize(Soon()).ok());
+  EXPECT_TRUE(ran);
+}
+
+TEST(CreateStreamTest, MissingCudaDeviceIsAnError) {
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateStream(Device::Cuda(4096));
+  ASSERT_FALSE(stream.ok());
+  EXPECT_THAT(stream.status().code(),
+              ::testing::AnyOf(absl::StatusCode::kUnimplemented, absl::StatusCode::kUnavailable));
+}
+
+}  // namespace
+}  // namespace shardline

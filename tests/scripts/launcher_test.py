@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Tests of shardline-launch: environment, tagged output, failure reporting, grace period,
+signal forwarding, exit codes. Usage: launcher_test.py PATH_TO_SHARDLINE_LAUNCH"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+LAUNCH = None
+
+
+def launch(*args, timeout=30, env=None):
+    return subprocess.run([sys.executable, LAUNCH, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+class LauncherTest(unittest.TestCase):
+    def test_torchrun_environment(self):
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        r = launch("-n", "3", "--", "sh", "-c",
+                   "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT",
+                   env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        lines = sorted(r.stdout.split("\n")[:-1])
+        self.assertEqual(len(lines), 3)
+        ports = set()
+        for rank, line in enumerate(lines):
+            f = line.split()
+            self.assertEqual(f[:5], [str(rank), "3", str(rank), "3", "127.0.0.1"])
+            ports.add(f[5])
+        self.assertEqual(len(ports), 1)
+        self.assertTrue(0 < int(ports.pop()) < 65536)
+
+    def test_master_port_from_environment(self):
+        env = dict(os.environ, MASTER_ADDR="localhost", MASTER_PORT="29511")
+        r = launch("-n", "2", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT", env=env)
+        self.assertEqual(r.stdout.split(), ["localhost:29511"] * 2)
+
+    def test_tag_output(self):
+        r = launch("-n", "2", "--tag-output", "--", "sh", "-c", "echo out$RANK; echo err$RANK >&2")
+        self.assertEqual(r.returncode, 0)
+        self.assertEqual(sorted(r.stdout.splitlines()), ["[0]<stdout>: out0", "[1]<stdout>: out1"])
+        self.assertEqual(sorted(r.stderr.splitlines()), ["[0]<stderr>: err0", "[1]<stderr>: err1"])
+
+    def test_failure_is_reported_and_survivors_terminated_after_grace(self):
+        start = time.monotonic()
+        r = launch("-n", "3", "--grace", "1", "--", "sh", "-c",
+                   'if [ "$RANK" = 1 ]; then exit 7; fi; exec sleep 60')
+        elapsed = time.monotonic() - start
+        self.assertEqual(r.returncode, 7)
+        self.assertIn("rank 1 (pid", r.stderr)
+        self.assertIn("exited with status 7", r.stderr)
+        self.assertIn("terminating rank(s) 0, 2", r.stderr)
+        self.assertLess(elapsed, 20)
+
+    def test_survivors_that_exit_on_their_own_within_grace(self):
+        r = launch("-n", "2", "--grace", "30", "--", "sh", "-c",
+                   'if [ "$RANK" = 0 ]; then kill -9 $$; fi; sleep 1; exit 4')
+        self.assertEqual(r.returncode, 137)  # the first failure decides: SIGKILL
+        self.assertIn("rank 0", r.stderr)
+        self.assertIn("SIGKILL", r.stderr)
+        self.assertIn("rank 1", r.stderr)
+        self.assertNotIn("grace period", r.stderr)
+
+    def test_sigterm_is_forwarded(self):
+        p = subprocess.Popen([sys.executable, LAUNCH, "-n", "2", "--", "sleep", "60"],
+                             stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # let it start its children; the signal is what is under test
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=20)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("SIGTERM", err)
+
+    def test_bad_arguments(self):
+        self.assertNotEqual(launch("-n", "0", "true").returncode, 0)
+        self.assertNotEqual(launch("-n", "2").returncode, 0)
+        r = launch("-n", "1", "/nonexistent/program")
+        self.assertEqual(r.returncode, 127)
+        self.assertIn("cannot start", r.stderr)
+
+
+if __name__ == "__main__":
+    LAUNCH = sys.argv.pop(1)
+    unittest.main(verbosity=2)
