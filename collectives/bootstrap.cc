@@ -10,6 +10,9 @@
 #include "absl/strings/str_split.h"
 #include "collectives/store/tcp_store.h"
 #include "collectives/ucx/ucx_communicator.h"
+#ifdef SHARDLINE_WITH_CUDA
+#include "collectives/nccl/nccl_communicator.h"
+#endif
 #include "runtime/config.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
@@ -239,6 +242,24 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
                                   .name = options.name,
                                   .timeout = options.timeout,
                                   .local_size = options.local_size});
+  }
+  if (options.backend == "nccl") {
+#ifdef SHARDLINE_WITH_CUDA
+    if (!options.device.is_cuda()) {
+      return absl::InvalidArgumentError(absl::StrCat("the nccl backend moves CUDA memory; device ",
+                                                     options.device.ToString(),
+                                                     " needs the ucx backend"));
+    }
+    return CreateNcclCommunicator({.rank = options.rank,
+                                   .size = options.size,
+                                   .store = options.store,
+                                   .device = options.device.index(),
+                                   .name = options.name,
+                                   .timeout = options.timeout});
+#else
+    return absl::UnimplementedError(
+        "shardline was built without CUDA: the nccl backend is not available");
+#endif
   }
   if (options.backend == "local") {
     return absl::InvalidArgumentError(
