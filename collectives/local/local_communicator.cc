@@ -145,9 +145,9 @@ absl::Status LocalCommunicator::Run(const Op& op) {
       return MismatchError(op, 0, slots[0].fingerprint, r, slots[r].fingerprint);
     }
   }
-  if (op.fingerprint.kind == CollectiveKind::kBarrier) return absl::OkStatus();
   SL_RETURN_IF_ERROR(Move(op, slots));
-  // Nobody may reuse its buffers before every peer finished reading them.
+  // Nobody may reuse its buffers, or post its next collective's slot, before every peer has
+  // finished reading this one's (a barrier too: its peers are still comparing fingerprints).
   return Phase(op);
 }
 

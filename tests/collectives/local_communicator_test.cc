@@ -233,6 +233,20 @@ TEST(LocalCollectivesLargeTest, OddMegaElementBuffers) {
   });
 }
 
+// A barrier followed at once by another collective: a fast rank must not post the next
+// collective before the slow ones have compared the barrier's fingerprints.
+TEST(LocalCommunicatorTest, BackToBackBarriersNeverMismatch) {
+  Comms comms = MakeComms(3);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    for (int i = 0; i < 500; ++i) {
+      ASSERT_TRUE(comm.Barrier(stream).ok());
+      int32_t value = r;
+      ASSERT_TRUE(comm.AllReduce(&value, &value, 1, DType::kI32, stream).ok());
+    }
+    ASSERT_TRUE(stream.Synchronize(absl::Now() + absl::Seconds(60)).ok()) << stream.status();
+  });
+}
+
 TEST(LocalCommunicatorTest, InvalidArgumentsEnqueueNothing) {
   Comms comms = MakeComms(2);
   Communicator& comm = *comms[0];
