@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs the main job: the README's first command.
 #
-# The main job grows with the project. Today it is the runtime tour (streams overlapping a
-# simulated gather with compute, the caching pool's accounting, casts, a Chrome trace written
-# to build/runtime_tour.json) followed by the host-kernel microbenchmark (reduce and cast
-# throughput next to memcpy). When the collectives land it becomes the collective benchmark on
-# two local ranks over UCX, and with the scheduler, a sharded training demo.
+# The main job is the collective benchmark on two local ranks over the UCX backend (nccl-tests'
+# output: all-gather and reduce-scatter, 1 MiB to 64 MiB, results checked), then the runtime
+# tour: one FSDP forward pass driven by hand over two ranks (casts into place, in-place
+# all-gathers on a gather stream, a caching pool bounded by the prefetch limit), which writes a
+# Chrome trace to build/runtime_tour.json. With the scheduler it becomes a sharded training
+# demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh build
+for collective in all_gather reduce_scatter; do
+  echo
+  echo "=== ${collective}_perf: 2 ranks, ucx backend"
+  build/bin/shardline-launch -n 2 -- "build/bench/${collective}_perf" -b 1M -e 64M -f 4 -c 1
+done
 echo
 echo "=== runtime tour"
 build/examples/runtime_tour --trace build/runtime_tour.json
-echo
-echo "=== host kernels next to memcpy"
-build/bench/kernels_bench --benchmark_min_time=0.05 --benchmark_counters_tabular=true

@@ -1,0 +1,300 @@
+// File: scheduler/flat_parameter.h
+// -----------------------------------------------------------------------------
+// FlatParameter: the memory of one unit (a layer, a block) on one rank, and the four operations
+// FSDP performs on it — gather, reshard, reduce the gradient, zero the gradient — each enqueued
+// on a Stream, ordered by Events, never by blocking the host.
+//
+// Buffers (S = layout.num_shards() = the shard group's size, r = this rank's shard index):
+//   master shard     layout.shard_elements() elements of master_dtype, from shard_allocator; lives
+//                    as long as the FlatParameter. Its padding is zero.
+//   unsharded        layout.total_elements() elements of param_dtype, from unsharded_pool; exists
+//                    only from Gather() to Reshard()/ReduceGrad() (then returned to the pool after
+//                    its last reader's event). Slice r is the all-gather's in-place input: Gather
+//                    casts the master shard straight into it (no extra copy, no extra buffer).
+//   unsharded grad   layout.total_elements() elements of param_dtype, from unsharded_pool,
+//                    zero-filled by PrepareGrad(); the framework writes (or adds) the gradient
+//                    into it through GradView(). It survives Reshard(), so several backward passes
+//                    can accumulate into it before one reduction (FSDP's no_sync); ReduceGrad()
+//                    consumes it.
+//   sharded grad     layout.shard_elements() elements of policy.sharded_grad_dtype(), from
+//                    shard_allocator; created by the first ReduceGrad(), which writes it; later
+//                    reductions ADD into it (gradient accumulation across micro-batches or steps)
+//                    until ZeroShardGrad() or ReleaseShardGrad().
+// Element offsets are the layout's: element i of every buffer is element i of the flat buffer,
+// whatever the buffer's dtype. Tensor t of the unsharded buffers starts at element
+// layout.tensor(t).offset.
+//
+// State machine (state()):
+//
+//   sharded --Gather()--> gathering --WaitGathered()--> unsharded --Reshard(last_use)--> sharded
+//                                                       unsharded --ReduceGrad()--> reducing
+//   reducing --WaitReduced()--> sharded
+//
+// Any other call order is FailedPrecondition naming the unit, the call and the current state
+// ("flat parameter 'block3': View() called in state sharded (allowed: unsharded)"); the object
+// is unchanged then. Nothing is undefined behaviour: every buffer is returned to its allocator
+// guarded by the events of the streams that may still use it, including when the FlatParameter
+// is destroyed in any state (the caller must not use views it obtained after that).
+//
+// Streams (each must be on the device of the allocators' memory; a host pool needs host or
+// caller streams):
+//   gather stream    Gather(): the cast into place and the all-gather.
+//   compute stream   the framework's. WaitGathered(compute) makes it wait for the gather (the host
+//                    is not blocked, except on a caller stream); the views are valid for work
+//                    enqueued on it afterwards. PrepareGrad(compute) zero-fills the gradient on it.
+//   reduce stream    ReduceGrad(): waits for `grad_ready`, then cast, reduce-scatter, all-reduce
+//                    (hybrid) and accumulation, all enqueued; the host is never blocked.
+//
+// Precision (MixedPrecisionPolicy): the gather casts master → param dtype; the reduction casts
+// the param-dtype gradient to reduce_dtype (into a temporary from the pool when they differ;
+// otherwise the reduce-scatter runs in place in the unsharded grad), reduces in reduce_dtype, and
+// accumulates into the sharded grad (cast to its dtype first when it differs, through a
+// shard-sized temporary). With ReduceOp::kAvg the result is the average over ALL data-parallel
+// ranks: the reduce-scatter averages over the shard group, the all-reduce over the replicate
+// group, and since all replicate groups have the same size, the average of averages is the
+// global average. kSum gives the plain sum.
+//
+// Thread safety: one thread at a time may call the methods of one FlatParameter (as for a
+// Communicator). The streams may run anywhere.
+//
+//   SL_ASSIGN_OR_RETURN(auto unit, FlatParameter::Create(layout, mesh.shard_rank(), policy,
+//                                                        {.unsharded_pool = &pool,
+//                                                         .shard_allocator = &host,
+//                                                         .name = "block3"}));
+//   SL_RETURN_IF_ERROR(unit->SetShardFromTensors(full_tensors));   // once, at init
+//   // forward
+//   SL_RETURN_IF_ERROR(unit->Gather(*mesh.shard(), gather).status());
+//   SL_RETURN_IF_ERROR(unit->WaitGathered(compute));
+//   SL_ASSIGN_OR_RETURN(TensorView w, unit->View("weight"));      // compute with w.data
+//   SL_ASSIGN_OR_RETURN(auto used, RecordEvent(compute));
+//   SL_RETURN_IF_ERROR(unit->Reshard(used));
+//   // backward
+//   ... Gather, WaitGathered as above ...
+//   SL_RETURN_IF_ERROR(unit->PrepareGrad(compute));
+//   SL_ASSIGN_OR_RETURN(TensorView g, unit->GradView("weight"));  // backward writes g.data
+//   SL_ASSIGN_OR_RETURN(auto ready, RecordEvent(compute));
+//   SL_RETURN_IF_ERROR(unit->ReduceGrad(*mesh.shard(), mesh.replicate().get(), reduce, ready)
+//                          .status());
+//   // end of backward
+//   SL_RETURN_IF_ERROR(unit->WaitReduced(optimizer_stream));
+//   SL_ASSIGN_OR_RETURN(FlatShardView grad, unit->ShardGrad());   // optimizer steps on shards
+
+#ifndef SHARDLINE_SCHEDULER_FLAT_PARAMETER_H_
+#define SHARDLINE_SCHEDULER_FLAT_PARAMETER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "collectives/communicator.h"
+#include "runtime/allocator.h"
+#include "runtime/dtype.h"
+#include "runtime/flat_layout.h"
+#include "runtime/stream.h"
+#include "scheduler/mixed_precision.h"
+
+namespace shardline {
+
+enum class FlatParameterState : uint8_t { kSharded, kGathering, kUnsharded, kReducing };
+
+// "sharded", "gathering", "unsharded", "reducing".
+absl::string_view FlatParameterStateName(FlatParameterState state);
+
+struct FlatParameterOptions {
+  // The unsharded parameters, the unsharded gradient and the reduction's temporaries come from
+  // here (usually a CachingPool). Required; must outlive the FlatParameter.
+  Allocator* unsharded_pool = nullptr;
+  // The master shard and the sharded gradient. Null: unsharded_pool. Must be on the same device
+  // as unsharded_pool and outlive the FlatParameter.
+  Allocator* shard_allocator = nullptr;
+  // Shown in errors and logs ("block3").
+  std::string name = "unit";
+};
+
+// One tensor of an unsharded buffer, for the host framework. `data` is null for a tensor of no
+// elements or a buffer of none. Ties (TensorSpec::tied_to) alias their target's elements.
+struct TensorView {
+  void* data = nullptr;
+  absl::string_view name;           // the layout's spec name (lives as long as the FlatParameter)
+  absl::Span<const int64_t> shape;  // the layout's spec shape
+  DType dtype = DType::kF32;        // the buffer's dtype (param dtype), not the spec's dtype
+  size_t numel = 0;
+};
+
+// A shard-sized buffer (master shard, sharded gradient): layout.shard_elements() elements of
+// `dtype`, laid out as the layout's shard `shard` (use layout.ShardSlices(shard) for per-tensor
+// access). `data` is null when the shard has no elements.
+struct FlatShardView {
+  void* data = nullptr;
+  size_t elements = 0;
+  DType dtype = DType::kF32;
+  int shard = 0;
+};
+
+struct GatherOptions {
+  // If set, the gather stream waits for it before reading the master shard (e.g. the event after
+  // the optimizer step that updated it on another stream).
+  std::shared_ptr<Event> shard_ready;
+  CollectiveOptions collective;
+};
+
+struct ReduceGradOptions {
+  // kAvg: the average over every data-parallel rank (shard group x replicate group); kSum: the
+  // sum. Anything else is InvalidArgument.
+  ReduceOp op = ReduceOp::kAvg;
+  CollectiveOptions collective;
+};
+
+class FlatParameter {
+ public:
+  // Creates the unit in state `sharded` with a zero master shard. InvalidArgument if the policy
+  // is invalid (MixedPrecisionPolicy::Validate), layout.element_dtype() != policy.master_dtype,
+  // a tensor's spec dtype is not floating (its values are cast), shard_rank is outside
+  // [0, layout.num_shards()), unsharded_pool is null, or the allocators are on different devices.
+  // ResourceExhausted (from the allocator) if the master shard cannot be allocated.
+  static absl::StatusOr<std::unique_ptr<FlatParameter>> Create(FlatLayout layout, int shard_rank,
+                                                               const MixedPrecisionPolicy& policy,
+                                                               FlatParameterOptions options);
+
+  FlatParameter(const FlatParameter&) = delete;
+  FlatParameter& operator=(const FlatParameter&) = delete;
+  // Returns every buffer to its allocator, guarded by the last events of the streams that used
+  // it (the allocator frees it once they completed). Does not block.
+  ~FlatParameter();
+
+  const std::string& name() const { return name_; }
+  const FlatLayout& layout() const { return layout_; }
+  const MixedPrecisionPolicy& policy() const { return policy_; }
+  int shard_rank() const { return shard_rank_; }
+  FlatParameterState state() const { return state_; }
+
+  // --- Initialisation -----------------------------------------------------------------------
+  // Fills the master shard from the full tensors: tensors[t] points at layout.tensor(t).numel
+  // elements of the spec's dtype (row-major); this rank's intersection of every tensor is cast
+  // into the shard, padding is zeroed. Entries of ties and of empty tensors are ignored (may be
+  // null). Blocks until earlier gathers have finished reading the shard (at most until
+  // `deadline`), then copies on the calling thread (through a host staging copy for device
+  // memory). State sharded; InvalidArgument if tensors.size() != layout.num_tensors() or a
+  // needed pointer is null.
+  absl::Status SetShardFromTensors(absl::Span<const void* const> tensors,
+                                   absl::Time deadline = absl::InfiniteFuture());
+
+  // The master shard. Written by the optimizer in state sharded, ordered before the next
+  // Gather (GatherOptions::shard_ready when it runs on another stream). Any state.
+  FlatShardView master_shard() const;
+
+  // --- Parameters ---------------------------------------------------------------------------
+  // sharded → gathering. Takes the unsharded buffer from the pool and enqueues on
+  // `gather_stream`: (wait for options.shard_ready,) the cast of the master shard into slice r,
+  // and the in-place all-gather over `shard_comm`. Returns the all-gather's Work. InvalidArgument
+  // if shard_comm's size is not layout.num_shards() or its rank is not shard_rank(), or the
+  // stream is on another device than the pool. On any error the unit stays sharded.
+  absl::StatusOr<Work> Gather(Communicator& shard_comm, Stream& gather_stream,
+                              const GatherOptions& options = {});
+  // gathering → unsharded. Makes `compute` wait for the gather (on a caller stream: blocks until
+  // it finished). If the gather failed, returns its error and the unit goes back to sharded.
+  absl::Status WaitGathered(Stream& compute);
+
+  // The unsharded parameters (state unsharded). By index or by name (NotFound for an unknown
+  // name); InvalidArgument for an index out of range.
+  absl::StatusOr<TensorView> View(int tensor) const;
+  absl::StatusOr<TensorView> View(absl::string_view tensor_name) const;
+
+  // unsharded → sharded. The unsharded buffer goes back to the pool once `last_use` (the event
+  // after the last work that reads the views; may be null if none was enqueued) and the gather
+  // completed. Never blocks. The unsharded gradient, if any, is kept (gradient accumulation).
+  absl::Status Reshard(std::shared_ptr<Event> last_use);
+
+  // --- Gradients ----------------------------------------------------------------------------
+  // State unsharded. If this step has no unsharded gradient yet, takes one from the pool and
+  // enqueues its zero-fill on `compute`; otherwise does nothing (the framework adds into it).
+  absl::Status PrepareGrad(Stream& compute);
+  bool has_unsharded_grad() const { return unsharded_grad_live_; }
+  // A tensor of the unsharded gradient (param dtype), for work on the compute stream after
+  // PrepareGrad. State unsharded and PrepareGrad called, else FailedPrecondition.
+  absl::StatusOr<TensorView> GradView(int tensor) const;
+  absl::StatusOr<TensorView> GradView(absl::string_view tensor_name) const;
+
+  // unsharded → reducing: the post-backward of FSDP. Requires an unsharded gradient. Enqueues on
+  // `reduce_stream`: a wait for `grad_ready` (the event after the backward that wrote the
+  // gradient; null if it is complete already), the cast to reduce_dtype (if it differs from
+  // param_dtype), the reduce-scatter over `shard_comm`, the all-reduce over `replicate_comm`
+  // (hybrid sharding; null or size 1: none), and the accumulation into the sharded gradient.
+  // Also reshards the parameters: the unsharded buffer goes back to the pool after `grad_ready`
+  // (the backward is its last reader). The unsharded gradient and the temporaries go back after
+  // the reduction. Returns the event recorded after the accumulation. The optimizer's last use of
+  // the sharded gradient must be ordered before `grad_ready` (it is when the optimizer runs on
+  // the compute stream). InvalidArgument for a mismatched communicator, another device or an op
+  // other than sum/avg; on any error before the first collective the unit stays unsharded.
+  absl::StatusOr<std::shared_ptr<Event>> ReduceGrad(Communicator& shard_comm,
+                                                    Communicator* replicate_comm,
+                                                    Stream& reduce_stream,
+                                                    std::shared_ptr<Event> grad_ready,
+                                                    const ReduceGradOptions& options = {});
+  // reducing → sharded. The first makes `stream` wait for the reduction (host not blocked, except
+  // on a caller stream); the second blocks the calling thread until it finished or `deadline`
+  // (DeadlineExceeded: the unit stays reducing). If the reduction failed, returns its error; the
+  // unit goes back to sharded and its sharded gradient is undefined.
+  absl::Status WaitReduced(Stream& stream);
+  absl::Status WaitReduced(absl::Time deadline);
+
+  // The sharded gradient (policy.sharded_grad_dtype()). State sharded, or unsharded/gathering
+  // (the gradient of the previous reduction); FailedPrecondition in state reducing or if there is
+  // none (no reduction since creation or ReleaseShardGrad).
+  absl::StatusOr<FlatShardView> ShardGrad() const;
+  bool has_shard_grad() const { return shard_grad_live_; }
+  // Zero-fills the sharded gradient on `stream` (after the last reduction): the optimizer's
+  // zero_grad(). No-op if there is none. FailedPrecondition in state reducing.
+  absl::Status ZeroShardGrad(Stream& stream);
+  // Returns the sharded gradient to its allocator after `last_use` (zero_grad(set_to_none)); the
+  // next reduction creates a new one. FailedPrecondition in state reducing.
+  absl::Status ReleaseShardGrad(std::shared_ptr<Event> last_use);
+
+ private:
+  FlatParameter(FlatLayout layout, int shard_rank, const MixedPrecisionPolicy& policy,
+                FlatParameterOptions options);
+
+  // FailedPrecondition naming the unit, `call`, the state and `allowed`.
+  absl::Status WrongState(absl::string_view call, absl::string_view allowed) const;
+  absl::Status CheckShardComm(absl::string_view call, const Communicator& comm) const;
+  absl::Status CheckStreamDevice(absl::string_view call, const Stream& stream) const;
+  absl::StatusOr<int> ResolveTensor(absl::string_view call, int tensor) const;
+  absl::StatusOr<int> ResolveTensor(absl::string_view call, absl::string_view name) const;
+  TensorView MakeView(const Buffer& buffer, int tensor) const;
+  // Returns the unsharded buffer to the pool after `last_use` and the gather.
+  void ReleaseUnsharded(std::shared_ptr<Event> last_use);
+
+  FlatLayout layout_;
+  int shard_rank_;
+  MixedPrecisionPolicy policy_;
+  Allocator* pool_;
+  Allocator* shard_allocator_;
+  std::string name_;
+  FlatParameterState state_ = FlatParameterState::kSharded;
+
+  Buffer master_;          // shard_elements x master_dtype
+  Buffer unsharded_;       // total_elements x param_dtype, gathering/unsharded only
+  Buffer unsharded_grad_;  // total_elements x param_dtype, from PrepareGrad to ReduceGrad
+  Buffer shard_grad_;      // shard_elements x sharded_grad_dtype
+  // A zero-element layout gets empty (zero-byte) buffers; these say whether they "exist".
+  bool unsharded_grad_live_ = false;
+  bool shard_grad_live_ = false;
+  // True once a reduction wrote the sharded gradient (later ones add into it).
+  bool shard_grad_written_ = false;
+
+  Work gather_work_;                            // the last gather (its event: the last reader
+                                                // of the master shard, last writer of unsharded_)
+  std::shared_ptr<Event> grad_zeroed_;          // after PrepareGrad's zero-fill
+  std::shared_ptr<Event> reduce_done_;          // after the last reduction's accumulation
+  std::shared_ptr<Event> shard_grad_last_use_;  // after the last ZeroShardGrad
+};
+
+}  // namespace shardline
+
+#endif  // SHARDLINE_SCHEDULER_FLAT_PARAMETER_H_
