@@ -5,8 +5,18 @@
 // transport Gloo's TCP device on loopback, as PyTorch's Gloo process group uses them.
 //   all_gather      gloo::allgather (in place: no input, this rank's block already in the output)
 //   all_reduce      gloo::allreduce (ring; in place: outputs only)
-//   reduce_scatter  gloo::ReduceScatterHalvingDoubling, which works in place on the full input
-//                   and leaves this rank's block at its offset; out-of-place prints N/A
+//   reduce_scatter  gloo::ReduceScatterHalvingDoubling(ctx, {buf}, count = n * c, recvElems =
+//                   {c, ..., c}): in place only (out-of-place prints N/A). Its contract (see
+//                   reduce_scatter.h's distribution phase, and Gloo's own benchmark verify()):
+//                   rank r's reduced block -- elements [sum(recvElems[0..r)), +recvElems[r]) of
+//                   the sum -- ends at the START of buf, buf[0, recvElems[r]), on every rank and
+//                   rank count; the rest of buf is scratch (partial sums, not the input).
+//                   Recursive halving leaves rank r holding global chunk bitreverse(r) at offset
+//                   bitreverse(r) * c; the distribution phase then sends each chunk to its owner,
+//                   which copies it to offset 0. So "block r at offset r" holds only where
+//                   bitreverse(r) == r (ranks 0 and 3 of 4; both ranks of 2, where rank 1's block
+//                   is also still at offset c), and "block at offset bitreverse(r)" finds the
+//                   right values under the wrong index -- hence half the elements wrong at 4 ranks.
 
 #include <sys/stat.h>
 
@@ -80,11 +90,9 @@ class GlooPeer {
   size_t InPlaceInput(peer::Kind k, size_t param) {
     return k == peer::Kind::kAllGather ? size_t(rank()) * param : 0;
   }
-  size_t InPlaceOutput(peer::Kind k, size_t param) {
-    // Rank r's block at offset r: right for 2 ranks; at 4 ranks half of the elements do not
-    // match (the halving-doubling placement differs; open item, see docs/benchmarks.md).
-    return k == peer::Kind::kReduceScatter ? size_t(rank()) * param : 0;
-  }
+  // Reduce-scatter leaves this rank's block at the start of the buffer (see the top comment),
+  // as MPI_Reduce_scatter_block with MPI_IN_PLACE does; all-reduce and all-gather fill it whole.
+  size_t InPlaceOutput(peer::Kind, size_t) { return 0; }
 
   void Run(peer::Kind k, bool ip, float* send, float* recv, size_t param) {
     const int n = size();
@@ -110,7 +118,9 @@ class GlooPeer {
       case peer::Kind::kReduceScatter: {
         if (param == 0) return;
         // The algorithm object binds its buffers at construction (as a framework keeps one per
-        // tensor); one per size, reused across iterations.
+        // tensor); one per size, reused across iterations. Its counts are ints (count * 4 bytes
+        // must stay below 2 GiB). Bytes moved are those of a plain reduce-scatter of n * c
+        // elements, so busbw uses nccl-tests' size = n * c * 4 and factor (n - 1) / n.
         auto& algo = reduce_scatter_[param];
         if (algo == nullptr) {
           algo = std::make_unique<gloo::ReduceScatterHalvingDoubling<float>>(

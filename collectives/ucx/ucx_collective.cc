@@ -1,6 +1,7 @@
 #include "collectives/ucx/internal/ucx_collective.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "collectives/ucx/internal/ucx_algorithms.h"
@@ -21,21 +22,100 @@ absl::StatusOr<Tuning> Tuning::FromEnvironment() {
   return t;
 }
 
+namespace {
+
+// Data phases move user buffers; only they take the single-copy protocol.
+bool SingleCopyPhase(Phase phase) { return phase == Phase::kData || phase == Phase::kGather; }
+constexpr size_t kDescriptorBytes = 2 * sizeof(uint64_t);  // address, length
+
+}  // namespace
+
 Completion* CollectiveRun::Send(int peer, const void* buffer, size_t bytes, Phase phase,
                                 uint64_t chunk) {
-  Completion* c = batch_->Add(peer, /*is_send=*/true);
   // Headers carry no sequence: see the tag layout in ucx_transport.h.
-  const uint64_t seq = phase == Phase::kHeader ? 0 : fp_.seq;
+  const uint64_t seq = TagSeq(phase);
+  if (SingleCopyPhase(phase) && transport_.PulledBy(peer)) {
+    auto* desc = reinterpret_cast<uint64_t*>(batch_->Buffer(kDescriptorBytes));
+    desc[0] = reinterpret_cast<uintptr_t>(buffer);
+    desc[1] = bytes;
+    transport_
+        .Send(peer, desc, kDescriptorBytes, MakeTag(phase, rank(), seq, chunk),
+              batch_->Add(peer, /*is_send=*/true))
+        .IgnoreError();
+    // The buffer is free again once the peer says it has read it.
+    Completion* fin = batch_->Add(peer, /*is_send=*/false);
+    transport_.Recv(peer, nullptr, 0, MakeTag(FinPhase(phase), peer, seq, chunk), fin)
+        .IgnoreError();
+    return fin;
+  }
+  Completion* c = batch_->Add(peer, /*is_send=*/true);
   transport_.Send(peer, buffer, bytes, MakeTag(phase, rank(), seq, chunk), c).IgnoreError();
   return c;
 }
 
 Completion* CollectiveRun::Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk) {
+  const uint64_t seq = TagSeq(phase);
+  if (SingleCopyPhase(phase) && transport_.PullsFrom(peer)) {
+    auto* desc = reinterpret_cast<uint64_t*>(batch_->Buffer(kDescriptorBytes));
+    Completion* descriptor = batch_->Add(peer, /*is_send=*/false);
+    transport_.Recv(peer, desc, kDescriptorBytes, MakeTag(phase, peer, seq, chunk), descriptor)
+        .IgnoreError();
+    Completion* done = batch_->Add(peer, /*is_send=*/false);
+    done->expected = bytes;
+    reads_.push_back(
+        {descriptor, done, desc, static_cast<uint8_t*>(buffer), bytes, peer, phase, chunk});
+    return done;
+  }
   Completion* c = batch_->Add(peer, /*is_send=*/false);
-  // Headers carry no sequence: see the tag layout in ucx_transport.h.
-  const uint64_t seq = phase == Phase::kHeader ? 0 : fp_.seq;
   transport_.Recv(peer, buffer, bytes, MakeTag(phase, peer, seq, chunk), c).IgnoreError();
   return c;
+}
+
+absl::Status CollectiveRun::ServeReads(bool* activity) {
+  size_t kept = 0;
+  absl::Status status;
+  for (size_t i = 0; i < reads_.size(); ++i) {
+    PendingRead& read = reads_[i];
+    if (!status.ok() || !read.descriptor->done.load(std::memory_order_acquire)) {
+      reads_[kept++] = read;
+      continue;
+    }
+    *activity = true;
+    status = Check(*read.descriptor);
+    if (status.ok() && read.desc[1] != read.bytes) {
+      status = absl::InternalError(absl::StrCat(hooks_.describe, ": rank ", read.peer, " offered ",
+                                                read.desc[1], " bytes where ", read.bytes,
+                                                " were expected"));
+    }
+    if (status.ok()) {
+      status = Annotate(transport_.CmaRead(read.peer, read.dst, read.desc[0], read.bytes),
+                        hooks_.describe);
+      // A peer whose collective failed may have freed the buffer already: its reason counts.
+      absl::Status comm = hooks_.comm_status();
+      if (absl::IsInternal(status) && !comm.ok()) status = Annotate(comm, hooks_.describe);
+    }
+    if (!status.ok()) {
+      reads_[kept++] = read;
+      continue;
+    }
+    transport_
+        .Send(read.peer, nullptr, 0, MakeTag(FinPhase(read.phase), rank(), fp_.seq, read.chunk),
+              batch_->Add(read.peer, /*is_send=*/true))
+        .IgnoreError();
+    read.done->length = read.bytes;
+    read.done->status = UCS_OK;
+    read.done->done.store(true, std::memory_order_release);
+  }
+  reads_.resize(kept);
+  return status;
+}
+
+void CollectiveRun::AbandonReads() {
+  for (PendingRead& read : reads_) {
+    read.done->status = UCS_ERR_CANCELED;
+    read.done->done.store(true, std::memory_order_release);
+  }
+  reads_.clear();
 }
 
 absl::Status CollectiveRun::Check(const Completion& c) const {
@@ -79,7 +159,8 @@ std::vector<int> CollectiveRun::PendingPeers() {
 absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step) {
   absl::Time last_activity = absl::Now();
   while (true) {
-    const bool activity = transport_.Progress();
+    bool activity = transport_.Progress();
+    SL_RETURN_IF_ERROR(ServeReads(&activity));
     SL_ASSIGN_OR_RETURN(const bool finished, step());
     if (finished) return absl::OkStatus();
     absl::Status comm = hooks_.comm_status();

@@ -1,9 +1,9 @@
 // File: collectives/ucx/ucx_communicator.h
 // -----------------------------------------------------------------------------
-// The `ucx` backend: collectives over host memory between processes, within a machine (shared
-// memory: UCX's sysv/posix transports for small messages, CMA single-copy reads for large ones)
-// and across machines (TCP, InfiniBand — whatever UCX finds). It is the default backend of
-// InitProcessGroup() and what runs on laptops and CPU clusters.
+// The `ucx` backend: collectives over host memory between processes, within a machine (UCX's
+// shared-memory transports for small messages, single-copy process_vm_readv reads of the
+// sender's memory for large ones) and across machines (TCP, InfiniBand — whatever UCX finds). It is
+// the default backend of InitProcessGroup() and what runs on laptops and CPU clusters.
 //
 //   SL_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> world,
 //                       CreateUcxCommunicator({.rank = r, .size = n, .store = store}));
@@ -21,13 +21,18 @@
 // transfer (reduce-scatter; all-reduce = reduce-scatter + all-gather). Results are bit-identical
 // to the local backend's.
 //
-// Failures: a peer that dies is an error on every survivor (Unavailable naming the peer) within
-// a fraction of a second on the same machine and through UCX's keepalive across machines; a
+// Failures: a peer that dies (even in the middle of a read of its memory) is an error on every
+// survivor (Unavailable naming the peer) within a fraction of a second on the same machine and
+// through UCX's keepalive across machines; a
 // rank that does not show up is DeadlineExceeded naming it; an error on one rank is sent to
 // every peer, whose pending collectives fail with it. Destroying the communicator never hangs.
 //
+// Collectives run in the order they were issued, even when issued on different streams (an
+// all-gather on a gather stream and a reduce-scatter on a reduce stream of one communicator).
+//
 // Knobs: SHARDLINE_UCX_CHUNK_BYTES, SHARDLINE_UCX_SMALL_BYTES, SHARDLINE_UCX_WINDOW,
-// SHARDLINE_UCX_SPIN_US, SHARDLINE_UCX_SHM; UCX's own UCX_* variables apply as usual.
+// SHARDLINE_UCX_SPIN_US, SHARDLINE_UCX_CMA, SHARDLINE_UCX_SHM (docs/collectives.md); UCX's own
+// UCX_* variables apply as usual.
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_
 #define SHARDLINE_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_

@@ -2,6 +2,8 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,11 +11,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
 
@@ -42,10 +46,9 @@ SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 200,
          "Microseconds a waiting ucx collective polls before it sleeps on the worker's event fd.",
          [](const int64_t& v) { return AtLeast(v, 0, "spin"); });
 SL_PARAM(bool, UcxCma, "UCX_CMA", true,
-         "Within a host, let UCX copy large messages with one CMA read (fast). UCX 1.13 cannot "
-         "report errors on such endpoints: a peer killed during a read aborts the reader. Off: "
-         "shared-memory endpoints with UCX error handling (two copies per byte, survivors of a "
-         "killed peer always get an error).");
+         "Within a host, copy large messages once, straight out of the sender's memory "
+         "(process_vm_readv; a peer that dies meanwhile is an error, not a crash). Off: UCX's "
+         "shared-memory transports (two copies per byte).");
 SL_PARAM(bool, UcxShm, "UCX_SHM", true,
          "Use shared memory between ranks on the same host (off: every peer is treated as "
          "remote, which exercises the network path on one machine).");
@@ -54,14 +57,15 @@ std::string UcxError(ucs_status_t status) { return ucs_status_string(status); }
 
 namespace {
 
-absl::StatusOr<std::shared_ptr<void>> AcquireContext(bool cma) {
+absl::StatusOr<std::shared_ptr<void>> AcquireContext() {
   static std::mutex mu;
   static std::weak_ptr<void>* cached = new std::weak_ptr<void>();
   std::lock_guard<std::mutex> lock(mu);
   if (std::shared_ptr<void> context = cached->lock()) return context;
 
-  // Shared-memory transports only offer peer-failure handling when asked to.
-  if (!cma) setenv("UCX_MM_ERROR_HANDLING", "y", /*overwrite=*/0);
+  // Shared-memory transports only offer peer-failure handling (needed by MODE_PEER endpoints,
+  // without which UCX drops them) when asked to.
+  setenv("UCX_MM_ERROR_HANDLING", "y", /*overwrite=*/0);
   ucp_config_t* config = nullptr;
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
   if (status != UCS_OK) {
@@ -119,6 +123,38 @@ std::string AddressKey(absl::string_view name, int rank) {
   return absl::StrCat(name, "/ucx/addr/", rank);
 }
 
+std::string CmaKey(absl::string_view name, int rank) {
+  return absl::StrCat(name, "/ucx/cma/", rank);
+}
+
+// Under Yama's ptrace_scope 1 only ancestors may read a process's memory; let any process of
+// the same user do it, as UCX and Open MPI do for CMA (the probe finds out whether it worked).
+void AllowPeerReads() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (ReadFirstLine("/proc/sys/kernel/yama/ptrace_scope") == "1") {
+      prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    }
+  });
+}
+
+// One process_vm_readv loop (short reads continue where they stopped).
+int ReadRemote(int64_t pid, void* dst, uint64_t remote, size_t bytes) {
+  size_t done = 0;
+  while (done < bytes) {
+    iovec local{static_cast<uint8_t*>(dst) + done, bytes - done};
+    iovec far{reinterpret_cast<void*>(static_cast<uintptr_t>(remote + done)), bytes - done};
+    const ssize_t n = process_vm_readv(static_cast<pid_t>(pid), &local, 1, &far, 1, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EFAULT;
+    done += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
 void SendCallback(void* /*request*/, ucs_status_t status, void* user) {
   auto* c = static_cast<Completion*>(user);
   c->status = status;
@@ -161,7 +197,7 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
       absl::StrCat("creating ucx communicator ", name_, " (rank ", rank_, " of ", size_, ")");
   SL_ASSIGN_OR_RETURN(const bool shm, ParamUcxShm().Get());
   SL_ASSIGN_OR_RETURN(const bool cma, ParamUcxCma().Get());
-  SL_ASSIGN_OR_RETURN(context_, AcquireContext(cma));
+  SL_ASSIGN_OR_RETURN(context_, AcquireContext());
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -189,9 +225,13 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
   if (status != UCS_OK) {
     return absl::InternalError(absl::StrCat(where, ": ucp_worker_get_address: ", UcxError(status)));
   }
+  std::random_device random;
+  probe_ = (uint64_t{random()} << 32) ^ random();
   std::string host = HostIdentity();
   if (!shm) absl::StrAppend(&host, "|rank", rank_);  // everyone is remote
-  std::string value = absl::StrCat(host, "\n", getpid(), "\n");
+  // host \n pid \n probe-address probe-value \n ucx-address
+  std::string value = absl::StrCat(host, "\n", getpid(), "\n", reinterpret_cast<uintptr_t>(&probe_),
+                                   " ", probe_, "\n");
   value.append(reinterpret_cast<const char*>(address), address_length);
   ucp_worker_release_address(worker_, address);
   SL_RETURN_IF_ERROR(Annotate(store.Set(AddressKey(name_, rank_), value), where));
@@ -211,34 +251,34 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
                                                     " to publish their UCX addresses"));
   }
 
+  std::vector<std::string> values(size_);  // the peers' "probe-address probe-value" lines
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     SL_ASSIGN_OR_RETURN(std::string peer_value, store.Get(keys[p], deadline));
-    const size_t nl1 = peer_value.find('\n');
-    const size_t nl2 = nl1 == std::string::npos ? nl1 : peer_value.find('\n', nl1 + 1);
+    std::vector<size_t> nl;
+    for (size_t at = peer_value.find('\n'); at != std::string::npos && nl.size() < 3;
+         at = peer_value.find('\n', at + 1)) {
+      nl.push_back(at);
+    }
     int64_t pid = 0;
-    if (nl2 == std::string::npos ||
-        !absl::SimpleAtoi(absl::string_view(peer_value).substr(nl1 + 1, nl2 - nl1 - 1), &pid) ||
-        nl2 + 1 >= peer_value.size()) {
+    if (nl.size() < 3 || nl[2] + 1 >= peer_value.size() ||
+        !absl::SimpleAtoi(absl::string_view(peer_value).substr(nl[0] + 1, nl[1] - nl[0] - 1),
+                          &pid)) {
       return absl::InternalError(absl::StrCat(where, ": malformed address of rank ", p,
                                               " in the store (key '", keys[p], "')"));
     }
+    values[p] = peer_value.substr(nl[1] + 1, nl[2] - nl[1] - 1);
     Peer& peer = peers_[p];
-    peer.local = peer_value.compare(0, nl1, host) == 0;
+    peer.local = peer_value.compare(0, nl[0], host) == 0;
     peer.pid = pid;
     error_args_.push_back(std::make_unique<ErrorArg>(ErrorArg{this, p}));
     ucp_ep_params_t ep_params{};
-    ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    ep_params.address = reinterpret_cast<const ucp_address_t*>(peer_value.data() + nl2 + 1);
-    if (peer.local && cma) {
-      ep_params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    } else {
-      ep_params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
-      ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-      ep_params.err_handler.cb = &UcxTransport::OnEndpointError;
-      ep_params.err_handler.arg = error_args_.back().get();
-      peer.peer_mode = true;
-    }
+    ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                           UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep_params.address = reinterpret_cast<const ucp_address_t*>(peer_value.data() + nl[2] + 1);
+    ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep_params.err_handler.cb = &UcxTransport::OnEndpointError;
+    ep_params.err_handler.arg = error_args_.back().get();
     status = ucp_ep_create(worker_, &ep_params, &peer.ep);
     if (status != UCS_OK) {
       peer.ep = nullptr;
@@ -246,6 +286,7 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
           absl::StrCat(where, ": connecting to rank ", p, " failed (ucx: ", UcxError(status), ")"));
     }
   }
+  SL_RETURN_IF_ERROR(Annotate(AgreeOnCma(store, values, cma, deadline), where));
   {
     std::lock_guard<std::mutex> lock(control_mu_);
     control_buffer_.reset(new uint8_t[kControlBytes]);
@@ -253,6 +294,68 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
   }
   progress_thread_ = std::thread([this] { ProgressThread(); });
   return absl::OkStatus();
+}
+
+absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::string>& values,
+                                      bool cma, absl::Time deadline) {
+  std::vector<int> local;
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && peers_[p].local) local.push_back(p);
+  }
+  if (local.empty()) return absl::OkStatus();
+  if (cma) AllowPeerReads();
+  // '1' at position p: this rank read p's probe and found the value p published.
+  std::string readable(size_, '0');
+  for (int p : local) {
+    if (!cma) continue;
+    std::vector<absl::string_view> parts = absl::StrSplit(values[p], ' ');
+    uint64_t probe_address = 0, probe_value = 0, seen = 0;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &probe_address) ||
+        !absl::SimpleAtoi(parts[1], &probe_value)) {
+      return absl::InternalError(absl::StrCat("malformed probe of rank ", p, " in the store"));
+    }
+    const int error = ReadRemote(peers_[p].pid, &seen, probe_address, sizeof(seen));
+    if (error == 0 && seen == probe_value) {
+      readable[p] = '1';
+    } else {
+      SL_LOG(INFO, COLL) << "ucx communicator " << name_ << " rank " << rank_
+                         << ": cannot read the memory of rank " << p << " (pid " << peers_[p].pid
+                         << "; " << (error != 0 ? std::strerror(error) : "wrong value")
+                         << "): its large messages go through UCX's shared memory";
+    }
+  }
+  SL_RETURN_IF_ERROR(store.Set(CmaKey(name_, rank_), readable));
+  std::vector<std::string> keys;
+  for (int p : local) keys.push_back(CmaKey(name_, p));
+  absl::Status waited = store.Wait(keys, deadline);
+  if (absl::IsDeadlineExceeded(waited)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("timed out waiting for the ranks on this host to probe each other"));
+  }
+  SL_RETURN_IF_ERROR(waited);
+  for (int p : local) {
+    SL_ASSIGN_OR_RETURN(std::string theirs, store.Get(CmaKey(name_, p), deadline));
+    peers_[p].pulls_from = readable[p] == '1';
+    peers_[p].pulled_by = theirs.size() == static_cast<size_t>(size_) && theirs[rank_] == '1';
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::CmaRead(int peer, void* dst, uint64_t remote, size_t bytes) {
+  const int error = ReadRemote(peers_[peer].pid, dst, remote, bytes);
+  if (error == 0) return absl::OkStatus();
+  if (error == ESRCH) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      peers_[peer].failed = true;
+    }
+    return absl::UnavailableError(absl::StrCat("peer rank ", peer, " (pid ", peers_[peer].pid,
+                                               " on this host) exited during a read of ", bytes,
+                                               " bytes from it"));
+  }
+  return absl::InternalError(absl::StrCat("reading ", bytes, " bytes at ", absl::Hex(remote),
+                                          " from peer rank ", peer, " (pid ", peers_[peer].pid,
+                                          ") failed: ", std::strerror(error)));
 }
 
 UcxTransport::~UcxTransport() {
@@ -268,23 +371,15 @@ UcxTransport::~UcxTransport() {
   if (worker_ == nullptr) return;
 
   // Goodbyes first: a peer that sees our endpoint close afterwards knows we left on purpose.
+  const bool unclean = unclean_.load();
   for (int p = 0; p < size_; ++p) {
     if (peers_[p].ep != nullptr && !peers_[p].failed) SendControl(p, kGoodbye, absl::OkStatus());
   }
   std::vector<void*> closing = std::move(force_closing_);
   for (int p = 0; p < size_; ++p) {
-    Peer& peer = peers_[p];
-    if (peer.ep == nullptr) continue;
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    // Forcing is only defined for MODE_PEER endpoints; the others flush (bounded below).
-    // After a failed collective, requests to live peers may never finish (their receives were
-    // cancelled): flushing would wait for them and UCX asserts on destroying such endpoints.
-    param.flags =
-        (peer.peer_mode && (peer.failed || unclean_.load())) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &param);
-    if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
-    peer.ep = nullptr;
+    // After a failure, requests to live peers may never finish (their receives were
+    // cancelled): a flushing close would wait for them. Forcing completes them with an error.
+    if (peers_[p].ep != nullptr) CloseEndpoint(peers_[p], peers_[p].failed || unclean, &closing);
   }
   const absl::Time deadline = absl::Now() + absl::Seconds(2);
   while (!closing.empty() && absl::Now() < deadline) {
@@ -319,6 +414,7 @@ UcxTransport::~UcxTransport() {
     control_.request = nullptr;
   }
   {
+    // Requests that the forced closes completed.
     std::lock_guard<std::mutex> lock(mu_);
     for (Outgoing& o : outgoing_) {
       if (o.completion.request != nullptr && o.completion.done.load(std::memory_order_acquire)) {
@@ -326,10 +422,20 @@ UcxTransport::~UcxTransport() {
         o.completion.request = nullptr;
       }
     }
+    for (std::unique_ptr<Batch>& batch : graveyard_) FreeRequests(*batch);
   }
   DrainUnexpected();
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
+}
+
+void UcxTransport::CloseEndpoint(Peer& peer, bool force, std::vector<void*>* closing) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &param);
+  if (UCS_PTR_IS_PTR(r)) closing->push_back(r);
+  peer.ep = nullptr;
 }
 
 // Messages nobody will receive any more (a peer's goodbye or abort notice, the payload of a
@@ -365,7 +471,16 @@ void UcxTransport::DrainUnexpected() {
   }
 }
 
-void UcxTransport::SetAbortHandler(AbortHandler handler) { abort_handler_ = std::move(handler); }
+void UcxTransport::SetAbortHandler(AbortHandler handler) {
+  std::vector<std::pair<absl::Status, bool>> early;
+  {
+    std::lock_guard<std::mutex> lock(handler_mu_);
+    abort_handler_ = handler;
+    early.swap(early_reports_);
+  }
+  // Failures the progress thread saw before the communicator was attached.
+  for (const auto& [status, forward] : early) handler(status, forward);
+}
 
 void UcxTransport::OnEndpointError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   auto* error = static_cast<ErrorArg*>(arg);
@@ -518,7 +633,16 @@ void UcxTransport::HandleControl(const Completion& c, std::vector<absl::Status>*
 
 void UcxTransport::Report(const absl::Status& status, bool forward) {
   unclean_ = true;
-  if (abort_handler_) abort_handler_(status, forward);
+  AbortHandler handler;
+  {
+    std::lock_guard<std::mutex> lock(handler_mu_);
+    if (!abort_handler_) {
+      early_reports_.emplace_back(status, forward);
+      return;
+    }
+    handler = abort_handler_;
+  }
+  handler(status, forward);
 }
 
 void UcxTransport::SendControl(int peer, uint8_t type, const absl::Status& status) {
@@ -621,45 +745,46 @@ void UcxTransport::FreeRequests(Batch& batch) {
 
 void UcxTransport::Release(std::unique_ptr<Batch> batch) {
   if (batch == nullptr) return;
-  auto pending = [&] {
+  auto pending = [&](bool receives_only) {
     for (Completion& c : batch->slots()) {
-      if (!c.done.load(std::memory_order_acquire)) return true;
+      if (!c.done.load(std::memory_order_acquire) && !(receives_only && c.is_send)) return true;
     }
     return false;
   };
-  if (pending()) {
+  if (pending(false)) {
+    unclean_ = true;
     for (Completion& c : batch->slots()) {
-      if (!c.done.load(std::memory_order_acquire) && c.request != nullptr) {
+      if (!c.done.load(std::memory_order_acquire) && !c.is_send && c.request != nullptr) {
         ucp_request_cancel(worker_, c.request);
       }
     }
     // Sends cannot be cancelled: closing a dead peer's endpoint by force completes them.
     std::vector<bool> close(size_, false);
     for (Completion& c : batch->slots()) {
-      if (!c.done.load(std::memory_order_acquire) && c.peer >= 0) close[c.peer] = true;
+      if (!c.done.load(std::memory_order_acquire) && c.is_send && c.peer >= 0) close[c.peer] = true;
     }
     for (int p = 0; p < size_; ++p) {
       std::lock_guard<std::mutex> lock(mu_);
       Peer& peer = peers_[p];
-      if (!close[p] || !peer.failed || !peer.peer_mode || peer.ep == nullptr) continue;
-      ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &param);
-      if (UCS_PTR_IS_PTR(r)) force_closing_.push_back(r);
-      peer.ep = nullptr;
+      if (close[p] && peer.failed && peer.ep != nullptr) CloseEndpoint(peer, true, &force_closing_);
     }
-    unclean_ = true;
-    const absl::Time deadline = absl::Now() + absl::Seconds(1);
-    while (pending() && absl::Now() < deadline) {
-      if (!Progress()) Sleep(absl::Now() + absl::Milliseconds(5));
+    // Cancelled receives complete at the next progress; sends to live peers complete only if
+    // the peer still receives them, which after a failure it usually does not.
+    for (const auto& [receives_only, wait] :
+         {std::pair{true, absl::Seconds(1)}, std::pair{false, absl::Milliseconds(100)}}) {
+      const absl::Time deadline = absl::Now() + wait;
+      while (pending(receives_only) && absl::Now() < deadline) {
+        if (!Progress()) Sleep(absl::Now() + absl::Milliseconds(5));
+      }
     }
   }
   FreeRequests(*batch);
-  if (pending()) {
-    SL_LOG(WARN, COLL) << "ucx communicator " << name_ << " rank " << rank_
-                       << ": requests still pending 1 s after cancellation; keeping their "
-                          "buffers until the communicator is destroyed";
+  if (pending(false)) {
+    if (pending(true)) {
+      SL_LOG(WARN, COLL) << "ucx communicator " << name_ << " rank " << rank_
+                         << ": receives still pending 1 s after cancellation; keeping their "
+                            "buffers until the communicator is destroyed";
+    }
     std::lock_guard<std::mutex> lock(mu_);
     graveyard_.push_back(std::move(batch));
   }

@@ -1,8 +1,10 @@
 // The Communicator API over the ucx backend with ranks as threads of one process, each with its
 // own UCX worker, connected over a shared MemoryStore: this runs the real UCX paths (shared
-// memory, CMA) cheaply. Every collective, dtype and count against plain-loop references, in
-// place and out of place, for world sizes 1 to 4; splits; mismatches, missing ranks and aborts
-// fail on every rank instead of hanging.
+// memory, the single-copy protocol — ranks of one process can read each other's memory) cheaply.
+// Every collective, dtype and count against plain-loop references, in place and out of place,
+// for world sizes 1 to 4; splits; collectives issued on two streams; UCX's own shared memory
+// (SHARDLINE_UCX_CMA=0); mismatches, missing ranks and aborts fail on every rank instead of
+// hanging.
 #include "collectives/ucx/ucx_communicator.h"
 
 #include <gtest/gtest.h>
@@ -14,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "collectives/store/memory_store.h"
 #include "runtime/check.h"
+#include "runtime/config.h"
 #include "runtime/stream.h"
 #include "tests/common/typed_values.h"
 
@@ -33,6 +36,13 @@ constexpr DType kReduceDTypes[] = {DType::kF32,  DType::kF64, DType::kF16,
                                    DType::kBF16, DType::kI32, DType::kI64};
 // 4097 elements of 4 or 8 bytes exceed the small-message threshold: both protocols run.
 constexpr size_t kCounts[] = {0, 1, 7, 4097};
+
+// Makes the next communicator read SHARDLINE_UCX_CMA again.
+void ReReadCmaKnob() {
+  for (const ParamBase* param : AllParams()) {
+    if (param->env_name() == "SHARDLINE_UCX_CMA") param->ResetCacheForTesting();
+  }
+}
 
 // Creates the n communicators concurrently (creation waits for every peer's address).
 Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30)) {
@@ -262,6 +272,67 @@ TEST(UcxCollectivesLargeTest, PipelinedOddMegaElementBuffers) {
     for (size_t i = 0; i < n * count; i += 1009) {
       ASSERT_EQ(GetElement(DType::kF32, gathered.data(), i),
                 ReferenceReduce(DType::kF32, ReduceOp::kMax, n, i));
+    }
+  });
+}
+
+TEST(UcxCommunicatorTest, CollectivesIssuedOnTwoStreamsRunInIssueOrder) {
+  // FSDP's shape: all-gathers on a gather stream, reduce-scatters on a reduce stream, one
+  // communicator. The two stream threads run at once; results must be as if issued serially.
+  const int n = 3;
+  Comms comms = MakeComms(n);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& gather) {
+    auto reduce = *CreateHostStream({.name = absl::StrCat("reduce", r)});
+    for (size_t count : {size_t{1000}, size_t{70000}}) {  // small and large protocols
+      for (int iter = 0; iter < 4; ++iter) {
+        std::vector<uint8_t> shard = PatternBuffer(DType::kF32, r, count, /*salt=*/iter);
+        std::vector<uint8_t> full(n * count * 4);
+        std::vector<uint8_t> grad = PatternBuffer(DType::kF32, r, n * count, /*salt=*/iter + 9);
+        std::vector<uint8_t> reduced(count * 4);
+        absl::StatusOr<Work> g =
+            comm.AllGather(shard.data(), full.data(), count, DType::kF32, gather);
+        absl::StatusOr<Work> rs =
+            comm.ReduceScatter(grad.data(), reduced.data(), count, DType::kF32, *reduce);
+        ASSERT_TRUE(WaitFor(g).ok()) << WaitFor(g);
+        ASSERT_TRUE(WaitFor(rs).ok()) << WaitFor(rs);
+        for (int s = 0; s < n; ++s) {
+          for (size_t i = 0; i < count; i += 13) {
+            ASSERT_EQ(GetElement(DType::kF32, full.data(), s * count + i),
+                      PatternValue(DType::kF32, s, i, iter));
+          }
+        }
+        for (size_t i = 0; i < count; i += 13) {
+          ASSERT_EQ(GetElement(DType::kF32, reduced.data(), i),
+                    ReferenceReduce(DType::kF32, ReduceOp::kSum, n, r * count + i, iter + 9));
+        }
+      }
+    }
+  });
+}
+
+TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {
+  // SHARDLINE_UCX_CMA=0: no single-copy reads, UCX moves the large messages itself.
+  setenv("SHARDLINE_UCX_CMA", "0", 1);
+  ReReadCmaKnob();
+  Comms comms = MakeComms(2);
+  unsetenv("SHARDLINE_UCX_CMA");
+  ReReadCmaKnob();
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    const size_t count = 300001;
+    std::vector<uint8_t> input = PatternBuffer(DType::kF32, r, 2 * count);
+    std::vector<uint8_t> output(input.size());
+    ASSERT_TRUE(
+        WaitFor(comm.AllReduce(input.data(), output.data(), 2 * count, DType::kF32, stream)).ok());
+    for (size_t i = 0; i < 2 * count; i += 101) {
+      ASSERT_EQ(GetElement(DType::kF32, output.data(), i),
+                ReferenceReduce(DType::kF32, ReduceOp::kSum, 2, i));
+    }
+    std::vector<uint8_t> gathered(2 * count * 4);
+    ASSERT_TRUE(
+        WaitFor(comm.AllGather(input.data(), gathered.data(), count, DType::kF32, stream)).ok());
+    for (size_t i = 0; i < count; i += 101) {
+      ASSERT_EQ(GetElement(DType::kF32, gathered.data(), (1 - r) * count + i),
+                PatternValue(DType::kF32, 1 - r, i));
     }
   });
 }

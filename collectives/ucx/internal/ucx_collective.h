@@ -7,9 +7,14 @@
 //   RunCollective   fingerprint exchange (+ the payload of small collectives), then the
 //                   large-message algorithm of the op's kind.
 //
-// Every wait goes through Drive(): progress the worker, let the algorithm make a step, fail on
-// an aborted communicator, a dead peer or the deadline (naming the ranks still pending), and
-// sleep on the worker's event fd once a short spin found nothing to do.
+// Every wait goes through Drive(): progress the worker, serve the single-copy reads whose
+// descriptors arrived, let the algorithm make a step, fail on an aborted communicator, a dead
+// peer or the deadline (naming the ranks still pending), and sleep on the worker's event fd once
+// a short spin found nothing to do.
+//
+// Send/Recv of the data phases pick the protocol per peer: to and from peers on this host that
+// can read each other's memory, the single-copy (CMA) protocol of ucx_transport.h; otherwise a
+// UCX tagged message. Algorithms see one Completion per message either way.
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_COLLECTIVE_H_
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_COLLECTIVE_H_
@@ -74,7 +79,9 @@ class CollectiveRun {
   std::unique_ptr<Batch> TakeBatch() { return std::move(batch_); }
 
   // Post a send / receive of `bytes` with `tag` (the phase, source rank, this op's sequence and
-  // `chunk`). The buffer must stay valid until the collective ends.
+  // `chunk`). The buffer must stay valid until the collective ends. The completion of a
+  // single-copy send is done once the receiver has read the buffer; that of a single-copy
+  // receive once this rank has copied the bytes (in Drive).
   Completion* Send(int peer, const void* buffer, size_t bytes, Phase phase, uint64_t chunk);
   Completion* Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk);
 
@@ -91,8 +98,28 @@ class CollectiveRun {
   // True if done; an error if done badly.
   absl::StatusOr<bool> Done(const Completion* c) const;
 
+  // Marks single-copy receives that will never be served (the collective failed) as cancelled,
+  // so that the batch can be released.
+  void AbandonReads();
+
  private:
+  // A single-copy receive: `descriptor` receives the sender's (address, length) into `desc`;
+  // `done` is what the algorithm waits for.
+  struct PendingRead {
+    Completion* descriptor;
+    Completion* done;
+    const uint64_t* desc;
+    uint8_t* dst;
+    size_t bytes;
+    int peer;
+    Phase phase;
+    uint64_t chunk;
+  };
+
   std::vector<int> PendingPeers();
+  uint64_t TagSeq(Phase phase) const { return phase == Phase::kHeader ? 0 : fp_.seq; }
+  // Copies the data of every pending read whose descriptor arrived and answers with a fin.
+  absl::Status ServeReads(bool* activity);
 
   UcxTransport& transport_;
   const CollectiveFingerprint fp_;
@@ -103,6 +130,7 @@ class CollectiveRun {
   const CollectiveHooks hooks_;
   const Tuning tuning_;
   std::unique_ptr<Batch> batch_;
+  std::vector<PendingRead> reads_;
 };
 
 // The whole collective (size >= 2): fingerprints first, then the data.

@@ -14,11 +14,18 @@
 //   The worker is created with UCS_THREAD_MODE_MULTI: Abort() may post control messages from
 //   any thread.
 //
-// Endpoints to peers on the same host use UCP_ERR_HANDLING_MODE_NONE by default, because
-// UCX 1.13 offers CMA (single-copy reads) only there; their death is detected by watching the
-// peer's pid (CheckPeers). With SHARDLINE_UCX_CMA=0 they use MODE_PEER over shared memory with
-// UCX_MM_ERROR_HANDLING=y (no CMA). Peers on other hosts always use MODE_PEER with an error
-// callback.
+// Every endpoint uses UCP_ERR_HANDLING_MODE_PEER with an error callback, so a peer's death is an
+// error, never a crash: UCX 1.13 then uses its shared-memory transports (sysv/posix, with
+// UCX_MM_ERROR_HANDLING=y) within a host and TCP/IB across hosts, but not its CMA transport,
+// whose failed reads of a dead peer are fatal to the reader. Large messages between ranks on the
+// same host therefore take our own single-copy path (SHARDLINE_UCX_CMA, default on): the sender
+// sends a descriptor (address, length) on the data tag, the receiver copies the bytes straight
+// out of the sender's memory with process_vm_readv (CmaRead) and answers with a "fin" on the
+// matching FinPhase tag, which completes the send. A read from a peer that died fails with
+// ESRCH and becomes Unavailable naming the peer. Whether rank a may read rank b's memory is
+// probed at creation and agreed through the store, so both sides always pick the same protocol.
+// Peers on the same host are also watched by pid (CheckPeers), which notices a death within
+// 200 ms even when no read is in flight.
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
@@ -34,6 +41,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -58,12 +66,16 @@ const Param<bool>& ParamUcxCma();
 // sequence: headers from one peer are matched in send order, so a peer that is at another
 // collective is reported as a mismatch instead of never matching.
 enum class Phase : uint64_t {
-  kHeader = 0,   // fingerprint
-  kSmall = 1,    // one-round payloads of small collectives
-  kData = 2,     // first data phase of large collectives
-  kGather = 3,   // all-gather phase of the large all-reduce
+  kHeader = 0,  // fingerprint
+  kSmall = 1,   // one-round payloads of small collectives
+  kData = 2,    // first data phase of large collectives
+  kGather = 3,  // all-gather phase of the large all-reduce
+  // 8 | p: the receiver's "read done" answer to a single-copy (CMA) message of phase p.
+  kDataFin = 10,
+  kGatherFin = 11,
   kControl = 15  // abort notices and goodbyes
 };
+inline Phase FinPhase(Phase phase) { return static_cast<Phase>(8 | static_cast<uint64_t>(phase)); }
 constexpr int kMaxRanks = 1 << 16;
 constexpr uint64_t kMaxChunks = uint64_t{1} << 20;
 constexpr uint64_t kFullMask = ~uint64_t{0};
@@ -128,7 +140,8 @@ class UcxTransport {
 
   // Called (never with an internal lock held) with the error that must abort the communicator:
   // a peer's abort notice (`forward` false: the sender told everyone itself), an unreachable or
-  // dead peer (`forward` true). Set once, right after Create.
+  // dead peer (`forward` true). Set once, right after Create; reports that arrived before are
+  // delivered then.
   using AbortHandler = std::function<void(const absl::Status&, bool forward)>;
   void SetAbortHandler(AbortHandler handler);
 
@@ -145,6 +158,15 @@ class UcxTransport {
   // Interrupts Sleep() (from any thread).
   void Wake();
 
+  // Single-copy (CMA) protocol for data messages, see the file comment. PullsFrom(p): this rank
+  // reads p's large messages out of p's memory (p sends descriptors). PulledBy(p): p reads this
+  // rank's large messages (this rank sends descriptors and waits for p's fin).
+  bool PullsFrom(int peer) const { return peers_[peer].pulls_from; }
+  bool PulledBy(int peer) const { return peers_[peer].pulled_by; }
+  // Copies `bytes` from address `remote` of peer `peer`'s memory to `dst`. Unavailable if the
+  // peer has exited, Internal naming the peer and range for any other failure.
+  absl::Status CmaRead(int peer, void* dst, uint64_t remote, size_t bytes);
+
   // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
   // reports it through the abort handler. OK otherwise.
   absl::Status CheckPeers();
@@ -156,16 +178,19 @@ class UcxTransport {
   // Sends `reason` to every peer still reachable (best effort, does not wait).
   void BroadcastAbort(const absl::Status& reason);
 
-  // Cancels what is still pending in `batch`, waits (bounded) for the cancellations and frees
+  // Cancels what is still pending in `batch` (after a failed collective), waits (bounded: 1 s
+  // for cancelled receives, 100 ms for sends to live peers, which UCX cannot cancel) and frees
   // the requests. A batch whose requests do not complete in time is kept alive until the
-  // transport is destroyed, so late completions never touch freed memory.
+  // transport is destroyed (which closes the endpoints by force), so late completions never
+  // touch freed memory.
   void Release(std::unique_ptr<Batch> batch);
 
  private:
   struct Peer {
     ucp_ep_h ep = nullptr;
-    bool local = false;      // same host: shared memory, pid watched
-    bool peer_mode = false;  // UCP_ERR_HANDLING_MODE_PEER (error callback, forced close)
+    bool local = false;       // same host: shared memory, pid watched
+    bool pulls_from = false;  // this rank reads the peer's large messages (CMA)
+    bool pulled_by = false;   // the peer reads this rank's large messages (CMA)
     int64_t pid = 0;
     bool failed = false;    // endpoint error seen
     bool departed = false;  // said goodbye
@@ -185,6 +210,10 @@ class UcxTransport {
 
   UcxTransport(int rank, int size, std::string name);
   absl::Status Init(Store& store, absl::Time deadline);
+  // Probes which local peers this rank can read with CMA and agrees on it through the store.
+  absl::Status AgreeOnCma(Store& store, const std::vector<std::string>& values, bool cma,
+                          absl::Time deadline);
+  void CloseEndpoint(Peer& peer, bool force, std::vector<void*>* closing);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void PostControlRecv();
   void HandleControl(const Completion& c, std::vector<absl::Status>* notices);
@@ -202,7 +231,10 @@ class UcxTransport {
   int efd_ = -1;
   std::vector<Peer> peers_;
   std::vector<std::unique_ptr<ErrorArg>> error_args_;
+
+  std::mutex handler_mu_;  // guards abort_handler_, early_reports_
   AbortHandler abort_handler_;
+  std::vector<std::pair<absl::Status, bool>> early_reports_;  // before SetAbortHandler
 
   std::mutex mu_;  // guards failures_, peers_[].failed/departed, outgoing_, graveyard_
   std::vector<Failure> failures_;
@@ -210,6 +242,8 @@ class UcxTransport {
   std::vector<std::unique_ptr<Batch>> graveyard_;
   std::vector<void*> force_closing_;  // close requests of dead peers' endpoints
   std::atomic<bool> unclean_{false};  // a collective failed: close endpoints by force
+  // What peers read to check that CMA works (random; published with the address).
+  uint64_t probe_ = 0;
 
   std::mutex control_mu_;  // guards the control receive
   Completion control_;

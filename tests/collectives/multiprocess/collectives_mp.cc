@@ -11,12 +11,22 @@
 //   collectives_mp flood         rank 0 floods the store's port with garbage and oversized
 //                                frames from a thread while the collectives run; they must pass
 //   collectives_mp quick         a few collectives of every kind (used over TCP)
+//   collectives_mp init          the world from InitProcessGroup (the launcher's environment),
+//                                collectives, a split, and with 4 ranks a 2 x 2 ProcessMesh:
+//                                shard all-gather / reduce-scatter + replicate all-reduce
+//   collectives_mp init_error [NAME=VALUE]
+//                                InitProcessGroup with NAME=VALUE set on rank 1 only (a wrong
+//                                token, another timeout...); prints "INIT_ERROR rank r: <status>"
+//                                and exits kInitErrorExit if it fails, "OK" and 0 otherwise
+//   collectives_mp bench         ad-hoc timings on rank 0 and each rank's memcpy reference
+//                                (SL_BENCH_HUGE=1: buffers on transparent huge pages)
 //
 // Prints "OK <scenario> rank <r>" on success; failures print the reason and exit 1.
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -24,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +42,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "collectives/bootstrap.h"
+#include "collectives/process_mesh.h"
 #include "collectives/store/tcp_store.h"
 #include "collectives/ucx/ucx_communicator.h"
 #include "runtime/stream.h"
@@ -47,6 +60,7 @@ using testing::SetElement;
 using testing::Tolerance;
 
 constexpr int kSurvivorExit = 3;
+constexpr int kInitErrorExit = 4;
 
 int g_rank = 0;
 int g_size = 1;
@@ -310,6 +324,81 @@ int Kill() {
   return kSurvivorExit;
 }
 
+// The 2 x 2 mesh of hybrid sharding: parameters sharded over the row, gradients reduced over
+// the row and then all-reduced over the column, against plain-loop sums over all four ranks.
+void CheckMesh(const std::shared_ptr<Communicator>& world, Stream& stream) {
+  absl::StatusOr<ProcessMesh> mesh =
+      ProcessMesh::Create(world, /*shard_size=*/2, absl::Now() + absl::Seconds(60));
+  ExpectOk(mesh.status(), "mesh");
+  const int r = world->rank();
+  Expect(mesh->shard_rank() == r % 2 && mesh->replicate_rank() == r / 2,
+         absl::StrCat("mesh coordinates of rank ", r, ": shard ", mesh->shard_rank(),
+                      ", replicate ", mesh->replicate_rank()));
+  const DType f32 = DType::kF32;
+  const size_t k = 100003;  // per shard: the large, pipelined path with a ragged last chunk
+  const int s = mesh->shard_rank();
+  // Parameters: the same full vector on every row; this rank holds shard s.
+  std::vector<uint8_t> full(2 * k * 4, 0);
+  for (size_t i = 0; i < k; ++i) {
+    SetElement(f32, full.data(), s * k + i, PatternValue(f32, 0, s * k + i, /*salt=*/5));
+  }
+  ExpectOk(WaitFor(mesh->shard()->AllGather(full.data() + s * k * 4, full.data(), k, f32, stream)),
+           "mesh shard all_gather");
+  for (size_t i = 0; i < 2 * k; i += 7) {
+    Expect(GetElement(f32, full.data(), i) == PatternValue(f32, 0, i, 5),
+           absl::StrCat("mesh all_gather wrong at ", i));
+  }
+  // Gradients: reduce-scatter over the row, all-reduce of the shard over the column.
+  std::vector<uint8_t> grad = PatternBuffer(f32, r, 2 * k, /*salt=*/7);
+  std::vector<uint8_t> shard(k * 4);
+  ExpectOk(WaitFor(mesh->shard()->ReduceScatter(grad.data(), shard.data(), k, f32, stream)),
+           "mesh shard reduce_scatter");
+  ExpectOk(WaitFor(mesh->replicate()->AllReduce(shard.data(), shard.data(), k, f32, stream)),
+           "mesh replicate all_reduce");
+  for (size_t i = 0; i < k; i += 7) {
+    double want = 0;
+    for (int rank = 0; rank < 4; ++rank) want += PatternValue(f32, rank, s * k + i, 7);
+    Expect(GetElement(f32, shard.data(), i) == want, absl::StrCat("mesh gradient wrong at ", i));
+  }
+}
+
+int InitScenario() {
+  absl::StatusOr<ProcessGroup> group = InitProcessGroup();
+  if (!group.ok()) Fail(absl::StrCat("InitProcessGroup: ", group.status().ToString()));
+  g_rank = group->launch.rank;
+  g_size = group->launch.world_size;
+  Expect(group->world->size() == g_size && group->world->rank() == g_rank &&
+             group->world->backend() == "ucx",
+         "world communicator does not match the launch environment");
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = "mp"});
+  ExpectOk(stream.status(), "stream");
+  World w{group->store, group->world, std::move(*stream)};
+  CheckAllKinds(*w.comm, *w.stream, {1, 4097, 300000}, true);
+  CheckSplit(w);
+  if (g_size == 4) CheckMesh(w.comm, *w.stream);
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "final barrier");
+  std::printf("OK init rank %d\n", g_rank);
+  return 0;
+}
+
+int InitError(const char* assignment) {
+  g_rank = EnvInt("RANK");
+  if (assignment != nullptr && g_rank == 1) {
+    const std::string text = assignment;
+    const size_t eq = text.find('=');
+    if (eq == std::string::npos) Fail(absl::StrCat("expected NAME=VALUE, got ", text));
+    setenv(text.substr(0, eq).c_str(), text.substr(eq + 1).c_str(), 1);
+  }
+  absl::StatusOr<ProcessGroup> group = InitProcessGroup();
+  if (!group.ok()) {
+    std::printf("INIT_ERROR rank %d: %s\n", g_rank, group.status().ToString().c_str());
+    std::fflush(stdout);
+    return kInitErrorExit;
+  }
+  std::printf("OK init_error rank %d\n", g_rank);
+  return 0;
+}
+
 // Opens raw connections to the store and writes garbage, truncated and oversized frames.
 void Flood(const std::string& host, int port, std::atomic<bool>* stop, int* sent) {
   uint32_t seed = 12345;
@@ -354,9 +443,24 @@ int FloodScenario() {
   return 0;
 }
 
-// Ad-hoc timing (not a test): prints per-collective times on rank 0.
+// Host memory for the benchmark; `huge`: 2 MiB aligned and backed by transparent huge pages
+// where the kernel allows it (single-copy reads pin the source page by page: far fewer pages).
+std::unique_ptr<float, void (*)(void*)> BenchBuffer(size_t count, bool huge) {
+  const size_t bytes = (count * sizeof(float) + (2 << 20) - 1) / (2 << 20) * (2 << 20);
+  void* p = std::aligned_alloc(2 << 20, bytes);
+  if (p == nullptr) Fail("out of memory");
+  if (huge) madvise(p, bytes, MADV_HUGEPAGE);
+  std::memset(p, 0, bytes);
+  return {static_cast<float*>(p), &std::free};
+}
+
+// Ad-hoc timing (not a test): prints per-collective times on rank 0, and each rank's memcpy of
+// the bytes it receives in a 64 MiB all-gather (the single-copy reference). SL_BENCH_HUGE=1
+// backs the buffers with huge pages.
 int Bench() {
   World w = Join(absl::Seconds(120));
+  const int n = g_size;
+  const bool huge = std::getenv("SL_BENCH_HUGE") != nullptr;
   auto time_it = [&](const char* what, size_t bytes, int iters, auto&& issue) {
     for (int i = 0; i < 2; ++i) ExpectOk(WaitFor(issue()), what);
     ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
@@ -364,25 +468,36 @@ int Bench() {
     for (int i = 0; i < iters; ++i) ExpectOk(WaitFor(issue()), what);
     const double us = absl::ToDoubleMicroseconds(absl::Now() - start) / iters;
     if (g_rank == 0) {
-      std::printf("%-24s %10zu B  %10.1f us  algbw %6.2f GB/s\n", what, bytes, us,
-                  bytes / us / 1e3);
+      std::printf("%-24s %10zu B  %10.1f us  algbw %6.2f GB/s  received/rank %6.2f GB/s\n", what,
+                  bytes, us, bytes / us / 1e3, bytes / n * (n - 1) / us / 1e3);
     }
   };
-  const int n = g_size;
+  {
+    const size_t bytes = (size_t{64} << 20) / n * (n - 1);
+    auto src = BenchBuffer(bytes / 4, huge);
+    auto dst = BenchBuffer(bytes / 4, huge);
+    ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+    for (int i = 0; i < 2; ++i) std::memcpy(dst.get(), src.get(), bytes);
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < 10; ++i) std::memcpy(dst.get(), src.get(), bytes);
+    const double us = absl::ToDoubleMicroseconds(absl::Now() - start) / 10;
+    std::printf("rank %d memcpy %zu B %10.1f us  %6.2f GB/s\n", g_rank, bytes, us,
+                bytes / us / 1e3);
+  }
   for (size_t bytes : {size_t{8} << 10, size_t{16} << 20, size_t{64} << 20}) {
     const int iters = bytes < (1 << 20) ? 2000 : 5;
     const size_t count = bytes / 4;
-    std::vector<float> big(count, 1.0f), out(count);
+    auto big = BenchBuffer(count, huge);
+    auto out = BenchBuffer(count, huge);
     time_it("all_gather in-place", bytes, iters, [&] {
-      return w.comm->AllGather(big.data() + g_rank * (count / n), big.data(), count / n,
-                               DType::kF32, *w.stream);
+      return w.comm->AllGather(big.get() + g_rank * (count / n), big.get(), count / n, DType::kF32,
+                               *w.stream);
     });
     time_it("reduce_scatter", bytes, iters, [&] {
-      return w.comm->ReduceScatter(big.data(), out.data(), count / n, DType::kF32, *w.stream);
+      return w.comm->ReduceScatter(big.get(), out.get(), count / n, DType::kF32, *w.stream);
     });
-    time_it("all_reduce", bytes, iters, [&] {
-      return w.comm->AllReduce(big.data(), out.data(), count, DType::kF32, *w.stream);
-    });
+    time_it("all_reduce", bytes, iters,
+            [&] { return w.comm->AllReduce(big.get(), out.get(), count, DType::kF32, *w.stream); });
   }
   return 0;
 }
@@ -398,6 +513,8 @@ int main(int argc, char** argv) {
   if (scenario == "kill") return shardline::Kill();
   if (scenario == "flood") return shardline::FloodScenario();
   if (scenario == "bench") return shardline::Bench();
+  if (scenario == "init") return shardline::InitScenario();
+  if (scenario == "init_error") return shardline::InitError(argc > 2 ? argv[2] : nullptr);
   std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
   return 2;
 }
