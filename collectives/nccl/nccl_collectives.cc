@@ -148,7 +148,7 @@ absl::Status NcclCommunicator::Enqueue(const Op& op, cudaStream_t stream) {
 
 absl::Status NcclCommunicator::WaitAccepted(absl::string_view what, absl::Duration timeout,
                                             absl::Time deadline) {
-  Backoff backoff;
+  PollBackoff backoff;
   while (true) {
     ncclResult_t state = ncclSuccess;
     SL_RETURN_IF_ERROR(Annotate(SL_NCCL_STATUS(ncclCommGetAsyncError(comm_, &state), comm_), what));
@@ -191,7 +191,7 @@ absl::Status NcclCommunicator::CheckFingerprints(const Op& op, cudaStream_t stre
                what));
   SL_RETURN_IF_ERROR(Annotate(SL_CUDA_STATUS(cudaEventRecord(fingerprints_ready_, stream)), what));
   // The debug mode's price: the host waits for the stream (and every rank's arrival).
-  Backoff backoff;
+  PollBackoff backoff;
   while (true) {
     const cudaError_t error = cudaEventQuery(fingerprints_ready_);
     if (error == cudaSuccess) break;
@@ -235,7 +235,7 @@ absl::Status NcclCommunicator::Launch(Op op, Stream& stream) {
   const auto cuda_stream = static_cast<cudaStream_t>(stream.native_handle());
   SL_RETURN_IF_ERROR(CheckBuffer(op, op.input, op.input_count * op.element_size, "input"));
   SL_RETURN_IF_ERROR(CheckBuffer(op, op.output, op.output_count * op.element_size, "output"));
-  DeviceGuard guard;
+  CudaDeviceGuard guard;
   SL_RETURN_IF_ERROR(Annotate(guard.Set(cuda_device_), Describe(op)));
   // Bounds the host-side waits of this call; the watchdog bounds the collective itself, from
   // the moment it starts on the stream.

@@ -128,7 +128,7 @@ absl::StatusOr<ncclUniqueId> ExchangeUniqueId(const NcclOptions& o, absl::Status
 // On error or deadline the caller aborts.
 absl::Status PollReady(ncclComm_t comm, absl::Time deadline, absl::string_view who,
                        absl::string_view timeout_detail) {
-  Backoff backoff;
+  PollBackoff backoff;
   while (true) {
     ncclResult_t state = ncclSuccess;
     SL_RETURN_IF_ERROR(Annotate(SL_NCCL_STATUS(ncclCommGetAsyncError(comm, &state), comm), who));
@@ -145,16 +145,6 @@ absl::Status PollReady(ncclComm_t comm, absl::Time deadline, absl::string_view w
 }
 
 }  // namespace
-
-void Backoff::Pause() {
-  if (spins_ < 16) {
-    ++spins_;
-    std::this_thread::yield();
-    return;
-  }
-  absl::SleepFor(sleep_);
-  sleep_ = std::min(sleep_ * 2, absl::Milliseconds(1));
-}
 
 absl::StatusOr<NcclSettings> ReadNcclSettings() {
   NcclSettings settings;
@@ -192,7 +182,7 @@ absl::StatusOr<std::shared_ptr<NcclCommunicator>> NcclCommunicator::Wrap(
 
 absl::Status NcclCommunicator::AllocateScratch() {
   const std::string who = absl::StrCat("nccl communicator ", name(), " (rank ", rank(), ")");
-  DeviceGuard guard;
+  CudaDeviceGuard guard;
   SL_RETURN_IF_ERROR(Annotate(guard.Set(cuda_device_), who));
   SL_RETURN_IF_ERROR(Annotate(
       SL_CUDA_STATUS(cudaMalloc(reinterpret_cast<void**>(&barrier_scratch_), sizeof(int32_t))),
@@ -219,7 +209,7 @@ absl::Status NcclCommunicator::AllocateScratch() {
 
 NcclCommunicator::~NcclCommunicator() {
   StopWatchdog();
-  DeviceGuard guard;
+  CudaDeviceGuard guard;
   (void)guard.Set(cuda_device_);
   {
     std::lock_guard<std::mutex> lock(nccl_mu_);
@@ -272,7 +262,7 @@ void NcclCommunicator::OnAbort(const absl::Status& reason) {
   watch_cv_.notify_all();
   std::lock_guard<std::mutex> lock(nccl_mu_);
   if (comm_ == nullptr) return;
-  DeviceGuard guard;
+  CudaDeviceGuard guard;
   (void)guard.Set(cuda_device_);
   // Stops the kernels of every collective in flight, so no stream stays blocked on them.
   const absl::Status aborted = SL_NCCL_ACCEPTED(ncclCommAbort(comm_), nullptr);
@@ -310,7 +300,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> NcclCommunicator::SplitImpl(int co
     SL_RETURN_IF_ERROR(status());
     if (comm_ == nullptr)
       return absl::FailedPreconditionError(absl::StrCat(who, ": no NCCL communicator"));
-    DeviceGuard guard;
+    CudaDeviceGuard guard;
     SL_RETURN_IF_ERROR(Annotate(guard.Set(cuda_device_), who));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
@@ -320,7 +310,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> NcclCommunicator::SplitImpl(int co
                       who);
     // The split runs in the background: the parent is busy with it and the child (none for a
     // negative color) initialises; both must settle.
-    Backoff backoff;
+    PollBackoff backoff;
     while (failed.ok()) {
       ncclResult_t parent_state = ncclSuccess;
       ncclResult_t child_state = ncclSuccess;
@@ -390,7 +380,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateNcclCommunicator(const NcclO
   const std::string who = nccl_internal::Who(o);
 
   // The device must be current when NCCL initialises: it binds the communicator to it.
-  nccl_internal::DeviceGuard guard;
+  CudaDeviceGuard guard;
   absl::Status device = nccl_internal::CheckDevice(o);
   if (device.ok()) device = Annotate(guard.Set(o.device), who);
   if (!device.ok() && o.rank != 0) return device;  // rank 0 publishes its own failure

@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "runtime/config.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/cuda_util.h"
 #include "runtime/host_stream_internal.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
@@ -31,49 +32,6 @@ namespace shardline {
 namespace {
 
 using internal::HostCapture;
-
-// Polling CUDA for completion: yield a few times, then sleep 1 us, 2 us, ... up to 1 ms, so a
-// short wait costs little latency and a long one little CPU.
-class Backoff {
- public:
-  void Pause() {
-    if (spins_ < 16) {
-      ++spins_;
-      std::this_thread::yield();
-      return;
-    }
-    absl::SleepFor(sleep_);
-    sleep_ = std::min(sleep_ * 2, absl::Milliseconds(1));
-  }
-
- private:
-  int spins_ = 0;
-  absl::Duration sleep_ = absl::Microseconds(1);
-};
-
-// Makes `device` current for the guard's lifetime (creating streams and events needs it).
-class DeviceGuard {
- public:
-  DeviceGuard() = default;
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-  ~DeviceGuard() {
-    if (restore_ >= 0) (void)cudaSetDevice(restore_);
-  }
-
-  absl::Status Set(int device) {
-    int current = 0;
-    SL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
-    if (current != device) {
-      SL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-      restore_ = current;
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  int restore_ = -1;
-};
 
 // The failure state of one CUDA stream, shared with its host functions in flight and with the
 // events recorded on it. Host functions are numbered 1, 2, ... in stream order; only they can
@@ -141,7 +99,7 @@ absl::StatusOr<bool> QueryCapture(const CudaCapture& capture) {
 
 absl::Status PollCapture(const CudaCapture& capture, absl::Time deadline,
                          absl::string_view waiter) {
-  Backoff backoff;
+  PollBackoff backoff;
   while (true) {
     SL_ASSIGN_OR_RETURN(bool done, QueryCapture(capture));
     if (done) return absl::OkStatus();
@@ -155,7 +113,7 @@ absl::Status PollCapture(const CudaCapture& capture, absl::Time deadline,
 }
 
 absl::StatusOr<std::shared_ptr<CudaEventHandle>> CreateEventHandle(int device) {
-  DeviceGuard guard;
+  CudaDeviceGuard guard;
   SL_RETURN_IF_ERROR(guard.Set(device));
   auto handle = std::make_shared<CudaEventHandle>();
   SL_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&handle->event, cudaEventDisableTiming));
@@ -350,7 +308,7 @@ class CudaStream final : public Stream, public internal::HostCaptureRecorder {
 
   // Polls until the stream's work has run: OK, a CUDA error, or DeadlineExceeded.
   absl::Status Drain(absl::Time deadline) {
-    Backoff backoff;
+    PollBackoff backoff;
     while (true) {
       const cudaError_t error = cudaStreamQuery(stream_);
       if (error == cudaSuccess) return absl::OkStatus();
@@ -410,7 +368,7 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateCudaStream(int device, StreamOptio
                                                " CUDA device(s) visible)"));
   }
   SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, internal::ResolveWaitTimeout(options));
-  DeviceGuard guard;
+  CudaDeviceGuard guard;
   SL_RETURN_IF_ERROR(guard.Set(device));
   cudaStream_t stream = nullptr;
   SL_RETURN_IF_ERROR(

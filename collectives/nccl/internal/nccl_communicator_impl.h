@@ -36,42 +36,9 @@
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/cuda_util.h"
 
 namespace shardline::nccl_internal {
-
-// Polling for NCCL or CUDA progress: yield a few times, then sleep 1 us, 2 us, ... up to 1 ms, so
-// a short wait costs little latency and a long one little CPU.
-class Backoff {
- public:
-  void Pause();
-
- private:
-  int spins_ = 0;
-  absl::Duration sleep_ = absl::Microseconds(1);
-};
-
-// Makes `device` current for the guard's lifetime.
-class DeviceGuard {
- public:
-  DeviceGuard() = default;
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-  ~DeviceGuard() {
-    if (restore_ >= 0) (void)cudaSetDevice(restore_);
-  }
-  absl::Status Set(int device) {
-    int current = 0;
-    SL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
-    if (current != device) {
-      SL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-      restore_ = current;
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  int restore_ = -1;
-};
 
 // The abort status, shared with the host functions that follow each collective on its stream
 // (they may run after the communicator is gone, on CUDA's callback thread, and must not call
