@@ -1,6 +1,6 @@
 // memcpy_perf: single-thread memcpy bandwidth at the sweep's sizes, the physical limit of a
 // shared-memory collective (every byte a rank receives is copied at least once, by one thread).
-//   memcpy_perf -b 4K -e 256M -f 4 -n 20 -w 5
+//   memcpy_perf -b 4K -e 256M -f 4 -n 20 -w 5      (or -G groups, see report.h)
 // Printed in the nccl-tests columns as "all_gather-like" rows: algbw = busbw = bytes / time of
 // one memcpy of `size` bytes between two distinct, pre-faulted buffers.
 
@@ -12,14 +12,15 @@ int main(int argc, char** argv) {
   peer::PrintColumns("memcpy", "memcpy", 1);
   double sum = 0;
   int cells = 0;
-  for (size_t size : peer::Sizes(flags)) {
-    for (int i = 0; i < flags.warmup + 1; ++i) std::memcpy(dst.data(), src.data(), size);
+  for (const peer::Point& pt : peer::Points(flags)) {
+    const size_t size = pt.bytes;
+    for (int i = 0; i < pt.warmup + 1; ++i) std::memcpy(dst.data(), src.data(), size);
     const double start = peer::Now();
-    for (int i = 0; i < flags.iters; ++i) {
+    for (int i = 0; i < pt.iters; ++i) {
       std::memcpy(dst.data(), src.data(), size);
       asm volatile("" : : "r"(dst.data()) : "memory");
     }
-    const double seconds = (peer::Now() - start) / flags.iters;
+    const double seconds = (peer::Now() - start) / pt.iters;
     peer::Cell c;
     c.present = true;
     c.time_us = seconds * 1e6;

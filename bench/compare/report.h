@@ -1,9 +1,16 @@
 // File: bench/compare/report.h
 // -----------------------------------------------------------------------------
 // What the peer drivers (mpi_perf, gloo_perf, memcpy_perf) share with bench/perf: the flags they
-// understand (-b -e -f -n -w -c, a subset of nccl-tests'), nccl-tests' columns, the float input
-// pattern and a reference check. Header-only and free of shardline, so the drivers build with
-// nothing but mpicxx or g++ -lgloo (run_comparison.py compiles them; the main build does not).
+// understand (-b -e -f -n -w -c, a subset of nccl-tests', plus -G), nccl-tests' columns, the float
+// input pattern and a reference check.
+//
+// Header-only and free of shardline, so the drivers build with nothing but mpicxx or g++ -lgloo
+// (run_comparison.py compiles them; the main build does not).
+//
+// -G lo:hi:factor:iters:warmup (repeatable, in increasing size order) replaces -b -e -f -n -w with
+// a schedule: one process sweeps every group with the group's own iteration counts, as if
+// bench/perf's binary had been launched once per group with those flags. run_comparison.py uses
+// it so that a peer costs one launch per round instead of one per group.
 
 #ifndef SHARDLINE_BENCH_COMPARE_REPORT_H_
 #define SHARDLINE_BENCH_COMPARE_REPORT_H_
@@ -19,7 +26,14 @@
 
 namespace peer {
 
+// One -G group: sizes lo, lo * factor, ... <= hi, each timed with `iters` calls after `warmup`.
+struct Group {
+  size_t lo = 0, hi = 0, factor = 2;
+  int iters = 20, warmup = 5;
+};
+
 struct Flags {
+  std::vector<Group> groups;  // from -G, or one group from -b -e -f -n -w
   size_t min_bytes = 32 << 20;
   size_t max_bytes = 32 << 20;
   size_t factor = 2;
@@ -72,7 +86,37 @@ inline int ParseCount(const char* flag, const char* text, int min) {
   return static_cast<int>(v);
 }
 
-// <collective> [-b B] [-e B] [-f F] [-n N] [-w N] [-c 0|1]
+// "lo:hi:factor:iters:warmup", e.g. "4K:64K:2:20:3".
+inline Group ParseGroup(const char* text) {
+  std::vector<std::string> parts;
+  std::string cur;
+  for (const char* c = text;; ++c) {
+    if (*c == ':' || *c == '\0') {
+      parts.push_back(cur);
+      cur.clear();
+      if (*c == '\0') break;
+    } else {
+      cur += *c;
+    }
+  }
+  if (parts.size() != 5) {
+    std::fprintf(stderr, "invalid value '%s' for -G (lo:hi:factor:iters:warmup)\n", text);
+    std::exit(2);
+  }
+  Group g;
+  g.lo = ParseSize(parts[0].c_str());
+  g.hi = ParseSize(parts[1].c_str());
+  g.factor = ParseCount("-G factor", parts[2].c_str(), 2);
+  g.iters = ParseCount("-G iters", parts[3].c_str(), 1);
+  g.warmup = ParseCount("-G warmup", parts[4].c_str(), 0);
+  if (g.lo == 0 || g.lo > g.hi) {
+    std::fprintf(stderr, "invalid value '%s' for -G: need 0 < lo <= hi\n", text);
+    std::exit(2);
+  }
+  return g;
+}
+
+// <collective> [-b B] [-e B] [-f F] [-n N] [-w N] [-c 0|1] | [-G lo:hi:factor:iters:warmup]...
 inline Flags ParseFlags(int argc, char** argv) {
   Flags f;
   int i = 1;
@@ -96,22 +140,44 @@ inline Flags ParseFlags(int argc, char** argv) {
       f.warmup = ParseCount("-w", v, 0);
     else if (a == "-c")
       f.check = ParseCount("-c", v, 0);
+    else if (a == "-G")
+      f.groups.push_back(ParseGroup(v));
     else {
       std::fprintf(stderr, "invalid option '%s'\n", a.c_str());
       std::exit(2);
     }
   }
-  if (f.min_bytes == 0 || f.min_bytes > f.max_bytes) {
-    std::fprintf(stderr, "need 0 < -b <= -e\n");
-    std::exit(2);
+  if (f.groups.empty()) {
+    if (f.min_bytes == 0 || f.min_bytes > f.max_bytes) {
+      std::fprintf(stderr, "need 0 < -b <= -e\n");
+      std::exit(2);
+    }
+    f.groups.push_back({f.min_bytes, f.max_bytes, f.factor, f.iters, f.warmup});
   }
+  for (size_t i = 1; i < f.groups.size(); ++i) {
+    if (f.groups[i].lo <= f.groups[i - 1].hi) {
+      std::fprintf(stderr, "-G groups must be in increasing, disjoint size order\n");
+      std::exit(2);
+    }
+  }
+  f.min_bytes = f.groups.front().lo;
+  f.max_bytes = f.groups.back().hi;
   return f;
 }
 
-inline std::vector<size_t> Sizes(const Flags& f) {
-  std::vector<size_t> sizes;
-  for (size_t s = f.min_bytes; s <= f.max_bytes; s *= f.factor) sizes.push_back(s);
-  return sizes;
+// One size of the sweep and the iteration counts it is timed with.
+struct Point {
+  size_t bytes;
+  int iters;
+  int warmup;
+};
+
+inline std::vector<Point> Points(const Flags& f) {
+  std::vector<Point> points;
+  for (const Group& g : f.groups) {
+    for (size_t s = g.lo; s <= g.hi; s *= g.factor) points.push_back({s, g.iters, g.warmup});
+  }
+  return points;
 }
 
 // The same float pattern as bench/perf/common.cc's InputValue.
@@ -262,7 +328,7 @@ inline float Expected(Kind k, int rank, int n, size_t param, size_t j, unsigned 
 //   bool Supports(Kind, bool in_place);  void Run(Kind, bool in_place, float* send, float* recv,
 //   size_t param);  size_t InPlaceInput(Kind, size_t param), InPlaceOutput(Kind, size_t param)
 template <typename Peer>
-Cell BenchTime(Peer& p, const Flags& f, Kind k, size_t size, bool in_place, float* send,
+Cell BenchTime(Peer& p, const Flags& f, Kind k, size_t size, int iters, bool in_place, float* send,
                float* recv, unsigned* seed) {
   Cell cell;
   if (!p.Supports(k, in_place)) return cell;
@@ -278,8 +344,8 @@ Cell BenchTime(Peer& p, const Flags& f, Kind k, size_t size, bool in_place, floa
   p.Run(k, in_place, send, recv, param);  // the synchronising call
   p.Barrier();
   const double start = Now();
-  for (int i = 0; i < f.iters; ++i) p.Run(k, in_place, send, recv, param);
-  const double seconds = p.AverageOverRanks((Now() - start) / f.iters);
+  for (int i = 0; i < iters; ++i) p.Run(k, in_place, send, recv, param);
+  const double seconds = p.AverageOverRanks((Now() - start) / iters);
   cell.present = true;
   cell.time_us = seconds * 1e6;
   cell.algbw = AlgElements(k, param, n) * sizeof(float) / 1e9 / seconds;
@@ -307,21 +373,28 @@ long Sweep(Peer& p, const Flags& f, const char* system) {
     if (f.collective != "all" && f.collective != c.name) continue;
     if (!p.Supports(c.kind, false) && !p.Supports(c.kind, true)) continue;
     if (p.rank() == 0) PrintColumns(system, c.name, p.size());
-    const std::vector<size_t> sizes = Sizes(f);
-    for (size_t size : {sizes.back(), sizes.front()}) {  // warm-up, as bench/perf does
-      size_t ns, nr, param;
-      Counts(c.kind, size / 4, p.size(), &ns, &nr, &param);
-      const bool ip = !p.Supports(c.kind, false);
-      for (int i = 0; i < f.warmup; ++i) p.Run(c.kind, ip, send.data(), recv.data(), param);
+    // Warm-up as bench/perf does per launch: each group's largest, then smallest size.
+    for (const Group& g : f.groups) {
+      size_t top = g.lo;
+      while (top * g.factor <= g.hi) top *= g.factor;
+      for (size_t size : {top, g.lo}) {
+        size_t ns, nr, param;
+        Counts(c.kind, size / 4, p.size(), &ns, &nr, &param);
+        const bool ip = !p.Supports(c.kind, false);
+        for (int i = 0; i < g.warmup; ++i) p.Run(c.kind, ip, send.data(), recv.data(), param);
+      }
     }
     double busbw_sum = 0;
     int cells = 0;
     long wrong_cells = 0;
-    for (size_t size : sizes) {
+    for (const Point& pt : Points(f)) {
+      const size_t size = pt.bytes;
       size_t ns, nr, param;
       Counts(c.kind, size / 4, p.size(), &ns, &nr, &param);
-      const Cell oop = BenchTime(p, f, c.kind, size, false, send.data(), recv.data(), &seed);
-      const Cell ip = BenchTime(p, f, c.kind, size, true, send.data(), recv.data(), &seed);
+      const Cell oop =
+          BenchTime(p, f, c.kind, size, pt.iters, false, send.data(), recv.data(), &seed);
+      const Cell ip =
+          BenchTime(p, f, c.kind, size, pt.iters, true, send.data(), recv.data(), &seed);
       for (const Cell* cell : {&oop, &ip}) {
         if (!cell->present) continue;
         busbw_sum += cell->busbw;

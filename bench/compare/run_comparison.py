@@ -3,22 +3,26 @@
 
     bench/compare/run_comparison.py [--build-dir build] [--ranks 2 4] [--rounds 3] [--quick]
 
-End to end (outside CI; about 6-9 minutes on a 2-core machine):
+End to end (outside CI; about 6 minutes on the 2-core VM at load ~3.5, 138 launches):
   1. installs the peers from Debian's packages (scripts/install-deps.sh --peers: libopenmpi-dev,
      openmpi-bin, libgloo-dev) and matplotlib from PyPI if missing;
   2. builds shardline's perf binaries (bench/perf) in --build-dir and compiles the peer drivers
      (bench/compare/{mpi,gloo,memcpy}_perf.cc) into <build-dir>/compare with mpicxx and g++;
-  3. runs everything interleaved over 4 KiB .. 256 MiB (float, sum): for each round and size
-     group, shardline's five binaries, Open MPI (MPI_Allgather, MPI_Reduce_scatter_block,
+  3. runs everything interleaved over 4 KiB .. 256 MiB (float, sum), for each rank count and
+     round: shardline's five binaries (one launch per collective and size group: bench/perf
+     takes one -n/-w per launch), Open MPI (MPI_Allgather, MPI_Reduce_scatter_block,
      MPI_Allreduce, MPI_Bcast, MPI_Alltoall), Gloo (allgather, ReduceScatterHalvingDoubling,
-     allreduce) and single-thread memcpy, in an order that rotates every round, so that machine
-     noise hits every system alike; data are checked (#wrong) in the first round;
-  4. writes bench/results/<date>.json (machine, load, every measurement, medians, ratios) and
+     allreduce) and single-thread memcpy; a peer sweeps every group in ONE launch (-G, the same
+     per-group -n/-w as shardline's launches). The order of the four systems rotates every round
+     so that machine noise hits every system alike; data are checked (#wrong) in the first round;
+  4. writes bench/results/<date>.json (machine, load, medians, ratios, targets, per-round
+     measurements as compact rows, the time every launch took, the elapsed time) and
      bench/results/<date>.png (busbw against size, one panel per collective, one line per system
-     and rank count) and prints the ratio table (Markdown) and the targets.
+     and rank count), and prints the ratio table (Markdown), the targets and the elapsed time.
 
-Each system's number at a size is the median over rounds of the better of its out-of-place and
-in-place busbw (a form a system lacks counts as missing); latency is the smaller median time.
+Each system's number at a size is the median over rounds (all sizes, every round) of the better
+of its out-of-place and in-place busbw (a form a system lacks counts as missing); latency is the
+smaller median time.
 """
 
 import argparse
@@ -40,19 +44,25 @@ COLLECTIVES = ["all_gather", "reduce_scatter", "all_reduce", "broadcast", "allto
 PEERS = ["openmpi", "gloo"]
 KIB, MIB = 1024, 1024 * 1024
 
-# (min, max, factor, iters, warmup, rounds or None for all): small sizes need many iterations,
-# 256 MiB a couple (and one round) to keep the whole run under 10 minutes on 2 cores.
+# (min, max, factor, iters, warmup): many iterations where a call costs microseconds, few where it
+# costs 0.1-2 s. Where the time went in a loaded 15-minute run (208 launches): 256 MiB and 64 MiB
+# calls (each timed point costs 1 synchronising call + iters, in and out of place), and one
+# launch per system, collective and group. Now: every group runs every round (medians over all
+# rounds), 256 MiB with one timed call, and a peer sweeps all groups in one launch.
 GROUPS = [
-    (4 * KIB, 64 * KIB, 2, 50, 5, None),
-    (256 * KIB, 1 * MIB, 4, 20, 3, None),
-    (4 * MIB, 16 * MIB, 4, 5, 1, None),
-    (64 * MIB, 64 * MIB, 4, 3, 1, None),
-    (256 * MIB, 256 * MIB, 4, 2, 1, 1),
+    (4 * KIB, 64 * KIB, 2, 20, 3),
+    (256 * KIB, 16 * MIB, 4, 8, 2),
+    (64 * MIB, 64 * MIB, 4, 3, 1),
+    (256 * MIB, 256 * MIB, 4, 1, 0),
 ]
 QUICK_GROUPS = [
-    (4 * KIB, 64 * KIB, 4, 20, 2, None),
-    (1 * MIB, 16 * MIB, 4, 3, 1, None),
+    (4 * KIB, 64 * KIB, 4, 10, 2),
+    (1 * MIB, 16 * MIB, 4, 3, 1),
 ]
+SYSTEMS = ["shardline", "openmpi", "gloo", "memcpy"]
+LAUNCH_FIELDS = ["system", "coll", "group", "nranks", "round", "seconds", "load"]
+RECORD_FIELDS = ["system", "coll", "nranks", "size", "placement", "round", "time_us", "algbw",
+                 "busbw", "wrong"]
 
 ROW_RE = re.compile(r"^\s*\d+\s+\d+\s+\S+\s+\S+\s+-?\d+\s")
 MARK_RE = re.compile(r"^# collective (\S+) system (\S+) nranks (\d+)")
@@ -161,48 +171,60 @@ def parse_rows(text, default_coll, default_system, nranks):
     return records
 
 
+def group_flags(groups):
+    """The peers' -G schedule: one launch runs what shardline runs in len(groups) launches."""
+    flags = []
+    for lo, hi, factor, iters, warmup in groups:
+        flags += ["-G", f"{lo}:{hi}:{factor}:{iters}:{warmup}"]
+    return flags
+
+
 def measure(args, bins, peers_dir):
     groups = QUICK_GROUPS if args.quick else GROUPS
     launch = os.path.join(args.build_dir, "bin", "shardline-launch")
     mpi_env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                "OMPI_MCA_btl_base_warn_component_unused": "0"}
-    records, failures, launches = [], [], 0
+    records, failures, timings = [], [], []
+    t_start = time.monotonic()
     for nranks in args.ranks:
         for rnd in range(args.rounds):
-            for gi, (lo, hi, factor, iters, warmup, group_rounds) in enumerate(groups):
-                if group_rounds is not None and rnd >= group_rounds:
-                    continue
-                check = "1" if rnd == 0 else "0"
+            check = ["-c", "1" if rnd == 0 else "0"]
+            sched = group_flags(groups)
+            blocks = {"shardline": [], "openmpi": [], "gloo": [], "memcpy": []}
+            for gi, (lo, hi, factor, iters, warmup) in enumerate(groups):
                 sweep = ["-b", str(lo), "-e", str(hi), "-f", str(factor), "-n", str(iters),
-                         "-w", str(warmup), "-c", check]
-                jobs = []
+                         "-w", str(warmup)] + check
                 for coll in COLLECTIVES:
-                    jobs.append(("shardline", coll,
-                                 [sys.executable, launch, "-n", str(nranks), "--grace", "5", "--",
-                                  os.path.join(bins, f"{coll}_perf")] + sweep,
-                                 {"SHARDLINE_TIMEOUT_S": "120"}))
-                jobs.append(("openmpi", None,
-                             ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to",
+                    blocks["shardline"].append(
+                        (coll, gi, [sys.executable, launch, "-n", str(nranks), "--grace", "5",
+                                    "--", os.path.join(bins, f"{coll}_perf")] + sweep,
+                         {"SHARDLINE_TIMEOUT_S": "120"}))
+            blocks["openmpi"].append(
+                (None, None, ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to",
                               "none", "-n", str(nranks), os.path.join(peers_dir, "mpi_perf"),
-                              "all"] + sweep, mpi_env))
-                jobs.append(("gloo", None,
-                             [sys.executable, launch, "-n", str(nranks), "--grace", "5", "--",
-                              os.path.join(peers_dir, "gloo_perf"), "all"] + sweep, None))
-                jobs.append(("memcpy", "memcpy",
-                             [os.path.join(peers_dir, "memcpy_perf")] + sweep[:-2], None))
-                # Rotate the order every round so that no system always runs first or last.
-                shift = (3 * rnd + gi) % len(jobs)
-                jobs = jobs[shift:] + jobs[:shift]
-                for system, coll, cmd, env in jobs:
+                              "all"] + sched + check, mpi_env))
+            blocks["gloo"].append(
+                (None, None, [sys.executable, launch, "-n", str(nranks), "--grace", "5", "--",
+                              os.path.join(peers_dir, "gloo_perf"), "all"] + sched + check,
+                 None))
+            blocks["memcpy"].append(
+                ("memcpy", None, [os.path.join(peers_dir, "memcpy_perf")] + sched, None))
+            # Rotate the order every round so that no system always runs first or last.
+            order = SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)]
+            for system in order:
+                t_block = time.monotonic()
+                for coll, gi, cmd, env in blocks[system]:
                     env = dict(env or {})
                     tmp = None
                     if system == "gloo":
                         tmp = tempfile.mkdtemp(prefix="shardline-gloo-")
                         env["GLOO_STORE_DIR"] = tmp
                     code, out, took = run_launch(cmd, timeout=args.launch_timeout, env=env)
-                    launches += 1
                     if tmp:
                         shutil.rmtree(tmp, ignore_errors=True)
+                    timings.append({"system": system, "coll": coll, "group": gi,
+                                    "nranks": nranks, "round": rnd, "seconds": round(took, 2),
+                                    "load": round(loadavg()[0], 2)})
                     got = parse_rows(out, coll, system, nranks if system != "memcpy" else 1)
                     for r in got:
                         r["round"] = rnd
@@ -210,12 +232,22 @@ def measure(args, bins, peers_dir):
                     if code != 0:
                         what = "timed out" if code is None else f"exit {code}"
                         failures.append({"system": system, "coll": coll, "nranks": nranks,
-                                         "sizes": [lo, hi], "round": rnd, "what": what,
+                                         "group": gi, "round": rnd, "what": what,
                                          "tail": out[-2000:]})
-                        log(f"  !! {system} {coll or ''} n={nranks} {lo}-{hi}: {what}")
-                log(f"  n={nranks} round {rnd + 1}/{args.rounds} {human(lo)}..{human(hi)} done "
-                    f"(load {loadavg()[0]:.1f})")
-    return records, failures, launches
+                        log(f"  !! {system} {coll or ''} n={nranks} group {gi}: {what}")
+                now = time.monotonic()
+                log(f"  n={nranks} round {rnd + 1}/{args.rounds} {system:9s} "
+                    f"{now - t_block:5.1f} s (elapsed {now - t_start:.0f} s, "
+                    f"load {loadavg()[0]:.1f})")
+    return records, failures, timings
+
+
+def load_during(timings):
+    """1-minute load average sampled after every launch: min / median / max."""
+    loads = [t["load"] for t in timings]
+    if not loads:
+        return None
+    return {"min": min(loads), "median": round(statistics.median(loads), 2), "max": max(loads)}
 
 
 def human(size):
@@ -363,13 +395,18 @@ def main():
     bins = os.path.join(args.build_dir, "bench")
     peers_dir = build(args.build_dir)
     info = machine()
-    load_before = loadavg()
+    load_before = [round(x, 2) for x in loadavg()]
     log(f"run_comparison: {info.get('Model name', '?')}, {info.get('CPU(s)', '?')} CPUs, "
         f"{info['MemTotal']}; load {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
     t0 = time.monotonic()
-    records, failures, launches = measure(args, bins, peers_dir)
+    records, failures, timings = measure(args, bins, peers_dir)
+    launches = len(timings)
     measure_s = time.monotonic() - t0
-    load_after = loadavg()
+    load_after = [round(x, 2) for x in loadavg()]
+    spent = {}
+    for t in timings:
+        key = f"{t['system']} n={t['nranks']}"
+        spent[key] = round(spent.get(key, 0.0) + t["seconds"], 1)
     med, best = summarise(records)
     table, rows = ratio_table(best, args.ranks)
     goals = targets(med, best, args.ranks)
@@ -380,16 +417,32 @@ def main():
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
     json_path = os.path.join(args.out, f"{stamp}.json")
     png_path = os.path.join(args.out, f"{stamp}.png")
+    elapsed = time.monotonic() - started
     doc = {"date": stamp, "machine": info, "load_before": load_before, "load_after": load_after,
-           "ranks": args.ranks, "rounds": args.rounds, "quick": args.quick,
-           "groups": QUICK_GROUPS if args.quick else GROUPS, "launches": launches,
-           "measure_seconds": round(measure_s, 1), "checked_cells": checked,
-           "wrong_elements": wrong, "failures": failures, "targets": goals, "ratios": rows,
-           "medians": [{"system": k[0], "coll": k[1], "nranks": k[2], "size": k[3],
-                        "placement": k[4], **v} for k, v in sorted(med.items())],
-           "records": records}
+           "load_during": load_during(timings), "ranks": args.ranks, "rounds": args.rounds,
+           "quick": args.quick, "groups": QUICK_GROUPS if args.quick else GROUPS,
+           "launches": launches, "measure_seconds": round(measure_s, 1),
+           "elapsed_seconds": round(elapsed, 1), "seconds_by_system": spent,
+           "checked_cells": checked, "wrong_elements": wrong, "failures": failures,
+           "targets": goals}
+    # Bulky parts one row per line: medians as objects, records and launches as rows.
+    medians = [{"system": k[0], "coll": k[1], "nranks": k[2], "size": k[3], "placement": k[4],
+                **{kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in v.items()}}
+               for k, v in sorted(med.items())]
+    rows_out = [[r[f] for f in RECORD_FIELDS] for r in records]
+    text = json.dumps(doc, indent=1)[:-2]
+    text += ',\n "ratios": [\n  ' + ",\n  ".join(
+        json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
+        for r in rows) + "\n ]"
+    text += ',\n "medians": [\n  ' + ",\n  ".join(json.dumps(m) for m in medians) + "\n ]"
+    text += ',\n "launch_fields": ' + json.dumps(LAUNCH_FIELDS)
+    text += ',\n "launch_rows": [\n  ' + ",\n  ".join(
+        json.dumps([t[f] for f in LAUNCH_FIELDS])
+        for t in timings) + "\n ]"
+    text += ',\n "record_fields": ' + json.dumps(RECORD_FIELDS)
+    text += ',\n "records": [\n  ' + ",\n  ".join(json.dumps(r) for r in rows_out) + "\n ]\n}\n"
     with open(json_path, "w") as f:
-        json.dump(doc, f, indent=1)
+        f.write(text)
     plot(best, args.ranks, png_path)
 
     print()
@@ -402,8 +455,10 @@ def main():
               f"{'yes' if g['met'] else 'NO'} |")
     print()
     log(f"run_comparison: {launches} launches, {checked} checked cells, {wrong} wrong elements, "
-        f"{len(failures)} failed launches; load {load_before[0]:.2f} -> {load_after[0]:.2f}; "
-        f"measured {measure_s:.0f} s, total {time.monotonic() - started:.0f} s")
+        f"{len(failures)} failed launches; load {load_before[0]:.2f} -> {load_after[0]:.2f} "
+        f"(during: {doc['load_during']}); time per system: {spent}")
+    log(f"run_comparison: measured {measure_s:.0f} s; elapsed {time.monotonic() - started:.0f} s "
+        f"({(time.monotonic() - started) / 60:.1f} min) end to end")
     log(f"run_comparison: wrote {json_path} and {png_path}")
     return 1 if wrong or failures else 0
 
