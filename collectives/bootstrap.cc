@@ -232,9 +232,9 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
   }
   if (options.backend == "ucx") {
     if (!options.device.is_host()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the ucx backend moves host memory; device ", options.device.ToString(),
-          " needs the nccl backend"));
+      return absl::InvalidArgumentError(absl::StrCat("the ucx backend moves host memory; device ",
+                                                     options.device.ToString(),
+                                                     " needs the nccl backend"));
     }
     return CreateUcxCommunicator({.rank = options.rank,
                                   .size = options.size,

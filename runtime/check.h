@@ -37,11 +37,11 @@ struct Voidify {
 
 }  // namespace shardline::internal
 
-#define SL_CHECK(cond)                     \
-  ABSL_PREDICT_TRUE(cond)                  \
-      ? (void)0                            \
-      : ::shardline::internal::Voidify() & \
-            ::shardline::internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
+#define SL_CHECK(cond)                 \
+  ABSL_PREDICT_TRUE(cond)              \
+  ? (void)0                            \
+  : ::shardline::internal::Voidify() & \
+          ::shardline::internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
 
 #define SL_CHECK_OK(expr)                                \
   do {                                                   \
