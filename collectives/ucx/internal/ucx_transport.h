@@ -171,7 +171,8 @@ class UcxTransport {
   // reports it through the abort handler. OK otherwise.
   absl::Status CheckPeers();
 
-  // Brackets a collective: the idle progress thread pauses in between.
+  // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
+  // collective ran for a short grace period (so back-to-back collectives never wake it).
   void BeginCollective();
   void EndCollective();
 
@@ -254,6 +255,8 @@ class UcxTransport {
   std::condition_variable idle_cv_;
   int active_ = 0;
   bool stop_ = false;
+  bool polling_ = false;                        // the progress thread is (about to be) in Sleep()
+  absl::Time last_end_ = absl::InfinitePast();  // when active_ last dropped to 0
   std::thread progress_thread_;
 
   absl::Time next_peer_check_ = absl::InfinitePast();
