@@ -51,17 +51,24 @@ SL_PARAM(bool, UcxCma, "UCX_CMA", true,
          "shared-memory transports (two copies per byte).");
 SL_PARAM(bool, UcxShm, "UCX_SHM", true,
          "Use shared memory between ranks on the same host (off: every peer is treated as "
-         "remote, which exercises the network path on one machine).");
+         "remote and UCX's shared-memory transports are left out unless UCX_TLS is set, which "
+         "exercises the network path on one machine).");
 
 std::string UcxError(ucs_status_t status) { return ucs_status_string(status); }
 
 namespace {
 
-absl::StatusOr<std::shared_ptr<void>> AcquireContext() {
+// `shm` false: a context without UCX's shared-memory transports, so that peers on this host
+// really talk over the network. Leaving them in would not only defeat the point of that mode:
+// UCX then still wires every peer up over shared memory, and UCX 1.13 aborts (an assertion in
+// ucp_request_send_state_ff) when a peer dies while a wireup message is still queued on such an
+// endpoint. The two kinds of context are cached apart.
+absl::StatusOr<std::shared_ptr<void>> AcquireContext(bool shm) {
   static std::mutex mu;
-  static std::weak_ptr<void>* cached = new std::weak_ptr<void>();
+  static std::weak_ptr<void>* cached = new std::weak_ptr<void>[2]();
   std::lock_guard<std::mutex> lock(mu);
-  if (std::shared_ptr<void> context = cached->lock()) return context;
+  std::weak_ptr<void>& slot = cached[shm ? 1 : 0];
+  if (std::shared_ptr<void> context = slot.lock()) return context;
 
   // Shared-memory transports only offer peer-failure handling (needed by MODE_PEER endpoints,
   // without which UCX drops them) when asked to.
@@ -76,6 +83,14 @@ absl::StatusOr<std::shared_ptr<void>> AcquireContext() {
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
     ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
   }
+  if (!shm && std::getenv("UCX_TLS") == nullptr) {
+    status = ucp_config_modify(config, "TLS", "^sm");
+    if (status != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InternalError(
+          absl::StrCat("ucx: excluding the shared-memory transports failed: ", UcxError(status)));
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -87,7 +102,7 @@ absl::StatusOr<std::shared_ptr<void>> AcquireContext() {
     return absl::InternalError(absl::StrCat("ucx: ucp_init failed: ", UcxError(status)));
   }
   std::shared_ptr<void> owned(context, [](void* c) { ucp_cleanup(static_cast<ucp_context_h>(c)); });
-  *cached = owned;
+  slot = owned;
   return owned;
 }
 
@@ -197,7 +212,7 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
       absl::StrCat("creating ucx communicator ", name_, " (rank ", rank_, " of ", size_, ")");
   SL_ASSIGN_OR_RETURN(const bool shm, ParamUcxShm().Get());
   SL_ASSIGN_OR_RETURN(const bool cma, ParamUcxCma().Get());
-  SL_ASSIGN_OR_RETURN(context_, AcquireContext());
+  SL_ASSIGN_OR_RETURN(context_, AcquireContext(shm));
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
