@@ -307,8 +307,92 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
     control_buffer_.reset(new uint8_t[kControlBytes]);
     PostControlRecv();
   }
+  SL_RETURN_IF_ERROR(CompleteWireup(deadline, where));
   progress_thread_ = std::thread([this] { ProgressThread(); });
   return absl::OkStatus();
+}
+
+absl::Status UcxTransport::CompleteWireup(absl::Time deadline, absl::string_view where) {
+  auto batch = std::make_unique<Batch>();
+  // One message each way per peer: this rank's receives, then its sends.
+  std::vector<Completion*> recvs(size_, nullptr), sends(size_, nullptr), flushes(size_, nullptr);
+  uint8_t* in = batch->Buffer(static_cast<size_t>(size_) * sizeof(uint64_t));
+  uint64_t* out = reinterpret_cast<uint64_t*>(batch->Buffer(sizeof(uint64_t)));
+  *out = static_cast<uint64_t>(rank_);
+  // Posting errors are kept, not returned: the batch must go through Release either way.
+  absl::Status status;
+  for (int p = 0; p < size_ && status.ok(); ++p) {
+    if (p == rank_) continue;
+    recvs[p] = batch->Add(p, /*is_send=*/false);
+    status.Update(Recv(p, in + p * sizeof(uint64_t), sizeof(uint64_t),
+                       MakeTag(Phase::kWireup, p, 0, 0), recvs[p]));
+  }
+  for (int p = 0; p < size_ && status.ok(); ++p) {
+    if (p == rank_) continue;
+    sends[p] = batch->Add(p, /*is_send=*/true);
+    status.Update(Send(p, out, sizeof(uint64_t), MakeTag(Phase::kWireup, rank_, 0, 0), sends[p]));
+  }
+  // Waits until every completion of `cs` is done; an error names the first failed peer, or
+  // every pending one at the deadline.
+  auto wait = [&](const std::vector<Completion*>& cs, absl::string_view what) -> absl::Status {
+    while (true) {
+      std::vector<int> pending;
+      for (int p = 0; p < size_; ++p) {
+        const Completion* c = cs[p];
+        if (c == nullptr) continue;
+        if (c->done.load(std::memory_order_acquire)) {
+          if (c->status != UCS_OK) {
+            return absl::UnavailableError(absl::StrCat(where, ": ", what, " rank ", p,
+                                                       " failed (ucx: ", UcxError(c->status), ")"));
+          }
+          continue;
+        }
+        pending.push_back(p);
+      }
+      if (pending.empty()) return absl::OkStatus();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (int p : pending) {
+          if (peers_[p].failed) {
+            return absl::UnavailableError(
+                absl::StrCat(where, ": ", what, " rank ", p, ": peer unreachable"));
+          }
+        }
+      }
+      absl::Status alive = CheckPeers();
+      if (!alive.ok()) return Annotate(alive, absl::StrCat(where, ": ", what));
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(where, ": timed out ", what, " rank(s) ", absl::StrJoin(pending, ", ")));
+      }
+      if (!Progress()) Sleep(deadline);
+    }
+  };
+  if (status.ok()) status = wait(recvs, "waiting for the wire-up message of");
+  if (status.ok()) status = wait(sends, "sending the wire-up message to");
+  if (status.ok()) {
+    // The messages went through; a flush also completes what UCX still queued on every lane.
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      Completion* c = flushes[p] = batch->Add(p, /*is_send=*/true);
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      param.cb.send = &SendCallback;
+      param.user_data = c;
+      ucs_status_ptr_t r = ucp_ep_flush_nbx(peers_[p].ep, &param);
+      if (r == nullptr) {
+        c->done.store(true, std::memory_order_release);
+      } else if (UCS_PTR_IS_ERR(r)) {
+        c->status = UCS_PTR_STATUS(r);
+        c->done.store(true, std::memory_order_release);
+      } else {
+        c->request = r;
+      }
+    }
+    status = wait(flushes, "flushing the endpoint to");
+  }
+  Release(std::move(batch));
+  return status;
 }
 
 absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::string>& values,

@@ -70,6 +70,7 @@ enum class Phase : uint64_t {
   kSmall = 1,   // one-round payloads of small collectives
   kData = 2,    // first data phase of large collectives
   kGather = 3,  // all-gather phase of the large all-reduce
+  kWireup = 4,  // the one-message handshake at creation (never used by a collective)
   // 8 | p: the receiver's "read done" answer to a single-copy (CMA) message of phase p.
   kDataFin = 10,
   kGatherFin = 11,
@@ -214,6 +215,11 @@ class UcxTransport {
   // Probes which local peers this rank can read with CMA and agrees on it through the store.
   absl::Status AgreeOnCma(Store& store, const std::vector<std::string>& values, bool cma,
                           absl::Time deadline);
+  // Completes UCX's lazy wire-up with every peer before the first collective: one small message
+  // each way on the kWireup tag, then a flush of every endpoint, all until `deadline`. (UCX 1.13
+  // aborts a survivor whose endpoint to a dead peer fails while a wire-up message is still
+  // queued on a shared-memory lane; fixed upstream in openucx PR #8175.)
+  absl::Status CompleteWireup(absl::Time deadline, absl::string_view where);
   void CloseEndpoint(Peer& peer, bool force, std::vector<void*>* closing);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void PostControlRecv();
