@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "runtime/cuda/cuda_stream.h"
 #include "runtime/stream.h"
+#include "tests/common/gate.h"
 
 namespace shardline {
 namespace {
@@ -52,35 +53,8 @@ class CudaStreamTest : public ::testing::Test {
   }
 };
 
-// A one-shot gate. Not absl::Notification: the system's abseil is not built with
-// ThreadSanitizer, which then cannot see the ordering it provides.
-class Gate {
- public:
-  void Open() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-  // Bounded, so that a broken test fails instead of hanging.
-  bool Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::seconds(20), [this] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
-Stream::Work BlockOn(Gate& gate) {
-  return [&gate] {
-    gate.Wait();
-    return absl::OkStatus();
-  };
-}
+using ::shardline::testing::BlockOn;
+using ::shardline::testing::Gate;
 
 TEST_F(CudaStreamTest, HostFunctionsRunInOrder) {
   auto stream = Make("order");

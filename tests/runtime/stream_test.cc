@@ -1,6 +1,7 @@
 // Host and caller streams, host events: ordering, cross-stream waits, deadlines, poisoning.
 
 #include "runtime/stream.h"
+#include "tests/common/gate.h"
 
 #include <atomic>
 #include <chrono>
@@ -48,36 +49,8 @@ std::unique_ptr<Stream> MakeCaller(const std::string& name,
   return std::move(stream).value();
 }
 
-// A one-shot gate. Not absl::Notification: the system's abseil is not built with
-// ThreadSanitizer, which then cannot see the ordering it provides.
-class Gate {
- public:
-  void Open() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-  // Bounded, so that a broken test fails instead of hanging.
-  bool Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::seconds(20), [this] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
-// A work item that blocks until `gate` opens (bounded, so that a broken test cannot hang).
-Stream::Work BlockOn(Gate& gate) {
-  return [&gate] {
-    gate.Wait();
-    return absl::OkStatus();
-  };
-}
+using ::shardline::testing::BlockOn;
+using ::shardline::testing::Gate;
 
 std::string Message(const absl::Status& status) { return std::string(status.message()); }
 
