@@ -3,11 +3,14 @@
 
 #include "runtime/allocator.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -15,6 +18,7 @@
 #include "runtime/check.h"
 #include "runtime/config.h"
 #include "runtime/logging.h"
+#include "runtime/shared_memory.h"
 
 namespace shardline {
 namespace {
@@ -238,7 +242,8 @@ class HostAllocator final : public Allocator {
  public:
   HostAllocator(size_t alignment, std::string name)
       : Allocator(Device::Host(), std::move(name)),
-        alignment_(std::max(alignment, sizeof(void*))) {}
+        alignment_(std::max(alignment, sizeof(void*))),
+        shareable_bytes_(ShareableThreshold(alignment_)) {}
   ~HostAllocator() override { DrainPending(); }
 
  protected:
@@ -246,6 +251,13 @@ class HostAllocator final : public Allocator {
     if (bytes > kMaxHostAllocation) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "more than the largest possible host allocation (", kMaxHostAllocation, " bytes)"));
+    }
+    if (shareable_bytes_ > 0 && bytes >= shareable_bytes_) {
+      absl::StatusOr<void*> shared = AllocateShareable(bytes);
+      if (shared.ok()) return shared;
+      // Out of file descriptors or memory-file space: private memory still works.
+      SL_LOG(INFO, ALLOC) << "host allocator '" << name() << "': " << shared.status().message()
+                          << "; using private memory";
     }
     void* data = nullptr;
     // posix_memalign, unlike aligned_alloc, takes any size, not only multiples of the alignment.
@@ -256,10 +268,24 @@ class HostAllocator final : public Allocator {
     }
     return data;
   }
-  void DeallocateRaw(void* data, size_t bytes) override { std::free(data); }
+  void DeallocateRaw(void* data, size_t bytes) override {
+    if (shareable_bytes_ > 0 && bytes >= shareable_bytes_) {
+      std::optional<ShareableSpan> span = FindShareable(data, bytes);
+      if (span && span->offset == 0) return FreeShareable(data, bytes);
+    }
+    std::free(data);
+  }
 
  private:
+  // Shareable regions are page-aligned: larger alignments take private memory.
+  static size_t ShareableThreshold(size_t alignment) {
+    absl::StatusOr<int64_t> bytes = ParamHostShareableBytes().Get();
+    if (!bytes.ok() || alignment > static_cast<size_t>(sysconf(_SC_PAGESIZE))) return 0;
+    return static_cast<size_t>(*bytes);
+  }
+
   size_t alignment_;
+  size_t shareable_bytes_;  // 0: never shareable
 };
 
 }  // namespace

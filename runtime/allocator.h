@@ -11,7 +11,9 @@
 // under-reports. No allocator ever synchronizes a device or sleeps to find out.
 //
 // Allocators:
-//   HostAllocator      aligned host memory (default alignment 64 bytes)
+//   HostAllocator      aligned host memory (default alignment 64 bytes); allocations of at least
+//                      SHARDLINE_HOST_SHAREABLE_BYTES (1 MiB) are shareable memory that local
+//                      peers map (runtime/shared_memory.h)
 //   PinnedAllocator    page-locked host memory (cudaHostAlloc; CUDA builds)
 //   CudaAllocator      device memory (cudaMalloc; CUDA builds)
 //   CachingPool        wraps any of the above; reuses freed blocks of the same size class

@@ -812,7 +812,9 @@ class RankRunner {
                          Cell& cell) {
     const size_t e = DTypeSize(dtype);
     const CollCounts c = spec_.counts(size / e, n_);
-    if (o_.check > 0) SL_RETURN_IF_ERROR(InitData(c, dtype, in_place, 99));
+    // Initialised even without checking, as nccl-tests does: a never-written buffer reads as
+    // the kernel's shared zero page, which would flatter every copy out of it.
+    SL_RETURN_IF_ERROR(InitData(c, dtype, in_place, 99));
     SL_RETURN_IF_ERROR(RunBurst(c, dtype, op, root, in_place, 1));
     SL_RETURN_IF_ERROR(Sync());
 

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "collectives/ucx/internal/ucx_algorithms.h"
+#include "runtime/shared_memory.h"
 #include "runtime/status.h"
 
 namespace shardline::ucx_internal {
@@ -26,7 +29,19 @@ namespace {
 
 // Data phases move user buffers; only they take the single-copy protocol.
 bool SingleCopyPhase(Phase phase) { return phase == Phase::kData || phase == Phase::kGather; }
-constexpr size_t kDescriptorBytes = 2 * sizeof(uint64_t);  // address, length
+
+// What a single-copy sender tells its reader: the buffer's address and length, and, if the
+// buffer is shareable memory, the region that holds it (region id 0: it is not).
+enum Descriptor : size_t {
+  kAddress,
+  kLength,
+  kRegionId,
+  kRegionFd,
+  kRegionBytes,
+  kRegionOffset,
+  kDescriptorWords
+};
+constexpr size_t kDescriptorBytes = kDescriptorWords * sizeof(uint64_t);
 
 }  // namespace
 
@@ -36,8 +51,15 @@ Completion* CollectiveRun::Send(int peer, const void* buffer, size_t bytes, Phas
   const uint64_t seq = TagSeq(phase);
   if (SingleCopyPhase(phase) && transport_.PulledBy(peer)) {
     auto* desc = reinterpret_cast<uint64_t*>(batch_->Buffer(kDescriptorBytes));
-    desc[0] = reinterpret_cast<uintptr_t>(buffer);
-    desc[1] = bytes;
+    desc[kAddress] = reinterpret_cast<uintptr_t>(buffer);
+    desc[kLength] = bytes;
+    desc[kRegionId] = 0;
+    if (std::optional<ShareableSpan> span = FindShareable(buffer, bytes)) {
+      desc[kRegionId] = span->region_id;
+      desc[kRegionFd] = static_cast<uint64_t>(span->fd);
+      desc[kRegionBytes] = span->region_bytes;
+      desc[kRegionOffset] = span->offset;
+    }
     transport_
         .Send(peer, desc, kDescriptorBytes, MakeTag(phase, rank(), seq, chunk),
               batch_->Add(peer, /*is_send=*/true))
@@ -82,13 +104,23 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
     }
     *activity = true;
     status = Check(*read.descriptor);
-    if (status.ok() && read.desc[1] != read.bytes) {
+    if (status.ok() && read.desc[kLength] != read.bytes) {
       status = absl::InternalError(absl::StrCat(hooks_.describe, ": rank ", read.peer, " offered ",
-                                                read.desc[1], " bytes where ", read.bytes,
+                                                read.desc[kLength], " bytes where ", read.bytes,
                                                 " were expected"));
     }
-    if (status.ok()) {
-      status = Annotate(transport_.CmaRead(read.peer, read.dst, read.desc[0], read.bytes),
+    const uint8_t* mapped = nullptr;
+    if (status.ok() && read.desc[kRegionId] != 0 &&
+        read.desc[kRegionOffset] <= read.desc[kRegionBytes] &&
+        read.bytes <= read.desc[kRegionBytes] - read.desc[kRegionOffset]) {
+      mapped =
+          transport_.MapPeerRegion(read.peer, read.desc[kRegionId],
+                                   static_cast<int>(read.desc[kRegionFd]), read.desc[kRegionBytes]);
+    }
+    if (mapped != nullptr) {
+      std::memcpy(read.dst, mapped + read.desc[kRegionOffset], read.bytes);
+    } else if (status.ok()) {
+      status = Annotate(transport_.CmaRead(read.peer, read.dst, read.desc[kAddress], read.bytes),
                         hooks_.describe);
       // A peer whose collective failed may have freed the buffer already: its reason counts.
       absl::Status comm = hooks_.comm_status();
@@ -170,7 +202,10 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     const absl::Time now = absl::Now();
     if (now >= deadline_) return hooks_.deadline_error(PendingPeers());
     if (activity) last_activity = now;
-    if (now - last_activity < tuning_.spin) continue;
+    if (now - last_activity < tuning_.spin) {
+      transport_.YieldIfOversubscribed();
+      continue;
+    }
     transport_.Sleep(deadline_);
   }
 }

@@ -1,8 +1,12 @@
 #include "collectives/ucx/internal/ucx_transport.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -49,6 +53,10 @@ SL_PARAM(bool, UcxCma, "UCX_CMA", true,
          "Within a host, copy large messages once, straight out of the sender's memory "
          "(process_vm_readv; a peer that dies meanwhile is an error, not a crash). Off: UCX's "
          "shared-memory transports (two copies per byte).");
+SL_PARAM(bool, UcxMap, "UCX_MAP", true,
+         "Within a host, copy large messages out of the sender's shareable memory through a "
+         "mapping of it (memcpy, no system call per message); off, or for private memory: "
+         "process_vm_readv.");
 SL_PARAM(bool, UcxShm, "UCX_SHM", true,
          "Use shared memory between ranks on the same host (off: every peer is treated as "
          "remote and UCX's shared-memory transports are left out unless UCX_TLS is set, which "
@@ -212,6 +220,7 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
       absl::StrCat("creating ucx communicator ", name_, " (rank ", rank_, " of ", size_, ")");
   SL_ASSIGN_OR_RETURN(const bool shm, ParamUcxShm().Get());
   SL_ASSIGN_OR_RETURN(const bool cma, ParamUcxCma().Get());
+  SL_ASSIGN_OR_RETURN(map_, ParamUcxMap().Get());
   SL_ASSIGN_OR_RETURN(context_, AcquireContext(shm));
 
   ucp_worker_params_t wparams{};
@@ -302,6 +311,11 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
     }
   }
   SL_RETURN_IF_ERROR(Annotate(AgreeOnCma(store, values, cma, deadline), where));
+  int on_host = 1;
+  for (int p = 0; p < size_; ++p) on_host += p != rank_ && peers_[p].local;
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) oversubscribed_ = on_host > CPU_COUNT(&cpus);
   {
     std::lock_guard<std::mutex> lock(control_mu_);
     control_buffer_.reset(new uint8_t[kControlBytes]);
@@ -440,6 +454,57 @@ absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::strin
   return absl::OkStatus();
 }
 
+const uint8_t* UcxTransport::MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes) {
+  Peer& p = peers_[peer];
+  if (!map_ || !p.pulls_from || p.unmappable || bytes == 0) return nullptr;
+  ++map_clock_;
+  for (Mapping& m : mappings_) {
+    if (m.peer == peer && m.region_id == region_id) {
+      m.last_use = map_clock_;
+      return m.bytes == bytes ? m.base : nullptr;
+    }
+  }
+  auto give_up = [&](const char* what) -> const uint8_t* {
+    SL_LOG(INFO, COLL) << "ucx communicator " << name_ << " rank " << rank_ << ": " << what
+                       << " for peer rank " << peer << " failed (" << std::strerror(errno)
+                       << "); reading its memory with process_vm_readv";
+    p.unmappable = true;
+    return nullptr;
+  };
+  if (p.pidfd < 0) {
+    p.pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(p.pid), 0));
+    if (p.pidfd < 0) return give_up("pidfd_open");
+  }
+  const int local_fd = static_cast<int>(syscall(SYS_pidfd_getfd, p.pidfd, fd, 0));
+  if (local_fd < 0) return give_up("pidfd_getfd");
+  struct stat st {};
+  void* base = MAP_FAILED;
+  if (fstat(local_fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes) {
+    base = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, local_fd, 0);
+  }
+  close(local_fd);
+  if (base == MAP_FAILED) {
+    errno = errno == 0 ? EINVAL : errno;
+    return give_up("mapping a shared region");
+  }
+  // A bounded cache: a region the peer freed stays alive while mapped here.
+  constexpr size_t kMaxMappings = 64;
+  if (mappings_.size() >= kMaxMappings) {
+    auto lru = std::min_element(
+        mappings_.begin(), mappings_.end(),
+        [](const Mapping& a, const Mapping& b) { return a.last_use < b.last_use; });
+    munmap(const_cast<uint8_t*>(lru->base), lru->bytes);
+    mappings_.erase(lru);
+  }
+  if (!p.mapped_before) {
+    p.mapped_before = true;
+    SL_LOG(INFO, COLL) << "ucx communicator " << name_ << " rank " << rank_
+                       << ": maps the shareable memory of peer rank " << peer;
+  }
+  mappings_.push_back({peer, region_id, static_cast<const uint8_t*>(base), bytes, map_clock_});
+  return mappings_.back().base;
+}
+
 absl::Status UcxTransport::CmaRead(int peer, void* dst, uint64_t remote, size_t bytes) {
   const int error = ReadRemote(peers_[peer].pid, dst, remote, bytes);
   if (error == 0) return absl::OkStatus();
@@ -458,6 +523,10 @@ absl::Status UcxTransport::CmaRead(int peer, void* dst, uint64_t remote, size_t 
 }
 
 UcxTransport::~UcxTransport() {
+  for (const Mapping& m : mappings_) munmap(const_cast<uint8_t*>(m.base), m.bytes);
+  for (Peer& peer : peers_) {
+    if (peer.pidfd >= 0) close(peer.pidfd);
+  }
   if (progress_thread_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(idle_mu_);
@@ -774,6 +843,10 @@ void UcxTransport::Sleep(absl::Time until) {
       absl::ToInt64Milliseconds(until - absl::Now() + absl::Microseconds(999)), 0, 200);
   pollfd fd{efd_, POLLIN, 0};
   poll(&fd, 1, static_cast<int>(ms));
+}
+
+void UcxTransport::YieldIfOversubscribed() const {
+  if (oversubscribed_) sched_yield();
 }
 
 void UcxTransport::Wake() {

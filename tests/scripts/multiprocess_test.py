@@ -69,6 +69,26 @@ class MultiprocessUcxTest(unittest.TestCase):
             with self.subTest(n=n):
                 self.expect_ok(n, "correctness", timeout=60)
 
+    def test_correctness_on_shareable_memory(self):
+        # Buffers in shareable memory: peers on the host map them and copy with memcpy.
+        env = {"SHARDLINE_MP_MEMORY": "shareable", "SHARDLINE_DEBUG": "INFO",
+               "SHARDLINE_DEBUG_SUBSYS": "COLL"}
+        for n in (2, 4):
+            with self.subTest(n=n):
+                code, out, took = run(n, "correctness", 60, env)
+                self.assertEqual(code, 0, f"exited {code} after {took:.1f} s:\n{out}")
+                for r in range(n):
+                    self.assertRegex(out, rf"OK correctness rank {r}\b", out)
+                    self.assertRegex(out, rf"rank {r}: maps the shareable memory of peer rank",
+                                     out)
+                self.assertNotIn("reading its memory with process_vm_readv", out)
+                self.assertIsNone(CRASH.search(out), out)
+
+    def test_shareable_memory_without_mapping(self):
+        # SHARDLINE_UCX_MAP=0: the same buffers are read with process_vm_readv.
+        self.expect_ok(3, "quick", timeout=60,
+                       env={"SHARDLINE_MP_MEMORY": "shareable", "SHARDLINE_UCX_MAP": "0"})
+
     def test_tcp_between_processes(self):
         # Every peer treated as remote: UCX's network path (TCP here), error handling on.
         self.expect_ok(2, "quick", timeout=60, env={"SHARDLINE_UCX_SHM": "0"})
@@ -110,6 +130,10 @@ class MultiprocessUcxTest(unittest.TestCase):
     def test_killed_rank_is_an_error_on_every_survivor(self):
         # The default: large messages between the processes are single-copy (CMA) reads.
         self.check_kill({})
+
+    def test_killed_rank_with_mapped_memory(self):
+        # The survivor copies out of its mapping of the dead rank's memory: still an error.
+        self.check_kill({"SHARDLINE_MP_MEMORY": "shareable"})
 
     def test_killed_rank_over_ucx_shared_memory(self):
         self.check_kill({"SHARDLINE_UCX_CMA": "0"})

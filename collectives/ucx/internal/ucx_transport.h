@@ -25,7 +25,9 @@
 // ESRCH and becomes Unavailable naming the peer. Whether rank a may read rank b's memory is
 // probed at creation and agreed through the store, so both sides always pick the same protocol.
 // Peers on the same host are also watched by pid (CheckPeers), which notices a death within
-// 200 ms even when no read is in flight.
+// 200 ms even when no read is in flight. When the sender's buffer is shareable memory
+// (runtime/shared_memory.h) its descriptor also names the region, and the receiver copies from
+// its own mapping of that region (MapPeerRegion) instead: plain memcpy, no system call.
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
@@ -60,6 +62,7 @@ const Param<int64_t>& ParamUcxWindow();
 const Param<int64_t>& ParamUcxSpinUs();
 const Param<bool>& ParamUcxShm();
 const Param<bool>& ParamUcxCma();
+const Param<bool>& ParamUcxMap();
 
 // Tag layout (64 bits): phase (4) | source rank (16) | sequence (24) | chunk (20). A worker
 // belongs to one communicator, so tags never need a communicator id. Header tags carry no
@@ -168,9 +171,23 @@ class UcxTransport {
   // peer has exited, Internal naming the peer and range for any other failure.
   absl::Status CmaRead(int peer, void* dst, uint64_t remote, size_t bytes);
 
+  // This process's read-only mapping of peer `peer`'s shareable region `region_id` (its memory
+  // file `fd` in the peer, `bytes` long; runtime/shared_memory.h), mapped on first use and kept
+  // in a small per-peer cache (least recently used regions are unmapped). Null when the peer
+  // cannot be mapped (SHARDLINE_UCX_MAP off, no CMA permission, pidfd_getfd refused, or the file
+  // is not what the peer described): the caller then falls back to CmaRead. Only the thread
+  // that runs collectives may call it.
+  const uint8_t* MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes);
+
   // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
   // reports it through the abort handler. OK otherwise.
   absl::Status CheckPeers();
+
+  // More ranks of this communicator run on this host than this process has CPUs: a waiting
+  // rank must hand its core to a peer (sched_yield) instead of spinning on it.
+  bool oversubscribed() const { return oversubscribed_; }
+  // Gives the CPU to another runnable thread if the host is oversubscribed.
+  void YieldIfOversubscribed() const;
 
   // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
   // collective ran for a short grace period (so back-to-back collectives never wake it).
@@ -196,6 +213,16 @@ class UcxTransport {
     int64_t pid = 0;
     bool failed = false;    // endpoint error seen
     bool departed = false;  // said goodbye
+    int pidfd = -1;         // for pidfd_getfd of the peer's shareable regions
+    bool unmappable = false;
+    bool mapped_before = false;
+  };
+  struct Mapping {
+    int peer;
+    uint64_t region_id;
+    const uint8_t* base;
+    size_t bytes;
+    uint64_t last_use;
   };
   struct ErrorArg {
     UcxTransport* transport;
@@ -251,6 +278,10 @@ class UcxTransport {
   std::atomic<bool> unclean_{false};  // a collective failed: close endpoints by force
   // What peers read to check that CMA works (random; published with the address).
   uint64_t probe_ = 0;
+  bool oversubscribed_ = false;
+  bool map_ = false;               // SHARDLINE_UCX_MAP
+  std::vector<Mapping> mappings_;  // of local peers' shareable regions
+  uint64_t map_clock_ = 0;
 
   std::mutex control_mu_;  // guards the control receive
   Completion control_;

@@ -35,6 +35,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,6 +47,7 @@
 #include "collectives/process_mesh.h"
 #include "collectives/store/tcp_store.h"
 #include "collectives/ucx/ucx_communicator.h"
+#include "runtime/shared_memory.h"
 #include "runtime/stream.h"
 #include "tests/common/typed_values.h"
 
@@ -64,6 +66,44 @@ constexpr int kInitErrorExit = 4;
 
 int g_rank = 0;
 int g_size = 1;
+
+// SHARDLINE_MP_MEMORY=shareable: the collectives' buffers are shareable memory
+// (runtime/shared_memory.h), which local peers map and copy from; otherwise private memory,
+// which they read with process_vm_readv.
+bool UseShareable() {
+  static const bool shareable = [] {
+    const char* v = std::getenv("SHARDLINE_MP_MEMORY");
+    return v != nullptr && std::string(v) == "shareable";
+  }();
+  return shareable;
+}
+
+template <typename T>
+struct TestMemory {
+  using value_type = T;
+  TestMemory() = default;
+  template <typename U>
+  TestMemory(const TestMemory<U>& /*other*/) {}
+  T* allocate(size_t n) {
+    if (UseShareable() && n * sizeof(T) >= 4096) {
+      absl::StatusOr<void*> p = AllocateShareable(n * sizeof(T));
+      if (!p.ok()) {
+        std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, p.status().ToString().c_str());
+        std::exit(1);
+      }
+      return static_cast<T*>(*p);
+    }
+    return std::allocator<T>().allocate(n);
+  }
+  void deallocate(T* p, size_t n) {
+    std::optional<ShareableSpan> span = FindShareable(p, n * sizeof(T));
+    if (span && span->offset == 0) return FreeShareable(p, n * sizeof(T));
+    std::allocator<T>().deallocate(p, n);
+  }
+  bool operator==(const TestMemory& /*other*/) const { return true; }
+};
+using Bytes = std::vector<uint8_t, TestMemory<uint8_t>>;
+Bytes ToMemory(const std::vector<uint8_t>& v) { return Bytes(v.begin(), v.end()); }
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, what.c_str());
@@ -139,8 +179,8 @@ void CheckAllKinds(Communicator& comm, Stream& stream, const std::vector<size_t>
       const std::string tag = absl::StrCat(DTypeName(dtype), " count ", count);
       // all_gather, in and out of place.
       for (bool in_place : {false, true}) {
-        std::vector<uint8_t> input = PatternBuffer(dtype, r, count);
-        std::vector<uint8_t> output(n * count * e, 0xAB);
+        Bytes input = ToMemory(PatternBuffer(dtype, r, count));
+        Bytes output(n * count * e, 0xAB);
         const void* in = input.data();
         if (in_place) {
           std::copy(input.begin(), input.end(), output.begin() + r * count * e);
@@ -158,7 +198,7 @@ void CheckAllKinds(Communicator& comm, Stream& stream, const std::vector<size_t>
       // broadcast from the last rank, all_to_all (smaller: count per peer).
       {
         const int root = n - 1;
-        std::vector<uint8_t> buffer = PatternBuffer(dtype, r, count, /*salt=*/3);
+        Bytes buffer = ToMemory(PatternBuffer(dtype, r, count, /*salt=*/3));
         ExpectOk(WaitFor(comm.Broadcast(buffer.data(), count, dtype, stream, {.root = root})),
                  "broadcast " + tag);
         for (size_t i = 0; i < count; i += Stride(count)) {
@@ -166,8 +206,8 @@ void CheckAllKinds(Communicator& comm, Stream& stream, const std::vector<size_t>
                  "broadcast " + tag);
         }
         const size_t per = big ? count / n : count;
-        std::vector<uint8_t> input = PatternBuffer(dtype, r, n * per);
-        std::vector<uint8_t> output(input.size());
+        Bytes input = ToMemory(PatternBuffer(dtype, r, n * per));
+        Bytes output(input.size());
         ExpectOk(WaitFor(comm.AllToAll(input.data(), output.data(), per, dtype, stream)),
                  "all_to_all " + tag);
         for (int s = 0; s < n; ++s) {
@@ -183,8 +223,8 @@ void CheckAllKinds(Communicator& comm, Stream& stream, const std::vector<size_t>
         if (big && big_subset && op != ReduceOp::kSum && op != ReduceOp::kAvg) continue;
         const std::string rtag = absl::StrCat(tag, " ", ReduceOpName(op));
         for (bool in_place : {false, true}) {
-          std::vector<uint8_t> input = PatternBuffer(dtype, r, n * count);
-          std::vector<uint8_t> separate(count * e);
+          Bytes input = ToMemory(PatternBuffer(dtype, r, n * count));
+          Bytes separate(count * e);
           void* out = in_place ? input.data() + r * count * e : separate.data();
           ExpectOk(WaitFor(comm.ReduceScatter(input.data(), out, count, dtype, stream, {.op = op})),
                    "reduce_scatter " + rtag);
@@ -193,8 +233,8 @@ void CheckAllKinds(Communicator& comm, Stream& stream, const std::vector<size_t>
             Expect(std::abs(GetElement(dtype, out, i) - want) <= Tolerance(dtype, op),
                    absl::StrCat("reduce_scatter ", rtag, " wrong at ", i));
           }
-          std::vector<uint8_t> all = PatternBuffer(dtype, r, count, /*salt=*/1);
-          std::vector<uint8_t> all_out(all.size());
+          Bytes all = ToMemory(PatternBuffer(dtype, r, count, /*salt=*/1));
+          Bytes all_out(all.size());
           void* aout = in_place ? all.data() : all_out.data();
           ExpectOk(WaitFor(comm.AllReduce(all.data(), aout, count, dtype, stream, {.op = op})),
                    "all_reduce " + rtag);
@@ -292,7 +332,7 @@ int Kill() {
   const absl::Duration timeout = absl::Seconds(20);
   World w = Join(timeout);
   ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
-  std::vector<float> buffer(8 << 20, 1.0f);
+  std::vector<float, TestMemory<float>> buffer(8 << 20, 1.0f);
   if (g_rank == 1) {
     // Dies while the collective is in flight on the stream's thread.
     std::thread killer([] {
