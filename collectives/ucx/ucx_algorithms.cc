@@ -82,7 +82,8 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   auto post = [&](size_t c) {
     for (int i = 1; i < n; ++i) {
       const int p = (me - i + n) % n;
-      pending[c % window][p] = run.Recv(p, slot(c, p), chunk_len(mine.bytes, c), Phase::kData, c);
+      pending[c % window][p] =
+          run.Recv(p, slot(c, p), chunk_len(mine.bytes, c), Phase::kData, c, /*borrow=*/true);
     }
   };
   size_t next_post = 0;
@@ -100,11 +101,11 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
       const size_t len = chunk_len(mine.bytes, c);
       // Rank order, as the local backend: the same bits whoever reduces.
       for (int p = 0; p < n; ++p) {
-        inputs[p] =
-            p == me ? static_cast<const void*>(run.input() + mine.offset + c * chunk) : slot(c, p);
+        inputs[p] = p == me ? run.input() + mine.offset + c * chunk : pending[c % window][p]->view;
       }
       uint8_t* dst = target + c * chunk;
       SL_RETURN_IF_ERROR(ReduceMany(dst, inputs.data(), n, len / e, run.fp().dtype, run.fp().op));
+      for (int p = 0; p < n; ++p) run.Return(pending[c % window][p]);
       SL_RETURN_IF_ERROR(FinishAverage(run, dst, len / e));
       if (gather) {
         for (int i = 1; i < n; ++i) run.Send((me + i) % n, dst, len, Phase::kGather, c);

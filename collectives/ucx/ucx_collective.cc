@@ -75,7 +75,8 @@ Completion* CollectiveRun::Send(int peer, const void* buffer, size_t bytes, Phas
   return c;
 }
 
-Completion* CollectiveRun::Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk) {
+Completion* CollectiveRun::Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk,
+                                bool borrow) {
   const uint64_t seq = TagSeq(phase);
   if (SingleCopyPhase(phase) && transport_.PullsFrom(peer)) {
     auto* desc = reinterpret_cast<uint64_t*>(batch_->Buffer(kDescriptorBytes));
@@ -85,10 +86,11 @@ Completion* CollectiveRun::Recv(int peer, void* buffer, size_t bytes, Phase phas
     Completion* done = batch_->Add(peer, /*is_send=*/false);
     done->expected = bytes;
     reads_.push_back(
-        {descriptor, done, desc, static_cast<uint8_t*>(buffer), bytes, peer, phase, chunk});
+        {descriptor, done, desc, static_cast<uint8_t*>(buffer), bytes, peer, phase, chunk, borrow});
     return done;
   }
   Completion* c = batch_->Add(peer, /*is_send=*/false);
+  c->view = static_cast<const uint8_t*>(buffer);
   transport_.Recv(peer, buffer, bytes, MakeTag(phase, peer, seq, chunk), c).IgnoreError();
   return c;
 }
@@ -117,7 +119,12 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
           transport_.MapPeerRegion(read.peer, read.desc[kRegionId],
                                    static_cast<int>(read.desc[kRegionFd]), read.desc[kRegionBytes]);
     }
-    if (mapped != nullptr) {
+    read.done->view = read.dst;
+    const bool borrowed = mapped != nullptr && read.borrow;
+    if (borrowed) {
+      read.done->view = mapped + read.desc[kRegionOffset];
+      borrowed_.push_back({read.done, read.peer, read.phase, read.chunk});
+    } else if (mapped != nullptr) {
       std::memcpy(read.dst, mapped + read.desc[kRegionOffset], read.bytes);
     } else if (status.ok()) {
       status = Annotate(transport_.CmaRead(read.peer, read.dst, read.desc[kAddress], read.bytes),
@@ -130,16 +137,30 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
       reads_[kept++] = read;
       continue;
     }
-    transport_
-        .Send(read.peer, nullptr, 0, MakeTag(FinPhase(read.phase), rank(), fp_.seq, read.chunk),
-              batch_->Add(read.peer, /*is_send=*/true))
-        .IgnoreError();
+    if (!borrowed) SendFin(read.peer, read.phase, read.chunk);
     read.done->length = read.bytes;
     read.done->status = UCS_OK;
     read.done->done.store(true, std::memory_order_release);
   }
   reads_.resize(kept);
   return status;
+}
+
+void CollectiveRun::SendFin(int peer, Phase phase, uint64_t chunk) {
+  transport_
+      .Send(peer, nullptr, 0, MakeTag(FinPhase(phase), rank(), fp_.seq, chunk),
+            batch_->Add(peer, /*is_send=*/true))
+      .IgnoreError();
+}
+
+void CollectiveRun::Return(const Completion* c) {
+  for (size_t i = 0; i < borrowed_.size(); ++i) {
+    if (borrowed_[i].done != c) continue;
+    SendFin(borrowed_[i].peer, borrowed_[i].phase, borrowed_[i].chunk);
+    borrowed_[i] = borrowed_.back();
+    borrowed_.pop_back();
+    return;
+  }
 }
 
 void CollectiveRun::AbandonReads() {

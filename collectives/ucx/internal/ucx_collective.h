@@ -83,7 +83,13 @@ class CollectiveRun {
   // single-copy send is done once the receiver has read the buffer; that of a single-copy
   // receive once this rank has copied the bytes (in Drive).
   Completion* Send(int peer, const void* buffer, size_t bytes, Phase phase, uint64_t chunk);
-  Completion* Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk);
+  // With `borrow`, a single-copy receive from shareable memory the peer's region is mapped
+  // (ucx_transport.h) is not copied: the completion's `view` points into the sender's memory,
+  // which stays valid (and unchanged) until Return(c). Otherwise `view` is `buffer`.
+  Completion* Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk,
+                   bool borrow = false);
+  // Ends a borrow: tells the sender its buffer is free. No-op for any other completion.
+  void Return(const Completion* c);
 
   // Loops until `step` returns true (or an error): see the file comment.
   absl::Status Drive(absl::FunctionRef<absl::StatusOr<bool>()> step);
@@ -114,11 +120,21 @@ class CollectiveRun {
     int peer;
     Phase phase;
     uint64_t chunk;
+    bool borrow;
+  };
+  // A borrowed receive whose sender still waits for the fin.
+  struct Borrowed {
+    const Completion* done;
+    int peer;
+    Phase phase;
+    uint64_t chunk;
   };
 
   std::vector<int> PendingPeers();
   uint64_t TagSeq(Phase phase) const { return phase == Phase::kHeader ? 0 : fp_.seq; }
-  // Copies the data of every pending read whose descriptor arrived and answers with a fin.
+  // Copies (or borrows) the data of every pending read whose descriptor arrived and answers
+  // with a fin (for a borrow: at Return).
+  void SendFin(int peer, Phase phase, uint64_t chunk);
   absl::Status ServeReads(bool* activity);
 
   UcxTransport& transport_;
@@ -131,6 +147,7 @@ class CollectiveRun {
   const Tuning tuning_;
   std::unique_ptr<Batch> batch_;
   std::vector<PendingRead> reads_;
+  std::vector<Borrowed> borrowed_;
 };
 
 // The whole collective (size >= 2): fingerprints first, then the data.

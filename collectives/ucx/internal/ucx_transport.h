@@ -101,6 +101,9 @@ struct Completion {
   bool is_send = false;
   int peer = -1;
   void* request = nullptr;  // UCX's request while pending; freed by Batch
+  // Where a done receive's bytes are: its buffer, or for a borrowed single-copy receive the
+  // sender's own memory (see CollectiveRun::Recv).
+  const uint8_t* view = nullptr;
   ucp_tag_recv_info_t info{};
 };
 
