@@ -46,8 +46,10 @@ SL_PARAM(int64_t, UcxSmallBytes, "UCX_SMALL_BYTES", 32 * 1024,
 SL_PARAM(int64_t, UcxWindow, "UCX_WINDOW", 3,
          "Chunks in flight per peer in the pipelined ucx reductions.",
          [](const int64_t& v) { return AtLeast(v, 1, "window"); });
-SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 200,
-         "Microseconds a waiting ucx collective polls before it sleeps on the worker's event fd.",
+SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 2000,
+         "Microseconds a waiting ucx collective polls (yielding its core between polls where "
+         "this host runs more ranks than the process has CPUs) before it sleeps on the "
+         "worker's event fd.",
          [](const int64_t& v) { return AtLeast(v, 0, "spin"); });
 SL_PARAM(bool, UcxCma, "UCX_CMA", true,
          "Within a host, copy large messages once, straight out of the sender's memory "

@@ -48,7 +48,7 @@ struct Tuning {
   size_t chunk_bytes = 512 * 1024;
   size_t small_bytes = 16 * 1024;
   int window = 3;
-  absl::Duration spin = absl::Microseconds(200);
+  absl::Duration spin = absl::Microseconds(2000);
   static absl::StatusOr<Tuning> FromEnvironment();
 };
 
