@@ -10,6 +10,10 @@
 
 #include "runtime/host_kernels.h"
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -379,6 +383,38 @@ absl::Status Scale(void* inout, size_t count, DType dtype, double factor) {
     }
   });
   return absl::OkStatus();
+}
+
+void CopyStreaming(void* dst, const void* src, size_t bytes) {
+#if defined(__x86_64__)
+  if (bytes >= kStreamingCopyMinBytes) {
+    auto* d = static_cast<uint8_t*>(dst);
+    auto* s = static_cast<const uint8_t*>(src);
+    // Non-temporal stores need 16-byte aligned destinations: copy the head normally.
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+    std::memcpy(d, s, head);
+    d += head;
+    s += head;
+    bytes -= head;
+    const size_t body = bytes & ~size_t{63};
+    for (size_t i = 0; i < body; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+    }
+    std::memcpy(d + body, s + body, bytes - body);
+    // Non-temporal stores are weakly ordered: make them visible before whatever tells another
+    // thread or process that the copy is done (a fin message, a completion flag).
+    _mm_sfence();
+    return;
+  }
+#endif
+  if (bytes > 0) std::memcpy(dst, src, bytes);
 }
 
 }  // namespace shardline

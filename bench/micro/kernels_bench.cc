@@ -45,6 +45,17 @@ void BM_Memcpy(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 * bytes);
 }
 
+// What the ucx backend copies received blocks with (non-temporal stores from 256 KiB on).
+void BM_CopyStreaming(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  std::vector<std::byte> src = Filled(bytes, DType::kF32), dst(bytes);
+  for (auto _ : state) {
+    CopyStreaming(dst.data(), src.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 * bytes);
+}
+
 void BM_Reduce(benchmark::State& state, DType dtype) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / DTypeSize(dtype);
@@ -79,6 +90,7 @@ void Sizes(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_Memcpy)->Apply(Sizes);
+BENCHMARK(BM_CopyStreaming)->Apply(Sizes);
 BENCHMARK_CAPTURE(BM_Reduce, f32_sum, DType::kF32)->Apply(Sizes);
 BENCHMARK_CAPTURE(BM_Reduce, bf16_sum, DType::kBF16)->Apply(Sizes);
 BENCHMARK_CAPTURE(BM_Cast, f32_to_bf16, DType::kF32, DType::kBF16)->Apply(Sizes);

@@ -13,8 +13,9 @@ namespace {
 // receives (reduce-scatter) or the whole buffer (all-reduce, broadcast).
 size_t BlockBytes(const CollectiveRun& run) { return run.fp().count * run.esize(); }
 
+// A rank's own block into its output (the output is not read again by this collective).
 void CopyBytes(void* dst, const void* src, size_t bytes) {
-  if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+  if (bytes > 0 && dst != src) CopyStreaming(dst, src, bytes);
 }
 
 absl::Status FinishAverage(const CollectiveRun& run, void* data, size_t count) {

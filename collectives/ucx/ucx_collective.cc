@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collectives/ucx/internal/ucx_algorithms.h"
+#include "runtime/host_kernels.h"
 #include "runtime/shared_memory.h"
 #include "runtime/status.h"
 
@@ -125,7 +126,7 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
       read.done->view = mapped + read.desc[kRegionOffset];
       borrowed_.push_back({read.done, read.peer, read.phase, read.chunk});
     } else if (mapped != nullptr) {
-      std::memcpy(read.dst, mapped + read.desc[kRegionOffset], read.bytes);
+      CopyStreaming(read.dst, mapped + read.desc[kRegionOffset], read.bytes);
     } else if (status.ok()) {
       status = Annotate(transport_.CmaRead(read.peer, read.dst, read.desc[kAddress], read.bytes),
                         hooks_.describe);

@@ -271,6 +271,26 @@ void CheckCast(RawBuffer& src, DType from, DType to, size_t count, size_t misali
   ExpectSameBytes(got, want, count, to, absl::StrCat(DTypeName(from), "->", DTypeName(to)));
 }
 
+// CopyStreaming against memcpy: sizes around the non-temporal threshold and the 64-byte body,
+// every alignment of source and destination within 16 bytes, neighbours left untouched.
+TEST(CopyStreamingTest, MatchesMemcpyForEverySizeAndAlignment) {
+  const size_t kMin = kStreamingCopyMinBytes;
+  const std::vector<size_t> sizes = {0,    1,        15,        64,        kMin - 1,
+                                     kMin, kMin + 1, kMin + 63, kMin + 64, (1 << 20) + 37};
+  std::mt19937_64 rng(7);
+  for (size_t bytes : sizes) {
+    for (size_t src_offset : {0, 1, 8, 15}) {
+      for (size_t dst_offset : {0, 3, 16, 17}) {
+        std::vector<uint8_t> src(bytes + 32), dst(bytes + 64, 0xEE), want(bytes + 64, 0xEE);
+        for (uint8_t& b : src) b = static_cast<uint8_t>(rng());
+        std::memcpy(want.data() + dst_offset, src.data() + src_offset, bytes);
+        CopyStreaming(dst.data() + dst_offset, src.data() + src_offset, bytes);
+        ASSERT_EQ(dst, want) << bytes << " bytes, src+" << src_offset << ", dst+" << dst_offset;
+      }
+    }
+  }
+}
+
 TEST(CastTest, EverySixteenBitPatternToEveryFloatType) {
   for (DType from : {DType::kF16, DType::kBF16}) {
     RawBuffer src(2 * 65536, 1);
