@@ -52,21 +52,22 @@ SL_HOST_DEVICE constexpr float BitsToFloat(uint32_t u) {
 
 // ---- bf16 ------------------------------------------------------------------------------------
 
+// Both conversions are selects over values computed unconditionally (no early return), so that
+// loops over them vectorise: the bf16 reductions of the collectives run through them.
 SL_HOST_DEVICE constexpr uint16_t FloatToBf16Bits(float f) {
   const uint32_t u = FloatToBits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN: keep sign and payload top, quiet
-  }
+  // NaN: keep sign and payload top, quiet.
+  const uint32_t nan = (u >> 16) | 0x0040u;
   // Adding 0x7fff plus the lowest kept bit rounds the dropped half to nearest, ties to even; a
   // carry out of the mantissa correctly bumps the exponent (up to Inf for the largest values).
-  const uint32_t lsb = (u >> 16) & 1u;
-  return static_cast<uint16_t>((u + 0x7fffu + lsb) >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 SL_HOST_DEVICE constexpr float Bf16BitsToFloat(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x00400000u;  // quiet a signalling NaN
-  return BitsToFloat(u);
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  // Quiet a signalling NaN.
+  return BitsToFloat(u | ((u & 0x7fffffffu) > 0x7f800000u ? 0x00400000u : 0u));
 }
 
 // ---- f16 -------------------------------------------------------------------------------------
