@@ -271,6 +271,66 @@ absl::Status NullError(absl::string_view fn, absl::string_view arg, size_t count
 
 }  // namespace
 
+// The element loops below are compiled twice on x86-64 with GCC — for the baseline (SSE2) and
+// for AVX2 — and the copy for this CPU is picked once at load time (an ifunc). Both give the same
+// bits: every loop is element-wise, nothing is reassociated and no multiply-add is fused.
+// flatten inlines the typed loops into each copy, so that they are compiled for its target.
+// Sanitizer builds and clang keep one copy.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#define SL_KERNEL_CLONES __attribute__((target_clones("avx2", "default"), flatten))
+#else
+#define SL_KERNEL_CLONES
+#endif
+
+namespace kernels_internal {
+
+SL_KERNEL_CLONES void RunCast(const std::byte* s, DType src_dtype, std::byte* d, DType dst_dtype,
+                              size_t count) {
+  DispatchDType(src_dtype, [&](auto src_tag) {
+    DispatchDType(dst_dtype, [&](auto dst_tag) {
+      constexpr DType kSrc = decltype(src_tag)::value;
+      constexpr DType kDst = decltype(dst_tag)::value;
+      if constexpr (IsFloatingPoint(kSrc) && IsFloatingPoint(kDst) && kSrc != kDst) {
+        CastImpl<kSrc, kDst>(s, d, count);
+      }
+    });
+  });
+}
+
+SL_KERNEL_CLONES void RunReduce(std::byte* io, const std::byte* p, size_t count, DType dtype,
+                                ReduceOp op) {
+  DispatchDType(dtype, [&](auto tag) {
+    DispatchOp(
+        op, [&](auto op_tag) { ReduceImpl<decltype(tag)::value, decltype(op_tag)>(io, p, count); });
+  });
+}
+
+SL_KERNEL_CLONES void RunReduceMany(std::byte* o, const std::byte* const* in, int num_inputs,
+                                    size_t count, DType dtype, ReduceOp op) {
+  DispatchDType(dtype, [&](auto tag) {
+    DispatchOp(op, [&](auto op_tag) {
+      ReduceManyImpl<decltype(tag)::value, decltype(op_tag)>(o, in, num_inputs, count);
+    });
+  });
+}
+
+SL_KERNEL_CLONES void RunScale(std::byte* io, size_t count, DType dtype, double factor,
+                               int64_t divisor) {
+  DispatchDType(dtype, [&](auto tag) {
+    constexpr DType kD = decltype(tag)::value;
+    if constexpr (IsFloatingPoint(kD)) {
+      ScaleFloatImpl<kD>(io, count, factor);
+    } else if (divisor > 0) {
+      ScaleDivideImpl<kD>(io, count, divisor);
+    } else {
+      ScaleIntegerMultiplyImpl<kD>(io, count, factor);
+    }
+  });
+}
+
+}  // namespace kernels_internal
+
 absl::Status Cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t count) {
   if (!IsFloatingPoint(src_dtype) || !IsFloatingPoint(dst_dtype)) {
     return absl::InvalidArgumentError(
@@ -284,17 +344,8 @@ absl::Status Cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, 
     if (src != dst) std::memcpy(dst, src, count * DTypeSize(src_dtype));
     return absl::OkStatus();
   }
-  const auto* s = static_cast<const std::byte*>(src);
-  auto* d = static_cast<std::byte*>(dst);
-  DispatchDType(src_dtype, [&](auto src_tag) {
-    DispatchDType(dst_dtype, [&](auto dst_tag) {
-      constexpr DType kSrc = decltype(src_tag)::value;
-      constexpr DType kDst = decltype(dst_tag)::value;
-      if constexpr (IsFloatingPoint(kSrc) && IsFloatingPoint(kDst) && kSrc != kDst) {
-        CastImpl<kSrc, kDst>(s, d, count);
-      }
-    });
-  });
+  kernels_internal::RunCast(static_cast<const std::byte*>(src), src_dtype,
+                            static_cast<std::byte*>(dst), dst_dtype, count);
   return absl::OkStatus();
 }
 
@@ -312,12 +363,8 @@ absl::Status Reduce(void* inout, const void* in, size_t count, DType dtype, Redu
   if (count == 0) return absl::OkStatus();
   if (inout == nullptr) return NullError("Reduce", "inout", count);
   if (in == nullptr) return NullError("Reduce", "in", count);
-  auto* io = static_cast<std::byte*>(inout);
-  const auto* p = static_cast<const std::byte*>(in);
-  DispatchDType(dtype, [&](auto tag) {
-    DispatchOp(
-        op, [&](auto op_tag) { ReduceImpl<decltype(tag)::value, decltype(op_tag)>(io, p, count); });
-  });
+  kernels_internal::RunReduce(static_cast<std::byte*>(inout), static_cast<const std::byte*>(in),
+                              count, dtype, op);
   return absl::OkStatus();
 }
 
@@ -342,13 +389,9 @@ absl::Status ReduceMany(void* out, const void* const* inputs, int num_inputs, si
     if (inputs[k] == nullptr)
       return NullError("ReduceMany", absl::StrCat("inputs[", k, "]"), count);
   }
-  auto* o = static_cast<std::byte*>(out);
-  const auto* const* in = reinterpret_cast<const std::byte* const*>(inputs);
-  DispatchDType(dtype, [&](auto tag) {
-    DispatchOp(op, [&](auto op_tag) {
-      ReduceManyImpl<decltype(tag)::value, decltype(op_tag)>(o, in, num_inputs, count);
-    });
-  });
+  kernels_internal::RunReduceMany(static_cast<std::byte*>(out),
+                                  reinterpret_cast<const std::byte* const*>(inputs), num_inputs,
+                                  count, dtype, op);
   return absl::OkStatus();
 }
 
@@ -372,16 +415,7 @@ absl::Status Scale(void* inout, size_t count, DType dtype, double factor) {
       divisor = static_cast<int64_t>(n);
     }
   }
-  DispatchDType(dtype, [&](auto tag) {
-    constexpr DType kD = decltype(tag)::value;
-    if constexpr (IsFloatingPoint(kD)) {
-      ScaleFloatImpl<kD>(io, count, factor);
-    } else if (divisor > 0) {
-      ScaleDivideImpl<kD>(io, count, divisor);
-    } else {
-      ScaleIntegerMultiplyImpl<kD>(io, count, factor);
-    }
-  });
+  kernels_internal::RunScale(io, count, dtype, factor, divisor);
   return absl::OkStatus();
 }
 
