@@ -33,8 +33,8 @@
 #include "collectives/bootstrap.h"
 #include "collectives/local/local_communicator.h"
 #include "runtime/allocator.h"
-#include "runtime/half.h"
 #include "runtime/status.h"
+#include "tests/common/typed_values.h"
 
 #if SHARDLINE_WITH_CUDA
 #include <cuda_runtime.h>
@@ -361,77 +361,9 @@ absl::StatusOr<ParseResult> ParseFlags(const CollectiveSpec& spec, int argc, cha
 
 // ---- elements --------------------------------------------------------------------------------
 
-double GetElement(DType dtype, const void* data, size_t i) {
-  const auto* p = static_cast<const uint8_t*>(data) + i * DTypeSize(dtype);
-  switch (dtype) {
-    case DType::kF32: {
-      float v;
-      std::memcpy(&v, p, 4);
-      return v;
-    }
-    case DType::kF64: {
-      double v;
-      std::memcpy(&v, p, 8);
-      return v;
-    }
-    case DType::kF16:
-    case DType::kBF16: {
-      uint16_t bits;
-      std::memcpy(&bits, p, 2);
-      return dtype == DType::kF16 ? HalfBitsToFloat(bits) : Bf16BitsToFloat(bits);
-    }
-    case DType::kI8:
-      return static_cast<int8_t>(*p);
-    case DType::kU8:
-      return *p;
-    case DType::kI32: {
-      int32_t v;
-      std::memcpy(&v, p, 4);
-      return v;
-    }
-    case DType::kI64: {
-      int64_t v;
-      std::memcpy(&v, p, 8);
-      return static_cast<double>(v);
-    }
-  }
-  return 0;
-}
-
-void SetElement(DType dtype, void* data, size_t i, double value) {
-  auto* p = static_cast<uint8_t*>(data) + i * DTypeSize(dtype);
-  switch (dtype) {
-    case DType::kF32: {
-      const float v = static_cast<float>(value);
-      std::memcpy(p, &v, 4);
-      return;
-    }
-    case DType::kF64:
-      std::memcpy(p, &value, 8);
-      return;
-    case DType::kF16:
-    case DType::kBF16: {
-      const float f = static_cast<float>(value);
-      const uint16_t bits = dtype == DType::kF16 ? FloatToHalfBits(f) : FloatToBf16Bits(f);
-      std::memcpy(p, &bits, 2);
-      return;
-    }
-    case DType::kI8:
-    case DType::kU8:
-      *p = static_cast<uint8_t>(static_cast<int>(value));
-      return;
-    case DType::kI32: {
-      const int32_t v = static_cast<int32_t>(value);
-      std::memcpy(p, &v, 4);
-      return;
-    }
-    case DType::kI64: {
-      const int64_t v = static_cast<int64_t>(value);
-      std::memcpy(p, &v, 8);
-      return;
-    }
-  }
-}
+// Elements are read and written as doubles with the tests' helpers (tests/common/typed_values.h).
+using ::shardline::testing::GetElement;
+using ::shardline::testing::SetElement;
 
 // Averaged floats are scaled by a rounded 1/n: allow a few units in the last place.
 double Tolerance(DType dtype, ReduceOp op, double want) {
