@@ -255,9 +255,12 @@ class HostAllocator final : public Allocator {
     if (shareable_bytes_ > 0 && bytes >= shareable_bytes_) {
       absl::StatusOr<void*> shared = AllocateShareable(bytes);
       if (shared.ok()) return shared;
-      // Out of file descriptors or memory-file space: private memory still works.
-      SL_LOG(INFO, ALLOC) << "host allocator '" << name() << "': " << shared.status().message()
-                          << "; using private memory";
+      // Out of descriptors or memory-file space: private memory still works (peers then read
+      // it with process_vm_readv). Said once per allocator.
+      if (!said_private_.exchange(true)) {
+        SL_LOG(INFO, ALLOC) << "host allocator '" << name() << "': " << shared.status().message()
+                            << "; large allocations that do not fit use private memory";
+      }
     }
     void* data = nullptr;
     // posix_memalign, unlike aligned_alloc, takes any size, not only multiples of the alignment.
@@ -286,6 +289,7 @@ class HostAllocator final : public Allocator {
 
   size_t alignment_;
   size_t shareable_bytes_;  // 0: never shareable
+  std::atomic<bool> said_private_{false};
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "runtime/shared_memory.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -36,6 +37,11 @@ class Registry {
   static Registry& Get() {
     static Registry* const registry = new Registry();  // outlives static destructors
     return *registry;
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return regions_.size();
   }
 
   uint64_t Add(uintptr_t base, int fd, size_t bytes) {
@@ -79,8 +85,23 @@ size_t RoundToPages(size_t bytes) {
 
 }  // namespace
 
+// Every region holds a file descriptor for as long as it lives; a quarter of the process's
+// descriptor limit at most, so that shareable memory never starves the rest of the process
+// (sockets, files) of descriptors.
+size_t MaxRegions() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 1 << 16;
+  return static_cast<size_t>(limit.rlim_cur / 4);
+}
+
 absl::StatusOr<void*> AllocateShareable(size_t bytes) {
   SL_CHECK(bytes > 0) << "AllocateShareable: zero bytes";
+  const size_t max_regions = MaxRegions();
+  if (Registry::Get().size() >= max_regions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shareable memory already holds ", max_regions,
+                     " file descriptors (a quarter of RLIMIT_NOFILE, the most it may use)"));
+  }
   const size_t length = RoundToPages(bytes);
   const int fd = memfd_create("shardline", MFD_CLOEXEC);
   if (fd < 0) {

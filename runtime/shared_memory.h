@@ -46,8 +46,10 @@ struct ShareableSpan {
   size_t offset = 0;        // of the span's first byte within the region
 };
 
-// `bytes` (> 0) of zero-filled, page-aligned shareable memory. ResourceExhausted naming the
-// system call if the memory file cannot be created or mapped.
+// `bytes` (> 0) of zero-filled, page-aligned shareable memory. Every live region holds one file
+// descriptor; at most a quarter of RLIMIT_NOFILE's soft limit are used, so that the rest of the
+// process never runs out. ResourceExhausted beyond that, or naming the system call if the memory
+// file cannot be created or mapped.
 absl::StatusOr<void*> AllocateShareable(size_t bytes);
 
 // Returns memory from AllocateShareable (`bytes` as allocated).

@@ -5,6 +5,7 @@
 #include "runtime/shared_memory.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 #include <cstdint>
 #include <cstring>
@@ -79,6 +80,37 @@ TEST(SharedMemoryTest, ASecondMappingOfTheFileSeesTheSameBytes) {
   EXPECT_EQ(static_cast<const uint8_t*>(view)[12345], 99);
   munmap(view, span->region_bytes);
   FreeShareable(data, kBytes);
+}
+
+TEST(SharedMemoryTest, UsesAtMostAQuarterOfTheDescriptorLimit) {
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = 64;  // 16 regions at most
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<void*> regions;
+  absl::Status refused;
+  for (int i = 0; i < 32 && refused.ok(); ++i) {
+    absl::StatusOr<void*> p = AllocateShareable(4096);
+    if (p.ok()) {
+      regions.push_back(*p);
+    } else {
+      refused = p.status();
+    }
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_EQ(regions.size(), 16u);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("RLIMIT_NOFILE"), absl::string_view::npos) << refused;
+  // A HostAllocator falls back to private memory at the limit instead of failing.
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  ParamHostShareableBytes().ResetCacheForTesting();
+  std::unique_ptr<Allocator> allocator = CreateHostAllocator(64, "limited");
+  absl::StatusOr<Buffer> large = allocator->Allocate(2 << 20);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_TRUE(large.ok()) << large.status();
+  EXPECT_FALSE(FindShareable(large->data(), large->size()).has_value());
+  for (void* p : regions) FreeShareable(p, 4096);
 }
 
 TEST(SharedMemoryTest, HostAllocatorSharesLargeAllocations) {
