@@ -489,12 +489,19 @@ const uint8_t* UcxTransport::MapPeerRegion(int peer, uint64_t region_id, int fd,
     errno = errno == 0 ? EINVAL : errno;
     return give_up("mapping a shared region");
   }
-  // A bounded cache: a region the peer freed stays alive while mapped here.
-  constexpr size_t kMaxMappings = 64;
-  if (mappings_.size() >= kMaxMappings) {
-    auto lru = std::min_element(
-        mappings_.begin(), mappings_.end(),
-        [](const Mapping& a, const Mapping& b) { return a.last_use < b.last_use; });
+  // A bounded cache per peer: a region the peer freed stays alive while mapped here. Per peer,
+  // not overall, so that a collective never unmaps a region it still reads (borrowed chunks):
+  // one collective uses at most two regions of a peer (its input and its output), however
+  // many peers there are.
+  constexpr size_t kMaxMappingsPerPeer = 64;
+  auto lru = mappings_.end();
+  size_t of_peer = 0;
+  for (auto it = mappings_.begin(); it != mappings_.end(); ++it) {
+    if (it->peer != peer) continue;
+    ++of_peer;
+    if (lru == mappings_.end() || it->last_use < lru->last_use) lru = it;
+  }
+  if (of_peer >= kMaxMappingsPerPeer) {
     munmap(const_cast<uint8_t*>(lru->base), lru->bytes);
     mappings_.erase(lru);
   }

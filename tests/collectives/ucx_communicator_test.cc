@@ -173,6 +173,33 @@ TEST(UcxCommunicatorTest, LargeCollectivesOnShareableMemory) {
   });
 }
 
+TEST(UcxCommunicatorTest, FreshShareableBuffersEveryIterationStayCorrect) {
+  // A new shareable input every iteration, freed after it: its memory-file descriptor number is
+  // reused by the next one (a different region), and more regions pass than a peer's mapping
+  // cache holds (64), so stale mappings must never be read and eviction must keep working.
+  const int n = 2;
+  const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
+  Comms comms = MakeComms(n);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    std::vector<uint8_t> output(n * count * 4);
+    for (int iter = 0; iter < 80; ++iter) {
+      absl::StatusOr<void*> input = AllocateShareable(count * 4);
+      ASSERT_TRUE(input.ok()) << input.status();
+      const std::vector<uint8_t> pattern = PatternBuffer(DType::kF32, r, count, /*salt=*/iter);
+      std::copy(pattern.begin(), pattern.end(), static_cast<uint8_t*>(*input));
+      ASSERT_TRUE(WaitFor(comm.AllGather(*input, output.data(), count, DType::kF32, stream)).ok());
+      for (int s = 0; s < n; ++s) {
+        for (size_t i = 0; i < count; i += 4093) {
+          ASSERT_EQ(GetElement(DType::kF32, output.data(), s * count + i),
+                    PatternValue(DType::kF32, s, i, iter))
+              << "iteration " << iter << ", from rank " << s;
+        }
+      }
+      FreeShareable(*input, count * 4);
+    }
+  });
+}
+
 TEST(UcxCommunicatorTest, CreationWithoutPeersTimesOutNamingThem) {
   auto store = std::make_shared<MemoryStore>();
   absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(

@@ -176,7 +176,8 @@ class UcxTransport {
 
   // This process's read-only mapping of peer `peer`'s shareable region `region_id` (its memory
   // file `fd` in the peer, `bytes` long; runtime/shared_memory.h), mapped on first use and kept
-  // in a small per-peer cache (least recently used regions are unmapped). Null when the peer
+  // in a cache of 64 regions per peer (the peer's least recently used region is unmapped; a
+  // mapping returned during a collective stays valid until the collective ends). Null when the peer
   // cannot be mapped (SHARDLINE_UCX_MAP off, no CMA permission, pidfd_getfd refused, or the file
   // is not what the peer described): the caller then falls back to CmaRead. Only the thread
   // that runs collectives may call it.
