@@ -83,9 +83,9 @@ class CollectiveRun {
   // single-copy send is done once the receiver has read the buffer; that of a single-copy
   // receive once this rank has copied the bytes (in Drive).
   Completion* Send(int peer, const void* buffer, size_t bytes, Phase phase, uint64_t chunk);
-  // With `borrow`, a single-copy receive from shareable memory the peer's region is mapped
-  // (ucx_transport.h) is not copied: the completion's `view` points into the sender's memory,
-  // which stays valid (and unchanged) until Return(c). Otherwise `view` is `buffer`.
+  // With `borrow`, a single-copy receive out of a peer's shareable memory that this rank has
+  // mapped (ucx_transport.h) is not copied: the completion's `view` points into the sender's
+  // memory, which stays valid and unchanged until Return(c). Otherwise `view` is `buffer`.
   Completion* Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk,
                    bool borrow = false);
   // Ends a borrow: tells the sender its buffer is free. No-op for any other completion.
@@ -132,9 +132,10 @@ class CollectiveRun {
 
   std::vector<int> PendingPeers();
   uint64_t TagSeq(Phase phase) const { return phase == Phase::kHeader ? 0 : fp_.seq; }
+  // Tells `peer` that this rank has read its single-copy message of `phase` / `chunk`.
+  void SendFin(int peer, Phase phase, uint64_t chunk);
   // Copies (or borrows) the data of every pending read whose descriptor arrived and answers
   // with a fin (for a borrow: at Return).
-  void SendFin(int peer, Phase phase, uint64_t chunk);
   absl::Status ServeReads(bool* activity);
 
   UcxTransport& transport_;
