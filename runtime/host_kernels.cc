@@ -407,16 +407,19 @@ absl::Status Scale(void* inout, size_t count, DType dtype, double factor) {
   if (inout == nullptr) return NullError("Scale", "inout", count);
   auto* io = static_cast<std::byte*>(inout);
   // Integer division when factor is 1/n: avg of integers divides exactly as C++ does.
-  int64_t divisor = 0;
-  if (factor > 0) {
-    const double reciprocal = 1.0 / factor;
-    const double n = std::round(reciprocal);
-    if (n >= 1 && n < 0x1p62 && std::fabs(reciprocal - n) <= 1e-9 * n) {
-      divisor = static_cast<int64_t>(n);
-    }
-  }
+  const int64_t divisor = ExactDivisor(factor);
   kernels_internal::RunScale(io, count, dtype, factor, divisor);
   return absl::OkStatus();
+}
+
+int64_t ExactDivisor(double factor) {
+  if (!(factor > 0)) return 0;
+  const double reciprocal = 1.0 / factor;
+  const double n = std::round(reciprocal);
+  if (n >= 1 && n < 0x1p62 && std::fabs(reciprocal - n) <= 1e-9 * n) {
+    return static_cast<int64_t>(n);
+  }
+  return 0;
 }
 
 void CopyStreaming(void* dst, const void* src, size_t bytes) {

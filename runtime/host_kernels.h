@@ -21,6 +21,7 @@
 #define SHARDLINE_RUNTIME_HOST_KERNELS_H_
 
 #include <cstddef>
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "runtime/dtype.h"
@@ -50,6 +51,10 @@ absl::Status ReduceMany(void* out, const void* const* inputs, int num_inputs, si
 //     integer division, i.e. truncation toward zero; otherwise trunc(inout[i] * factor) computed
 //     in double and saturated to the type's range (NaN factor: InvalidArgument).
 absl::Status Scale(void* inout, size_t count, DType dtype, double factor);
+
+// Scale's integer rule: n if 1/factor is (within 1e-9 relative) a positive integer n below
+// 2^62, else 0. CudaScale uses the same rule.
+int64_t ExactDivisor(double factor);
 
 // memcpy(dst, src, bytes) for a destination that is not read again soon: from
 // kStreamingCopyMinBytes on (x86-64), the stores bypass the caches (non-temporal), so the

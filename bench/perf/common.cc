@@ -959,19 +959,7 @@ double InputValue(DType dtype, bool reducing, int rank, size_t index, uint64_t s
 double ReducedValue(const CheckArgs& a, size_t index) {
   double acc = InputValue(a.dtype, true, 0, index, a.seed);
   for (int s = 1; s < a.nranks; ++s) {
-    const double v = InputValue(a.dtype, true, s, index, a.seed);
-    switch (a.op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        acc += v;
-        break;
-      case ReduceOp::kMin:
-        acc = std::min(acc, v);
-        break;
-      case ReduceOp::kMax:
-        acc = std::max(acc, v);
-        break;
-    }
+    acc = ::shardline::testing::ReferenceOp(a.op, acc, InputValue(a.dtype, true, s, index, a.seed));
   }
   if (a.op == ReduceOp::kAvg) {
     acc = IsFloatingPoint(a.dtype) ? acc / a.nranks : std::trunc(acc / a.nranks);

@@ -184,21 +184,11 @@ absl::Status FinishSmall(CollectiveRun& run, const std::vector<const uint8_t*>& 
   return absl::OkStatus();
 }
 
-absl::Status LargeAllGather(CollectiveRun& run) {
-  const int n = run.size();
-  const int me = run.rank();
-  const size_t bytes = BlockBytes(run);
-  for (int i = 1; i < n; ++i) {
-    const int p = (me - i + n) % n;
-    run.Recv(p, run.output() + p * bytes, bytes, Phase::kData, 0);
-  }
-  for (int i = 1; i < n; ++i) run.Send((me + i) % n, run.input(), bytes, Phase::kData, 0);
-  // In place, the input already is this rank's slice.
-  CopyBytes(run.output() + me * bytes, run.input(), bytes);
-  return absl::OkStatus();
-}
+namespace {
 
-absl::Status LargeAllToAll(CollectiveRun& run) {
+// Every peer's block straight into its slice of the output; this rank sends peer p the block
+// at `input + send_stride * p` (stride 0: the same block to everyone, the all-gather).
+absl::Status DirectExchange(CollectiveRun& run, size_t send_stride) {
   const int n = run.size();
   const int me = run.rank();
   const size_t bytes = BlockBytes(run);
@@ -208,11 +198,18 @@ absl::Status LargeAllToAll(CollectiveRun& run) {
   }
   for (int i = 1; i < n; ++i) {
     const int p = (me + i) % n;
-    run.Send(p, run.input() + p * bytes, bytes, Phase::kData, 0);
+    run.Send(p, run.input() + p * send_stride, bytes, Phase::kData, 0);
   }
-  CopyBytes(run.output() + me * bytes, run.input() + me * bytes, bytes);
+  // In place (all-gather), the input already is this rank's slice.
+  CopyBytes(run.output() + me * bytes, run.input() + me * send_stride, bytes);
   return absl::OkStatus();
 }
+
+}  // namespace
+
+absl::Status LargeAllGather(CollectiveRun& run) { return DirectExchange(run, 0); }
+
+absl::Status LargeAllToAll(CollectiveRun& run) { return DirectExchange(run, BlockBytes(run)); }
 
 absl::Status LargeBroadcast(CollectiveRun& run) {
   const int n = run.size();

@@ -197,6 +197,17 @@ void RecvCallback(void* /*request*/, ucs_status_t status, const ucp_tag_recv_inf
   c->done.store(true, std::memory_order_release);
 }
 
+// Records what a ucp_*_nbx call returned: done at once (OK or an error), or a request whose
+// callback completes `c` later.
+void Track(ucs_status_ptr_t r, Completion* c) {
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+    c->status = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
+    c->done.store(true, std::memory_order_release);
+  } else {
+    c->request = r;
+  }
+}
+
 enum ControlType : uint8_t { kAbortNotice = 1, kGoodbye = 2 };
 constexpr size_t kControlBytes = 4096;
 
@@ -395,15 +406,7 @@ absl::Status UcxTransport::CompleteWireup(absl::Time deadline, absl::string_view
       param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       param.cb.send = &SendCallback;
       param.user_data = c;
-      ucs_status_ptr_t r = ucp_ep_flush_nbx(peers_[p].ep, &param);
-      if (r == nullptr) {
-        c->done.store(true, std::memory_order_release);
-      } else if (UCS_PTR_IS_ERR(r)) {
-        c->status = UCS_PTR_STATUS(r);
-        c->done.store(true, std::memory_order_release);
-      } else {
-        c->request = r;
-      }
+      Track(ucp_ep_flush_nbx(peers_[p].ep, &param), c);
     }
     status = wait(flushes, "flushing the endpoint to");
   }
@@ -675,17 +678,7 @@ absl::Status UcxTransport::Send(int peer, const void* buffer, size_t bytes, uint
   param.cb.send = &SendCallback;
   param.user_data = c;
   static const uint8_t kEmpty = 0;
-  ucs_status_ptr_t r =
-      ucp_tag_send_nbx(peers_[peer].ep, bytes == 0 ? &kEmpty : buffer, bytes, tag, &param);
-  if (r == nullptr) {
-    c->status = UCS_OK;
-    c->done.store(true, std::memory_order_release);
-  } else if (UCS_PTR_IS_ERR(r)) {
-    c->status = UCS_PTR_STATUS(r);
-    c->done.store(true, std::memory_order_release);
-  } else {
-    c->request = r;
-  }
+  Track(ucp_tag_send_nbx(peers_[peer].ep, bytes == 0 ? &kEmpty : buffer, bytes, tag, &param), c);
   return absl::OkStatus();
 }
 
@@ -704,16 +697,8 @@ absl::Status UcxTransport::Recv(int peer, void* buffer, size_t bytes, uint64_t t
   static uint8_t sink = 0;
   ucs_status_ptr_t r =
       ucp_tag_recv_nbx(worker_, bytes == 0 ? &sink : buffer, bytes, tag, kFullMask, &param);
-  if (r == nullptr) {
-    c->length = c->info.length;
-    c->status = UCS_OK;
-    c->done.store(true, std::memory_order_release);
-  } else if (UCS_PTR_IS_ERR(r)) {
-    c->status = UCS_PTR_STATUS(r);
-    c->done.store(true, std::memory_order_release);
-  } else {
-    c->request = r;
-  }
+  if (r == nullptr) c->length = c->info.length;
+  Track(r, c);
   return absl::OkStatus();
 }
 

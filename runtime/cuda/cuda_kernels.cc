@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/cuda_kernels_launch.h"
+#include "runtime/host_kernels.h"
 #include "runtime/status.h"
 
 namespace shardline {
@@ -120,14 +121,7 @@ absl::Status CudaScale(void* inout, size_t count, DType dtype, double factor, vo
   if (count == 0) return absl::OkStatus();
   SL_RETURN_IF_ERROR(CheckPointer("CudaScale", "inout", inout, dtype));
   // Same integer rule as the host Scale: exact division when factor is 1/n.
-  int64_t divisor = 0;
-  if (factor > 0) {
-    const double reciprocal = 1.0 / factor;
-    const double n = std::round(reciprocal);
-    if (n >= 1 && n < 0x1p62 && std::fabs(reciprocal - n) <= 1e-9 * n) {
-      divisor = static_cast<int64_t>(n);
-    }
-  }
+  const int64_t divisor = ExactDivisor(factor);
   return LaunchStatus(
       ci::LaunchScale(inout, count, static_cast<int>(dtype), factor, divisor, stream),
       absl::StrCat("CudaScale(", DTypeName(dtype), ", count=", count, ")"));

@@ -106,23 +106,25 @@ inline std::vector<uint8_t> PatternBuffer(DType dtype, int rank, size_t count, i
   return buffer;
 }
 
+// One step of a reduction in double, as a plain reference (avg sums; divide afterwards).
+inline double ReferenceOp(ReduceOp op, double acc, double v) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return acc + v;
+    case ReduceOp::kMin:
+      return std::min(acc, v);
+    case ReduceOp::kMax:
+      return std::max(acc, v);
+  }
+  return acc;
+}
+
 // op over the ranks' pattern values of element i (avg: the exact mean, as a double).
 inline double ReferenceReduce(DType dtype, ReduceOp op, int num_ranks, size_t i, int salt = 0) {
   double acc = PatternValue(dtype, 0, i, salt);
   for (int r = 1; r < num_ranks; ++r) {
-    const double v = PatternValue(dtype, r, i, salt);
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        acc += v;
-        break;
-      case ReduceOp::kMin:
-        acc = std::min(acc, v);
-        break;
-      case ReduceOp::kMax:
-        acc = std::max(acc, v);
-        break;
-    }
+    acc = ReferenceOp(op, acc, PatternValue(dtype, r, i, salt));
   }
   if (op == ReduceOp::kAvg) {
     acc /= num_ranks;
