@@ -5,6 +5,7 @@
 #include <limits>
 #include <numeric>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "runtime/config.h"
@@ -37,6 +38,15 @@ uint64_t GetU64(const uint8_t* in) {
 }
 
 }  // namespace
+
+bool IsPeerError(const absl::Status& status) {
+  return status.GetPayload(kPeerErrorPayload).has_value();
+}
+
+absl::Status MarkPeerError(absl::Status status, absl::string_view peers) {
+  if (!status.ok()) status.SetPayload(kPeerErrorPayload, absl::Cord(peers));
+  return status;
+}
 
 absl::string_view CollectiveName(CollectiveKind kind) {
   switch (kind) {
@@ -100,6 +110,11 @@ absl::StatusOr<CollectiveFingerprint> CollectiveFingerprint::Decode(
   return fp;
 }
 
+absl::Status Work::status() const {
+  if (done_ == nullptr) return absl::OkStatus();
+  return done_->Query().status();
+}
+
 bool Work::IsCompleted() const {
   if (done_ == nullptr) return true;
   absl::StatusOr<bool> done = done_->Query();
@@ -140,15 +155,18 @@ absl::Status Communicator::MismatchError(const Op& op, int rank_a,
     detail = absl::StrCat("rank ", rank_a, " is at collective #", fp_a.seq, " (", fp_a.CallString(),
                           ") but rank ", rank_b, " at #", fp_b.seq, " (", fp_b.CallString(), ")");
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(Describe(op), ": ranks disagree on the collective: ", detail));
+  const int peer = rank_a == rank_ ? rank_b : rank_a;
+  return MarkPeerError(absl::InvalidArgumentError(absl::StrCat(
+                           Describe(op), ": ranks disagree on the collective: ", detail)),
+                       absl::StrCat(peer));
 }
 
 absl::Status Communicator::DeadlineError(const Op& op, const std::vector<int>& missing) const {
-  return absl::DeadlineExceededError(absl::StrCat(
+  absl::Status status = absl::DeadlineExceededError(absl::StrCat(
       Describe(op), ": timed out after ", absl::FormatDuration(op.timeout),
       missing.empty() ? std::string()
                       : absl::StrCat(" waiting for rank(s) ", absl::StrJoin(missing, ", "))));
+  return missing.empty() ? status : MarkPeerError(std::move(status), absl::StrJoin(missing, ", "));
 }
 
 void Communicator::Abort(absl::Status reason) {
@@ -180,20 +198,44 @@ absl::Status Communicator::CheckStream(const Stream& stream) const {
   return absl::OkStatus();
 }
 
+uint64_t Communicator::next_seq() const {
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  return next_seq_;
+}
+
+absl::Status Communicator::SkippedError(const Op& op, absl::string_view stream_name,
+                                        absl::string_view what) const {
+  return absl::AbortedError(
+      absl::StrCat(Describe(op), ": never ran: stream '", stream_name, "' ", what));
+}
+
 absl::Status Communicator::Launch(Op op, Stream& stream) {
-  return stream.Enqueue([self = shared_from_this(), op]() mutable -> absl::Status {
+  StreamOp run;
+  run.name = op.fingerprint.ToString();
+  run.kind = StreamOpKind::kCollective;
+  run.bytes = std::max(op.input_count, op.output_count) * op.element_size;
+  run.run = [self = shared_from_this(), op, clock = &stream.clock()]() mutable -> absl::Status {
     SL_RETURN_IF_ERROR(self->status());
-    op.deadline = absl::Now() + op.timeout;
+    op.deadline = clock->Now() + op.timeout;
     absl::Status status = self->Run(op);
     if (!status.ok()) self->Abort(status);
     return status;
-  });
+  };
+  // The sequence number is spent: without this the peers would wait for this rank until their
+  // deadlines.
+  run.cancel = [self = shared_from_this(), op,
+                stream_name = stream.name()](const absl::Status& poison) {
+    self->Abort(self->SkippedError(op, stream_name,
+                                   absl::StrCat("was poisoned before it ran: ", poison.message())));
+  };
+  return stream.Submit(std::move(run));
 }
 
 absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input, void* output,
                                          size_t input_count, size_t output_count, size_t count,
                                          DType dtype, ReduceOp reduce_op, int root, Stream& stream,
                                          const CollectiveOptions& options) {
+  std::lock_guard<std::mutex> issue_lock(issue_mu_);
   SL_RETURN_IF_ERROR(status());
   const absl::string_view what = CollectiveName(kind);
   auto invalid = [&](auto&&... parts) {
@@ -251,6 +293,13 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
     }
   }
   SL_RETURN_IF_ERROR(CheckStream(stream));
+  // Issue order across streams: this collective starts after the previous one finished. Nothing
+  // is spent if the wait cannot be enqueued (the stream is poisoned, say).
+  if (absl::Status waited = WaitUnlessSameStream(stream, last_done_); !waited.ok()) {
+    return Annotate(waited, absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_,
+                                         "): waiting for collective #", next_seq_ - 1,
+                                         ", issued earlier on another stream"));
+  }
 
   Op op;
   op.fingerprint = CollectiveFingerprint{kind,
@@ -269,11 +318,22 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
   absl::Status launched = Launch(op, stream);
   if (!launched.ok()) {
     // The sequence number is spent, so the peers would wait for this rank in vain: tell them.
+    launched =
+        SkippedError(op, stream.name(), absl::StrCat("did not accept it: ", launched.message()));
     Abort(launched);
     return launched;
   }
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, RecordEvent(stream));
-  return Work(std::move(done), weak_from_this());
+  absl::StatusOr<std::shared_ptr<Event>> done = RecordEvent(stream);
+  if (!done.ok()) {
+    // Without the event nobody can order work after the collective; it may not even run.
+    absl::Status error = SkippedError(
+        op, stream.name(),
+        absl::StrCat("could not record its completion event: ", done.status().message()));
+    Abort(error);
+    return error;
+  }
+  last_done_ = *done;
+  return Work(*std::move(done), weak_from_this());
 }
 
 absl::StatusOr<Work> Communicator::AllGather(const void* input, void* output, size_t count,
@@ -321,6 +381,10 @@ absl::StatusOr<std::shared_ptr<Communicator>> Communicator::Split(int color, int
   return SplitImpl(color, key, deadline);
 }
 
+absl::StatusOr<std::shared_ptr<Communicator>> Communicator::Dup(absl::Time deadline) {
+  return Split(0, rank_, deadline);
+}
+
 absl::StatusOr<std::shared_ptr<Communicator>> Communicator::SplitImpl(int color, int key,
                                                                       absl::Time deadline) {
   SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
@@ -331,7 +395,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> Communicator::SplitImpl(int color,
   options.timeout = std::max(deadline - absl::Now(), absl::Milliseconds(1));
   SL_ASSIGN_OR_RETURN(Work work, AllGather(mine, all.data(), 2, DType::kI32, *stream, options));
   SL_RETURN_IF_ERROR(work.Wait(deadline));
-  const uint64_t split_index = next_split_++;
+  const uint64_t split_index = next_split_.fetch_add(1);
   if (color < 0) return std::shared_ptr<Communicator>();
 
   std::vector<int> members;

@@ -35,9 +35,29 @@
 // Dtypes: f32, f64, f16, bf16, i32, i64 everywhere; u8 and i8 for AllGather, Broadcast and
 // AllToAll (byte movement only). Reductions: sum, avg, min, max (avg of integers truncates).
 //
-// Thread safety: a Communicator may be used from one thread at a time for issuing collectives
-// (as NCCL communicators are); Abort() and status() may be called from any thread. All ranks
-// must issue the same collectives in the same order.
+// Ordering across streams (the rule every scheduler must follow). A communicator runs its
+// collectives in issue order, whichever streams they were issued on: a collective issued on
+// stream B after one issued on stream A starts only once A's has finished (the base class makes
+// B wait for A's completion event; every backend inherits it). So a stream must never wait, even
+// indirectly, for a collective issued LATER on the same communicator. Example: the all-gather
+// AG(i-1) on the gather stream waits for memory that the reduce-scatter RS(i), issued after it
+// on the reduce stream, frees: AG(i-1) is queued first, RS(i) waits for AG(i-1), and both wait
+// until the deadline. Where such a dependency is needed, issue the two on different
+// communicators (Dup()).
+//
+// A collective that its stream drops without running (the stream was poisoned after the
+// collective was enqueued), or whose completion event cannot be recorded, aborts the communicator
+// at once, with an error naming the collective, its sequence number and the stream; the peers
+// learn it from the abort (every backend tells the peers it can reach), not at their deadlines.
+//
+// Errors caused by peers (ranks that disagree on a collective, ranks that did not show up, a
+// peer's abort) carry the payload kPeerErrorPayload (IsPeerError()), so that callers can tell
+// them from their own bad arguments (both may be InvalidArgument).
+//
+// Thread safety: collectives may be issued from several threads at once (PyTorch runs backward
+// hooks on its own threads); Issue is serialized, and the order in which the calls take the
+// communicator's lock is the issue order. All ranks must issue the same collectives in the same
+// order. Abort() and status() may be called from any thread.
 
 #ifndef SHARDLINE_COLLECTIVES_COMMUNICATOR_H_
 #define SHARDLINE_COLLECTIVES_COMMUNICATOR_H_
@@ -59,6 +79,14 @@
 #include "runtime/stream.h"
 
 namespace shardline {
+
+// The payload type URL of errors caused by peers; its value names the peer rank(s).
+inline constexpr absl::string_view kPeerErrorPayload = "type.shardline/peer_error";
+
+// True if `status` carries kPeerErrorPayload.
+bool IsPeerError(const absl::Status& status);
+// `status` with kPeerErrorPayload set to `peers` ("2", "1, 3").
+absl::Status MarkPeerError(absl::Status status, absl::string_view peers);
 
 enum class CollectiveKind : uint8_t {
   kAllGather,
@@ -119,6 +147,8 @@ class Work {
 
   // True once the collective finished, successfully or not (Wait() tells which).
   bool IsCompleted() const;
+  // Never blocks: OK while the collective runs or once it succeeded; its error once it failed.
+  absl::Status status() const;
   // Blocks the calling thread until the collective finished: OK, its error, or DeadlineExceeded
   // if `deadline` passes first (the collective itself keeps running then).
   absl::Status Wait(absl::Time deadline) const;
@@ -176,6 +206,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // the new communicator is ready or `deadline` passes.
   absl::StatusOr<std::shared_ptr<Communicator>> Split(int color, int key, absl::Time deadline);
 
+  // A new communicator over the same ranks, in the same order, with its own sequence of
+  // collectives (its own issue order: see the ordering rule above). Collective, like Split.
+  absl::StatusOr<std::shared_ptr<Communicator>> Dup(absl::Time deadline);
+
   // Aborts: every collective in flight or issued later fails with `reason` (as Aborted if
   // `reason` is OK). Backends also tell the peers they can reach. Idempotent; the first reason
   // wins.
@@ -184,7 +218,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   absl::Status status() const;
 
   // The sequence number the next collective will get (starts at 0).
-  uint64_t next_seq() const { return next_seq_; }
+  uint64_t next_seq() const;
 
  protected:
   Communicator(int rank, int size, Device device, std::string name, absl::Duration timeout);
@@ -208,9 +242,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // done, op.deadline passes, or the communicator is aborted. Must check fingerprints first.
   virtual absl::Status Run(const Op& op) = 0;
 
-  // Enqueues `op` on `stream`. The default enqueues host work that sets the deadline and calls
-  // Run(), and aborts the communicator if Run() fails. Device backends (NCCL) override it to
-  // launch on the device stream.
+  // Enqueues `op` on `stream`. The default submits a StreamOp that sets the deadline (on the
+  // stream's clock) and calls Run(), aborts the communicator if Run() fails, and aborts it if
+  // the stream drops the op. Device backends (NCCL) override it to launch on the device stream.
+  // Called with the issue lock held, after the stream was made to wait for the previous
+  // collective.
   virtual absl::Status Launch(Op op, Stream& stream);
 
   // The stream kinds this backend can run on (default: host memory on host/caller streams).
@@ -240,6 +276,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::string Describe(const Op& op) const;
   // DeadlineExceeded for `op`, naming the ranks that did not show up.
   absl::Status DeadlineError(const Op& op, const std::vector<int>& missing_ranks) const;
+  // Aborted for `op`, which will never run on `stream`: "<Describe(op)>: never ran: stream 'x'
+  // <what>".
+  absl::Status SkippedError(const Op& op, absl::string_view stream_name,
+                            absl::string_view what) const;
 
  private:
   absl::StatusOr<Work> Issue(CollectiveKind kind, const void* input, void* output,
@@ -252,8 +292,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   const Device device_;
   const std::string name_;
   const absl::Duration timeout_;
+  // Serializes Issue; guards the sequence and the previous collective's completion event.
+  mutable std::mutex issue_mu_;
   uint64_t next_seq_ = 0;
-  uint64_t next_split_ = 0;
+  std::shared_ptr<Event> last_done_;
+  std::atomic<uint64_t> next_split_{0};
   mutable std::mutex mu_;
   absl::Status abort_status_;
   std::atomic<bool> aborted_{false};

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -16,35 +17,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/check.h"
+#include "runtime/clock.h"
 #include "runtime/config.h"
 #include "runtime/logging.h"
 #include "runtime/shared_memory.h"
 
 namespace shardline {
-namespace {
-
-// True if `event` no longer holds its block back. A failed event frees the block too: the work
-// it captured will not run any more (its stream is poisoned), so nothing reads the memory.
-bool GuardDone(Event& event, const std::string& allocator_name) {
-  absl::StatusOr<bool> done = event.Query();
-  if (done.ok()) return *done;
-  static std::atomic<bool> warned{false};
-  if (!warned.exchange(true)) {
-    SL_LOG(WARN, ALLOC) << "allocator '" << allocator_name
-                        << "': a guard event of a released buffer failed (" << done.status()
-                        << "); freeing the block anyway (logged once)";
-  }
-  return true;
-}
-
-// Drops the completed (and null) guards; true if none is left.
-bool DropDoneGuards(std::vector<std::shared_ptr<Event>>& guards, const std::string& name) {
-  std::erase_if(
-      guards, [&](const std::shared_ptr<Event>& e) { return e == nullptr || GuardDone(*e, name); });
-  return guards.empty();
-}
-
-}  // namespace
 
 // ---- Buffer ----------------------------------------------------------------------------------
 
@@ -90,24 +68,72 @@ void Buffer::Reset() {
 
 // ---- Allocator -------------------------------------------------------------------------------
 
-Allocator::Allocator(Device device, std::string name) : device_(device), name_(std::move(name)) {}
+struct Allocator::PendingSet {
+  struct Block {
+    void* data = nullptr;
+    size_t bytes = 0;
+    std::vector<std::shared_ptr<Event>> guards;
+    std::vector<bool> completed;  // per guard
+    size_t outstanding = 0;       // guards not completed
+  };
+
+  // Called by guard `index` of block `id` when it completes. Only bookkeeping: this may run on
+  // a stream's worker or a CUDA callback thread, where freeing memory is not allowed.
+  void GuardCompleted(uint64_t id, size_t index) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = blocks.find(id);
+    if (it == blocks.end() || it->second.completed[index]) return;  // taken for reuse
+    it->second.completed[index] = true;
+    if (--it->second.outstanding == 0) cv.notify_all();
+  }
+
+  // Moves the blocks whose guards all completed out of the set (mu held).
+  void TakeReadyLocked(std::vector<Freed>& out) {
+    for (auto it = blocks.begin(); it != blocks.end();) {
+      if (it->second.outstanding == 0) {
+        out.push_back(Freed{it->second.data, it->second.bytes});
+        it = blocks.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;  // DrainPending waits for outstanding == 0
+  uint64_t next_id = 0;
+  std::map<uint64_t, Block> blocks;  // by id: oldest first
+};
+
+Allocator::Allocator(Device device, std::string name)
+    : device_(device), name_(std::move(name)), pending_(std::make_shared<PendingSet>()) {}
 
 Allocator::~Allocator() {
+  {
+    std::lock_guard<std::mutex> lock(pending_->mu);
+    SL_CHECK(pending_->blocks.empty())
+        << "allocator '" << name_ << "' destroyed with " << pending_->blocks.size()
+        << " guarded blocks pending: its implementation must call DrainPending() in its "
+           "destructor";
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  SL_CHECK(pending_.empty()) << "allocator '" << name_ << "' destroyed with " << pending_.size()
-                             << " guarded blocks pending: its implementation must call "
-                                "DrainPending() in its destructor";
   SL_CHECK(stats_.live_allocations == 0)
       << "allocator '" << name_ << "' destroyed while " << stats_.live_allocations << " buffers ("
       << stats_.current_bytes << " bytes) from it are alive";
 }
 
-absl::StatusOr<Buffer> Allocator::Allocate(size_t bytes) {
+absl::StatusOr<Buffer> Allocator::Allocate(size_t bytes) { return AllocateImpl(bytes, nullptr); }
+
+absl::StatusOr<Buffer> Allocator::Allocate(size_t bytes, Stream& first_user) {
+  return AllocateImpl(bytes, &first_user);
+}
+
+absl::StatusOr<Buffer> Allocator::AllocateImpl(size_t bytes, Stream* first_user) {
   if (bytes == 0) return Buffer();
   // Blocks whose readers finished are freed first, so their memory (for a pool: the very same
   // blocks) is available to this request.
   Collect();
-  absl::StatusOr<void*> data = AllocateRaw(bytes);
+  absl::StatusOr<void*> data = AllocateRaw(bytes, first_user);
   if (!data.ok()) {
     const MemoryStats s = stats();
     return absl::Status(
@@ -144,39 +170,31 @@ void Allocator::ResetStats() {
   stats_.peak_bytes = stats_.current_bytes;
   stats_.total_allocations = stats_.live_allocations;
   stats_.total_bytes = stats_.current_bytes;
+  stats_.stream_ordered_reuses = 0;
 }
 
 int Allocator::Collect() {
-  std::vector<Pending> ready;
-  int n = 0;
+  std::vector<Freed> ready;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    n = CollectLocked(ready);
+    std::lock_guard<std::mutex> lock(pending_->mu);
+    pending_->TakeReadyLocked(ready);
   }
+  const int n = static_cast<int>(ready.size());
   FreeBlocks(ready);
   return n;
 }
 
-int Allocator::CollectLocked(std::vector<Pending>& ready) {
-  int n = 0;
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    if (DropDoneGuards(it->guards, name_)) {
-      ready.push_back(std::move(*it));
-      it = pending_.erase(it);
-      ++n;
-    } else {
-      ++it;
-    }
-  }
-  return n;
+int64_t Allocator::pending_blocks() const {
+  std::lock_guard<std::mutex> lock(pending_->mu);
+  return static_cast<int64_t>(pending_->blocks.size());
 }
 
-void Allocator::FreeBlocks(std::vector<Pending>& blocks) {
+void Allocator::FreeBlocks(std::vector<Freed>& blocks) {
   if (blocks.empty()) return;
   int64_t bytes = 0;
-  for (const Pending& p : blocks) {
-    DeallocateRaw(p.data, p.bytes);
-    bytes += static_cast<int64_t>(p.bytes);
+  for (const Freed& block : blocks) {
+    DeallocateRaw(block.data, block.bytes);
+    bytes += static_cast<int64_t>(block.bytes);
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.current_bytes -= bytes;
@@ -185,49 +203,92 @@ void Allocator::FreeBlocks(std::vector<Pending>& blocks) {
 }
 
 void Allocator::Release(void* data, size_t bytes, std::vector<std::shared_ptr<Event>> guards) {
-  // Most releases are unguarded or their readers are already done: free at once.
-  if (DropDoneGuards(guards, name_)) {
-    std::vector<Pending> now;
-    now.push_back(Pending{data, bytes, {}});
+  std::erase(guards, nullptr);
+  if (guards.empty()) {
+    std::vector<Freed> now{Freed{data, bytes}};
     FreeBlocks(now);
     return;
   }
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(pending_->mu);
+    id = pending_->next_id++;
+    PendingSet::Block& block = pending_->blocks[id];
+    block.data = data;
+    block.bytes = bytes;
+    block.completed.assign(guards.size(), false);
+    block.outstanding = guards.size();
+    block.guards = guards;
+  }
+  // Outside the lock: a guard that already completed calls back at once, on this thread.
+  for (size_t i = 0; i < guards.size(); ++i) {
+    guards[i]->OnComplete(
+        [set = pending_, id, i](const absl::Status&) { set->GuardCompleted(id, i); });
+  }
+  // Most releases are unguarded or their readers are already done: free those at once.
+  Collect();
+}
+
+std::optional<Allocator::PendingBlock> Allocator::TakePending(
+    absl::FunctionRef<bool(size_t)> fits) {
+  PendingBlock taken;
+  {
+    std::lock_guard<std::mutex> lock(pending_->mu);
+    auto it = std::find_if(pending_->blocks.begin(), pending_->blocks.end(),
+                           [&](const auto& entry) { return fits(entry.second.bytes); });
+    if (it == pending_->blocks.end()) return std::nullopt;
+    PendingSet::Block& block = it->second;
+    taken.data = block.data;
+    taken.bytes = block.bytes;
+    for (size_t i = 0; i < block.guards.size(); ++i) {
+      if (!block.completed[i]) taken.outstanding.push_back(std::move(block.guards[i]));
+    }
+    pending_->blocks.erase(it);
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.push_back(Pending{data, bytes, std::move(guards)});
+  stats_.current_bytes -= static_cast<int64_t>(taken.bytes);
+  --stats_.live_allocations;
+  ++stats_.stream_ordered_reuses;
+  return taken;
+}
+
+void Allocator::ReturnPending(PendingBlock block) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.current_bytes += static_cast<int64_t>(block.bytes);
+    ++stats_.live_allocations;
+    --stats_.stream_ordered_reuses;
+  }
+  Release(block.data, block.bytes, std::move(block.outstanding));
 }
 
 void Allocator::DrainPending() {
-  std::vector<Pending> blocks;
+  // One deadline for all blocks: a destructor blocks at most SHARDLINE_TIMEOUT_S in total.
+  const absl::Time deadline = DefaultDeadline();
+  std::vector<Freed> freeable;
+  std::vector<Freed> leaked;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    blocks.swap(pending_);
-  }
-  std::vector<Pending> freeable;
-  int64_t leaked_bytes = 0;
-  int64_t leaked_blocks = 0;
-  for (Pending& p : blocks) {
-    bool timed_out = false;
-    for (const std::shared_ptr<Event>& e : p.guards) {
-      const absl::Status s = e->Synchronize(DefaultDeadline());
-      if (absl::IsDeadlineExceeded(s)) {
-        timed_out = true;
-        SL_LOG(WARN, ALLOC) << "allocator '" << name_ << "': leaking a block of " << p.bytes
-                            << " bytes at destruction, its reader did not finish: " << s;
-        break;
-      }
-    }
-    if (timed_out) {
-      leaked_bytes += static_cast<int64_t>(p.bytes);
-      ++leaked_blocks;
-    } else {
-      freeable.push_back(std::move(p));
-    }
+    std::unique_lock<std::mutex> lock(pending_->mu);
+    WallClock().WaitUntil(pending_->cv, lock, deadline, [&] {
+      return std::all_of(pending_->blocks.begin(), pending_->blocks.end(),
+                         [](const auto& entry) { return entry.second.outstanding == 0; });
+    });
+    pending_->TakeReadyLocked(freeable);
+    for (auto& [id, block] : pending_->blocks) leaked.push_back(Freed{block.data, block.bytes});
+    pending_->blocks.clear();
   }
   FreeBlocks(freeable);
+  if (leaked.empty()) return;
+  int64_t leaked_bytes = 0;
+  for (const Freed& block : leaked) leaked_bytes += static_cast<int64_t>(block.bytes);
+  SL_LOG(WARN, ALLOC) << "allocator '" << name_ << "': leaking " << leaked.size() << " block(s) of "
+                      << leaked_bytes
+                      << " bytes at destruction: their readers did not finish by the "
+                         "SHARDLINE_TIMEOUT_S deadline";
   // Leaked blocks are gone from this allocator's point of view.
   std::lock_guard<std::mutex> lock(mu_);
   stats_.current_bytes -= leaked_bytes;
-  stats_.live_allocations -= leaked_blocks;
+  stats_.live_allocations -= static_cast<int64_t>(leaked.size());
 }
 
 // ---- Host allocator --------------------------------------------------------------------------
@@ -247,7 +308,7 @@ class HostAllocator final : public Allocator {
   ~HostAllocator() override { DrainPending(); }
 
  protected:
-  absl::StatusOr<void*> AllocateRaw(size_t bytes) override {
+  absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream* /*first_user*/) override {
     if (bytes > kMaxHostAllocation) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "more than the largest possible host allocation (", kMaxHostAllocation, " bytes)"));

@@ -1,22 +1,37 @@
 // File: runtime/allocator.h
 // -----------------------------------------------------------------------------
-// Memory with accounting. Every byte shardline holds comes from an Allocator, which keeps exact
-// counters (current and peak bytes, live and total allocations) that callers read and reset:
-// this is how the runtime reports per-pool memory and how tests prove the rate limiter's bound.
+// Memory with accounting. Allocators keep exact counters (current and peak bytes, live and total
+// allocations) that callers read and reset: this is how the runtime reports per-pool memory and
+// how tests prove a memory bound. (Not every byte shardline touches comes from an Allocator: the
+// UCX backend's staging and scratch and the local backend's all-reduce scratch do not.)
 //
 // A Buffer owns one allocation and returns it when destroyed. Memory that a stream may still be
-// reading is returned with a guard: Buffer::ReleaseAfter(event) makes the allocator hold the
-// block until the event completes (checked without blocking whenever the allocator is next
-// used, or by Collect()). The block counts as allocated until then, so accounting never
-// under-reports. No allocator ever synchronizes a device or sleeps to find out.
+// reading is returned with guards: Buffer::ReleaseAfter(event) makes the allocator hold the
+// block until every guard event has COMPLETED — reported through Event::OnComplete, which fires
+// only once the device is done with the captured work, whether it succeeded or failed. A guard
+// whose Query() already reports a failure while its work still runs (a CUDA stream poisoned by a
+// host function, with kernels in flight) keeps the block. Completed blocks are returned to the
+// implementation by the next Allocate() or Collect() on any thread. The block counts as
+// allocated until then, so accounting never under-reports.
+//
+// Stream-ordered reuse: Allocate(bytes, first_user) tells the allocator which stream will use
+// the memory first. A CachingPool may then hand out a block whose guards are still pending,
+// after making `first_user` wait for them (guards recorded on `first_user` itself need no wait:
+// stream order covers them) — the host never blocks to reuse memory, as with cudaFreeAsync. If
+// a guard's work fails, `first_user` is poisoned with that failure (the memory's previous user
+// failed). Plain allocators ignore the stream.
 //
 // Allocators:
 //   HostAllocator      aligned host memory (default alignment 64 bytes); allocations of at least
 //                      SHARDLINE_HOST_SHAREABLE_BYTES (1 MiB) are shareable memory that local
 //                      peers map (runtime/shared_memory.h)
 //   PinnedAllocator    page-locked host memory (cudaHostAlloc; CUDA builds)
-//   CudaAllocator      device memory (cudaMalloc; CUDA builds)
+//   CudaAllocator      device memory from the device's stream-ordered memory pool
+//                      (cudaMallocAsync/cudaFreeAsync; CUDA builds): neither call synchronizes
+//                      the device, and the pool keeps freed memory (release threshold: all)
 //   CachingPool        wraps any of the above; reuses freed blocks of the same size class
+// No allocator synchronizes a device, except PinnedAllocator's cudaFreeHost (pinned memory is
+// for staging buffers allocated once, not for the hot path).
 //
 // Thread safety: all methods may be called from any thread.
 
@@ -25,11 +40,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
@@ -42,6 +60,9 @@ struct MemoryStats {
   int64_t live_allocations = 0;   // allocations not yet returned
   int64_t total_allocations = 0;  // allocations since creation or ResetStats()
   int64_t total_bytes = 0;        // bytes allocated since creation or ResetStats()
+  // Allocations served by a block whose guards were still pending, after a stream wait
+  // (Allocate(bytes, first_user); since creation or ResetStats()).
+  int64_t stream_ordered_reuses = 0;
 };
 
 class Allocator;
@@ -69,6 +90,8 @@ class Buffer {
   // The memory may be reused only after `event` completes. May be called several times (for
   // several readers on different streams); every event must complete. Ignores nullptr.
   void ReleaseAfter(std::shared_ptr<Event> event);
+  // The guards given so far.
+  const std::vector<std::shared_ptr<Event>>& guards() const { return guards_; }
 
   // Returns the memory now (guarded by the events given to ReleaseAfter); the buffer is empty.
   void Reset();
@@ -89,9 +112,9 @@ class Allocator {
   Allocator(Device device, std::string name);
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
-  // Blocks until guarded blocks are free (each guard bounded by SHARDLINE_TIMEOUT_S) and frees
-  // them (implementations do this by calling DrainPending() in their destructors). Destroying an
-  // allocator while Buffers from it are alive is a bug (checked).
+  // Blocks until guarded blocks are free (at most until one SHARDLINE_TIMEOUT_S deadline for
+  // all of them) and frees them (implementations do this by calling DrainPending() in their
+  // destructors). Destroying an allocator while Buffers from it are alive is a bug (checked).
   virtual ~Allocator();
 
   Device device() const { return device_; }
@@ -100,6 +123,10 @@ class Allocator {
   // A zero-byte request returns an empty Buffer without touching the counters. ResourceExhausted
   // if the memory cannot be had, naming the allocator, the size and the current usage.
   absl::StatusOr<Buffer> Allocate(size_t bytes);
+  // The same, for memory whose first user is work enqueued on `first_user` from now on: the
+  // allocator may hand out memory that is still in use by earlier work after making
+  // `first_user` wait for it (stream-ordered reuse, see the top of this file).
+  absl::StatusOr<Buffer> Allocate(size_t bytes, Stream& first_user);
 
   MemoryStats stats() const;
   // peak_bytes := current_bytes.
@@ -110,40 +137,61 @@ class Allocator {
   // Frees the guarded blocks whose events have completed; returns how many were freed.
   int Collect();
 
+  // Guarded blocks not yet freed (their guards have not all completed, or nobody collected
+  // them yet).
+  int64_t pending_blocks() const;
+
  protected:
-  // Implementations provide raw memory. `bytes` > 0. May be called from any thread, without the
-  // allocator's lock held. A failure's Status is passed up with the allocator's name, the size
-  // and the current usage added (keep its code: ResourceExhausted when memory ran out).
-  virtual absl::StatusOr<void*> AllocateRaw(size_t bytes) = 0;
-  // `bytes` is the size that was passed to AllocateRaw for `data`.
+  // Implementations provide raw memory. `bytes` > 0. `first_user` is the stream of Allocate's
+  // second form, else null. May be called from any thread, without the allocator's lock held. A
+  // failure's Status is passed up with the allocator's name, the size and the current usage
+  // added (keep its code: ResourceExhausted when memory ran out).
+  virtual absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream* first_user) = 0;
+  // `bytes` is the size that was passed to AllocateRaw for `data`. Called once the block's
+  // guards completed, from a thread that called Allocate, Collect, a Buffer's release or
+  // DrainPending (never from a stream's callback).
   virtual void DeallocateRaw(void* data, size_t bytes) = 0;
 
-  // Blocks until every guarded block's events complete (each bounded by SHARDLINE_TIMEOUT_S) and
-  // frees them through DeallocateRaw; a block whose guard times out is leaked (logged), never
-  // freed under a possible reader. Every implementation calls this first thing in its
-  // destructor: the base destructor runs after the derived part is gone and cannot call
-  // DeallocateRaw.
+  // A guarded block that is still pending, taken out of the pending set for stream-ordered
+  // reuse (TakePending): its memory, size, and the guards that have not completed yet.
+  struct PendingBlock {
+    void* data = nullptr;
+    size_t bytes = 0;
+    std::vector<std::shared_ptr<Event>> outstanding;
+  };
+  // Removes and returns a pending block for which `fits(block_bytes)` holds (the oldest such),
+  // or nullopt. The block stops counting as allocated (the caller hands it out again through
+  // AllocateRaw, which counts it anew) and must go back with ReturnPending or be handed out.
+  std::optional<PendingBlock> TakePending(absl::FunctionRef<bool(size_t)> fits);
+  // Puts a block from TakePending back into the pending set, with its outstanding guards.
+  void ReturnPending(PendingBlock block);
+
+  // Blocks until every guarded block's events complete (at most until one SHARDLINE_TIMEOUT_S
+  // deadline for all of them) and frees them through DeallocateRaw; a block whose guards have
+  // not completed by then is leaked (logged), never freed under a possible reader. Every
+  // implementation calls this first thing in its destructor: the base destructor runs after the
+  // derived part is gone and cannot call DeallocateRaw.
   void DrainPending();
 
  private:
   friend class Buffer;
-  struct Pending {
+  // The pending blocks, shared with the guards' completion callbacks (which may run after the
+  // allocator is gone: they then only update this set).
+  struct PendingSet;
+  struct Freed {
     void* data;
     size_t bytes;
-    std::vector<std::shared_ptr<Event>> guards;
   };
+  absl::StatusOr<Buffer> AllocateImpl(size_t bytes, Stream* first_user);
   void Release(void* data, size_t bytes, std::vector<std::shared_ptr<Event>> guards);
-  // Moves the pending blocks whose guards have all completed into `ready` (mu_ held); returns
-  // how many. The caller frees them with FreeBlocks after dropping the lock.
-  int CollectLocked(std::vector<Pending>& ready);
   // DeallocateRaw for each block, then updates the counters.
-  void FreeBlocks(std::vector<Pending>& blocks);
+  void FreeBlocks(std::vector<Freed>& blocks);
 
   Device device_;
   std::string name_;
   mutable std::mutex mu_;
   MemoryStats stats_;
-  std::vector<Pending> pending_;
+  std::shared_ptr<PendingSet> pending_;
 };
 
 // Aligned host memory. `alignment` must be a power of two (checked).

@@ -46,7 +46,7 @@ size_t CachingPool::SizeClass(size_t bytes) {
   return RoundUp(bytes, std::bit_floor(bytes) / 4);
 }
 
-absl::StatusOr<void*> CachingPool::AllocateRaw(size_t bytes) {
+absl::StatusOr<void*> CachingPool::AllocateRaw(size_t bytes, Stream* first_user) {
   const size_t cls = SizeClass(bytes);
   {
     std::lock_guard<std::mutex> lock(pool_mu_);
@@ -64,15 +64,36 @@ absl::StatusOr<void*> CachingPool::AllocateRaw(size_t bytes) {
       return data;
     }
   }
-  // The backing allocator may be slow (cudaMalloc): not under the pool's lock.
-  absl::StatusOr<Buffer> block = backing_.Allocate(cls);
+  if (first_user != nullptr) {
+    // Stream-ordered reuse: a block of this class whose last users have not finished yet, once
+    // `first_user` waits for them.
+    std::optional<PendingBlock> pending =
+        TakePending([cls](size_t block_bytes) { return SizeClass(block_bytes) == cls; });
+    if (pending.has_value()) {
+      absl::Status waited;
+      for (const std::shared_ptr<Event>& guard : pending->outstanding) {
+        waited = WaitUnlessSameStream(*first_user, guard);
+        if (!waited.ok()) break;
+      }
+      if (waited.ok()) {
+        std::lock_guard<std::mutex> lock(pool_mu_);
+        ++cache_stats_.stream_ordered_hits;
+        return pending->data;  // still in in_use_: it never left
+      }
+      // `first_user` is poisoned: it will run nothing that could use the block.
+      ReturnPending(*std::move(pending));
+    }
+  }
+  // The backing allocator may be slow: not under the pool's lock.
+  absl::StatusOr<Buffer> block =
+      first_user != nullptr ? backing_.Allocate(cls, *first_user) : backing_.Allocate(cls);
   if (absl::IsResourceExhausted(block.status())) {
     const size_t freed = EmptyCache();
     if (freed > 0) {
       SL_LOG(INFO, ALLOC) << "caching pool '" << name() << "': backing allocator '"
                           << backing_.name() << "' out of memory for " << cls
                           << " bytes; emptied the cache (" << freed << " bytes) and retrying";
-      block = backing_.Allocate(cls);
+      block = first_user != nullptr ? backing_.Allocate(cls, *first_user) : backing_.Allocate(cls);
     }
   }
   if (!block.ok()) return block.status();

@@ -12,8 +12,11 @@
 // A request is served only by a cached block of exactly its class.
 //
 // Reuse is safe across streams: a Buffer released with ReleaseAfter(event) stays in the base
-// Allocator's pending list until every event completed, and only then reaches the cache (the
-// pool's DeallocateRaw). Until then the block counts as in use.
+// Allocator's pending set until every event completed, and only then reaches the cache (the
+// pool's DeallocateRaw). Until then the block counts as in use. Allocate(bytes, first_user)
+// serves a request in this order: a cached block of its class (a hit); a pending block of its
+// class, after `first_user` waits for its outstanding guards (a stream-ordered hit: the host
+// never waits); a new block from the backing allocator (a miss, counted).
 //
 // Accounting: the pool's own stats() count the bytes handed out (requested sizes, as for every
 // allocator); the backing allocator's stats count what the pool reserved (class sizes, cached
@@ -51,8 +54,9 @@ struct PoolCacheStats {
   int64_t in_use_bytes = 0;    // class bytes of blocks handed out (guarded ones included)
   int64_t cached_bytes = 0;    // class bytes of free blocks kept for reuse
   int64_t cached_blocks = 0;
-  int64_t hits = 0;    // requests served from the cache
-  int64_t misses = 0;  // requests that went to the backing allocator
+  int64_t hits = 0;                 // requests served from the cache
+  int64_t stream_ordered_hits = 0;  // requests served by a pending block after a stream wait
+  int64_t misses = 0;               // requests that went to the backing allocator
 };
 
 class CachingPool : public Allocator {
@@ -73,7 +77,7 @@ class CachingPool : public Allocator {
   Allocator& backing() const { return backing_; }
 
  protected:
-  absl::StatusOr<void*> AllocateRaw(size_t bytes) override;
+  absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream* first_user) override;
   void DeallocateRaw(void* data, size_t bytes) override;
 
  private:

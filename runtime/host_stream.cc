@@ -1,13 +1,16 @@
 // Host and caller streams, host events, and the stream factories of runtime/stream.h.
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -16,7 +19,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "runtime/config.h"
-#include "runtime/host_stream_internal.h"
+#include "runtime/internal/stream_internal.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
 
@@ -25,21 +28,80 @@
 #endif
 
 namespace shardline {
-namespace internal {
+
+// ---- Stream (the base) -----------------------------------------------------------------------
+
+namespace {
+std::atomic<uint64_t> next_stream_id{1};
+}  // namespace
+
+Stream::Stream() : id_(next_stream_id.fetch_add(1, std::memory_order_relaxed)) {}
+
+absl::Status Stream::Enqueue(Work work) {
+  StreamOp op;
+  op.run = std::move(work);
+  return Submit(std::move(op));
+}
+
+absl::string_view StreamOpKindName(StreamOpKind kind) {
+  switch (kind) {
+    case StreamOpKind::kHost:
+      return "host";
+    case StreamOpKind::kCopy:
+      return "copy";
+    case StreamOpKind::kCast:
+      return "cast";
+    case StreamOpKind::kReduce:
+      return "reduce";
+    case StreamOpKind::kFill:
+      return "fill";
+    case StreamOpKind::kCollective:
+      return "collective";
+    case StreamOpKind::kCompute:
+      return "compute";
+  }
+  return "invalid";
+}
+
+namespace stream_internal {
 
 void HostCapture::Complete(absl::Status status) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (done_ || completing_) return;
+  completing_ = true;
+  status_ = std::move(status);
+  // The callbacks run before the capture reports done, so that whoever sees it done (a
+  // Synchronize, a Query) also sees their effects (an allocator's block marked free). One
+  // registered meanwhile joins the next round.
+  while (!callbacks_.empty()) {
+    std::vector<EventCallback> callbacks;
+    callbacks.swap(callbacks_);
+    const absl::Status outcome = status_;
+    lock.unlock();
+    for (EventCallback& callback : callbacks) std::move(callback)(outcome);
+    lock.lock();
+  }
+  done_ = true;
+  // Notified under the lock: a waiter on a ManualClock may be about to destroy its wait.
+  cv_.notify_all();
+}
+
+void HostCapture::OnComplete(EventCallback callback) {
+  absl::Status status;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (done_) return;
-    done_ = true;
-    status_ = std::move(status);
+    if (!done_) {
+      callbacks_.push_back(std::move(callback));
+      return;
+    }
+    status = status_;
   }
-  cv_.notify_all();
+  std::move(callback)(std::move(status));
 }
 
 absl::Status HostCapture::Wait(absl::Time deadline, absl::string_view waiter) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!WaitUntil(cv_, lock, deadline, [this] { return done_; })) {
+  if (!clock_->WaitUntil(cv_, lock, deadline, [this] { return done_; })) {
     return absl::DeadlineExceededError(absl::StrCat(
         waiter, ": timed out waiting for an event recorded on stream '", stream_name_, "'"));
   }
@@ -77,7 +139,7 @@ absl::Status HostEvent::Record(Stream& stream) {
                                                    stream.name(), "' (", stream.device().ToString(),
                                                    "); create the event with its CreateEvent()"));
   }
-  auto capture = std::make_shared<HostCapture>(stream.name());
+  auto capture = std::make_shared<HostCapture>(stream);
   {
     std::lock_guard<std::mutex> lock(mu_);
     current_ = capture;
@@ -105,6 +167,17 @@ absl::Status HostEvent::Synchronize(absl::Time deadline) {
   return capture->Wait(deadline, "Event::Synchronize");
 }
 
+void HostEvent::OnComplete(EventCallback callback) {
+  std::shared_ptr<HostCapture> capture = current();
+  if (capture == nullptr) return std::move(callback)(absl::OkStatus());
+  capture->OnComplete(std::move(callback));
+}
+
+uint64_t HostEvent::recorded_stream_id() const {
+  std::shared_ptr<HostCapture> capture = current();
+  return capture == nullptr ? 0 : capture->stream_id();
+}
+
 namespace {
 
 // What a stream has to wait for to honour WaitEvent(event): a host capture, a foreign waiter, or
@@ -115,48 +188,50 @@ struct WaitTarget {
   bool empty() const { return capture == nullptr && foreign == nullptr; }
 };
 
-absl::StatusOr<WaitTarget> SnapshotWaitTarget(Event& event, const std::string& stream_name) {
+absl::StatusOr<WaitTarget> SnapshotWaitTarget(Event& event, const Stream& waiter) {
   WaitTarget target;
   if (auto* host = dynamic_cast<HostEvent*>(&event)) {
     target.capture = host->current();
-    absl::Status status;
-    // A capture that completed OK needs no wait; a failed one still has to poison the stream in
-    // order, after the work enqueued before this wait.
-    if (target.capture != nullptr && target.capture->done(&status) && status.ok()) {
-      target.capture = nullptr;
-    }
-    return target;
-  }
-  if (auto* waitable = dynamic_cast<HostWaitable*>(&event)) {
+  } else if (auto* waitable = dynamic_cast<HostWaitable*>(&event)) {
     SL_ASSIGN_OR_RETURN(target.foreign, waitable->SnapshotForHostWait());
     return target;
+  } else {
+    // Any other kind of event (a framework's, a test double): a capture of our own that the
+    // event's completion callback completes.
+    target.capture = std::make_shared<HostCapture>(waiter);
+    event.OnComplete(
+        [capture = target.capture](absl::Status status) { capture->Complete(std::move(status)); });
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "stream '", stream_name, "' cannot wait for an event of device ", event.device().ToString()));
+  absl::Status status;
+  // A capture that completed OK needs no wait; a failed one still has to poison the stream in
+  // order, after the work enqueued before this wait.
+  if (target.capture != nullptr && target.capture->done(&status) && status.ok()) {
+    target.capture = nullptr;
+  }
+  return target;
 }
 
-// Runs the wait of `target` on this thread, bounded by `timeout`. Errors are what the stream is
-// poisoned with: the failed event's own Status, or DeadlineExceeded naming the stream.
-absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const std::string& stream_name) {
-  const absl::Time deadline = absl::Now() + timeout;
+// Runs the wait of `target` on this thread, bounded by `timeout` on `clock` (the waiting
+// stream's). Errors are what the stream is poisoned with: the failed event's own Status, or
+// DeadlineExceeded naming the stream.
+absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const Clock& clock,
+                     const std::string& stream_name) {
+  const std::string waiter =
+      absl::StrCat("stream '", stream_name, "' (wait_timeout ", absl::FormatDuration(timeout), ")");
   if (target.capture != nullptr) {
-    return target.capture->Wait(deadline, absl::StrCat("stream '", stream_name, "' (wait_timeout ",
-                                                       absl::FormatDuration(timeout), ")"));
+    return target.capture->Wait(target.capture->clock().Now() + timeout, waiter);
   }
-  absl::Status status = std::move(target.foreign)(deadline);
-  if (absl::IsDeadlineExceeded(status)) {
-    status = Annotate(status, absl::StrCat("stream '", stream_name, "' (wait_timeout ",
-                                           absl::FormatDuration(timeout), ")"));
-  }
+  absl::Status status = std::move(target.foreign)(clock.Now() + timeout);
+  if (absl::IsDeadlineExceeded(status)) status = Annotate(status, waiter);
   return status;
 }
 
-// One worker thread, one FIFO. Work items, event markers and waits share the queue so that they
-// keep their relative order.
+// One worker thread, one FIFO. Ops, event markers and waits share the queue so that they keep
+// their relative order.
 class HostStream final : public Stream, public HostCaptureRecorder {
  public:
-  HostStream(std::string name, absl::Duration wait_timeout)
-      : name_(std::move(name)), wait_timeout_(wait_timeout) {
+  HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock)
+      : name_(std::move(name)), wait_timeout_(wait_timeout), clock_(clock) {
     worker_ = std::thread([this] { WorkerLoop(); });
   }
 
@@ -171,16 +246,17 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
   Device device() const override { return Device::Host(); }
   const std::string& name() const override { return name_; }
+  const Clock& clock() const override { return clock_; }
 
-  absl::Status Enqueue(Work work) override {
+  absl::Status Submit(StreamOp op) override {
     Item item;
-    item.kind = Item::kWork;
-    item.work = std::move(work);
+    item.kind = Item::kOp;
+    item.op = std::move(op);
     return Push(std::move(item));
   }
 
   absl::Status WaitEvent(Event& event) override {
-    SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, name_));
+    SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return status();
     Item item;
     item.kind = Item::kWait;
@@ -197,7 +273,8 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t target = enqueued_;
     ++sync_waiters_;
-    const bool done = WaitUntil(done_cv_, lock, deadline, [&] { return finished_ >= target; });
+    const bool done =
+        clock_.WaitUntil(done_cv_, lock, deadline, [&] { return finished_ >= target; });
     --sync_waiters_;
     if (!done) {
       return absl::DeadlineExceededError(
@@ -223,9 +300,9 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
  private:
   struct Item {
-    enum Kind : uint8_t { kWork, kRecord, kWait };
-    Kind kind = kWork;
-    Work work;
+    enum Kind : uint8_t { kOp, kRecord, kWait };
+    Kind kind = kOp;
+    StreamOp op;
     WaitTarget wait;  // kRecord: the capture to complete. kWait: what to wait for.
   };
 
@@ -246,22 +323,24 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   // Runs `item` (or drops it, if the stream is poisoned) and releases what it holds, so that its
-  // closure is destroyed before Synchronize() can report it done.
+  // closures are destroyed before Synchronize() can report it done.
   absl::Status Run(Item& item, const absl::Status& poison) {
     absl::Status result;
     switch (item.kind) {
-      case Item::kWork:
+      case Item::kOp:
         if (poison.ok()) {
-          result = std::move(item.work)();
+          result = std::move(item.op.run)();
           if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", name_, "'"));
+        } else if (item.op.cancel != nullptr) {
+          std::move(item.op.cancel)(poison);
         }
-        item.work = nullptr;
+        item.op = StreamOp();
         break;
       case Item::kRecord:
         item.wait.capture->Complete(poison);
         break;
       case Item::kWait:
-        if (poison.ok()) result = RunWait(item.wait, wait_timeout_, name_);
+        if (poison.ok()) result = RunWait(item.wait, wait_timeout_, clock_, name_);
         break;
     }
     item.wait.capture = nullptr;
@@ -297,6 +376,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
   const std::string name_;
   const absl::Duration wait_timeout_;
+  const Clock& clock_;
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the worker waits for items
@@ -313,43 +393,42 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
 // Work runs inline on the thread that enqueues it; waits block that thread. Work enqueued from
 // several threads at once runs concurrently: the order is each thread's call order.
+//
+// Every item gets a ticket when it starts. An event recorded while items run captures the items
+// started before the record: it completes when the last of those has finished, whatever started
+// later (so it does not starve under steady use from several threads), and also when the stream
+// is poisoned (an item that failed does not make one still running on another thread finish).
 class CallerStream final : public Stream, public HostCaptureRecorder {
  public:
-  CallerStream(std::string name, absl::Duration wait_timeout)
-      : name_(std::move(name)), wait_timeout_(wait_timeout) {}
+  CallerStream(std::string name, absl::Duration wait_timeout, const Clock& clock)
+      : name_(std::move(name)), wait_timeout_(wait_timeout), clock_(clock) {}
 
   Device device() const override { return Device::Host(); }
   const std::string& name() const override { return name_; }
+  const Clock& clock() const override { return clock_; }
 
-  absl::Status Enqueue(Work work) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!status_.ok()) return status_;
-      ++running_;
-    }
-    absl::Status result = std::move(work)();
-    work = nullptr;
+  absl::Status Submit(StreamOp op) override {
+    SL_ASSIGN_OR_RETURN(const uint64_t ticket, Start());
+    absl::Status result = std::move(op.run)();
+    op = StreamOp();
     if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", name_, "'"));
-    return Finish(std::move(result));
+    return Finish(ticket, std::move(result));
   }
 
   absl::Status WaitEvent(Event& event) override {
     SL_RETURN_IF_ERROR(status());
-    SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, name_));
+    SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return absl::OkStatus();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++running_;
-    }
-    return Finish(RunWait(target, wait_timeout_, name_));
+    SL_ASSIGN_OR_RETURN(const uint64_t ticket, Start());
+    return Finish(ticket, RunWait(target, wait_timeout_, clock_, name_));
   }
 
   absl::Status Synchronize(absl::Time deadline) override {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!WaitUntil(idle_cv_, lock, deadline, [this] { return running_ == 0; })) {
-      return absl::DeadlineExceededError(absl::StrCat("stream '", name_,
-                                                      "': Synchronize timed out with ", running_,
-                                                      " item(s) still running on other threads"));
+    if (!clock_.WaitUntil(idle_cv_, lock, deadline, [this] { return running_.empty(); })) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("stream '", name_, "': Synchronize timed out with ", running_.size(),
+                       " item(s) still running on other threads"));
     }
     return status_;
   }
@@ -366,10 +445,11 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
     {
       std::lock_guard<std::mutex> lock(mu_);
       status = status_;
-      // Work running on other threads may predate this record: complete when it has all finished.
-      if (status.ok() && running_ > 0) {
-        pending_.push_back(std::move(capture));
-        return absl::OkStatus();
+      // Items running on other threads may predate this record, even on a poisoned stream:
+      // complete once the last of them has finished.
+      if (!running_.empty()) {
+        pending_.push_back({next_ticket_, std::move(capture)});
+        return status;
       }
     }
     capture->Complete(status);
@@ -377,18 +457,32 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
   }
 
  private:
-  // Ends one item: records its failure and completes the captures that waited for idleness.
-  absl::Status Finish(absl::Status result) {
-    std::deque<std::shared_ptr<HostCapture>> completed;
+  // Starts an item: its ticket, or the stream's error if it is poisoned.
+  absl::StatusOr<uint64_t> Start() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!status_.ok()) return status_;
+    const uint64_t ticket = next_ticket_++;
+    running_.insert(ticket);
+    return ticket;
+  }
+
+  // Ends item `ticket`: records its failure and completes the captures whose items have all
+  // finished.
+  absl::Status Finish(uint64_t ticket, absl::Status result) {
+    std::vector<std::shared_ptr<HostCapture>> completed;
     absl::Status status;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!result.ok() && status_.ok()) status_ = std::move(result);
       status = status_;
-      if (--running_ == 0) {
-        completed.swap(pending_);
-        idle_cv_.notify_all();
+      running_.erase(ticket);
+      // Captures are in ticket order; one completes when no item started before it still runs.
+      const uint64_t oldest = running_.empty() ? next_ticket_ : *running_.begin();
+      while (!pending_.empty() && pending_.front().first <= oldest) {
+        completed.push_back(std::move(pending_.front().second));
+        pending_.pop_front();
       }
+      if (running_.empty()) idle_cv_.notify_all();
     }
     for (auto& capture : completed) capture->Complete(status);
     return status;
@@ -396,25 +490,32 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
 
   const std::string name_;
   const absl::Duration wait_timeout_;
+  const Clock& clock_;
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
-  int64_t running_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<std::shared_ptr<HostCapture>> pending_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<uint64_t> running_ ABSL_GUARDED_BY(mu_);
+  // (tickets handed out before the record, capture), in record order.
+  std::deque<std::pair<uint64_t, std::shared_ptr<HostCapture>>> pending_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
-}  // namespace internal
+}  // namespace stream_internal
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateHostStream(StreamOptions options) {
-  SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, internal::ResolveWaitTimeout(options));
-  return std::make_unique<internal::HostStream>(std::move(options.name), wait_timeout);
+  SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
+  const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();
+  return std::make_unique<stream_internal::HostStream>(std::move(options.name), wait_timeout,
+                                                       clock);
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateCallerStream(StreamOptions options) {
-  SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, internal::ResolveWaitTimeout(options));
-  return std::make_unique<internal::CallerStream>(std::move(options.name), wait_timeout);
+  SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
+  const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();
+  return std::make_unique<stream_internal::CallerStream>(std::move(options.name), wait_timeout,
+                                                         clock);
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateStream(Device device, StreamOptions options) {
@@ -429,12 +530,17 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateStream(Device device, StreamOption
 #endif
 }
 
-std::shared_ptr<Event> CreateHostEvent() { return std::make_shared<internal::HostEvent>(); }
+std::shared_ptr<Event> CreateHostEvent() { return std::make_shared<stream_internal::HostEvent>(); }
 
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream) {
   std::shared_ptr<Event> event = stream.CreateEvent();
   SL_RETURN_IF_ERROR(event->Record(stream));
   return event;
+}
+
+absl::Status WaitUnlessSameStream(Stream& stream, const std::shared_ptr<Event>& event) {
+  if (event == nullptr || event->recorded_stream_id() == stream.id()) return absl::OkStatus();
+  return stream.WaitEvent(*event);
 }
 
 }  // namespace shardline

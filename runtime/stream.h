@@ -8,7 +8,9 @@
 //            "compute stream" of a CPU framework, whose compute happens on its own thread.
 //   cuda     cudaStream_t / cudaEvent_t (built with SHARDLINE_WITH_CUDA)
 //
-// (A virtual-clock implementation for the simulator comes with the sim backend.)
+// (A virtual-clock implementation for the simulator comes with the sim backend. The interface
+// admits it: every stream has a Clock, and work is submitted as a StreamOp that declares its
+// cost, so a simulated stream can advance its clock by the cost without running the op.)
 //
 // Semantics follow CUDA's, so the scheduler's code means the same thing on every device:
 //   * Work enqueued on one stream runs in order. Streams run concurrently with each other.
@@ -25,9 +27,21 @@
 // failed event is poisoned with the same Status, so an error travels along the happens-before
 // edges instead of turning into a hang. A poisoned stream stays poisoned.
 //
-// Deadlines: every blocking call takes an absl::Time deadline; DeadlineExceeded names what was
-// being waited for. A host stream's worker waiting on an event gives up at the stream's
-// `wait_timeout` (default SHARDLINE_TIMEOUT_S) and poisons the stream with DeadlineExceeded.
+// Dropped work: an op that a poisoned stream drops instead of running is told so: its
+// StreamOp::cancel runs with the poison Status (this is how a collective that never ran aborts
+// its communicator at once instead of stalling its peers). Exactly one of run and cancel is
+// called for every op a stream accepted; neither for an op that Submit() refused.
+//
+// Completion means the device is done: an event reports completion, or a failure, only once
+// nothing its capture covers can still be running. (A CUDA stream's kernels keep running after a
+// host function poisons the stream; its events stay "not done" until the device reaches them.)
+// Memory guarded by an event may therefore be reused as soon as the event reports anything.
+//
+// Deadlines and clocks: every blocking call takes an absl::Time deadline on a Clock
+// (runtime/clock.h): a stream's Synchronize on the stream's clock(), an event's on the clock of
+// the stream it was recorded on. DeadlineExceeded names what was being waited for. A stream's
+// worker waiting on an event gives up at the stream's `wait_timeout` (default
+// SHARDLINE_TIMEOUT_S) and poisons the stream with DeadlineExceeded.
 //
 // Thread safety: every method may be called from any thread.
 
@@ -41,11 +55,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "runtime/clock.h"
 #include "runtime/device.h"
 
 namespace shardline {
 
 class Stream;
+
+// A callback run once when an event's capture completes, with OK or the failure.
+using EventCallback = absl::AnyInvocable<void(absl::Status) &&>;
 
 class Event {
  public:
@@ -62,8 +80,54 @@ class Event {
   virtual absl::StatusOr<bool> Query() = 0;
 
   // Blocks the calling thread until the captured work has run: OK, the failure's Status, or
-  // DeadlineExceeded if `deadline` passes first.
+  // DeadlineExceeded if `deadline` (on the recording stream's clock) passes first.
   virtual absl::Status Synchronize(absl::Time deadline) = 0;
+
+  // Runs `callback` once the work captured by the latest Record() (as of this call) completes,
+  // with what Query() would then report (OK or the failure). Runs it at once, on this thread, if
+  // that has already happened or the event was never recorded. Otherwise it runs on whichever
+  // thread completes the capture (a stream's worker, a CUDA host-callback thread): it must be
+  // short, must not block and must not call CUDA. This is the open path for waiting on an event
+  // of a kind a stream does not know, and for bookkeeping that needs neither polling nor a
+  // blocked thread. Host events run the callbacks before Query()/Synchronize() report the
+  // completion, so a thread that saw the completion also sees the callbacks' effects.
+  virtual void OnComplete(EventCallback callback) = 0;
+
+  // Stream::id() of the stream of the latest Record(); 0 if never recorded or unknown. Lets a
+  // stream skip waiting for its own earlier work (stream order already covers it).
+  virtual uint64_t recorded_stream_id() const { return 0; }
+};
+
+// What an op costs, for streams that account time instead of spending it (the simulator) and
+// for traces.
+enum class StreamOpKind : uint8_t {
+  kHost,        // opaque host work
+  kCopy,        // bytes moved within one memory
+  kCast,        // a dtype conversion of `bytes` input bytes
+  kReduce,      // an elementwise reduction over `bytes` input bytes
+  kFill,        // a memset of `bytes`
+  kCollective,  // a collective moving `bytes` per rank
+  kCompute,     // the framework's compute (`flops`)
+};
+
+// "host", "copy", "cast", "reduce", "fill", "collective", "compute".
+absl::string_view StreamOpKindName(StreamOpKind kind);
+
+// One unit of work for a stream: what it is and costs, the closure that does it, and what to do
+// if the stream drops it.
+struct StreamOp {
+  using Run = absl::AnyInvocable<absl::Status() &&>;
+  using Cancel = absl::AnyInvocable<void(const absl::Status&) &&>;
+
+  // Shown in traces and errors ("all_gather #12", "cast f32->bf16"). Owned.
+  std::string name = "host work";
+  StreamOpKind kind = StreamOpKind::kHost;
+  uint64_t bytes = 0;
+  uint64_t flops = 0;
+  // The work. A non-OK result poisons the stream.
+  Run run;
+  // Optional. Called with the poison Status instead of `run` if the stream drops the op.
+  Cancel cancel;
 };
 
 struct StreamOptions {
@@ -72,21 +136,34 @@ struct StreamOptions {
   // How long a stream's worker waits for an event before poisoning the stream with
   // DeadlineExceeded. absl::ZeroDuration() means "unset": use SHARDLINE_TIMEOUT_S.
   absl::Duration wait_timeout = absl::ZeroDuration();
+  // The clock of the stream's deadlines. Null: WallClock(). Must outlive the stream. Host and
+  // caller streams accept any clock (tests drive them with a ManualClock); CUDA streams only the
+  // wall clock.
+  const Clock* clock = nullptr;
 };
 
 class Stream {
  public:
-  using Work = absl::AnyInvocable<absl::Status() &&>;
+  using Work = StreamOp::Run;
 
+  Stream();
   virtual ~Stream() = default;
 
   virtual Device device() const = 0;
   virtual const std::string& name() const = 0;
+  // The clock of this stream's deadlines (runtime/clock.h).
+  virtual const Clock& clock() const { return WallClock(); }
+  // Unique in the process for the process's lifetime (never reused, unlike an address).
+  uint64_t id() const { return id_; }
 
-  // Enqueues host work. On a host stream it runs on the worker thread, on a caller stream
+  // Enqueues an op. On a host stream it runs on the worker thread, on a caller stream
   // immediately on this thread, on a CUDA stream as a host function ordered on the stream (it
-  // must not call CUDA). Returns the stream's error without enqueueing if it is poisoned.
-  virtual absl::Status Enqueue(Work work) = 0;
+  // must not call CUDA). Returns the stream's error without enqueueing (and without calling
+  // op.cancel) if it is poisoned.
+  virtual absl::Status Submit(StreamOp op) = 0;
+
+  // Submit() of opaque host work.
+  absl::Status Enqueue(Work work);
 
   // Makes work enqueued after this call wait for `event`. Does not block the host, except on a
   // caller stream, where it blocks until the event completes or the stream's wait_timeout passes.
@@ -103,6 +180,9 @@ class Stream {
 
   // The cudaStream_t of a CUDA stream; nullptr for the others.
   virtual void* native_handle() const { return nullptr; }
+
+ private:
+  const uint64_t id_;
 };
 
 // A stream with its own worker thread. InvalidArgument if SHARDLINE_TIMEOUT_S is invalid and
@@ -122,6 +202,10 @@ std::shared_ptr<Event> CreateHostEvent();
 
 // Records a fresh event on `stream` and returns it: the common "mark this point" idiom.
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream);
+
+// stream.WaitEvent(*event), skipped when `event` is null or was last recorded on `stream` itself
+// (stream order already covers it).
+absl::Status WaitUnlessSameStream(Stream& stream, const std::shared_ptr<Event>& event);
 
 }  // namespace shardline
 

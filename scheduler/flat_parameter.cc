@@ -1,18 +1,15 @@
 #include "scheduler/flat_parameter.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/config.h"
 #include "runtime/host_kernels.h"
 #include "runtime/status.h"
-
-#if SHARDLINE_WITH_CUDA
-#include <cuda_runtime.h>
-
-#include "runtime/cuda/cuda_kernels.h"
-#endif
+#include "runtime/stream_ops.h"
 
 namespace shardline {
 namespace {
@@ -23,68 +20,19 @@ void* ElementAt(void* base, size_t index, size_t esize) {
   return base == nullptr ? nullptr : static_cast<char*>(base) + index * esize;
 }
 
-// The device-generic kernels the unit needs, enqueued on a stream: host work on host and caller
-// streams, CUDA kernels on CUDA streams. An error means nothing was enqueued.
-absl::Status EnqueueCast(Stream& stream, const void* src, DType src_dtype, void* dst,
-                         DType dst_dtype, size_t count) {
-  if (count == 0) return absl::OkStatus();
-#if SHARDLINE_WITH_CUDA
-  if (stream.device().is_cuda()) {
-    return CudaCast(src, src_dtype, dst, dst_dtype, count, stream.native_handle());
-  }
-#endif
-  return stream.Enqueue([=]() { return Cast(src, src_dtype, dst, dst_dtype, count); });
-}
-
-absl::Status EnqueueAccumulate(Stream& stream, void* inout, const void* in, size_t count,
-                               DType dtype) {
-  if (count == 0) return absl::OkStatus();
-#if SHARDLINE_WITH_CUDA
-  if (stream.device().is_cuda()) {
-    return CudaReduce(inout, in, count, dtype, ReduceOp::kSum, stream.native_handle());
-  }
-#endif
-  return stream.Enqueue([=]() { return Reduce(inout, in, count, dtype, ReduceOp::kSum); });
-}
-
-absl::Status EnqueueZero(Stream& stream, void* data, size_t bytes) {
-  if (bytes == 0) return absl::OkStatus();
-#if SHARDLINE_WITH_CUDA
-  if (stream.device().is_cuda()) {
-    const cudaError_t err =
-        cudaMemsetAsync(data, 0, bytes, static_cast<cudaStream_t>(stream.native_handle()));
-    if (err != cudaSuccess) {
-      return absl::InternalError(
-          absl::StrCat("cudaMemsetAsync of ", bytes, " bytes failed: ", cudaGetErrorString(err)));
-    }
-    return absl::OkStatus();
-  }
-#endif
-  return stream.Enqueue([=]() {
-    std::memset(data, 0, bytes);
-    return absl::OkStatus();
-  });
-}
-
-// Copies `bytes` of host memory into a buffer of `device` (host: memcpy; CUDA: a synchronous
-// cudaMemcpy, which is how initialisation is allowed to block).
-absl::Status CopyFromHost(void* dst, Device device, const void* src, size_t bytes) {
+// Copies `bytes` of host memory into memory of `device`, blocking until done (initialisation is
+// allowed to block): memcpy for the host, a copy on a stream of the device otherwise.
+absl::Status CopyFromHost(void* dst, Device device, const void* src, size_t bytes,
+                          absl::Time deadline) {
   if (bytes == 0) return absl::OkStatus();
   if (device.is_host()) {
     std::memcpy(dst, src, bytes);
     return absl::OkStatus();
   }
-#if SHARDLINE_WITH_CUDA
-  const cudaError_t err = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
-  if (err != cudaSuccess) {
-    return absl::InternalError(
-        absl::StrCat("cudaMemcpy of ", bytes, " bytes failed: ", cudaGetErrorString(err)));
-  }
-  return absl::OkStatus();
-#else
-  return absl::UnimplementedError(
-      absl::StrCat("memory on ", device.ToString(), " needs a CUDA build of shardline"));
-#endif
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
+                      CreateStream(device, {.name = "flat parameter init"}));
+  SL_RETURN_IF_ERROR(EnqueueCopy(*stream, dst, src, bytes));
+  return stream->Synchronize(deadline);
 }
 
 }  // namespace
@@ -156,21 +104,34 @@ absl::StatusOr<std::unique_ptr<FlatParameter>> FlatParameter::Create(
   if (!master.ok()) return Annotate(master.status(), absl::StrCat(what, ": master shard"));
   unit->master_ = *std::move(master);
   const std::vector<uint8_t> zeros(bytes);
-  SL_RETURN_IF_ERROR(Annotate(
-      CopyFromHost(unit->master_.data(), unit->shard_allocator_->device(), zeros.data(), bytes),
-      absl::StrCat(what, ": zero-filling the master shard")));
+  SL_RETURN_IF_ERROR(Annotate(CopyFromHost(unit->master_.data(), unit->shard_allocator_->device(),
+                                           zeros.data(), bytes, DefaultDeadline()),
+                              absl::StrCat(what, ": zero-filling the master shard")));
   return unit;
 }
 
 FlatParameter::~FlatParameter() {
   // Readers we know of: the last gather reads the master shard and writes the unsharded buffer
-  // (every gather waits for the one before), PrepareGrad's zero-fill writes the gradient, the
-  // last reduction and zero-fill write the sharded gradient. Buffers release themselves after.
+  // (every gather waits for the one before); the acquiring streams read the unsharded buffer;
+  // PrepareGrad's streams write the gradient; a reduction in flight reads the gradient and
+  // writes the sharded gradient, as does the last zero-fill. Buffers release themselves after.
   const std::shared_ptr<Event>& gathered = gather_work_.event();
   master_.ReleaseAfter(gathered);
+  if (state_ == FlatParameterState::kGathering || state_ == FlatParameterState::kUnsharded) {
+    ReleaseUnsharded(nullptr);
+  }
   unsharded_.ReleaseAfter(gathered);
   unsharded_grad_.ReleaseAfter(grad_zeroed_);
+  unsharded_grad_.ReleaseAfter(grad_ready_);
+  unsharded_grad_.ReleaseAfter(reduce_step_);
+  reduce_input_.ReleaseAfter(reduce_step_);
+  if (unsharded_grad_live_) {
+    for (std::shared_ptr<Event>& event : RecordOnConsumers(grad_consumers_)) {
+      unsharded_grad_.ReleaseAfter(std::move(event));
+    }
+  }
   shard_grad_.ReleaseAfter(reduce_done_);
+  shard_grad_.ReleaseAfter(reduce_step_);
   shard_grad_.ReleaseAfter(shard_grad_last_use_);
 }
 
@@ -289,11 +250,15 @@ absl::Status FlatParameter::SetShardFromTensors(absl::Span<const void* const> te
         absl::StrCat("flat parameter '", name_, "': ", kCall, ": tensor '", spec.name, "'")));
   }
   if (!staging.empty()) {
-    SL_RETURN_IF_ERROR(
-        Annotate(CopyFromHost(master_.data(), shard_allocator_->device(), staging.data(), bytes),
-                 absl::StrCat("flat parameter '", name_, "': ", kCall)));
+    SL_RETURN_IF_ERROR(Annotate(
+        CopyFromHost(master_.data(), shard_allocator_->device(), staging.data(), bytes, deadline),
+        absl::StrCat("flat parameter '", name_, "': ", kCall)));
   }
   return absl::OkStatus();
+}
+
+absl::Status FlatParameter::SetShardFromTensors(absl::Span<const void* const> tensors) {
+  return SetShardFromTensors(tensors, DefaultDeadline());
 }
 
 FlatShardView FlatParameter::master_shard() const {
@@ -313,7 +278,8 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   const DType param = policy_.param_dtype;
   const size_t psize = DTypeSize(param);
   const size_t count = layout_.shard_elements();
-  absl::StatusOr<Buffer> buffer = pool_->Allocate(layout_.total_elements() * psize);
+  // The gather stream is the buffer's first user: it may wait for the block's previous users.
+  absl::StatusOr<Buffer> buffer = pool_->Allocate(layout_.total_elements() * psize, gather_stream);
   if (!buffer.ok()) return Annotate(buffer.status(), context);
   void* slice = ElementAt(buffer->data(), layout_.ShardBegin(shard_rank_), psize);
 
@@ -323,9 +289,7 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   }
   // Gathers of one unit run one after the other, so the last one's event covers every earlier
   // reader of the master shard and writer of an unsharded buffer.
-  if (gather_work_.event() != nullptr) {
-    SL_RETURN_IF_ERROR(Annotate(gather_stream.WaitEvent(*gather_work_.event()), context));
-  }
+  SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(gather_stream, gather_work_.event()), context));
   SL_RETURN_IF_ERROR(Annotate(
       EnqueueCast(gather_stream, master_.data(), policy_.master_dtype, slice, param, count),
       context));
@@ -344,15 +308,58 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   return *work;
 }
 
+absl::Status FlatParameter::AddConsumer(Stream& stream, absl::string_view call) {
+  if (std::find(consumers_.begin(), consumers_.end(), &stream) != consumers_.end()) {
+    return absl::OkStatus();
+  }
+  SL_RETURN_IF_ERROR(CheckStreamDevice(call, stream));
+  SL_RETURN_IF_ERROR(gather_work_.Synchronize(stream));
+  consumers_.push_back(&stream);
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<Event>> FlatParameter::RecordOnConsumers(
+    const std::vector<Stream*>& streams) {
+  std::vector<std::shared_ptr<Event>> events;
+  for (Stream* stream : streams) {
+    // A stream that cannot record is poisoned: it runs nothing more that could read the buffer.
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*stream);
+    if (event.ok()) events.push_back(*std::move(event));
+  }
+  return events;
+}
+
 absl::Status FlatParameter::WaitGathered(Stream& compute) {
   if (state_ != FlatParameterState::kGathering) return WrongState("WaitGathered()", "gathering");
-  absl::Status status = gather_work_.Synchronize(compute);
-  if (!status.ok()) {
-    ReleaseUnsharded(nullptr);
-    state_ = FlatParameterState::kSharded;
-    return Annotate(status, absl::StrCat("flat parameter '", name_, "': WaitGathered()"));
+  return Acquire(compute);
+}
+
+absl::Status FlatParameter::Acquire(Stream& compute) {
+  constexpr absl::string_view kCall = "Acquire()";
+  if (state_ != FlatParameterState::kGathering && state_ != FlatParameterState::kUnsharded) {
+    return WrongState(kCall, "gathering, unsharded");
   }
+  absl::Status status = AddConsumer(compute, kCall);
+  if (!status.ok()) {
+    if (users_ == 0) {
+      // The first user could not wait for the gather (it failed, or the stream is poisoned):
+      // nothing reads the buffer.
+      ReleaseUnsharded(nullptr);
+      state_ = FlatParameterState::kSharded;
+    }
+    return Annotate(status, absl::StrCat("flat parameter '", name_, "': ", kCall));
+  }
+  ++users_;
   state_ = FlatParameterState::kUnsharded;
+  return absl::OkStatus();
+}
+
+absl::Status FlatParameter::Release(std::shared_ptr<Event> last_use) {
+  if (state_ != FlatParameterState::kUnsharded) return WrongState("Release()", "unsharded");
+  if (last_use != nullptr) released_.push_back(std::move(last_use));
+  if (--users_ > 0) return absl::OkStatus();
+  ReleaseUnsharded(nullptr);
+  state_ = FlatParameterState::kSharded;
   return absl::OkStatus();
 }
 
@@ -371,7 +378,14 @@ absl::StatusOr<TensorView> FlatParameter::View(absl::string_view tensor_name) co
 void FlatParameter::ReleaseUnsharded(std::shared_ptr<Event> last_use) {
   unsharded_.ReleaseAfter(std::move(last_use));
   unsharded_.ReleaseAfter(gather_work_.event());
+  for (std::shared_ptr<Event>& event : released_) unsharded_.ReleaseAfter(std::move(event));
+  for (std::shared_ptr<Event>& event : RecordOnConsumers(consumers_)) {
+    unsharded_.ReleaseAfter(std::move(event));
+  }
   unsharded_.Reset();
+  released_.clear();
+  consumers_.clear();
+  users_ = 0;
 }
 
 absl::Status FlatParameter::Reshard(std::shared_ptr<Event> last_use) {
@@ -386,19 +400,29 @@ absl::Status FlatParameter::Reshard(std::shared_ptr<Event> last_use) {
 absl::Status FlatParameter::PrepareGrad(Stream& compute) {
   constexpr absl::string_view kCall = "PrepareGrad()";
   if (state_ != FlatParameterState::kUnsharded) return WrongState(kCall, "unsharded");
-  if (unsharded_grad_live_) return absl::OkStatus();
+  if (unsharded_grad_live_) {
+    if (std::find(grad_consumers_.begin(), grad_consumers_.end(), &compute) ==
+        grad_consumers_.end()) {
+      SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, compute));
+      SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(compute, grad_zeroed_),
+                                  absl::StrCat("flat parameter '", name_, "': ", kCall)));
+      grad_consumers_.push_back(&compute);
+    }
+    return absl::OkStatus();
+  }
   SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, compute));
   const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
   const size_t bytes = layout_.total_elements() * DTypeSize(policy_.param_dtype);
-  absl::StatusOr<Buffer> grad = pool_->Allocate(bytes);
+  absl::StatusOr<Buffer> grad = pool_->Allocate(bytes, compute);
   if (!grad.ok()) return Annotate(grad.status(), context);
-  SL_RETURN_IF_ERROR(Annotate(EnqueueZero(compute, grad->data(), bytes), context));
+  SL_RETURN_IF_ERROR(Annotate(EnqueueFill(compute, grad->data(), bytes), context));
   // If no event can be recorded the stream is poisoned: the zero-fill will not run.
   absl::StatusOr<std::shared_ptr<Event>> zeroed = RecordEvent(compute);
   if (!zeroed.ok()) return Annotate(zeroed.status(), context);
   grad_zeroed_ = *std::move(zeroed);
   unsharded_grad_ = *std::move(grad);
   unsharded_grad_live_ = true;
+  grad_consumers_ = {&compute};
   return absl::OkStatus();
 }
 
@@ -418,12 +442,10 @@ absl::StatusOr<TensorView> FlatParameter::GradView(absl::string_view tensor_name
   return GradView(t);
 }
 
-absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceGrad(Communicator& shard_comm,
-                                                                 Communicator* replicate_comm,
-                                                                 Stream& reduce_stream,
-                                                                 std::shared_ptr<Event> grad_ready,
-                                                                 const ReduceGradOptions& options) {
-  constexpr absl::string_view kCall = "ReduceGrad()";
+absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
+    Communicator& shard_comm, Stream& stream, std::shared_ptr<Event> grad_ready,
+    const ReduceGradOptions& options) {
+  constexpr absl::string_view kCall = "ReduceScatter()";
   if (state_ != FlatParameterState::kUnsharded) return WrongState(kCall, "unsharded");
   const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
   if (!unsharded_grad_live_) {
@@ -435,123 +457,228 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceGrad(Communicator& s
         absl::StrCat(context, ": op ", ReduceOpName(options.op), " is not sum or avg"));
   }
   SL_RETURN_IF_ERROR(CheckShardComm(kCall, shard_comm));
-  if (replicate_comm != nullptr && replicate_comm->device() != pool_->device()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(context, ": replicate communicator '", replicate_comm->name(),
-                     "' moves memory on ", replicate_comm->device().ToString(),
-                     " but the unit's buffers are on ", pool_->device().ToString()));
-  }
-  SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, reduce_stream));
+  SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, stream));
 
   const DType param = policy_.param_dtype;
   const DType reduce = policy_.reduce_dtype;
-  const DType grad_dtype = policy_.sharded_grad_dtype();
   const size_t count = layout_.shard_elements();
   const size_t total = layout_.total_elements();
-
-  // Everything is allocated before anything is enqueued, so that running out of memory leaves
-  // the unit as it was.
-  auto allocate = [&](Allocator* allocator, size_t bytes, absl::string_view what,
-                      Buffer& out) -> absl::Status {
-    absl::StatusOr<Buffer> buffer = allocator->Allocate(bytes);
-    if (!buffer.ok()) return Annotate(buffer.status(), absl::StrCat(context, ": ", what));
-    out = *std::move(buffer);
-    return absl::OkStatus();
-  };
-  const bool fresh = !shard_grad_live_;
-  const bool accumulate = !fresh && shard_grad_written_;
-  Buffer reduce_input;     // the gradient in reduce_dtype, when that is not param_dtype
-  Buffer new_shard_grad;   // the sharded gradient, on the first reduction
-  Buffer shard_grad_temp;  // the reduced shard in the sharded gradient's dtype, to add
+  Buffer reduce_input;  // the gradient in reduce_dtype, when that is not param_dtype
   if (reduce != param) {
-    SL_RETURN_IF_ERROR(
-        allocate(pool_, total * DTypeSize(reduce), "gradient in reduce dtype", reduce_input));
+    absl::StatusOr<Buffer> buffer = pool_->Allocate(total * DTypeSize(reduce), stream);
+    if (!buffer.ok()) {
+      return Annotate(buffer.status(), absl::StrCat(context, ": gradient in reduce dtype"));
+    }
+    reduce_input = *std::move(buffer);
   }
-  if (fresh) {
-    SL_RETURN_IF_ERROR(allocate(shard_allocator_, count * DTypeSize(grad_dtype), "sharded gradient",
-                                new_shard_grad));
-  }
-  if (accumulate && grad_dtype != reduce) {
-    SL_RETURN_IF_ERROR(allocate(pool_, count * DTypeSize(grad_dtype),
-                                "reduced shard in the sharded gradient's dtype", shard_grad_temp));
-  }
-
-  // The reduction reads the gradient after the backward and the zero-fill, and writes the sharded
-  // gradient after the previous reduction and zero-fill. Waits read no buffer: on failure the
-  // new buffers go back unguarded.
-  for (const std::shared_ptr<Event>* event :
-       {&grad_ready, &grad_zeroed_, &reduce_done_, &shard_grad_last_use_}) {
-    if (*event != nullptr) SL_RETURN_IF_ERROR(Annotate(reduce_stream.WaitEvent(**event), context));
+  // The reduction reads the gradient after the backward, the zero-fill and every stream that
+  // prepared it. Waits read no buffer: on failure the new buffer goes back unguarded.
+  std::vector<std::shared_ptr<Event>> grad_users = RecordOnConsumers(grad_consumers_);
+  grad_users.push_back(grad_ready);
+  grad_users.push_back(grad_zeroed_);
+  for (const std::shared_ptr<Event>& event : grad_users) {
+    SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(stream, event), context));
   }
 
   void* grad = unsharded_grad_.data();
   void* input = reduce != param ? reduce_input.data() : grad;
   void* slice = ElementAt(input, layout_.ShardBegin(shard_rank_), DTypeSize(reduce));
-  void* shard_grad = fresh ? new_shard_grad.data() : shard_grad_.data();
-  ReduceOptions reduce_options;
-  static_cast<CollectiveOptions&>(reduce_options) = options.collective;
-  reduce_options.op = options.op;
-  bool enqueued = false;  // whether work that uses the buffers may be on the stream
-  absl::Status status = [&]() -> absl::Status {
-    if (reduce != param) {
-      SL_RETURN_IF_ERROR(EnqueueCast(reduce_stream, grad, param, input, reduce, total));
-      enqueued = true;
-    }
+  ReduceOptions collective;
+  static_cast<CollectiveOptions&>(collective) = options.collective;
+  collective.op = options.op;
+  absl::Status status = EnqueueCast(stream, grad, param, input, reduce, total);
+  const bool cast_enqueued = status.ok() && reduce != param;
+  if (status.ok()) {
     // In place: this rank's reduced shard lands in its own slice of the input.
-    SL_RETURN_IF_ERROR(
-        shard_comm.ReduceScatter(input, slice, count, reduce, reduce_stream, reduce_options)
-            .status());
-    enqueued = true;
-    if (replicate_comm != nullptr && replicate_comm->size() > 1) {
-      // kAvg again: the average of the replicas' shard averages is the global average, because
-      // every shard group has the same size.
-      SL_RETURN_IF_ERROR(
-          replicate_comm->AllReduce(slice, slice, count, reduce, reduce_stream, reduce_options)
-              .status());
-    }
-    if (!accumulate)
-      return EnqueueCast(reduce_stream, slice, reduce, shard_grad, grad_dtype, count);
-    if (grad_dtype == reduce) {
-      return EnqueueAccumulate(reduce_stream, shard_grad, slice, count, grad_dtype);
-    }
-    SL_RETURN_IF_ERROR(
-        EnqueueCast(reduce_stream, slice, reduce, shard_grad_temp.data(), grad_dtype, count));
-    return EnqueueAccumulate(reduce_stream, shard_grad, shard_grad_temp.data(), count, grad_dtype);
-  }();
-  if (!status.ok() && !enqueued) return Annotate(status, context);
+    status = shard_comm.ReduceScatter(input, slice, count, reduce, stream, collective).status();
+  }
+  if (!status.ok() && !cast_enqueued) return Annotate(status, context);
 
-  // From here on, work that reads or writes the buffers may be queued: each goes back after the
-  // events that cover it. If no event can be recorded, the stream is poisoned and runs nothing
-  // more, so nothing uses the buffers.
-  absl::StatusOr<std::shared_ptr<Event>> recorded = RecordEvent(reduce_stream);
-  std::shared_ptr<Event> done = recorded.ok() ? *recorded : nullptr;
-  if (status.ok() && !recorded.ok()) status = recorded.status();
-  reduce_input.ReleaseAfter(done);
-  shard_grad_temp.ReleaseAfter(done);
-  unsharded_grad_.ReleaseAfter(done);
-  unsharded_grad_.ReleaseAfter(grad_ready);
-  unsharded_grad_.ReleaseAfter(grad_zeroed_);
-  unsharded_grad_.Reset();
-  unsharded_grad_live_ = false;
-  grad_zeroed_ = nullptr;
+  // From here on, work that uses the buffers may be queued.
+  reduce_input_ = std::move(reduce_input);
+  reduced_slice_ = slice;
+  reduce_options_ = options;
+  grad_ready_ = grad_ready;
   // The backward that produced the gradient was the parameters' last reader.
   ReleaseUnsharded(grad_ready);
+  grad_consumers_.clear();
+  state_ = FlatParameterState::kReducing;
+  reduce_phase_ = ReducePhase::kScattered;
+  absl::StatusOr<std::shared_ptr<Event>> done = RecordEvent(stream);
+  if (done.ok()) reduce_step_ = *done;
+  if (!status.ok()) return AbortReduction(Annotate(status, context));
+  if (!done.ok()) return AbortReduction(Annotate(done.status(), context));
+  return reduce_step_;
+}
+
+absl::StatusOr<std::shared_ptr<Event>> FlatParameter::AllReduce(Communicator* replicate_comm,
+                                                                Stream& stream,
+                                                                const ReduceGradOptions& options) {
+  constexpr absl::string_view kCall = "AllReduce()";
+  if (state_ != FlatParameterState::kReducing || reduce_phase_ != ReducePhase::kScattered) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("flat parameter '", name_, "': ", kCall,
+                     " is allowed only after ReduceScatter() and before Accumulate()"));
+  }
+  if (replicate_comm == nullptr || replicate_comm->size() == 1) {
+    reduce_phase_ = ReducePhase::kAllReduced;
+    return reduce_step_;
+  }
+  const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
+  if (replicate_comm->device() != pool_->device()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": replicate communicator '", replicate_comm->name(),
+                     "' moves memory on ", replicate_comm->device().ToString(),
+                     " but the unit's buffers are on ", pool_->device().ToString()));
+  }
+  if (options.op != reduce_options_.op) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": op ", ReduceOpName(options.op),
+                                                   " differs from the reduce-scatter's ",
+                                                   ReduceOpName(reduce_options_.op)));
+  }
+  SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, stream));
+  SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(stream, reduce_step_), context));
+  ReduceOptions collective;
+  static_cast<CollectiveOptions&>(collective) = options.collective;
+  // kAvg again: the average of the replicas' shard averages is the global average, because
+  // every shard group has the same size.
+  collective.op = options.op;
+  const size_t count = layout_.shard_elements();
+  absl::Status status = replicate_comm
+                            ->AllReduce(reduced_slice_, reduced_slice_, count, policy_.reduce_dtype,
+                                        stream, collective)
+                            .status();
+  absl::StatusOr<std::shared_ptr<Event>> done = RecordEvent(stream);
+  if (done.ok()) reduce_step_ = *done;
+  if (!status.ok()) return AbortReduction(Annotate(status, context));
+  if (!done.ok()) return AbortReduction(Annotate(done.status(), context));
+  reduce_phase_ = ReducePhase::kAllReduced;
+  return reduce_step_;
+}
+
+absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream) {
+  constexpr absl::string_view kCall = "Accumulate()";
+  if (state_ != FlatParameterState::kReducing || reduce_phase_ == ReducePhase::kAccumulated) {
+    return absl::FailedPreconditionError(absl::StrCat("flat parameter '", name_, "': ", kCall,
+                                                      " is allowed only after ReduceScatter()"));
+  }
+  SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, stream));
+  const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
+  const DType reduce = policy_.reduce_dtype;
+  const DType grad_dtype = policy_.sharded_grad_dtype();
+  const size_t count = layout_.shard_elements();
+  const bool fresh = !shard_grad_live_;
+  const bool accumulate = !fresh && shard_grad_written_;
+
+  // Everything is allocated before anything is enqueued, so that running out of memory leaves
+  // the reduction where it was (it can be retried).
+  Buffer new_shard_grad;   // the sharded gradient, on the first reduction
+  Buffer shard_grad_temp;  // the reduced shard in the sharded gradient's dtype, to add
   if (fresh) {
+    absl::StatusOr<Buffer> buffer = shard_allocator_->Allocate(count * DTypeSize(grad_dtype));
+    if (!buffer.ok()) return Annotate(buffer.status(), absl::StrCat(context, ": sharded gradient"));
+    new_shard_grad = *std::move(buffer);
+  }
+  if (accumulate && grad_dtype != reduce) {
+    absl::StatusOr<Buffer> buffer = pool_->Allocate(count * DTypeSize(grad_dtype), stream);
+    if (!buffer.ok()) {
+      return Annotate(buffer.status(),
+                      absl::StrCat(context, ": reduced shard in the sharded gradient's dtype"));
+    }
+    shard_grad_temp = *std::move(buffer);
+  }
+  // The sharded gradient is written after the previous reduction and zero-fill.
+  for (const std::shared_ptr<Event>* event :
+       {&reduce_step_, &reduce_done_, &shard_grad_last_use_}) {
+    SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(stream, *event), context));
+  }
+  void* shard_grad = fresh ? new_shard_grad.data() : shard_grad_.data();
+  const void* slice = reduced_slice_;
+  absl::Status status = [&]() -> absl::Status {
+    if (!accumulate) return EnqueueCast(stream, slice, reduce, shard_grad, grad_dtype, count);
+    if (grad_dtype == reduce) return EnqueueReduce(stream, shard_grad, slice, count, grad_dtype);
+    SL_RETURN_IF_ERROR(
+        EnqueueCast(stream, slice, reduce, shard_grad_temp.data(), grad_dtype, count));
+    return EnqueueReduce(stream, shard_grad, shard_grad_temp.data(), count, grad_dtype);
+  }();
+  // Work that writes the new buffers may be queued even on error (a cast before a failed add).
+  absl::StatusOr<std::shared_ptr<Event>> done = RecordEvent(stream);
+  if (done.ok()) shard_grad_temp.ReleaseAfter(*done);
+  if (fresh) {
+    if (done.ok()) new_shard_grad.ReleaseAfter(*done);
     shard_grad_ = std::move(new_shard_grad);
     shard_grad_live_ = true;
   }
+  if (done.ok()) reduce_step_ = *done;
+  if (!status.ok()) return AbortReduction(Annotate(status, context));
+  if (!done.ok()) return AbortReduction(Annotate(done.status(), context));
   shard_grad_written_ = true;
-  reduce_done_ = done;
-  if (!status.ok()) {
-    state_ = FlatParameterState::kSharded;
-    return Annotate(status, context);
+  reduce_done_ = reduce_step_;
+  reduce_phase_ = ReducePhase::kAccumulated;
+  // The gradient and the reduce-dtype copy were read by the steps before this one.
+  unsharded_grad_.ReleaseAfter(reduce_step_);
+  unsharded_grad_.ReleaseAfter(grad_ready_);
+  unsharded_grad_.ReleaseAfter(grad_zeroed_);
+  unsharded_grad_.Reset();
+  unsharded_grad_live_ = false;
+  reduce_input_.ReleaseAfter(reduce_step_);
+  reduce_input_.Reset();
+  grad_zeroed_ = nullptr;
+  grad_ready_ = nullptr;
+  reduced_slice_ = nullptr;
+  return reduce_done_;
+}
+
+absl::Status FlatParameter::AbortReduction(absl::Status error) {
+  // Work that uses the buffers may be queued: each goes back after the events that cover it. If
+  // no event could be recorded, the stream is poisoned and runs nothing more.
+  for (Buffer* buffer : {&unsharded_grad_, &reduce_input_}) {
+    buffer->ReleaseAfter(reduce_step_);
+    buffer->ReleaseAfter(grad_ready_);
+    buffer->ReleaseAfter(grad_zeroed_);
+    buffer->Reset();
   }
-  state_ = FlatParameterState::kReducing;
+  unsharded_grad_live_ = false;
+  grad_zeroed_ = nullptr;
+  grad_ready_ = nullptr;
+  reduced_slice_ = nullptr;
+  // The sharded gradient may have been half written: its contents are undefined now.
+  reduce_done_ = reduce_step_;
+  reduce_phase_ = ReducePhase::kAccumulated;
+  state_ = FlatParameterState::kSharded;
+  return error;
+}
+
+absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceGrad(Communicator& shard_comm,
+                                                                 Communicator* replicate_comm,
+                                                                 Stream& reduce_stream,
+                                                                 std::shared_ptr<Event> grad_ready,
+                                                                 const ReduceGradOptions& options) {
+  constexpr absl::string_view kCall = "ReduceGrad()";
+  if (state_ != FlatParameterState::kUnsharded) return WrongState(kCall, "unsharded");
+  if (replicate_comm != nullptr && replicate_comm->device() != pool_->device()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flat parameter '", name_, "': ", kCall, ": replicate communicator '",
+        replicate_comm->name(), "' moves memory on ", replicate_comm->device().ToString(),
+        " but the unit's buffers are on ", pool_->device().ToString()));
+  }
+  SL_RETURN_IF_ERROR(
+      ReduceScatter(shard_comm, reduce_stream, std::move(grad_ready), options).status());
+  if (absl::Status status = AllReduce(replicate_comm, reduce_stream, options).status();
+      !status.ok()) {
+    // Argument errors leave the reduction pending; end it, so the unit is usable again.
+    if (state_ == FlatParameterState::kReducing) return AbortReduction(status);
+    return status;
+  }
+  absl::StatusOr<std::shared_ptr<Event>> done = Accumulate(reduce_stream);
+  if (!done.ok() && state_ == FlatParameterState::kReducing) return AbortReduction(done.status());
   return done;
 }
 
 absl::Status FlatParameter::WaitReduced(Stream& stream) {
-  if (state_ != FlatParameterState::kReducing) return WrongState("WaitReduced()", "reducing");
+  if (state_ != FlatParameterState::kReducing || reduce_phase_ != ReducePhase::kAccumulated) {
+    return WrongState("WaitReduced()", "reducing, after Accumulate()");
+  }
   absl::Status status =
       reduce_done_ != nullptr ? stream.WaitEvent(*reduce_done_) : absl::OkStatus();
   state_ = FlatParameterState::kSharded;
@@ -559,7 +686,9 @@ absl::Status FlatParameter::WaitReduced(Stream& stream) {
 }
 
 absl::Status FlatParameter::WaitReduced(absl::Time deadline) {
-  if (state_ != FlatParameterState::kReducing) return WrongState("WaitReduced()", "reducing");
+  if (state_ != FlatParameterState::kReducing || reduce_phase_ != ReducePhase::kAccumulated) {
+    return WrongState("WaitReduced()", "reducing, after Accumulate()");
+  }
   absl::Status status =
       reduce_done_ != nullptr ? reduce_done_->Synchronize(deadline) : absl::OkStatus();
   if (!status.ok()) {
@@ -599,7 +728,7 @@ absl::Status FlatParameter::ZeroShardGrad(Stream& stream) {
     if (*event != nullptr) SL_RETURN_IF_ERROR(Annotate(stream.WaitEvent(**event), context));
   }
   SL_RETURN_IF_ERROR(
-      Annotate(EnqueueZero(stream, shard_grad_.data(), shard_grad_.size()), context));
+      Annotate(EnqueueFill(stream, shard_grad_.data(), shard_grad_.size()), context));
   // If no event can be recorded the stream is poisoned: the zero-fill will not run.
   absl::StatusOr<std::shared_ptr<Event>> zeroed = RecordEvent(stream);
   if (!zeroed.ok()) return Annotate(zeroed.status(), context);

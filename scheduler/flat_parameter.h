@@ -26,9 +26,23 @@
 //
 // State machine (state()):
 //
-//   sharded --Gather()--> gathering --WaitGathered()--> unsharded --Reshard(last_use)--> sharded
-//                                                       unsharded --ReduceGrad()--> reducing
+//   sharded --Gather()--> gathering --WaitGathered() / Acquire()--> unsharded
+//   unsharded --Acquire()--> unsharded (one more user)  --Release()--> unsharded (one fewer)
+//   unsharded --Reshard(last_use) / the last Release()--> sharded
+//   unsharded --ReduceScatter()--> reducing --AllReduce()--> reducing --Accumulate()--> reducing
 //   reducing --WaitReduced()--> sharded
+//
+// ReduceGrad() is ReduceScatter + AllReduce + Accumulate on one stream. Split, the hybrid
+// all-reduce can run on a stream (and a communicator) of its own, and it is optional: a
+// reduction that skips it adds a contribution that is not reduced across replicas.
+//
+// Users of the unsharded parameters. Every Acquire() (WaitGathered() is the first) counts a
+// user and remembers its stream; Release(last_use) ends one use. When the count reaches zero the
+// unit reshards. Reshard() ends all uses at once. The unsharded buffer goes back to the pool
+// after the gather, every `last_use` given, and an event recorded on every stream that acquired
+// the unit (so work already enqueued there that reads the views is covered even when no
+// last_use is given). The streams given to Acquire/WaitGathered/PrepareGrad must therefore
+// outlive the unit's unsharded state (until it reshards or is destroyed).
 //
 // Any other call order is FailedPrecondition naming the unit, the call and the current state
 // ("flat parameter 'block3': View() called in state sharded (allowed: unsharded)"); the object
@@ -42,8 +56,13 @@
 //   compute stream   the framework's. WaitGathered(compute) makes it wait for the gather (the host
 //                    is not blocked, except on a caller stream); the views are valid for work
 //                    enqueued on it afterwards. PrepareGrad(compute) zero-fills the gradient on it.
-//   reduce stream    ReduceGrad(): waits for `grad_ready`, then cast, reduce-scatter, all-reduce
-//                    (hybrid) and accumulation, all enqueued; the host is never blocked.
+//   reduce stream    ReduceScatter(): waits for `grad_ready`, then the cast and the
+//                    reduce-scatter; AllReduce() and Accumulate() on the same or other streams
+//                    (each waits for the step before it); the host is never blocked.
+//
+// Memory is allocated stream-ordered (Allocator::Allocate(bytes, stream)) on the stream that
+// first writes it: a pool may hand out a block still read by earlier work after making that
+// stream wait.
 //
 // Precision (MixedPrecisionPolicy): the gather casts master → param dtype; the reduction casts
 // the param-dtype gradient to reduce_dtype (into a temporary from the pool when they differ;
@@ -86,6 +105,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -180,10 +200,11 @@ class FlatParameter {
   // into the shard, padding is zeroed. Entries of ties and of empty tensors are ignored (may be
   // null). Blocks until earlier gathers have finished reading the shard (at most until
   // `deadline`), then copies on the calling thread (through a host staging copy for device
-  // memory). State sharded; InvalidArgument if tensors.size() != layout.num_tensors() or a
-  // needed pointer is null.
-  absl::Status SetShardFromTensors(absl::Span<const void* const> tensors,
-                                   absl::Time deadline = absl::InfiniteFuture());
+  // memory, copied by a stream of the device that this call synchronizes). State sharded;
+  // InvalidArgument if tensors.size() != layout.num_tensors() or a needed pointer is null.
+  absl::Status SetShardFromTensors(absl::Span<const void* const> tensors, absl::Time deadline);
+  // The same, bounded by SHARDLINE_TIMEOUT_S.
+  absl::Status SetShardFromTensors(absl::Span<const void* const> tensors);
 
   // The master shard. Written by the optimizer in state sharded, ordered before the next
   // Gather (GatherOptions::shard_ready when it runs on another stream). Any state.
@@ -197,18 +218,29 @@ class FlatParameter {
   // stream is on another device than the pool. On any error the unit stays sharded.
   absl::StatusOr<Work> Gather(Communicator& shard_comm, Stream& gather_stream,
                               const GatherOptions& options = {});
-  // gathering → unsharded. Makes `compute` wait for the gather (on a caller stream: blocks until
-  // it finished). If the gather failed, returns its error and the unit goes back to sharded.
+  // gathering → unsharded: the first Acquire(compute). Makes `compute` wait for the gather (on a
+  // caller stream: blocks until it finished). If the gather failed, returns its error and the
+  // unit goes back to sharded.
   absl::Status WaitGathered(Stream& compute);
+  // One more user of the unsharded parameters, whose work is enqueued on `compute` (e.g. a unit
+  // whose weights are used twice in one forward). State gathering (then as WaitGathered) or
+  // unsharded (then `compute` waits for the gather, unless it already did).
+  absl::Status Acquire(Stream& compute);
+  // Ends one use: `last_use` (may be null) is the event after the last work of that use that
+  // reads the views. Reshards when it was the last use. State unsharded.
+  absl::Status Release(std::shared_ptr<Event> last_use);
+  // The number of uses not yet released (0 unless unsharded).
+  int users() const { return users_; }
 
   // The unsharded parameters (state unsharded). By index or by name (NotFound for an unknown
   // name); InvalidArgument for an index out of range.
   absl::StatusOr<TensorView> View(int tensor) const;
   absl::StatusOr<TensorView> View(absl::string_view tensor_name) const;
 
-  // unsharded → sharded. The unsharded buffer goes back to the pool once `last_use` (the event
-  // after the last work that reads the views; may be null if none was enqueued) and the gather
-  // completed. Never blocks. The unsharded gradient, if any, is kept (gradient accumulation).
+  // unsharded → sharded, ending every use. The unsharded buffer goes back to the pool once
+  // `last_use` (may be null), the gather, and everything enqueued so far on the streams that
+  // acquired the unit completed. Never blocks. The unsharded gradient, if any, is kept
+  // (gradient accumulation).
   absl::Status Reshard(std::shared_ptr<Event> last_use);
 
   // --- Gradients ----------------------------------------------------------------------------
@@ -221,17 +253,32 @@ class FlatParameter {
   absl::StatusOr<TensorView> GradView(int tensor) const;
   absl::StatusOr<TensorView> GradView(absl::string_view tensor_name) const;
 
-  // unsharded → reducing: the post-backward of FSDP. Requires an unsharded gradient. Enqueues on
-  // `reduce_stream`: a wait for `grad_ready` (the event after the backward that wrote the
+  // unsharded → reducing: the post-backward of FSDP, step 1. Requires an unsharded gradient.
+  // Enqueues on `stream`: a wait for `grad_ready` (the event after the backward that wrote the
   // gradient; null if it is complete already), the cast to reduce_dtype (if it differs from
-  // param_dtype), the reduce-scatter over `shard_comm`, the all-reduce over `replicate_comm`
-  // (hybrid sharding; null or size 1: none), and the accumulation into the sharded gradient.
-  // Also reshards the parameters: the unsharded buffer goes back to the pool after `grad_ready`
-  // (the backward is its last reader). The unsharded gradient and the temporaries go back after
-  // the reduction. Returns the event recorded after the accumulation. The optimizer's last use of
-  // the sharded gradient must be ordered before `grad_ready` (it is when the optimizer runs on
-  // the compute stream). InvalidArgument for a mismatched communicator, another device or an op
-  // other than sum/avg; on any error before the first collective the unit stays unsharded.
+  // param_dtype) and the reduce-scatter over `shard_comm`, in place. Also reshards the
+  // parameters: the unsharded buffer goes back to the pool after `grad_ready` (the backward is
+  // its last reader) and the acquiring streams' work so far. Returns the event after the
+  // reduce-scatter. InvalidArgument for a mismatched communicator, another device or an op other
+  // than sum/avg; on any error before the collective the unit stays unsharded.
+  absl::StatusOr<std::shared_ptr<Event>> ReduceScatter(Communicator& shard_comm, Stream& stream,
+                                                       std::shared_ptr<Event> grad_ready,
+                                                       const ReduceGradOptions& options = {});
+  // Step 2 (optional; hybrid sharding): the all-reduce of the reduced shard over
+  // `replicate_comm` (null or size 1: nothing to do, returns the previous step's event),
+  // enqueued on `stream` after the reduce-scatter. State reducing, after ReduceScatter and
+  // before Accumulate. Returns the event after the all-reduce.
+  absl::StatusOr<std::shared_ptr<Event>> AllReduce(Communicator* replicate_comm, Stream& stream,
+                                                   const ReduceGradOptions& options = {});
+  // Step 3: adds (or, on the first reduction after creation, ZeroShardGrad or
+  // ReleaseShardGrad: writes) the reduced shard into the sharded gradient, on `stream` after the
+  // previous step and the previous reduction. The unsharded gradient and the temporaries go back
+  // to the pool after it. Returns the event after it; WaitReduced() waits for it. The
+  // optimizer's last use of the sharded gradient must be ordered before `grad_ready` (it is when
+  // the optimizer runs on the compute stream).
+  absl::StatusOr<std::shared_ptr<Event>> Accumulate(Stream& stream);
+  // The three steps on one stream. Returns the event after the accumulation. On an error after
+  // the reduce-scatter was issued the unit goes back to sharded (the error is returned).
   absl::StatusOr<std::shared_ptr<Event>> ReduceGrad(Communicator& shard_comm,
                                                     Communicator* replicate_comm,
                                                     Stream& reduce_stream,
@@ -267,8 +314,15 @@ class FlatParameter {
   absl::StatusOr<int> ResolveTensor(absl::string_view call, int tensor) const;
   absl::StatusOr<int> ResolveTensor(absl::string_view call, absl::string_view name) const;
   TensorView MakeView(const Buffer& buffer, int tensor) const;
-  // Returns the unsharded buffer to the pool after `last_use` and the gather.
+  // Returns the unsharded buffer to the pool after `last_use`, the uses released so far, the
+  // gather and the acquiring streams' work so far; forgets the users.
   void ReleaseUnsharded(std::shared_ptr<Event> last_use);
+  // Makes `stream` wait for the gather (once per stream) and remembers it as a consumer.
+  absl::Status AddConsumer(Stream& stream, absl::string_view call);
+  // Events recorded now on every consumer stream (nothing for a poisoned one: it runs no more).
+  static std::vector<std::shared_ptr<Event>> RecordOnConsumers(const std::vector<Stream*>& streams);
+  // Ends a failed reduction: the buffers go back after `last`, the unit is sharded again.
+  absl::Status AbortReduction(absl::Status error);
 
   FlatLayout layout_;
   int shard_rank_;
@@ -288,8 +342,21 @@ class FlatParameter {
   // True once a reduction wrote the sharded gradient (later ones add into it).
   bool shard_grad_written_ = false;
 
-  Work gather_work_;                            // the last gather (its event: the last reader
-                                                // of the master shard, last writer of unsharded_)
+  Work gather_work_;  // the last gather (its event: the last reader of the master shard, last
+                      // writer of unsharded_)
+  int users_ = 0;     // Acquire()s not yet released
+  std::vector<Stream*> consumers_;                // streams that acquired the unit this time
+  std::vector<std::shared_ptr<Event>> released_;  // last_use events of released uses
+  std::vector<Stream*> grad_consumers_;           // streams that prepared the gradient
+
+  // The reduction in progress (state reducing).
+  enum class ReducePhase : uint8_t { kScattered, kAllReduced, kAccumulated };
+  ReducePhase reduce_phase_ = ReducePhase::kAccumulated;
+  ReduceGradOptions reduce_options_;
+  Buffer reduce_input_;                         // the gradient in reduce_dtype, if not param_dtype
+  void* reduced_slice_ = nullptr;               // this rank's reduced shard (in reduce_dtype)
+  std::shared_ptr<Event> reduce_step_;          // after the last step enqueued
+  std::shared_ptr<Event> grad_ready_;           // the backward's event given to ReduceScatter
   std::shared_ptr<Event> grad_zeroed_;          // after PrepareGrad's zero-fill
   std::shared_ptr<Event> reduce_done_;          // after the last reduction's accumulation
   std::shared_ptr<Event> shard_grad_last_use_;  // after the last ZeroShardGrad

@@ -116,8 +116,10 @@ class LocalCommunicator final : public Communicator {
         std::make_shared<LocalCommunicator>(index, std::move(child), name, timeout()));
   }
   void OnAbort(const absl::Status& reason) override {
-    group_->Abort(absl::Status(reason.code(),
-                               absl::StrCat("peer rank ", rank(), " aborted: ", reason.message())));
+    group_->Abort(MarkPeerError(
+        absl::Status(reason.code(),
+                     absl::StrCat("peer rank ", rank(), " aborted: ", reason.message())),
+        absl::StrCat(rank())));
   }
 
  private:

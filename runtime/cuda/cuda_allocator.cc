@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -42,7 +43,7 @@ class PinnedAllocator final : public Allocator {
   ~PinnedAllocator() override { DrainPending(); }
 
  protected:
-  absl::StatusOr<void*> AllocateRaw(size_t bytes) override {
+  absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream* /*first_user*/) override {
     void* data = nullptr;
     // Portable: pinned for every CUDA context, so any device's copies can use it directly.
     const cudaError_t e = cudaHostAlloc(&data, bytes, cudaHostAllocPortable);
@@ -62,18 +63,36 @@ class PinnedAllocator final : public Allocator {
   }
 };
 
+// Device memory from the device's default stream-ordered pool. An allocation for a stream is
+// made in that stream's order (cudaMallocAsync on it): usable at once by its work, and by other
+// streams' work ordered after it by events, as every hand-over is. Without a stream it is made on
+// an internal stream that is synchronized (it carries only allocations and frees, so this waits
+// for no kernel). Frees (after the block's guards completed) go to the internal stream. The pool
+// keeps freed memory (release threshold: everything), so steady state calls neither cudaMalloc
+// nor cudaFree, and no call here synchronizes the device.
 class CudaAllocator final : public Allocator {
  public:
-  CudaAllocator(int device, std::string name)
-      : Allocator(Device::Cuda(device), std::move(name)), device_index_(device) {}
-  ~CudaAllocator() override { DrainPending(); }
+  CudaAllocator(int device, std::string name, cudaStream_t internal)
+      : Allocator(Device::Cuda(device), std::move(name)),
+        device_index_(device),
+        internal_(internal) {}
+  ~CudaAllocator() override {
+    DrainPending();
+    ScopedDevice scoped(device_index_);
+    (void)cudaStreamSynchronize(internal_);
+    (void)cudaStreamDestroy(internal_);
+  }
 
  protected:
-  absl::StatusOr<void*> AllocateRaw(size_t bytes) override {
+  absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream* first_user) override {
     ScopedDevice scoped(device_index_);
     SL_RETURN_IF_ERROR(scoped.status());
+    const bool on_user = first_user != nullptr && first_user->device() == device();
+    const auto stream =
+        on_user ? static_cast<cudaStream_t>(first_user->native_handle()) : internal_;
     void* data = nullptr;
-    const cudaError_t e = cudaMalloc(&data, bytes);
+    cudaError_t e = cudaMallocAsync(&data, bytes, stream);
+    if (e == cudaSuccess && !on_user) e = cudaStreamSynchronize(internal_);
     if (e != cudaSuccess) {
       cudaGetLastError();
       return SL_CUDA_STATUS(e);
@@ -82,9 +101,10 @@ class CudaAllocator final : public Allocator {
   }
   void DeallocateRaw(void* data, size_t bytes) override {
     ScopedDevice scoped(device_index_);
-    const cudaError_t e = scoped.status().ok() ? cudaFree(data) : cudaErrorInvalidDevice;
+    const cudaError_t e =
+        scoped.status().ok() ? cudaFreeAsync(data, internal_) : cudaErrorInvalidDevice;
     if (e != cudaSuccess) {
-      SL_LOG(WARN, ALLOC) << "allocator '" << name() << "': cudaFree of " << bytes
+      SL_LOG(WARN, ALLOC) << "allocator '" << name() << "': cudaFreeAsync of " << bytes
                           << " bytes on cuda:" << device_index_
                           << " failed: " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e)
                           << ")";
@@ -92,7 +112,8 @@ class CudaAllocator final : public Allocator {
   }
 
  private:
-  int device_index_;
+  const int device_index_;
+  const cudaStream_t internal_;
 };
 
 }  // namespace
@@ -116,7 +137,19 @@ absl::StatusOr<std::unique_ptr<Allocator>> CreateCudaAllocator(int device_index,
     return absl::UnavailableError(absl::StrCat("CreateCudaAllocator: no device cuda:", device_index,
                                                " (", count, " CUDA devices visible)"));
   }
-  return std::unique_ptr<Allocator>(std::make_unique<CudaAllocator>(device_index, std::move(name)));
+  ScopedDevice scoped(device_index);
+  SL_RETURN_IF_ERROR(scoped.status());
+  // Keep what the pool frees: without this the driver may return memory to the OS at the next
+  // synchronization, and the allocation after it pays for cudaMalloc again.
+  cudaMemPool_t pool = nullptr;
+  SL_CUDA_RETURN_IF_ERROR(cudaDeviceGetDefaultMemPool(&pool, device_index));
+  uint64_t keep_all = UINT64_MAX;
+  SL_CUDA_RETURN_IF_ERROR(
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+  cudaStream_t internal = nullptr;
+  SL_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&internal, cudaStreamNonBlocking));
+  return std::unique_ptr<Allocator>(
+      std::make_unique<CudaAllocator>(device_index, std::move(name), internal));
 }
 
 }  // namespace shardline

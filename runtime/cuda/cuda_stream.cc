@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -24,14 +25,14 @@
 #include "runtime/config.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/cuda_util.h"
-#include "runtime/host_stream_internal.h"
+#include "runtime/internal/stream_internal.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
 
 namespace shardline {
 namespace {
 
-using internal::HostCapture;
+using stream_internal::HostCapture;
 
 // The failure state of one CUDA stream, shared with its host functions in flight and with the
 // events recorded on it. Host functions are numbered 1, 2, ... in stream order; only they can
@@ -82,19 +83,24 @@ struct CudaCapture {
   std::shared_ptr<CudaEventHandle> handle;  // nullptr: never recorded
   std::shared_ptr<CudaStreamState> source;
   uint64_t source_seq = 0;  // host functions enqueued on the source stream before the record
+  uint64_t stream_id = 0;   // Stream::id() of the source stream
 };
 
+// "Done" only once the device has reached the event: a host function that failed earlier on the
+// stream poisons it, but kernels enqueued before the record keep running until then, and memory
+// guarded by this event must not be reused under them. So a failure is reported only once
+// cudaEventQuery says the device got there.
 absl::StatusOr<bool> QueryCapture(const CudaCapture& capture) {
   if (capture.handle == nullptr) return true;
   const cudaError_t error = cudaEventQuery(capture.handle->event);
-  if (error != cudaSuccess && error != cudaErrorNotReady) {
+  if (error == cudaErrorNotReady) return false;
+  if (error != cudaSuccess) {
     return Annotate(SL_CUDA_STATUS(error),
                     absl::StrCat("event recorded on stream '", capture.source->name(), "'"));
   }
-  // Checked after the query: if the event completed, every host function before it has run and
-  // published its failure.
+  // The event completed, so every host function before it has run and published its failure.
   SL_RETURN_IF_ERROR(capture.source->FailureUpTo(capture.source_seq));
-  return error == cudaSuccess;
+  return true;
 }
 
 absl::Status PollCapture(const CudaCapture& capture, absl::Time deadline,
@@ -103,7 +109,7 @@ absl::Status PollCapture(const CudaCapture& capture, absl::Time deadline,
   while (true) {
     SL_ASSIGN_OR_RETURN(bool done, QueryCapture(capture));
     if (done) return absl::OkStatus();
-    if (absl::Now() >= deadline) {
+    if (WallClock().Now() >= deadline) {
       return absl::DeadlineExceededError(
           absl::StrCat(waiter, ": timed out waiting for a CUDA event recorded on stream '",
                        capture.source->name(), "'"));
@@ -127,7 +133,7 @@ struct HostTask {
   Kind kind = kWork;
   std::shared_ptr<CudaStreamState> state;
   uint64_t seq = 0;
-  Stream::Work work;                        // kWork
+  StreamOp op;                              // kWork
   std::shared_ptr<HostCapture> capture;     // kRecordHost, kWaitHost
   absl::Duration wait_timeout;              // kWaitHost
   std::shared_ptr<CudaStreamState> source;  // kCheckEvent: the waited-for event's stream
@@ -142,8 +148,10 @@ void CUDART_CB RunHostTask(void* arg) {
   switch (task->kind) {
     case HostTask::kWork:
       if (poison.ok()) {
-        result = std::move(task->work)();
+        result = std::move(task->op.run)();
         if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", state.name(), "'"));
+      } else if (task->op.cancel != nullptr) {
+        std::move(task->op.cancel)(poison);
       }
       break;
     case HostTask::kRecordHost:
@@ -151,7 +159,7 @@ void CUDART_CB RunHostTask(void* arg) {
       break;
     case HostTask::kWaitHost:
       if (poison.ok()) {
-        result = task->capture->Wait(absl::Now() + task->wait_timeout,
+        result = task->capture->Wait(task->capture->clock().Now() + task->wait_timeout,
                                      absl::StrCat("stream '", state.name(), "' (wait_timeout ",
                                                   absl::FormatDuration(task->wait_timeout), ")"));
       }
@@ -163,9 +171,38 @@ void CUDART_CB RunHostTask(void* arg) {
   if (!result.ok()) state.Poison(std::move(result), task->seq);
 }
 
+// OnComplete of a CUDA event: a host function on a per-device side stream that waits for the
+// event, so the callback runs when the device reaches it (CUDA calls are not allowed in a host
+// function; the event is known complete there, so only the source's host failures remain).
+struct CompletionTask {
+  CudaCapture capture;
+  EventCallback callback;
+};
+
+void CUDART_CB RunCompletionTask(void* arg) {
+  std::unique_ptr<CompletionTask> task(static_cast<CompletionTask*>(arg));
+  std::move(task->callback)(task->capture.source->FailureUpTo(task->capture.source_seq));
+}
+
+// The side stream of `device` for completion callbacks, created on first use and kept for the
+// process's lifetime.
+absl::StatusOr<cudaStream_t> CallbackStream(int device) {
+  static std::mutex mu;
+  static std::vector<cudaStream_t>* streams = new std::vector<cudaStream_t>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<size_t>(device) >= streams->size()) streams->resize(device + 1, nullptr);
+  cudaStream_t& stream = (*streams)[device];
+  if (stream == nullptr) {
+    CudaDeviceGuard guard;
+    SL_RETURN_IF_ERROR(guard.Set(device));
+    SL_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  return stream;
+}
+
 class CudaStream;
 
-class CudaEvent final : public Event, public internal::HostWaitable {
+class CudaEvent final : public Event, public stream_internal::HostWaitable {
  public:
   explicit CudaEvent(int device) : device_(device) {}
 
@@ -175,6 +212,26 @@ class CudaEvent final : public Event, public internal::HostWaitable {
   absl::Status Synchronize(absl::Time deadline) override {
     return PollCapture(Snapshot(), deadline, "Event::Synchronize");
   }
+
+  void OnComplete(EventCallback callback) override {
+    CudaCapture capture = Snapshot();
+    absl::StatusOr<bool> done = QueryCapture(capture);
+    if (!done.ok() || *done) return std::move(callback)(done.status());
+    auto task = std::make_unique<CompletionTask>(CompletionTask{capture, std::move(callback)});
+    absl::Status launched = [&]() -> absl::Status {
+      SL_ASSIGN_OR_RETURN(cudaStream_t side, CallbackStream(device_));
+      SL_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, capture.handle->event, 0));
+      SL_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(side, &RunCompletionTask, task.get()));
+      task.release();
+      return absl::OkStatus();
+    }();
+    // Without a side stream the callback can only be told that it will never be called back.
+    if (!launched.ok()) {
+      std::move(task->callback)(Annotate(launched, "Event::OnComplete of a CUDA event"));
+    }
+  }
+
+  uint64_t recorded_stream_id() const override { return Snapshot().stream_id; }
 
   absl::StatusOr<Waiter> SnapshotForHostWait() override {
     return Waiter([capture = Snapshot()](absl::Time deadline) {
@@ -193,7 +250,7 @@ class CudaEvent final : public Event, public internal::HostWaitable {
   CudaCapture capture_ ABSL_GUARDED_BY(mu_);
 };
 
-class CudaStream final : public Stream, public internal::HostCaptureRecorder {
+class CudaStream final : public Stream, public stream_internal::HostCaptureRecorder {
  public:
   CudaStream(int device, std::string name, absl::Duration wait_timeout, cudaStream_t stream)
       : device_(device),
@@ -215,10 +272,10 @@ class CudaStream final : public Stream, public internal::HostCaptureRecorder {
   const std::string& name() const override { return name_; }
   int device_index() const { return device_; }
 
-  absl::Status Enqueue(Work work) override {
+  absl::Status Submit(StreamOp op) override {
     auto task = std::make_unique<HostTask>();
     task->kind = HostTask::kWork;
-    task->work = std::move(work);
+    task->op = std::move(op);
     std::lock_guard<std::mutex> lock(enqueue_mu_);
     return LaunchLocked(std::move(task));
   }
@@ -241,7 +298,7 @@ class CudaStream final : public Stream, public internal::HostCaptureRecorder {
       task->source_seq = capture.source_seq;
       return LaunchLocked(std::move(task));
     }
-    if (auto* host_event = dynamic_cast<internal::HostEvent*>(&event)) {
+    if (auto* host_event = dynamic_cast<stream_internal::HostEvent*>(&event)) {
       std::shared_ptr<HostCapture> capture = host_event->current();
       absl::Status captured;
       if (capture == nullptr || (capture->done(&captured) && captured.ok())) return status();
@@ -281,7 +338,7 @@ class CudaStream final : public Stream, public internal::HostCaptureRecorder {
     std::lock_guard<std::mutex> lock(enqueue_mu_);
     SL_RETURN_IF_ERROR(Annotate(SL_CUDA_STATUS(cudaEventRecord(handle->event, stream_)),
                                 absl::StrCat("stream '", name_, "'")));
-    return CudaCapture{std::move(handle), state_, host_funcs_};
+    return CudaCapture{std::move(handle), state_, host_funcs_, id()};
   }
 
  private:
@@ -367,7 +424,12 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateCudaStream(int device, StreamOptio
                                                "': cuda:", device, " does not exist (", count,
                                                " CUDA device(s) visible)"));
   }
-  SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, internal::ResolveWaitTimeout(options));
+  SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
+  if (options.clock != nullptr && options.clock != &WallClock()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot create CUDA stream '", options.name,
+                                                   "' on a ", options.clock->name(),
+                                                   " clock: CUDA streams run on the wall clock"));
+  }
   CudaDeviceGuard guard;
   SL_RETURN_IF_ERROR(guard.Set(device));
   cudaStream_t stream = nullptr;

@@ -37,7 +37,7 @@ class LimitedAllocator final : public Allocator {
   ~LimitedAllocator() override { DrainPending(); }
 
  protected:
-  absl::StatusOr<void*> AllocateRaw(size_t bytes) override {
+  absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream*) override {
     if (used_ + bytes > capacity_) return absl::ResourceExhaustedError("over capacity");
     used_ += bytes;
     return std::malloc(bytes);

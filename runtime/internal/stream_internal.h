@@ -1,21 +1,22 @@
-// File: runtime/host_stream_internal.h
+// File: runtime/internal/stream_internal.h
 // -----------------------------------------------------------------------------
 // Internal to the stream implementations (runtime/host_stream.cc, runtime/cuda/cuda_stream.cc):
 // the shared state of a host event and the two small interfaces through which one kind of stream
-// records or waits for another kind's events. Not part of the public API.
+// records or waits for another kind's events. Not part of the public API (not installed).
 //
 // A host event's Record() makes a fresh HostCapture and hands it to the stream, which completes it
 // when the work enqueued before it has run. Waiters (Event::Synchronize, a host stream's worker, a
 // caller stream's thread, a CUDA host function) hold the capture they saw when they started, so
 // re-recording the event never changes what an earlier wait waits for, which is CUDA's rule.
 
-#ifndef SHARDLINE_RUNTIME_HOST_STREAM_INTERNAL_H_
-#define SHARDLINE_RUNTIME_HOST_STREAM_INTERNAL_H_
+#ifndef SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_
+#define SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_
 
 #include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
@@ -24,46 +25,49 @@
 #include "absl/time/time.h"
 #include "runtime/stream.h"
 
-namespace shardline::internal {
+namespace shardline::stream_internal {
 
-// Waits on `cv` (with `lock` held) until `done()` or `deadline`; returns done(). The stream code
-// uses std::mutex and std::condition_variable rather than absl::Mutex: the system's abseil is not
-// built with ThreadSanitizer, which then cannot see absl::Mutex's synchronization.
-template <typename Pred>
-bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, absl::Time deadline,
-               Pred done) {
-  if (deadline == absl::InfiniteFuture()) {
-    cv.wait(lock, done);
-    return true;
-  }
-  return cv.wait_until(lock, absl::ToChronoTime(deadline), done);
-}
+// The stream code uses std::mutex and std::condition_variable rather than absl::Mutex: the
+// system's abseil is not built with ThreadSanitizer, which then cannot see absl::Mutex's
+// synchronization. Waits go through Clock::WaitUntil (runtime/clock.h).
 
 // One Record() of a host event.
 class HostCapture {
  public:
-  explicit HostCapture(std::string stream_name) : stream_name_(std::move(stream_name)) {}
+  // `clock` is the recording stream's (it must outlive the capture: streams' clocks outlive
+  // the streams, and a capture is completed at the latest when its stream is destroyed).
+  explicit HostCapture(const Stream& stream)
+      : stream_name_(stream.name()), stream_id_(stream.id()), clock_(&stream.clock()) {}
 
   // Marks the capture complete with `status` (OK, or the failure of the stream it was recorded
-  // on) and wakes every waiter. Only the first call counts.
+  // on): runs the callbacks, then wakes every waiter. Only the first call counts.
   void Complete(absl::Status status);
 
   // OK once complete: the failure's Status if the captured work failed. DeadlineExceeded if
-  // `deadline` passes first, naming `waiter` ("Event::Synchronize", "stream 'x'") and the stream
-  // the event was recorded on.
+  // `deadline` (on the recording stream's clock) passes first, naming `waiter`
+  // ("Event::Synchronize", "stream 'x'") and the stream the event was recorded on.
   absl::Status Wait(absl::Time deadline, absl::string_view waiter);
 
   // false while pending; true once complete, with the outcome in *status.
   bool done(absl::Status* status);
 
+  // Runs `callback` when complete (at once, here, if it already is).
+  void OnComplete(EventCallback callback);
+
   const std::string& stream_name() const { return stream_name_; }
+  uint64_t stream_id() const { return stream_id_; }
+  const Clock& clock() const { return *clock_; }
 
  private:
   const std::string stream_name_;
+  const uint64_t stream_id_;
+  const Clock* const clock_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool completing_ ABSL_GUARDED_BY(mu_) = false;  // Complete() is running the callbacks
   absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::vector<EventCallback> callbacks_ ABSL_GUARDED_BY(mu_);
 };
 
 // Implemented by every stream a host event can be recorded on (host, caller and CUDA streams).
@@ -105,6 +109,8 @@ class HostEvent final : public Event {
   absl::Status Record(Stream& stream) override;
   absl::StatusOr<bool> Query() override;
   absl::Status Synchronize(absl::Time deadline) override;
+  void OnComplete(EventCallback callback) override;
+  uint64_t recorded_stream_id() const override;
 
   // The capture of the latest Record(); nullptr if the event was never recorded.
   std::shared_ptr<HostCapture> current() const;
@@ -114,6 +120,6 @@ class HostEvent final : public Event {
   std::shared_ptr<HostCapture> current_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace shardline::internal
+}  // namespace shardline::stream_internal
 
-#endif  // SHARDLINE_RUNTIME_HOST_STREAM_INTERNAL_H_
+#endif  // SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_

@@ -1,0 +1,80 @@
+#include "runtime/clock.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/time/clock.h"
+#include "runtime/check.h"
+
+namespace shardline {
+namespace {
+
+class WallClockImpl final : public Clock {
+ public:
+  absl::Time Now() const override { return absl::Now(); }
+  bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                 absl::Time deadline, absl::FunctionRef<bool()> done) const override {
+    if (deadline == absl::InfiniteFuture()) {
+      cv.wait(lock, [&] { return done(); });
+      return true;
+    }
+    return cv.wait_until(lock, absl::ToChronoTime(deadline), [&] { return done(); });
+  }
+  std::string name() const override { return "wall"; }
+};
+
+}  // namespace
+
+const Clock& WallClock() {
+  static const WallClockImpl* const clock = new WallClockImpl();
+  return *clock;
+}
+
+absl::Time ManualClock::Now() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return now_;
+}
+
+bool ManualClock::WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                            absl::Time deadline, absl::FunctionRef<bool()> done) const {
+  if (deadline == absl::InfiniteFuture()) {
+    cv.wait(lock, [&] { return done(); });
+    return true;
+  }
+  // Advance() notifies `cv` without holding the waiter's mutex (it cannot take it safely: the
+  // waiter holds it while registering here), so a notification can fall between the waiter's
+  // check and its wait. The short wall-clock re-check bounds how late such a waiter wakes.
+  constexpr auto kRecheck = std::chrono::milliseconds(2);
+  while (!done()) {
+    {
+      std::lock_guard<std::mutex> clock_lock(mu_);
+      if (now_ >= deadline) return false;
+      waiting_.push_back(&cv);
+    }
+    cv.wait_for(lock, kRecheck);
+    std::lock_guard<std::mutex> clock_lock(mu_);
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &cv));
+  }
+  return true;
+}
+
+void ManualClock::Advance(absl::Duration d) {
+  SL_CHECK(d >= absl::ZeroDuration())
+      << "ManualClock::Advance: negative duration " << absl::FormatDuration(d);
+  std::lock_guard<std::mutex> lock(mu_);
+  now_ += d;
+  for (std::condition_variable* cv : waiting_) cv->notify_all();
+}
+
+void ManualClock::Set(absl::Time t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  now_ = std::max(now_, t);
+  for (std::condition_variable* cv : waiting_) cv->notify_all();
+}
+
+int ManualClock::waiters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(waiting_.size());
+}
+
+}  // namespace shardline

@@ -1,0 +1,111 @@
+#include "runtime/stream_ops.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/host_kernels.h"
+#include "runtime/status.h"
+
+#ifdef SHARDLINE_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/cuda_kernels.h"
+#endif
+
+namespace shardline {
+namespace {
+
+// A host op: its name, kind and cost, then `run`.
+template <typename Run>
+absl::Status SubmitHost(Stream& stream, StreamOpKind kind, std::string name, uint64_t bytes,
+                        Run run) {
+  StreamOp op;
+  op.name = std::move(name);
+  op.kind = kind;
+  op.bytes = bytes;
+  op.run = std::move(run);
+  return stream.Submit(std::move(op));
+}
+
+#ifdef SHARDLINE_WITH_CUDA
+cudaStream_t CudaHandle(Stream& stream) {
+  return static_cast<cudaStream_t>(stream.native_handle());
+}
+#endif
+
+// Unimplemented for a device this build cannot reach.
+absl::Status NoDevice(const Stream& stream) {
+  return absl::UnimplementedError(absl::StrCat("stream '", stream.name(), "' is on ",
+                                               stream.device().ToString(),
+                                               ", which needs a CUDA build of shardline"));
+}
+
+}  // namespace
+
+absl::Status EnqueueCast(Stream& stream, const void* src, DType src_dtype, void* dst,
+                         DType dst_dtype, size_t count) {
+  if (count == 0) return absl::OkStatus();
+  if (stream.device().is_host()) {
+    return SubmitHost(stream, StreamOpKind::kCast,
+                      absl::StrCat("cast ", DTypeName(src_dtype), "->", DTypeName(dst_dtype)),
+                      count * DTypeSize(src_dtype),
+                      [=]() { return Cast(src, src_dtype, dst, dst_dtype, count); });
+  }
+#ifdef SHARDLINE_WITH_CUDA
+  return CudaCast(src, src_dtype, dst, dst_dtype, count, CudaHandle(stream));
+#else
+  return NoDevice(stream);
+#endif
+}
+
+absl::Status EnqueueReduce(Stream& stream, void* inout, const void* in, size_t count, DType dtype,
+                           ReduceOp op) {
+  if (count == 0) return absl::OkStatus();
+  if (stream.device().is_host()) {
+    return SubmitHost(stream, StreamOpKind::kReduce,
+                      absl::StrCat("reduce ", ReduceOpName(op), " ", DTypeName(dtype)),
+                      2 * count * DTypeSize(dtype),
+                      [=]() { return Reduce(inout, in, count, dtype, op); });
+  }
+#ifdef SHARDLINE_WITH_CUDA
+  return CudaReduce(inout, in, count, dtype, op, CudaHandle(stream));
+#else
+  return NoDevice(stream);
+#endif
+}
+
+absl::Status EnqueueFill(Stream& stream, void* data, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (stream.device().is_host()) {
+    return SubmitHost(stream, StreamOpKind::kFill, "zero fill", bytes, [=]() {
+      std::memset(data, 0, bytes);
+      return absl::OkStatus();
+    });
+  }
+#ifdef SHARDLINE_WITH_CUDA
+  return Annotate(SL_CUDA_STATUS(cudaMemsetAsync(data, 0, bytes, CudaHandle(stream))),
+                  absl::StrCat("stream '", stream.name(), "': zero fill of ", bytes, " bytes"));
+#else
+  return NoDevice(stream);
+#endif
+}
+
+absl::Status EnqueueCopy(Stream& stream, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (stream.device().is_host()) {
+    return SubmitHost(stream, StreamOpKind::kCopy, "copy", bytes, [=]() {
+      std::memmove(dst, src, bytes);
+      return absl::OkStatus();
+    });
+  }
+#ifdef SHARDLINE_WITH_CUDA
+  return Annotate(
+      SL_CUDA_STATUS(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, CudaHandle(stream))),
+      absl::StrCat("stream '", stream.name(), "': copy of ", bytes, " bytes"));
+#else
+  return NoDevice(stream);
+#endif
+}
+
+}  // namespace shardline

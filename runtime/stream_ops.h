@@ -1,0 +1,42 @@
+// File: runtime/stream_ops.h
+// -----------------------------------------------------------------------------
+// The element-wise operations the scheduler enqueues on its streams, dispatched by the stream's
+// device: on host and caller streams a StreamOp (runtime/stream.h) with its declared cost that
+// runs the host kernel (runtime/host_kernels.h); on CUDA streams the CUDA kernel
+// (runtime/cuda/cuda_kernels.h), cudaMemsetAsync or cudaMemcpyAsync on the stream. The layers
+// above never see a device branch: they call these.
+//
+// Every function returns without waiting. An error means nothing was enqueued (the stream is
+// poisoned, an argument is invalid, a launch failed). Errors during execution poison the stream.
+// A count of 0 enqueues nothing. Pointers must stay valid until the op has run: order their
+// release after an event recorded on the stream afterwards.
+
+#ifndef SHARDLINE_RUNTIME_STREAM_OPS_H_
+#define SHARDLINE_RUNTIME_STREAM_OPS_H_
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "runtime/dtype.h"
+#include "runtime/stream.h"
+
+namespace shardline {
+
+// dst[i] = (dst_dtype) src[i] for i < count (a copy when the dtypes agree).
+absl::Status EnqueueCast(Stream& stream, const void* src, DType src_dtype, void* dst,
+                         DType dst_dtype, size_t count);
+
+// inout[i] = op(inout[i], in[i]) for i < count.
+absl::Status EnqueueReduce(Stream& stream, void* inout, const void* in, size_t count, DType dtype,
+                           ReduceOp op = ReduceOp::kSum);
+
+// `bytes` zero bytes at `data`.
+absl::Status EnqueueFill(Stream& stream, void* data, size_t bytes);
+
+// `bytes` from `src` to `dst`, both in memory the stream's device can address (for a CUDA
+// stream: device, pinned or managed memory; a copy between host and device is allowed).
+absl::Status EnqueueCopy(Stream& stream, void* dst, const void* src, size_t bytes);
+
+}  // namespace shardline
+
+#endif  // SHARDLINE_RUNTIME_STREAM_OPS_H_
