@@ -214,9 +214,10 @@ absl::Status Communicator::Launch(Op op, Stream& stream) {
   run.name = op.fingerprint.ToString();
   run.kind = StreamOpKind::kCollective;
   run.bytes = std::max(op.input_count, op.output_count) * op.element_size;
-  run.run = [self = shared_from_this(), op, clock = &stream.clock()]() mutable -> absl::Status {
+  op.clock = &stream.clock();
+  run.run = [self = shared_from_this(), op]() mutable -> absl::Status {
     SL_RETURN_IF_ERROR(self->status());
-    op.deadline = clock->Now() + op.timeout;
+    op.deadline = op.clock->Now() + op.timeout;
     absl::Status status = self->Run(op);
     if (!status.ok()) self->Abort(status);
     return status;
@@ -293,6 +294,10 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
     }
   }
   SL_RETURN_IF_ERROR(CheckStream(stream));
+  if (&stream.clock() != &WallClock() && !AcceptsAnyClock()) {
+    return invalid("stream '", stream.name(), "' runs on a ", stream.clock().name(),
+                   " clock, but the ", backend(), " backend moves data in wall-clock time");
+  }
   // Issue order across streams: this collective starts after the previous one finished. Nothing
   // is spent if the wait cannot be enqueued (the stream is poisoned, say).
   if (absl::Status waited = WaitUnlessSameStream(stream, last_done_); !waited.ok()) {

@@ -228,10 +228,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     CollectiveFingerprint fingerprint;
     const void* input = nullptr;
     void* output = nullptr;
-    // How long the op may run once started; Launch() sets `deadline` = start + timeout before
-    // calling Run().
+    // How long the op may run once started; Launch() sets `deadline` = start + timeout, on the
+    // clock of the op's stream (`clock`), before calling Run().
     absl::Duration timeout;
     absl::Time deadline = absl::InfiniteFuture();
+    const Clock* clock = &WallClock();
     // Bytes per element and elements of input and output, for convenience.
     size_t element_size = 0;
     size_t input_count = 0;
@@ -251,6 +252,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // The stream kinds this backend can run on (default: host memory on host/caller streams).
   virtual absl::Status CheckStream(const Stream& stream) const;
+  // Whether this backend's waits follow any stream clock (the local backend: its ranks are
+  // threads that wait on one another) or need the wall clock (default: backends that move data
+  // over real transports).
+  virtual bool AcceptsAnyClock() const { return false; }
 
   // Split() after validation. The default agrees on the membership with an AllGather of every
   // rank's (color, key) over this communicator (on a caller stream, host memory) and calls

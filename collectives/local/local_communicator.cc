@@ -39,7 +39,8 @@ class LocalGroup {
 
   // Enters the next barrier phase and waits until every rank has entered it. On a deadline,
   // fills `missing` with the ranks that had not and returns false with OK status.
-  absl::Status Arrive(int rank, absl::Time deadline, std::vector<int>* missing, bool* timed_out) {
+  absl::Status Arrive(int rank, const Clock& clock, absl::Time deadline, std::vector<int>* missing,
+                      bool* timed_out) {
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t target = ++slots_[rank].phases;
     cv_.notify_all();
@@ -47,15 +48,12 @@ class LocalGroup {
       return std::all_of(slots_.begin(), slots_.end(),
                          [&](const Slot& s) { return s.phases >= target; });
     };
-    while (!all_arrived() && status_.ok()) {
-      if (cv_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout &&
-          !all_arrived() && status_.ok()) {
-        for (int r = 0; r < size_; ++r) {
-          if (slots_[r].phases < target) missing->push_back(r);
-        }
-        *timed_out = true;
-        return absl::OkStatus();
+    if (!clock.WaitUntil(cv_, lock, deadline, [&] { return all_arrived() || !status_.ok(); })) {
+      for (int r = 0; r < size_; ++r) {
+        if (slots_[r].phases < target) missing->push_back(r);
       }
+      *timed_out = true;
+      return absl::OkStatus();
     }
     return status_;
   }
@@ -105,6 +103,7 @@ class LocalCommunicator final : public Communicator {
         group_(std::move(group)) {}
 
   absl::string_view backend() const override { return "local"; }
+  bool AcceptsAnyClock() const override { return true; }
 
  protected:
   absl::Status Run(const Op& op) override;
@@ -126,7 +125,7 @@ class LocalCommunicator final : public Communicator {
   absl::Status Phase(const Op& op) {
     std::vector<int> missing;
     bool timed_out = false;
-    absl::Status status = group_->Arrive(rank(), op.deadline, &missing, &timed_out);
+    absl::Status status = group_->Arrive(rank(), *op.clock, op.deadline, &missing, &timed_out);
     if (timed_out) return DeadlineError(op, missing);
     if (!status.ok()) return Annotate(status, Describe(op));
     return absl::OkStatus();

@@ -5,7 +5,9 @@
 // count (on both sides of the small-message threshold) against plain-loop references, in place
 // and out of place; splits; mismatches that write nothing and fail on every rank naming both
 // ranks; a missing rank (DeadlineExceeded naming it); an abort that reaches peers blocked in a
-// collective; Work handles that order another stream.
+// collective; Work handles that order another stream; collectives issued on two streams (and
+// from two threads) in issue order; a collective dropped by a poisoned stream failing every rank
+// at once; Dup; peer errors told apart from local ones.
 //
 //   struct UcxBackend {
 //     static constexpr const char* kName = "ucx";                 // Communicator::backend()
@@ -21,6 +23,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cmath>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -32,6 +37,7 @@
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
 #include "runtime/stream.h"
+#include "tests/common/gate.h"
 #include "tests/common/typed_values.h"
 
 namespace shardline::testing {
@@ -56,6 +62,23 @@ inline void RunRanks(const Comms& comms, const RankFn& fn) {
     });
   }
   for (std::thread& t : threads) t.join();
+}
+
+// A float in [-1, 1) with a full mantissa, from a hash of (rank, i, salt): no period, and sums
+// of them are not exact, so a misplaced block or a wrong reduction order shows.
+inline float HashedFloat(int rank, size_t i, int salt = 0) {
+  uint64_t x = (static_cast<uint64_t>(rank) << 48) ^ (static_cast<uint64_t>(salt) << 40) ^ i;
+  x += 0x9E3779B97F4A7C15ull;  // splitmix64
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return static_cast<float>(static_cast<double>(x >> 40) / static_cast<double>(1ull << 23) - 1.0);
+}
+
+inline std::vector<float> HashedFloats(int rank, size_t count, int salt = 0) {
+  std::vector<float> values(count);
+  for (size_t i = 0; i < count; ++i) values[i] = HashedFloat(rank, i, salt);
+  return values;
 }
 
 inline absl::Status WaitFor(const absl::StatusOr<Work>& work) {
@@ -404,13 +427,188 @@ TYPED_TEST_P(CommunicatorConformanceTest, WorkHandleSynchronizesAnotherStream) {
   });
 }
 
+// FSDP's shape: all-gathers on a gather stream, reduce-scatters and all-reduces on a reduce
+// stream, one communicator, the two streams released at the same moment, in both issue orders.
+// Results must be as if issued serially; every element is checked.
+TYPED_TEST_P(CommunicatorConformanceTest, CollectivesOnTwoStreamsRunInIssueOrder) {
+  const int n = 3;
+  RunRanks(this->Make(n), [&](int r, Communicator& comm, Stream& gather) {
+    auto reduce = *CreateHostStream({.name = absl::StrCat("reduce", r)});
+    int salt = 0;
+    for (size_t count : {size_t{1001}, size_t{70001}}) {  // both sides of ucx's small threshold
+      for (int iter = 0; iter < 4; ++iter, salt += 3) {
+        const bool gather_first = iter % 2 == 0;
+        std::vector<float> shard = HashedFloats(r, count, salt);
+        std::vector<float> full(n * count, -7.0f);
+        std::vector<float> grad = HashedFloats(r, n * count, salt + 1);
+        std::vector<float> reduced(count, -7.0f);
+        std::vector<float> norm = HashedFloats(r, 5, salt + 2);
+        Gate start;
+        ASSERT_TRUE(gather.Enqueue(BlockOn(start)).ok());
+        ASSERT_TRUE(reduce->Enqueue(BlockOn(start)).ok());
+        auto issue_gather = [&] {
+          return comm.AllGather(shard.data(), full.data(), count, DType::kF32, gather);
+        };
+        auto issue_reduce = [&] {
+          return comm.ReduceScatter(grad.data(), reduced.data(), count, DType::kF32, *reduce);
+        };
+        absl::StatusOr<Work> g = gather_first ? issue_gather() : issue_reduce();
+        absl::StatusOr<Work> rs = gather_first ? issue_reduce() : issue_gather();
+        if (!gather_first) std::swap(g, rs);
+        absl::StatusOr<Work> ar =
+            comm.AllReduce(norm.data(), norm.data(), norm.size(), DType::kF32, *reduce);
+        start.Open();
+        ASSERT_TRUE(WaitFor(g).ok()) << WaitFor(g);
+        ASSERT_TRUE(WaitFor(rs).ok()) << WaitFor(rs);
+        ASSERT_TRUE(WaitFor(ar).ok()) << WaitFor(ar);
+        for (int s = 0; s < n; ++s) {
+          for (size_t i = 0; i < count; ++i) {
+            ASSERT_EQ(full[s * count + i], HashedFloat(s, i, salt)) << "block " << s << " " << i;
+          }
+        }
+        for (size_t i = 0; i < count; ++i) {
+          double ref = 0;
+          for (int s = 0; s < n; ++s) ref += HashedFloat(s, r * count + i, salt + 1);
+          ASSERT_NEAR(reduced[i], ref, 1e-5) << i;
+        }
+        for (size_t i = 0; i < norm.size(); ++i) {
+          double ref = 0;
+          for (int s = 0; s < n; ++s) ref += HashedFloat(s, i, salt + 2);
+          ASSERT_NEAR(norm[i], ref, 1e-5) << i;
+        }
+      }
+    }
+  });
+}
+
+// Two threads of each rank issue barriers on one communicator at the same time (PyTorch runs
+// backward hooks on its own threads). Barriers are all alike, so any interleaving is an order
+// the ranks agree on; every sequence number must be used exactly once.
+TYPED_TEST_P(CommunicatorConformanceTest, ThreadsIssueOnOneCommunicatorAtOnce) {
+  const int n = 2;
+  constexpr int kPerThread = 20;
+  RunRanks(this->Make(n), [&](int r, Communicator& comm, Stream& stream) {
+    auto other = *CreateHostStream({.name = absl::StrCat("hook", r)});
+    std::vector<Work> works[2];
+    std::thread helper([&] {
+      for (int i = 0; i < kPerThread; ++i) {
+        absl::StatusOr<Work> w = comm.Barrier(*other);
+        ASSERT_TRUE(w.ok()) << w.status();
+        works[1].push_back(*w);
+      }
+    });
+    for (int i = 0; i < kPerThread; ++i) {
+      absl::StatusOr<Work> w = comm.Barrier(stream);
+      ASSERT_TRUE(w.ok()) << w.status();
+      works[0].push_back(*w);
+    }
+    helper.join();
+    for (auto& list : works) {
+      for (Work& w : list) ASSERT_TRUE(w.Wait(absl::Now() + absl::Seconds(60)).ok());
+    }
+    EXPECT_EQ(comm.next_seq(), 2u * kPerThread);
+  });
+}
+
+// The stream that should run rank 0's all-reduce is poisoned after the collective was enqueued:
+// the collective never runs. Every rank must fail at once with an error naming it, not at the
+// communicator's timeout.
+TYPED_TEST_P(CommunicatorConformanceTest, CollectiveDroppedByAPoisonedStreamFailsEveryRank) {
+  const int n = 3;
+  const absl::Duration timeout = absl::Seconds(120);
+  std::vector<absl::Status> results(n);
+  const absl::Time start = absl::Now();
+  RunRanks(this->Make(n, timeout), [&](int r, Communicator& comm, Stream& stream) {
+    std::vector<float> buffer = HashedFloats(r, 1000);
+    Gate gate;
+    if (r == 0) {
+      ASSERT_TRUE(stream
+                      .Enqueue([&gate] {
+                        gate.Wait();
+                        return absl::InternalError("the framework's kernel failed");
+                      })
+                      .ok());
+    }
+    absl::StatusOr<Work> work =
+        comm.AllReduce(buffer.data(), buffer.data(), buffer.size(), DType::kF32, stream);
+    gate.Open();
+    results[r] = WaitFor(work);
+  });
+  EXPECT_LT(absl::Now() - start, timeout / 4) << "the peers waited for their deadline";
+  for (int r = 0; r < n; ++r) {
+    EXPECT_FALSE(results[r].ok());
+    // Rank 0's own Work reports its stream's failure; the peers learn of the skipped collective.
+    if (r > 0) {
+      EXPECT_TRUE(absl::StrContains(results[r].message(), "all_reduce #0")) << results[r];
+      EXPECT_TRUE(absl::StrContains(results[r].message(), "never ran")) << results[r];
+      EXPECT_TRUE(absl::StrContains(results[r].message(), "the framework's kernel failed"))
+          << results[r];
+      EXPECT_TRUE(IsPeerError(results[r])) << results[r];
+    }
+  }
+}
+
+// A duplicate has its own issue order: a collective on it runs while the original
+// communicator's collective is still held back on its stream.
+TYPED_TEST_P(CommunicatorConformanceTest, DupRunsIndependentlyOfTheOriginal) {
+  const int n = 2;
+  RunRanks(this->Make(n), [&](int r, Communicator& comm, Stream& stream) {
+    absl::StatusOr<std::shared_ptr<Communicator>> dup = comm.Dup(absl::Now() + absl::Seconds(60));
+    ASSERT_TRUE(dup.ok()) << dup.status();
+    ASSERT_NE(*dup, nullptr);
+    EXPECT_EQ((*dup)->rank(), r);
+    EXPECT_EQ((*dup)->size(), n);
+    EXPECT_EQ((*dup)->next_seq(), 0u);
+    auto other = *CreateHostStream({.name = absl::StrCat("dup", r)});
+    Gate gate;
+    ASSERT_TRUE(stream.Enqueue(BlockOn(gate)).ok());
+    std::vector<float> held = HashedFloats(r, 64, 1);
+    absl::StatusOr<Work> first =
+        comm.AllReduce(held.data(), held.data(), held.size(), DType::kF32, stream);
+    std::vector<float> free_running = HashedFloats(r, 64, 2);
+    absl::StatusOr<Work> second = (*dup)->AllReduce(free_running.data(), free_running.data(),
+                                                    free_running.size(), DType::kF32, *other);
+    // Completes although the original's collective, issued first, has not started.
+    EXPECT_TRUE(WaitFor(second).ok()) << WaitFor(second);
+    EXPECT_FALSE(first->IsCompleted());
+    gate.Open();
+    EXPECT_TRUE(WaitFor(first).ok()) << WaitFor(first);
+    for (size_t i = 0; i < held.size(); ++i) {
+      ASSERT_NEAR(free_running[i], HashedFloat(0, i, 2) + HashedFloat(1, i, 2), 1e-6);
+      ASSERT_NEAR(held[i], HashedFloat(0, i, 1) + HashedFloat(1, i, 1), 1e-6);
+    }
+  });
+}
+
+// A local bad argument is not a peer's fault; a disagreement is.
+TYPED_TEST_P(CommunicatorConformanceTest, PeerErrorsAreToldApartFromLocalOnes) {
+  const int n = 2;
+  std::vector<absl::Status> results(n);
+  RunRanks(this->Make(n), [&](int r, Communicator& comm, Stream& stream) {
+    absl::StatusOr<Work> bad = comm.AllGather(nullptr, nullptr, 4, DType::kF32, stream);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_FALSE(IsPeerError(bad.status())) << bad.status();
+    std::vector<float> in(8), out(8 * n);
+    results[r] =
+        WaitFor(comm.AllGather(in.data(), out.data(), r == 1 ? 8 : 7, DType::kF32, stream));
+  });
+  for (const absl::Status& status : results) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_TRUE(IsPeerError(status)) << status;
+  }
+}
+
 REGISTER_TYPED_TEST_SUITE_P(CommunicatorConformanceTest, AllGather, ReduceScatter, AllReduce,
                             BroadcastFromEveryRoot, AllToAll, SplitIntoReversedHalves,
                             OddMegaElementBuffers, MismatchedCountsFailOnEveryRankNamingBoth,
                             MismatchedSmallAndLargeCountsWriteNothing, MismatchedDTypesAndKindsFail,
                             MissingRankIsADeadlineErrorNamingIt,
                             AbortReachesPeersBlockedInACollective,
-                            WorkHandleSynchronizesAnotherStream);
+                            WorkHandleSynchronizesAnotherStream,
+                            CollectivesOnTwoStreamsRunInIssueOrder,
+                            ThreadsIssueOnOneCommunicatorAtOnce,
+                            CollectiveDroppedByAPoisonedStreamFailsEveryRank,
+                            DupRunsIndependentlyOfTheOriginal, PeerErrorsAreToldApartFromLocalOnes);
 
 }  // namespace shardline::testing
 
