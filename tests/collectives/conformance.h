@@ -32,7 +32,7 @@
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
 #include "runtime/stream.h"
-#include "tests/common/typed_values.h"
+#include "testing/typed_values.h"
 
 namespace shardline::testing {
 
