@@ -34,8 +34,8 @@
 //   algbw = S / t;   busbw = algbw * factor, factor = 2(n-1)/n for all-reduce, (n-1)/n for
 //   all-gather, reduce-scatter and all-to-all (S being the total size), 1 for broadcast.
 //
-// Data: inputs are small integers (exact in every dtype, so sums of a few ranks are exact;
-// bench/perf/values.h); outputs start as a NaN/-1 sentinel; #wrong
+// Data: inputs are small integers hashed from (rank, index, seed) (exact in every dtype, so sums
+// of a few ranks are exact; bench/perf/values.h); outputs start as a NaN/-1 sentinel; #wrong
 // counts output elements that differ from a plain-loop reference (relative tolerance for
 // averaged floats), summed over ranks. The process exits 1 if any element was wrong or a
 // collective failed (the error is printed with its rank).

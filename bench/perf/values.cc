@@ -6,10 +6,24 @@
 #include "testing/typed_values.h"
 
 namespace shardline::perf {
+namespace {
+
+// splitmix64's finalizer: every input bit affects every output bit.
+uint64_t Mix(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
 double InputValue(DType dtype, bool reducing, int rank, size_t index, uint64_t seed) {
-  const uint64_t mix = static_cast<uint64_t>(rank) * 97 + index * 31 + seed * 17;
-  if (reducing) return static_cast<double>(mix % 13);
-  return static_cast<double>(mix % (dtype == DType::kI8 ? 127 : 251));
+  // Rank and seed are hashed before they meet the index, so no (rank, index) pair of a run
+  // aliases another one.
+  const uint64_t key = Mix(seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(rank)) + index;
+  const uint64_t h = Mix(key);
+  if (reducing) return static_cast<double>(h % 13);
+  return static_cast<double>(h % (dtype == DType::kI8 ? 127 : 251));
 }
 
 double ReducedValue(const CheckArgs& a, size_t index) {

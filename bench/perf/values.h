@@ -3,7 +3,10 @@
 // The data of the perf binaries: what every rank writes into its input, and the plain-loop
 // reference its output is checked against (#wrong).
 //
-// Values are small integers that sum exactly in every floating dtype for a few ranks, so the
+// Values are a hash of (rank, index, seed), reduced to small integers: no period in the index
+// and none across ranks, so a block that lands at the wrong offset, or comes from the wrong
+// rank, differs from the reference in most of its elements. Integers in [0, 12] sum exactly in
+// every floating dtype for a few ranks in any order (bf16 holds every integer up to 256), so the
 // reference of a sum, min or max is exact whatever order a backend reduces in. Averages of
 // floats are scaled by a rounded 1/n: CheckTolerance allows a few units in the last place.
 
