@@ -17,6 +17,7 @@
 
 namespace shardline::perf {
 
+// The parsed command line; the defaults are nccl-tests' (bench/perf/common.h lists the flags).
 struct Options {
   size_t min_bytes = size_t{32} << 20;
   size_t max_bytes = size_t{32} << 20;

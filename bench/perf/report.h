@@ -30,6 +30,7 @@ struct Cell {
   int64_t wrong = -1;  // -1: not checked
 };
 
+// One printed row: one size of one datatype and op.
 struct Row {
   size_t bytes = 0;
   size_t count = 0;
