@@ -187,7 +187,7 @@ class FlatLayout {
   void ZeroShardPadding(int shard, void* shard_data) const;
 
   // --- Identity -----------------------------------------------------------------------------
-  // Versioned little-endian binary form (see flat_layout.cc for the format). Deserialize
+  // Versioned little-endian binary form (see flat_layout_serialize.cc for the format). Deserialize
   // rejects truncated, trailing, garbage or inconsistent input with InvalidArgument; it never
   // crashes, and its allocations are bounded by the input size and kMaxFlatLayoutShards.
   std::string Serialize() const;
@@ -228,25 +228,6 @@ std::ostream& operator<<(std::ostream& os, const FlatLayout& layout);
 // tensor count. `a_label`/`b_label` name the two sides in the message ("local", "rank 0").
 absl::Status CompareLayouts(const FlatLayout& a, const FlatLayout& b,
                             absl::string_view a_label = "a", absl::string_view b_label = "b");
-
-// --- Norms (gradient clipping) ------------------------------------------------------------
-// `shard_data` holds shard_elements() elements of `dtype` laid out as the layout's shard
-// `shard` (dtype may differ from element_dtype: the same element offsets, another buffer).
-// Padding is skipped. Sums are accumulated in double in slice order, so they are deterministic.
-// Supported dtypes: f32, f64, f16, bf16; the integer dtypes are InvalidArgument, as are a shard
-// out of range and null data for a shard with tensor elements.
-
-// Sum of squares of every tensor element of the shard.
-absl::StatusOr<double> ShardSquaredNorm(const FlatLayout& layout, int shard, const void* shard_data,
-                                        DType dtype);
-// Adds each tensor's sum of squares over the shard to sums[tensor] (sums has num_tensors()
-// entries; ties get nothing, their storage tensor gets the sum). Summing these vectors over all
-// shards (an all-reduce) gives each tensor's squared norm: per-parameter clipping.
-absl::Status AccumulateTensorSquaredNorms(const FlatLayout& layout, int shard,
-                                          const void* shard_data, DType dtype,
-                                          absl::Span<double> sums);
-// sqrt of the sum of per-shard partial sums of squares: the global L2 norm.
-double GlobalL2Norm(absl::Span<const double> partial_sums_of_squares);
 
 }  // namespace shardline
 

@@ -58,9 +58,9 @@ int64_t ExactDivisor(double factor);
 
 // memcpy(dst, src, bytes) for a destination that is not read again soon: from
 // kStreamingCopyMinBytes on (x86-64), the stores bypass the caches (non-temporal), so the
-// destination's lines are not read before they are overwritten and do not evict useful data.
-// On this project's development VM that copies 32 MiB at 14-15 GB/s against glibc memcpy's
-// 8-10 GB/s. Smaller copies, and other architectures, use memcpy. dst and src must not overlap.
+// destination's lines are not read before they are overwritten and do not evict useful data
+// (docs/benchmarks.md has the measurement). Smaller copies, and other architectures, use memcpy.
+// dst and src must not overlap.
 void CopyStreaming(void* dst, const void* src, size_t bytes);
 inline constexpr size_t kStreamingCopyMinBytes = 256 * 1024;
 

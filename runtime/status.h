@@ -12,7 +12,9 @@
 //
 // The site that decides what went wrong writes the message, with the cause and the
 // coordinates (collective, rank, peer, sizes); callers only pass it up with the macros below.
-// Debian's abseil (20220623) predates ABSL_RETURN_IF_ERROR, hence our own.
+// Debian's abseil (20220623) predates ABSL_RETURN_IF_ERROR, hence our own. This header is
+// installed, so it defines only SL_-prefixed names: an embedding framework's own
+// RETURN_IF_ERROR or ASSIGN_OR_RETURN never depends on include order.
 
 #ifndef SHARDLINE_RUNTIME_STATUS_H_
 #define SHARDLINE_RUNTIME_STATUS_H_
@@ -41,15 +43,6 @@
   auto statusor = (rexpr);                                          \
   if (ABSL_PREDICT_FALSE(!statusor.ok())) return statusor.status(); \
   lhs = std::move(statusor).value()
-
-// The short names the style guide uses. Guarded so that an embedding framework that defines
-// its own macros of the same name keeps them (ours are then available under the SL_ names).
-#ifndef RETURN_IF_ERROR
-#define RETURN_IF_ERROR(expr) SL_RETURN_IF_ERROR(expr)
-#endif
-#ifndef ASSIGN_OR_RETURN
-#define ASSIGN_OR_RETURN(lhs, rexpr) SL_ASSIGN_OR_RETURN(lhs, rexpr)
-#endif
 
 namespace shardline {
 

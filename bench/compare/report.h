@@ -180,11 +180,20 @@ inline std::vector<Point> Points(const Flags& f) {
   return points;
 }
 
-// The same float pattern as bench/perf/common.cc's InputValue.
+// splitmix64's finalizer, as bench/perf/values.cc.
+inline unsigned long long Mix(unsigned long long x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The same float pattern as bench/perf/values.cc's InputValue: small integers hashed from
+// (rank, index, seed), with no period that a misplaced block could hide in.
 inline float Input(bool reducing, int rank, size_t index, unsigned seed) {
-  const unsigned long long mix =
-      static_cast<unsigned long long>(rank) * 97 + index * 31 + seed * 17;
-  return static_cast<float>(reducing ? mix % 13 : mix % 251);
+  const unsigned long long key =
+      Mix(seed * 0x9e3779b97f4a7c15ull + static_cast<unsigned long long>(rank)) + index;
+  const unsigned long long h = Mix(key);
+  return static_cast<float>(reducing ? h % 13 : h % 251);
 }
 
 inline void Fill(float* p, size_t count, bool reducing, int rank, unsigned seed) {

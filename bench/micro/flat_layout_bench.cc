@@ -13,6 +13,7 @@
 #include "runtime/check.h"
 #include "runtime/flat_layout.h"
 #include "runtime/reshard_plan.h"
+#include "runtime/shard_norms.h"
 
 namespace shardline {
 namespace {

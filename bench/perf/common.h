@@ -34,10 +34,16 @@
 //   algbw = S / t;   busbw = algbw * factor, factor = 2(n-1)/n for all-reduce, (n-1)/n for
 //   all-gather, reduce-scatter and all-to-all (S being the total size), 1 for broadcast.
 //
-// Data: inputs are small integers (exact in every dtype, so sums of a few ranks are exact);
-// outputs start as a NaN/-1 sentinel; #wrong counts output elements that differ from a plain-loop
-// reference (relative tolerance for averaged floats), summed over ranks. The process exits 1 if
-// any element was wrong or a collective failed (the error is printed with its rank).
+// Data: inputs are small integers hashed from (rank, index, seed) (exact in every dtype, so sums
+// of a few ranks are exact; bench/perf/values.h); outputs start as a NaN/-1 sentinel; #wrong
+// counts output elements that differ from a plain-loop reference (relative tolerance for
+// averaged floats), summed over ranks. The process exits 1 if any element was wrong or a
+// collective failed (the error is printed with its rank).
+//
+// Files: this header is what each <collective>_perf.cc fills in (a CollectiveSpec) and calls
+// (PerfMain, in common.cc). flags.h parses the command line, runner.h runs one rank's sweep,
+// report.h prints the table and writes the JSON, memory.h holds the buffers, values.h the data
+// and its reference.
 
 #ifndef SHARDLINE_BENCH_PERF_COMMON_H_
 #define SHARDLINE_BENCH_PERF_COMMON_H_
@@ -46,6 +52,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "bench/perf/values.h"
 #include "collectives/communicator.h"
 #include "runtime/dtype.h"
 #include "runtime/stream.h"
@@ -73,24 +80,6 @@ struct IssueArgs {
   ReduceOp op;
   int root;
 };
-
-// What the reference needs to know about one checked call.
-struct CheckArgs {
-  int rank;
-  int nranks;
-  size_t count;  // CollCounts::param
-  DType dtype;
-  ReduceOp op;
-  int root;
-  uint64_t seed;
-};
-
-// Element `index` of rank `rank`'s input. `reducing`: values small enough that the sum over a
-// few ranks stays exact in bf16; otherwise spread wider (0..250) so that misplaced blocks show.
-double InputValue(DType dtype, bool reducing, int rank, size_t index, uint64_t seed);
-// op over the ranks, in rank order, of InputValue(reducing=true, s, index): the reference of
-// reduce-scatter and all-reduce (kAvg divides; integers truncate, as the backends do).
-double ReducedValue(const CheckArgs& args, size_t index);
 
 struct CollectiveSpec {
   const char* binary;  // "all_gather_perf"

@@ -38,7 +38,7 @@
 #include "collectives/communicator.h"
 #include "runtime/stream.h"
 #include "tests/common/gate.h"
-#include "tests/common/typed_values.h"
+#include "testing/typed_values.h"
 
 namespace shardline::testing {
 

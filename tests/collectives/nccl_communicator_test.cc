@@ -45,8 +45,8 @@ TEST(NcclCommunicatorTest, BootstrapSaysTheBackendIsMissing) {
 #include "collectives/nccl/nccl_communicator.h"
 #include "runtime/config.h"
 #include "runtime/stream.h"
+#include "testing/typed_values.h"
 #include "tests/common/scoped_env.h"
-#include "tests/common/typed_values.h"
 
 namespace shardline {
 namespace {

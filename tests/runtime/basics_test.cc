@@ -5,6 +5,12 @@
 #include "runtime/dtype.h"
 #include "runtime/status.h"
 
+// runtime/status.h is installed, so it leaves the unprefixed names to the embedding framework:
+// otherwise include order would decide whose RETURN_IF_ERROR a framework's file gets.
+#if defined(RETURN_IF_ERROR) || defined(ASSIGN_OR_RETURN)
+#error "runtime/status.h defines an unprefixed status macro; it must define only SL_ names"
+#endif
+
 namespace shardline {
 namespace {
 
@@ -77,7 +83,7 @@ absl::StatusOr<int> Quarter(int x) {
 
 absl::Status CheckQuarter(int x, int* out) {
   SL_ASSIGN_OR_RETURN(*out, Quarter(x));
-  RETURN_IF_ERROR(absl::OkStatus());
+  SL_RETURN_IF_ERROR(absl::OkStatus());
   return absl::OkStatus();
 }
 

@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "runtime/check.h"
 #include "runtime/half.h"
+#include "runtime/shard_norms.h"
 #include "tests/runtime/random_layout.h"
 
 namespace shardline {

@@ -30,7 +30,7 @@
 #include "collectives/process_mesh.h"
 #include "runtime/caching_pool.h"
 #include "runtime/check.h"
-#include "tests/common/typed_values.h"
+#include "testing/typed_values.h"
 #include "tests/runtime/random_layout.h"
 
 namespace shardline {

@@ -49,7 +49,7 @@
 #include "collectives/ucx/ucx_communicator.h"
 #include "runtime/shared_memory.h"
 #include "runtime/stream.h"
-#include "tests/common/typed_values.h"
+#include "testing/typed_values.h"
 
 namespace shardline {
 namespace {

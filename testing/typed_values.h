@@ -1,12 +1,12 @@
-// File: tests/common/typed_values.h
+// File: testing/typed_values.h
 // -----------------------------------------------------------------------------
 // Test helpers: read and write one element of any DType as a double, a deterministic pattern of
 // small integers (exact in every dtype, so sums of a few ranks are exact too), and the
 // reference reductions the collectives are checked against — plain loops, independent of the
 // kernels under test.
 
-#ifndef SHARDLINE_TESTS_COMMON_TYPED_VALUES_H_
-#define SHARDLINE_TESTS_COMMON_TYPED_VALUES_H_
+#ifndef SHARDLINE_TESTING_TYPED_VALUES_H_
+#define SHARDLINE_TESTING_TYPED_VALUES_H_
 
 #include <algorithm>
 #include <cmath>
@@ -153,4 +153,4 @@ inline double Tolerance(DType dtype, ReduceOp op) {
 
 }  // namespace shardline::testing
 
-#endif  // SHARDLINE_TESTS_COMMON_TYPED_VALUES_H_
+#endif  // SHARDLINE_TESTING_TYPED_VALUES_H_
