@@ -11,12 +11,13 @@
 // Server: one io_context on its own thread; the table lives on that thread, so requests are
 // applied one at a time in arrival order. A Get/Wait on a missing key is parked and answered
 // when the key appears or its timeout passes — nothing polls. One request per connection is
-// in flight at a time and each read buffer is capped by the maximum message size, so a
-// connection costs bounded memory. A connection that sends a malformed, oversized, truncated
-// or out-of-order message is closed with one WARN line naming the peer and the reason; every
-// other connection keeps being served. If a token is configured (SHARDLINE_STORE_TOKEN), the
-// first message of every connection must carry it (compared in constant time) or the client is
-// refused.
+// in flight at a time and each read buffer is capped by the maximum message size (by
+// kMaxHelloPayloadBytes until the connection's HELLO is accepted), so a connection costs bounded
+// memory. A connection that sends a malformed, oversized, truncated or out-of-order message, or
+// that has not completed HELLO within TcpStoreServerOptions::handshake_timeout, is closed with
+// one WARN line naming the peer and the reason; every other connection keeps being served. If a
+// token is configured (SHARDLINE_STORE_TOKEN), the first message of every connection must carry
+// it (compared in constant time) or the client is refused.
 //
 // Client: connects with retries and exponential backoff until its deadline; every call is
 // bounded by a deadline (Get/Wait: the caller's; the others: TcpStoreOptions::timeout). A call
@@ -35,7 +36,6 @@
 #define SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,6 +45,10 @@
 #include "runtime/config.h"
 
 namespace shardline {
+
+namespace store_internal {
+class ServerAccess;
+}  // namespace store_internal
 
 // SHARDLINE_STORE_TOKEN: shared secret; empty (default) means no authentication.
 const Param<std::string>& ParamStoreToken();
@@ -62,6 +66,9 @@ struct TcpStoreServerOptions {
   int64_t max_message_bytes = 0;
   // Connections beyond this many are accepted and closed at once with a WARN line.
   int max_connections = 4096;
+  // A connection that has not completed HELLO this long after it was accepted is closed with a
+  // WARN line, so that half-open connections cannot hold the connection slots.
+  absl::Duration handshake_timeout = absl::Seconds(10);
 };
 
 class TcpStoreServer {
@@ -91,13 +98,11 @@ class TcpStoreServer {
     int64_t keys = 0;
   };
   Stats stats() const;
-  // Blocks until `ready(stats())` holds (re-checked at every change) or `deadline`; returns
-  // whether it holds. For tests that must know e.g. that a Get is parked before acting.
-  bool AwaitStats(const std::function<bool(const Stats&)>& ready, absl::Time deadline) const;
 
   class Impl;
 
  private:
+  friend class store_internal::ServerAccess;
   explicit TcpStoreServer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
