@@ -24,7 +24,10 @@
 // never hangs on a dead server: a closed connection is Unavailable, a silent one
 // DeadlineExceeded (for Get/Wait the server answers at the deadline; the client gives a silent
 // server 2 s more before it drops the connection). After a lost connection the next call
-// reconnects once (within 2 s). Calls from several threads are serialised on one connection.
+// reconnects once (within 2 s). Calls from several threads run concurrently, each on a
+// connection of its own, so a Set never waits behind another thread's Get for the same key; a
+// call beyond TcpStoreOptions::max_concurrent_calls waits for a free connection, but only until
+// its own deadline.
 //
 // Errors (all name host:port):
 //   port in use          FailedPrecondition "... port 29500 on 0.0.0.0 is already in use ..."
@@ -122,6 +125,10 @@ struct TcpStoreOptions {
   std::string client_name;
   // 0: SHARDLINE_STORE_MAX_MESSAGE_BYTES.
   int64_t max_message_bytes = 0;
+  // Calls in flight at once, each on a connection of its own (opened when a call finds the others
+  // busy, kept for reuse). A call beyond this many waits for a free connection until its own
+  // deadline, then fails with DeadlineExceeded naming the call.
+  int max_concurrent_calls = 8;
   // Create(is_server=true) only: where the hosted server listens.
   std::string listen_host = "0.0.0.0";
   int max_connections = 4096;

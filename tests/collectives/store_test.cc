@@ -714,6 +714,27 @@ TEST(TcpStoreTest, OversizedFrameBeforeHelloIsRefusedUnread) {
   EXPECT_EQ((*again)->Get("k", Bound()).value(), "v");
 }
 
+TEST(TcpStoreTest, HelloUpToItsBoundIsAcceptedAndALongerOneRefusedByTheClient) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  // HELLO payload: token (4 + 0 bytes), client name (4 + n bytes), rank (8 bytes).
+  const size_t longest_name = store_protocol::kMaxHelloPayloadBytes - 16;
+  TcpStoreOptions options = ClientOptions(server->port());
+  options.client_name = std::string(longest_name, 'n');
+  auto store = TcpStore::Connect(options, Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_TRUE((*store)->Set("k", "v").ok());
+
+  options.client_name = std::string(longest_name + 1, 'n');
+  const absl::Time start = absl::Now();
+  auto refused = TcpStore::Connect(options, Bound());
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("HELLO"));
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr(absl::StrCat(store_protocol::kMaxHelloPayloadBytes)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));  // no retrying
+}
+
 TEST(TcpStoreTest, ConnectionWithoutHelloIsClosedAtTheHandshakeDeadline) {
   constexpr absl::Duration kHandshake = absl::Milliseconds(200);
   TcpStoreServerOptions server_options = ServerOptions();
@@ -761,6 +782,74 @@ TEST(TcpStoreTest, HandshakeTimeoutMustBePositive) {
   auto server = TcpStoreServer::Start(options);
   EXPECT_TRUE(absl::IsInvalidArgument(server.status())) << server.status();
   EXPECT_THAT(std::string(server.status().message()), HasSubstr("handshake_timeout"));
+}
+
+TEST(TcpStoreTest, SetOnOneThreadCompletesWhileAnotherThreadsGetWaitsForIt) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto store = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  // A long Get on thread A: a Set from thread B on the same store must not wait for it.
+  constexpr absl::Duration kGetDeadline = absl::Seconds(30);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> got;
+  std::thread getter([&] { got = (*store)->Get("k", In(kGetDeadline)); });
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+  absl::Status set = (*store)->Set("k", "from B");
+  getter.join();
+  EXPECT_TRUE(set.ok()) << set;
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "from B");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // Both connections are kept for reuse: another round opens none.
+  EXPECT_EQ(server->stats().open_connections, 2);
+  std::thread second([&] { got = (*store)->Get("k2", In(kGetDeadline)); });
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+  EXPECT_TRUE((*store)->Set("k2", "again").ok());
+  second.join();
+  EXPECT_EQ(got.value_or(""), "again");
+  EXPECT_EQ(server->stats().open_connections, 2);
+}
+
+TEST(TcpStoreTest, CallBeyondMaxConcurrentCallsFailsAtItsDeadline) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  TcpStoreOptions options = ClientOptions(server->port());
+  options.max_concurrent_calls = 1;
+  options.timeout = absl::Milliseconds(200);
+  auto store = TcpStore::Connect(options, Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto peer = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+
+  absl::StatusOr<std::string> got;
+  std::thread getter([&] { got = (*store)->Get("k", Bound()); });
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+  const absl::Time start = absl::Now();
+  absl::Status set = (*store)->Set("blocked-key", "v");
+  const absl::Duration waited = absl::Now() - start;
+  EXPECT_TRUE(absl::IsDeadlineExceeded(set)) << set;
+  EXPECT_THAT(std::string(set.message()), HasSubstr("SET 'blocked-key'"));
+  EXPECT_THAT(std::string(set.message()), HasSubstr("max_concurrent_calls"));
+  EXPECT_GE(waited, absl::Milliseconds(150));
+  EXPECT_LT(waited, absl::Seconds(3));
+  // Another client releases the Get; its connection is then free for the next call.
+  ASSERT_TRUE((*peer)->Set("k", "v").ok());
+  getter.join();
+  EXPECT_EQ(got.value_or(""), "v");
+  EXPECT_TRUE((*store)->Set("blocked-key", "v").ok());
+  EXPECT_EQ(server->stats().open_connections, 2);
+}
+
+TEST(TcpStoreTest, MaxConcurrentCallsMustBePositive) {
+  TcpStoreOptions options = ClientOptions(1);
+  options.max_concurrent_calls = 0;
+  auto store = TcpStore::Connect(options, Bound());
+  EXPECT_TRUE(absl::IsInvalidArgument(store.status())) << store.status();
+  EXPECT_THAT(std::string(store.status().message()), HasSubstr("max_concurrent_calls"));
 }
 
 TEST(TcpStoreTest, ConnectionsOverTheLimitAreRefused) {
