@@ -12,7 +12,8 @@
 //
 // Payload fields: `bytes` = u32 length + that many bytes; `i64`; `u32`; `u8`;
 // `keys` = u32 count + count × bytes. Requests:
-//   HELLO        bytes token, bytes client name, i64 rank (-1: unknown)   — first on a connection
+//   HELLO        bytes token, bytes client name, i64 rank (-1: unknown)   — first on a connection,
+//                at most kMaxHelloPayloadBytes
 //   SET          bytes key, bytes value
 //   GET          bytes key, i64 timeout ms (-1: none)
 //   ADD          bytes key, i64 delta
@@ -48,6 +49,10 @@ inline constexpr size_t kHeaderBytes = 16;
 inline constexpr uint16_t kResponseBit = 0x8000;
 // The default maximum payload (SHARDLINE_STORE_MAX_MESSAGE_BYTES overrides it in tcp_store).
 inline constexpr uint32_t kDefaultMaxPayloadBytes = 64u << 20;
+// Until a connection's HELLO has been accepted, a server accepts no frame whose payload is larger
+// than this (a HELLO is a token, a client name and a rank): an unauthenticated peer cannot make
+// it buffer a maximum-size message.
+inline constexpr uint32_t kMaxHelloPayloadBytes = 4096;
 
 enum class Op : uint16_t {
   kHello = 1,

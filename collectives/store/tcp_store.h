@@ -11,19 +11,23 @@
 // Server: one io_context on its own thread; the table lives on that thread, so requests are
 // applied one at a time in arrival order. A Get/Wait on a missing key is parked and answered
 // when the key appears or its timeout passes — nothing polls. One request per connection is
-// in flight at a time and each read buffer is capped by the maximum message size, so a
-// connection costs bounded memory. A connection that sends a malformed, oversized, truncated
-// or out-of-order message is closed with one WARN line naming the peer and the reason; every
-// other connection keeps being served. If a token is configured (SHARDLINE_STORE_TOKEN), the
-// first message of every connection must carry it (compared in constant time) or the client is
-// refused.
+// in flight at a time and each read buffer is capped by the maximum message size (by
+// kMaxHelloPayloadBytes until the connection's HELLO is accepted), so a connection costs bounded
+// memory. A connection that sends a malformed, oversized, truncated or out-of-order message, or
+// that has not completed HELLO within TcpStoreServerOptions::handshake_timeout, is closed with
+// one WARN line naming the peer and the reason; every other connection keeps being served. If a
+// token is configured (SHARDLINE_STORE_TOKEN), the first message of every connection must carry
+// it (compared in constant time) or the client is refused.
 //
 // Client: connects with retries and exponential backoff until its deadline; every call is
 // bounded by a deadline (Get/Wait: the caller's; the others: TcpStoreOptions::timeout). A call
 // never hangs on a dead server: a closed connection is Unavailable, a silent one
 // DeadlineExceeded (for Get/Wait the server answers at the deadline; the client gives a silent
 // server 2 s more before it drops the connection). After a lost connection the next call
-// reconnects once (within 2 s). Calls from several threads are serialised on one connection.
+// reconnects once (within 2 s). Calls from several threads run concurrently, each on a
+// connection of its own, so a Set never waits behind another thread's Get for the same key; a
+// call beyond TcpStoreOptions::max_concurrent_calls waits for a free connection, but only until
+// its own deadline.
 //
 // Errors (all name host:port):
 //   port in use          FailedPrecondition "... port 29500 on 0.0.0.0 is already in use ..."
@@ -35,7 +39,6 @@
 #define SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,6 +48,10 @@
 #include "runtime/config.h"
 
 namespace shardline {
+
+namespace store_internal {
+class ServerAccess;
+}  // namespace store_internal
 
 // SHARDLINE_STORE_TOKEN: shared secret; empty (default) means no authentication.
 const Param<std::string>& ParamStoreToken();
@@ -62,6 +69,9 @@ struct TcpStoreServerOptions {
   int64_t max_message_bytes = 0;
   // Connections beyond this many are accepted and closed at once with a WARN line.
   int max_connections = 4096;
+  // A connection that has not completed HELLO this long after it was accepted is closed with a
+  // WARN line, so that half-open connections cannot hold the connection slots.
+  absl::Duration handshake_timeout = absl::Seconds(10);
 };
 
 class TcpStoreServer {
@@ -91,13 +101,11 @@ class TcpStoreServer {
     int64_t keys = 0;
   };
   Stats stats() const;
-  // Blocks until `ready(stats())` holds (re-checked at every change) or `deadline`; returns
-  // whether it holds. For tests that must know e.g. that a Get is parked before acting.
-  bool AwaitStats(const std::function<bool(const Stats&)>& ready, absl::Time deadline) const;
 
   class Impl;
 
  private:
+  friend class store_internal::ServerAccess;
   explicit TcpStoreServer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
@@ -117,6 +125,10 @@ struct TcpStoreOptions {
   std::string client_name;
   // 0: SHARDLINE_STORE_MAX_MESSAGE_BYTES.
   int64_t max_message_bytes = 0;
+  // Calls in flight at once, each on a connection of its own (opened when a call finds the others
+  // busy, kept for reuse). A call beyond this many waits for a free connection until its own
+  // deadline, then fails with DeadlineExceeded naming the call.
+  int max_concurrent_calls = 8;
   // Create(is_server=true) only: where the hosted server listens.
   std::string listen_host = "0.0.0.0";
   int max_connections = 4096;

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collectives/store/internal/kv_table.h"
+#include "collectives/store/internal/server_access.h"
 #include "collectives/store/internal/tcp_util.h"
 #include "collectives/store/store_protocol.h"
 #include "collectives/store/tcp_store.h"
@@ -36,6 +37,8 @@ namespace {
 constexpr size_t kMaxQueuedResponses = 2;
 // Above this, a connection's payload buffer is released after each request.
 constexpr size_t kKeepBufferBytes = 64 << 10;
+// Timers are clamped to this, so that a far deadline cannot overflow the steady clock.
+constexpr absl::Duration kMaxTimerDuration = absl::Hours(30 * 24);
 
 }  // namespace
 
@@ -69,7 +72,10 @@ class TcpStoreServer::Impl {
 
   struct Conn : std::enable_shared_from_this<Conn> {
     Conn(Impl* server, tcp::socket socket, std::string peer)
-        : server(server), socket(std::move(socket)), peer(std::move(peer)) {}
+        : server(server),
+          socket(std::move(socket)),
+          peer(std::move(peer)),
+          handshake_timer(server->io_) {}
 
     // "rank 3 (trainer) at 10.0.0.2:41234" once HELLO told us who it is, else the address.
     std::string Describe() const {
@@ -85,6 +91,8 @@ class TcpStoreServer::Impl {
     std::array<char, proto::kHeaderBytes> header{};
     std::string payload;
     std::deque<std::string> out;
+    // Closes the connection unless HELLO completes first (cancelled then, or on close).
+    asio::steady_timer handshake_timer;
     bool hello_done = false;
     bool close_after_write = false;
     bool closed = false;
@@ -103,6 +111,7 @@ class TcpStoreServer::Impl {
   };
 
   void Accept();
+  void StartHandshakeTimer(const std::shared_ptr<Conn>& conn);
   void ReadHeader(const std::shared_ptr<Conn>& conn);
   void ReadPayload(const std::shared_ptr<Conn>& conn, const proto::FrameHeader& header);
   void Handle(const std::shared_ptr<Conn>& conn, proto::Request request);
@@ -217,36 +226,59 @@ void TcpStoreServer::Impl::Accept() {
       conns_.insert(conn);
       UpdateStats([&](Stats& s) { s.open_connections = static_cast<int64_t>(conns_.size()); });
       SL_LOG(TRACE, STORE) << "store server: connection from " << conn->peer;
+      StartHandshakeTimer(conn);
       ReadHeader(conn);
     }
     Accept();
   });
 }
 
+void TcpStoreServer::Impl::StartHandshakeTimer(const std::shared_ptr<Conn>& conn) {
+  const absl::Duration timeout = std::min(options_.handshake_timeout, kMaxTimerDuration);
+  conn->handshake_timer.expires_after(absl::ToChronoNanoseconds(timeout));
+  // A weak pointer: the timer belongs to the connection and must not keep it alive.
+  conn->handshake_timer.async_wait([this, weak = std::weak_ptr<Conn>(conn)](
+                                       boost::system::error_code ec) {
+    std::shared_ptr<Conn> conn = weak.lock();
+    if (ec || conn == nullptr || conn->closed || conn->hello_done) return;
+    Drop(conn, absl::StrCat("no HELLO within ", absl::FormatDuration(options_.handshake_timeout),
+                            " of connecting (handshake timeout)"));
+  });
+}
+
 void TcpStoreServer::Impl::ReadHeader(const std::shared_ptr<Conn>& conn) {
-  asio::async_read(conn->socket, asio::buffer(conn->header),
-                   [this, conn](boost::system::error_code ec, size_t /*bytes*/) {
-                     if (conn->closed) return;
-                     if (ec) {
-                       // EOF between messages is a client leaving, not an error.
-                       if (ec != asio::error::eof) {
-                         SL_LOG(INFO, STORE) << "store server: connection from " << conn->Describe()
-                                             << " ended: " << ec.message();
-                       }
-                       Close(conn);
-                       return;
-                     }
-                     absl::StatusOr<proto::FrameHeader> header = proto::DecodeHeader(
-                         absl::string_view(conn->header.data(), conn->header.size()), max_payload_);
-                     if (!header.ok()) return Drop(conn, header.status().message());
-                     if (conn->parked_id != 0 || conn->out.size() >= kMaxQueuedResponses) {
-                       return Drop(
-                           conn, absl::StrCat("sent a ", proto::OpName(header->op),
-                                              " request before reading the answer to the previous "
-                                              "one (one request at a time per connection)"));
-                     }
-                     ReadPayload(conn, *header);
-                   });
+  asio::async_read(
+      conn->socket, asio::buffer(conn->header),
+      [this, conn](boost::system::error_code ec, size_t /*bytes*/) {
+        if (conn->closed) return;
+        if (ec) {
+          // EOF between messages is a client leaving, not an error.
+          if (ec != asio::error::eof) {
+            SL_LOG(INFO, STORE) << "store server: connection from " << conn->Describe()
+                                << " ended: " << ec.message();
+          }
+          Close(conn);
+          return;
+        }
+        absl::StatusOr<proto::FrameHeader> header = proto::DecodeHeader(
+            absl::string_view(conn->header.data(), conn->header.size()), max_payload_);
+        if (!header.ok()) return Drop(conn, header.status().message());
+        // Checked before the payload buffer is sized: an unauthenticated peer must not make the
+        // server allocate a maximum-size message.
+        if (!conn->hello_done && header->payload_bytes > proto::kMaxHelloPayloadBytes) {
+          return Drop(
+              conn,
+              absl::StrCat("sent a ", proto::OpName(header->op), " header claiming ",
+                           header->payload_bytes, " payload bytes before the handshake; at most ",
+                           proto::kMaxHelloPayloadBytes, " are accepted until HELLO succeeds"));
+        }
+        if (conn->parked_id != 0 || conn->out.size() >= kMaxQueuedResponses) {
+          return Drop(conn, absl::StrCat("sent a ", proto::OpName(header->op),
+                                         " request before reading the answer to the previous "
+                                         "one (one request at a time per connection)"));
+        }
+        ReadPayload(conn, *header);
+      });
 }
 
 void TcpStoreServer::Impl::ReadPayload(const std::shared_ptr<Conn>& conn,
@@ -302,6 +334,7 @@ void TcpStoreServer::Impl::Handle(const std::shared_ptr<Conn>& conn, proto::Requ
       return;
     }
     conn->hello_done = true;
+    conn->handshake_timer.cancel();
     SL_LOG(TRACE, STORE) << "store server: hello from " << conn->Describe();
     Send(conn, response);
     return;
@@ -397,10 +430,8 @@ void TcpStoreServer::Impl::Park(const std::shared_ptr<Conn>& conn, proto::Reques
   for (const std::string& key : parked.watched) watchers_.emplace(key, id);
   if (request.timeout_ms > 0) {
     parked.timer = std::make_unique<asio::steady_timer>(io_);
-    // Clamped so that a far deadline cannot overflow the steady clock.
-    constexpr int64_t kMaxTimeoutMs = int64_t{30} * 24 * 3600 * 1000;
-    parked.timer->expires_after(
-        std::chrono::milliseconds(std::min(request.timeout_ms, kMaxTimeoutMs)));
+    parked.timer->expires_after(absl::ToChronoNanoseconds(
+        std::min(absl::Milliseconds(request.timeout_ms), kMaxTimerDuration)));
     parked.timer->async_wait([this, id](boost::system::error_code ec) {
       if (ec) return;  // cancelled: answered or closed before the timeout
       auto it = parked_.find(id);
@@ -496,6 +527,7 @@ void TcpStoreServer::Impl::Close(const std::shared_ptr<Conn>& conn) {
   boost::system::error_code ec;
   conn->socket.shutdown(tcp::socket::shutdown_both, ec);
   conn->socket.close(ec);
+  conn->handshake_timer.cancel();
   conn->out.clear();
   if (conn->parked_id != 0) Unpark(conn->parked_id, std::nullopt);
   conns_.erase(conn);
@@ -538,6 +570,11 @@ absl::StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(
     return absl::InvalidArgumentError(absl::StrCat("store server: max_connections ",
                                                    options.max_connections, " must be positive"));
   }
+  if (options.handshake_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("store server: handshake_timeout ",
+                                                   absl::FormatDuration(options.handshake_timeout),
+                                                   " must be positive"));
+  }
   SL_ASSIGN_OR_RETURN(std::string token, store_internal::ResolveToken(options.token));
   SL_ASSIGN_OR_RETURN(uint32_t max_payload,
                       store_internal::ResolveMaxMessageBytes(options.max_message_bytes));
@@ -559,9 +596,14 @@ int TcpStoreServer::port() const { return impl_->port(); }
 
 TcpStoreServer::Stats TcpStoreServer::stats() const { return impl_->stats(); }
 
-bool TcpStoreServer::AwaitStats(const std::function<bool(const Stats&)>& ready,
-                                absl::Time deadline) const {
-  return impl_->AwaitStats(ready, deadline);
+namespace store_internal {
+
+bool ServerAccess::AwaitStats(const TcpStoreServer& server,
+                              const std::function<bool(const TcpStoreServer::Stats&)>& ready,
+                              absl::Time deadline) {
+  return server.impl_->AwaitStats(ready, deadline);
 }
+
+}  // namespace store_internal
 
 }  // namespace shardline

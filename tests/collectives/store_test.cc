@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <random>
 #include <set>
@@ -19,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "collectives/store/internal/server_access.h"
 #include "collectives/store/memory_store.h"
 #include "collectives/store/prefix_store.h"
 #include "collectives/store/store_protocol.h"
@@ -44,6 +46,13 @@ TcpStoreOptions ClientOptions(int port) {
   options.token = "";
   options.timeout = absl::Seconds(10);
   return options;
+}
+
+// Waits (until `deadline`) for the server to reach a state, e.g. a Get parked.
+bool AwaitStats(const TcpStoreServer& server,
+                const std::function<bool(const TcpStoreServer::Stats&)>& ready,
+                absl::Time deadline) {
+  return store_internal::ServerAccess::AwaitStats(server, ready, deadline);
 }
 
 TcpStoreServerOptions ServerOptions() {
@@ -439,25 +448,72 @@ TEST(TcpStoreTest, UnreachableStoreFailsWithinItsDeadline) {
   EXPECT_LT(elapsed, absl::Seconds(3));
 }
 
-TEST(TcpStoreTest, ConnectRetriesUntilTheServerComesUp) {
-  // Reserve a port, free it, and start the server on it only after the client began retrying.
-  int port = 0;
-  {
-    auto probe = StartServer();
-    ASSERT_NE(probe, nullptr);
-    port = probe->port();
+// A loopback TCP socket with SO_REUSEADDR bound to an ephemeral port. While it is bound and not
+// listening, nobody without SO_REUSEADDR can take the port, and a connect to it is refused; a
+// TcpStoreServer (which sets SO_REUSEADDR) can still bind and listen on it.
+class PortHolder {
+ public:
+  explicit PortHolder(int port = 0) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    const int one = 1;
+    setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(addr);
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &length) == 0) {
+      port_ = ntohs(addr.sin_port);
+    }
   }
+  ~PortHolder() { Close(); }
+  int port() const { return port_; }
+  bool Listen() { return listen(fd_, 8) == 0; }
+  // Accepts one connection and closes it at once; false if none arrives by `deadline`.
+  bool AcceptAndHangUp(absl::Time deadline) {
+    pollfd p{fd_, POLLIN, 0};
+    const int64_t ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
+    if (poll(&p, 1, static_cast<int>(ms)) != 1) return false;
+    const int conn = accept(fd_, nullptr, nullptr);
+    if (conn < 0) return false;
+    close(conn);
+    return true;
+  }
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+TEST(TcpStoreTest, ConnectRetriesUntilTheServerComesUp) {
+  // `reserved` keeps the port ours for the whole test (bound, never listening); `decoy` listens
+  // on it to see the client's first attempt and hang up on it, then makes way for the server.
+  PortHolder reserved;
+  ASSERT_GT(reserved.port(), 0);
+  PortHolder decoy(reserved.port());
+  ASSERT_EQ(decoy.port(), reserved.port());
+  ASSERT_TRUE(decoy.Listen());
+  absl::StatusOr<std::unique_ptr<TcpStore>> store;
+  std::thread client([&] { store = TcpStore::Connect(ClientOptions(reserved.port()), Bound()); });
+  const bool attempted = decoy.AcceptAndHangUp(Bound());
+  decoy.Close();
   std::unique_ptr<TcpStoreServer> late;
-  std::thread starter([&] {
-    absl::SleepFor(absl::Milliseconds(100));
+  if (attempted) {
     TcpStoreServerOptions options = ServerOptions();
-    options.port = port;
+    options.port = reserved.port();
     late = StartServer(options);
-  });
-  auto store = TcpStore::Connect(ClientOptions(port), Bound());
-  starter.join();
+  }
+  client.join();
+  ASSERT_TRUE(attempted) << "the client never tried to connect";
+  ASSERT_NE(late, nullptr);
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_TRUE((*store)->Set("k", "v").ok());
+  EXPECT_EQ((*store)->Get("k", Bound()).value(), "v");
 }
 
 TEST(TcpStoreTest, TokenIsRequiredAndChecked) {
@@ -582,7 +638,8 @@ TEST(TcpStoreTest, GarbageOnOneConnectionDoesNotDisturbTheOthers) {
       }
     }
   }
-  EXPECT_TRUE(server->AwaitStats(
+  EXPECT_TRUE(AwaitStats(
+      *server,
       [&](const TcpStoreServer::Stats& s) { return s.dropped_connections >= expected_drops; },
       Bound()))
       << "dropped " << server->stats().dropped_connections << " of " << expected_drops;
@@ -593,8 +650,8 @@ TEST(TcpStoreTest, GarbageOnOneConnectionDoesNotDisturbTheOthers) {
   auto after = TcpStore::Connect(ClientOptions(port), Bound());
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ((*after)->Get("count", Bound()).value(), absl::StrCat(adds.load()));
-  EXPECT_TRUE(server->AwaitStats(
-      [](const TcpStoreServer::Stats& s) { return s.open_connections == 1; }, Bound()));
+  EXPECT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.open_connections == 1; }, Bound()));
 }
 
 TEST(TcpStoreTest, OversizedValueIsRefusedBeforeSending) {
@@ -626,6 +683,175 @@ TEST(TcpStoreTest, ServerDropsAMessageOverItsLimitAndKeepsServing) {
   EXPECT_EQ((*big)->Get("k", Bound()).value(), "fine");
 }
 
+TEST(TcpStoreTest, OversizedFrameBeforeHelloIsRefusedUnread) {
+  auto server = StartServer();  // the default 64 MiB message limit
+  ASSERT_NE(server, nullptr);
+  auto store = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  const uint16_t kHello = static_cast<uint16_t>(store_protocol::Op::kHello);
+  const uint16_t kSet = static_cast<uint16_t>(store_protocol::Op::kSet);
+  // Each header claims a payload under the message limit but over the pre-HELLO bound, and no
+  // payload follows: a server that sized its buffer for it would wait for the bytes, keeping the
+  // connection open; the fixed one closes it on the header alone.
+  const std::vector<std::string> headers = {
+      RawHeader(store_protocol::kMagic, store_protocol::kVersion, kHello, 1,
+                store_protocol::kMaxHelloPayloadBytes + 1),
+      RawHeader(store_protocol::kMagic, store_protocol::kVersion, kHello, 1, 32u << 20),
+      RawHeader(store_protocol::kMagic, store_protocol::kVersion, kSet, 1, 60u << 20),
+  };
+  for (const std::string& header : headers) {
+    RawSocket raw(server->port());
+    ASSERT_TRUE(raw.connected());
+    raw.Send(header);
+    EXPECT_TRUE(raw.AwaitClosed(Bound())) << "the server waits for an unauthenticated payload";
+  }
+  EXPECT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.dropped_connections == 3; }, Bound()));
+  // The authenticated client is still served, and so is a new one.
+  ASSERT_TRUE((*store)->Set("k", "v").ok());
+  auto again = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->Get("k", Bound()).value(), "v");
+}
+
+TEST(TcpStoreTest, HelloUpToItsBoundIsAcceptedAndALongerOneRefusedByTheClient) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  // HELLO payload: token (4 + 0 bytes), client name (4 + n bytes), rank (8 bytes).
+  const size_t longest_name = store_protocol::kMaxHelloPayloadBytes - 16;
+  TcpStoreOptions options = ClientOptions(server->port());
+  options.client_name = std::string(longest_name, 'n');
+  auto store = TcpStore::Connect(options, Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_TRUE((*store)->Set("k", "v").ok());
+
+  options.client_name = std::string(longest_name + 1, 'n');
+  const absl::Time start = absl::Now();
+  auto refused = TcpStore::Connect(options, Bound());
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("HELLO"));
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr(absl::StrCat(store_protocol::kMaxHelloPayloadBytes)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));  // no retrying
+}
+
+TEST(TcpStoreTest, ConnectionWithoutHelloIsClosedAtTheHandshakeDeadline) {
+  constexpr absl::Duration kHandshake = absl::Milliseconds(200);
+  TcpStoreServerOptions server_options = ServerOptions();
+  server_options.handshake_timeout = kHandshake;
+  auto server = StartServer(server_options);
+  ASSERT_NE(server, nullptr);
+  // Authenticated before the others connect: its handshake timer, had it not been cancelled by
+  // HELLO, would fire first.
+  RawSocket authenticated(server->port());
+  ASSERT_TRUE(authenticated.connected());
+  authenticated.Send(HelloFrame());
+  ASSERT_TRUE(authenticated.ReadResponse(Bound()).ok());
+
+  const absl::Time start = absl::Now();
+  RawSocket silent(server->port());
+  RawSocket partial(server->port());  // half a header, then nothing
+  ASSERT_TRUE(silent.connected() && partial.connected());
+  partial.Send(HelloFrame().substr(0, store_protocol::kHeaderBytes / 2));
+  EXPECT_TRUE(silent.AwaitClosed(Bound()));
+  EXPECT_TRUE(partial.AwaitClosed(Bound()));
+  EXPECT_GE(absl::Now() - start, kHandshake - absl::Milliseconds(5));
+  EXPECT_TRUE(AwaitStats(
+      *server,
+      [](const TcpStoreServer::Stats& s) {
+        return s.dropped_connections == 2 && s.open_connections == 1;
+      },
+      Bound()));
+
+  store_protocol::Request set;
+  set.op = store_protocol::Op::kSet;
+  set.id = 2;
+  set.key = "k";
+  set.value = "v";
+  authenticated.Send(store_protocol::EncodeRequest(set));
+  absl::StatusOr<store_protocol::Response> response = authenticated.ReadResponse(Bound());
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_TRUE(response->status().ok()) << response->status();
+  EXPECT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.keys == 1; }, Bound()));
+}
+
+TEST(TcpStoreTest, HandshakeTimeoutMustBePositive) {
+  TcpStoreServerOptions options = ServerOptions();
+  options.handshake_timeout = absl::ZeroDuration();
+  auto server = TcpStoreServer::Start(options);
+  EXPECT_TRUE(absl::IsInvalidArgument(server.status())) << server.status();
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("handshake_timeout"));
+}
+
+TEST(TcpStoreTest, SetOnOneThreadCompletesWhileAnotherThreadsGetWaitsForIt) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto store = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  // A long Get on thread A: a Set from thread B on the same store must not wait for it.
+  constexpr absl::Duration kGetDeadline = absl::Seconds(30);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> got;
+  std::thread getter([&] { got = (*store)->Get("k", In(kGetDeadline)); });
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+  absl::Status set = (*store)->Set("k", "from B");
+  getter.join();
+  EXPECT_TRUE(set.ok()) << set;
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "from B");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // Both connections are kept for reuse: another round opens none.
+  EXPECT_EQ(server->stats().open_connections, 2);
+  std::thread second([&] { got = (*store)->Get("k2", In(kGetDeadline)); });
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+  EXPECT_TRUE((*store)->Set("k2", "again").ok());
+  second.join();
+  EXPECT_EQ(got.value_or(""), "again");
+  EXPECT_EQ(server->stats().open_connections, 2);
+}
+
+TEST(TcpStoreTest, CallBeyondMaxConcurrentCallsFailsAtItsDeadline) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  TcpStoreOptions options = ClientOptions(server->port());
+  options.max_concurrent_calls = 1;
+  options.timeout = absl::Milliseconds(200);
+  auto store = TcpStore::Connect(options, Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto peer = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+
+  absl::StatusOr<std::string> got;
+  std::thread getter([&] { got = (*store)->Get("k", Bound()); });
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+  const absl::Time start = absl::Now();
+  absl::Status set = (*store)->Set("blocked-key", "v");
+  const absl::Duration waited = absl::Now() - start;
+  EXPECT_TRUE(absl::IsDeadlineExceeded(set)) << set;
+  EXPECT_THAT(std::string(set.message()), HasSubstr("SET 'blocked-key'"));
+  EXPECT_THAT(std::string(set.message()), HasSubstr("max_concurrent_calls"));
+  EXPECT_GE(waited, absl::Milliseconds(150));
+  EXPECT_LT(waited, absl::Seconds(3));
+  // Another client releases the Get; its connection is then free for the next call.
+  ASSERT_TRUE((*peer)->Set("k", "v").ok());
+  getter.join();
+  EXPECT_EQ(got.value_or(""), "v");
+  EXPECT_TRUE((*store)->Set("blocked-key", "v").ok());
+  EXPECT_EQ(server->stats().open_connections, 2);
+}
+
+TEST(TcpStoreTest, MaxConcurrentCallsMustBePositive) {
+  TcpStoreOptions options = ClientOptions(1);
+  options.max_concurrent_calls = 0;
+  auto store = TcpStore::Connect(options, Bound());
+  EXPECT_TRUE(absl::IsInvalidArgument(store.status())) << store.status();
+  EXPECT_THAT(std::string(store.status().message()), HasSubstr("max_concurrent_calls"));
+}
+
 TEST(TcpStoreTest, ConnectionsOverTheLimitAreRefused) {
   TcpStoreServerOptions server_options = ServerOptions();
   server_options.max_connections = 2;
@@ -640,8 +866,8 @@ TEST(TcpStoreTest, ConnectionsOverTheLimitAreRefused) {
   // Those already connected are unaffected, and a freed slot is usable again.
   EXPECT_TRUE((*first)->Set("k", "v").ok());
   second->reset();
-  ASSERT_TRUE(server->AwaitStats(
-      [](const TcpStoreServer::Stats& s) { return s.open_connections == 1; }, Bound()));
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.open_connections == 1; }, Bound()));
   EXPECT_TRUE(TcpStore::Connect(ClientOptions(server->port()), Bound()).ok());
 }
 
@@ -656,8 +882,8 @@ TEST(TcpStoreTest, ShutdownWakesABlockedGet) {
     result = (*store)->Get("never", Bound());
     returned = absl::Now();
   });
-  ASSERT_TRUE(server->AwaitStats(
-      [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
   const absl::Time shutdown = absl::Now();
   server->Shutdown();
   getter.join();
@@ -684,10 +910,11 @@ TEST(TcpStoreTest, DisconnectedWaiterIsForgotten) {
     wait.keys = {"a", "b"};
     wait.timeout_ms = -1;
     raw.Send(store_protocol::EncodeRequest(wait));
-    ASSERT_TRUE(server->AwaitStats(
-        [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+    ASSERT_TRUE(AwaitStats(
+        *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
   }
-  EXPECT_TRUE(server->AwaitStats(
+  EXPECT_TRUE(AwaitStats(
+      *server,
       [](const TcpStoreServer::Stats& s) {
         return s.parked_requests == 0 && s.open_connections == 0;
       },
@@ -710,8 +937,8 @@ TEST(TcpStoreTest, PipelinedRequestsCloseTheConnection) {
   get.timeout_ms = -1;
   raw.Send(HelloFrame() + store_protocol::EncodeRequest(get) + store_protocol::EncodeRequest(get));
   EXPECT_TRUE(raw.AwaitClosed(Bound()));
-  EXPECT_TRUE(server->AwaitStats(
-      [](const TcpStoreServer::Stats& s) { return s.parked_requests == 0; }, Bound()));
+  EXPECT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 0; }, Bound()));
 }
 
 TEST(TcpStoreTest, RankZeroHostsAndManyClientsRendezvous) {
