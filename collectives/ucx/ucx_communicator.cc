@@ -44,7 +44,8 @@ class UcxCommunicator final : public Communicator {
       std::shared_ptr<Communicator> self = weak.lock();
       if (self == nullptr) return;
       forward_abort_ = forward;
-      self->Abort(reason);
+      // Only peers' aborts and deaths come through here.
+      self->Abort(MarkPeerError(reason, "a peer (see the message)"));
       forward_abort_ = true;
     });
   }
