@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
@@ -256,6 +258,70 @@ TEST(AllocatorTest, FailedGuardEventStillFreesTheBlock) {
   e->Fail(absl::InternalError("stream poisoned"));
   EXPECT_EQ(alloc->Collect(), 1);
   EXPECT_EQ(alloc->stats().live_allocations, 0);
+}
+
+// H3: an event whose Query() reports its stream's failure while the captured work still runs
+// (as a CUDA stream poisoned by a host function does, with kernels still in flight), and whose
+// completion (OnComplete) comes only when the work has finished.
+class EarlyFailureEvent final : public Event {
+ public:
+  Device device() const override { return Device::Host(); }
+  absl::Status Record(Stream&) override { return absl::UnimplementedError("test double"); }
+  absl::StatusOr<bool> Query() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) return absl::InternalError("stream poisoned by a host function");
+    return finished_;
+  }
+  absl::Status Synchronize(absl::Time) override { return Query().status(); }
+  void OnComplete(EventCallback callback) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!finished_) {
+        callbacks_.push_back(std::move(callback));
+        return;
+      }
+    }
+    std::move(callback)(absl::InternalError("stream poisoned by a host function"));
+  }
+  void FailEarly() {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed_ = true;
+  }
+  void FinishWork() {
+    std::vector<EventCallback> callbacks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      finished_ = true;
+      callbacks.swap(callbacks_);
+    }
+    for (auto& callback : callbacks) {
+      std::move(callback)(absl::InternalError("stream poisoned by a host function"));
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  bool failed_ = false;
+  bool finished_ = false;
+  std::vector<EventCallback> callbacks_;
+};
+
+TEST(AllocatorTest, AFailedGuardKeepsItsBlockUntilItsWorkHasFinished) {
+  auto alloc = CreateHostAllocator();
+  auto event = std::make_shared<EarlyFailureEvent>();
+  absl::StatusOr<Buffer> b = alloc->Allocate(4096);
+  ASSERT_TRUE(b.ok());
+  b->ReleaseAfter(event);
+  b->Reset();
+  event->FailEarly();  // the stream failed; its kernels still read the block
+  EXPECT_EQ(alloc->Collect(), 0);
+  EXPECT_EQ(alloc->stats().live_allocations, 1);
+  absl::StatusOr<Buffer> other = alloc->Allocate(4096);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(alloc->stats().current_bytes, 8192) << "the failed guard's block was freed early";
+  event->FinishWork();
+  EXPECT_EQ(alloc->Collect(), 1);
+  EXPECT_EQ(alloc->stats().current_bytes, 4096);
 }
 
 TEST(AllocatorTest, BufferMoveSemantics) {

@@ -22,6 +22,7 @@
 #include "runtime/allocator.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
+#include "tests/common/gate.h"
 #include "tests/runtime/manual_event.h"
 
 namespace shardline {
@@ -285,6 +286,123 @@ TEST(CachingPoolTest, RealHostStreamGuard) {
   absl::StatusOr<Buffer> c = pool.Allocate(2048);
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->data(), block);
+}
+
+// H4/c1: a block whose last reader has not finished is handed to the next user of another stream
+// after that stream waits for the reader: the host does not block, nothing new is allocated, and
+// the new user's writes come after the old reader's reads.
+TEST(CachingPoolTest, StreamOrderedReuseMakesTheFirstUserWaitForTheLastReader) {
+  auto host = CreateHostAllocator();
+  CachingPool pool(*host);
+  auto reader = *CreateHostStream({.name = "compute"});
+  auto writer = *CreateHostStream({.name = "gather"});
+  constexpr size_t kBytes = 200000;
+  absl::StatusOr<Buffer> a = pool.Allocate(kBytes, *writer);
+  ASSERT_TRUE(a.ok());
+  std::memset(a->data(), 7, kBytes);
+  void* const block = a->data();
+  auto* bytes = a->as<unsigned char>();
+  testing::Gate gate;
+  std::atomic<int> seen_sum{0};
+  ASSERT_TRUE(reader
+                  ->Enqueue([&gate, bytes, &seen_sum] {
+                    gate.Wait();
+                    int sum = 0;
+                    for (size_t i = 0; i < kBytes; i += 4096) sum += bytes[i];
+                    seen_sum = sum;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  a->ReleaseAfter(*RecordEvent(*reader));
+  a->Reset();
+  const PoolCacheStats before = pool.cache_stats();
+  // The reader is still blocked: a plain Allocate cannot reuse the block...
+  absl::StatusOr<Buffer> plain = pool.Allocate(kBytes);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_NE(plain->data(), block);
+  EXPECT_EQ(pool.cache_stats().misses, before.misses + 1) << "a miss is counted";
+  // ...a stream-ordered one can, after making the writer wait (`plain` stays alive: a cached
+  // block would be preferred).
+  absl::StatusOr<Buffer> b = pool.Allocate(kBytes - 100, *writer);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->data(), block);
+  EXPECT_EQ(pool.cache_stats().stream_ordered_hits, before.stream_ordered_hits + 1);
+  EXPECT_EQ(pool.stats().stream_ordered_reuses, 1);
+  auto* mine = b->as<unsigned char>();
+  ASSERT_TRUE(writer
+                  ->Enqueue([mine] {
+                    std::memset(mine, 9, kBytes - 100);
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  // The writer is held back by the reader: nothing written yet.
+  EXPECT_FALSE(writer->Synchronize(absl::Now() + absl::Milliseconds(30)).ok());
+  gate.Open();
+  ASSERT_TRUE(writer->Synchronize(absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_EQ(seen_sum.load(), 7 * static_cast<int>((kBytes + 4095) / 4096));
+  EXPECT_EQ(mine[0], 9);
+  // Exact accounting: the two live buffers.
+  EXPECT_EQ(pool.stats().current_bytes, static_cast<int64_t>(2 * kBytes - 100));
+  EXPECT_EQ(pool.stats().live_allocations, 2);
+}
+
+// Same-stream reuse needs no wait at all: stream order covers it. On a caller stream a wait
+// would block the calling thread until the guard completes; here the guard's work (on another
+// thread of the same caller stream) only finishes after the reuse returned.
+TEST(CachingPoolTest, SameStreamReuseNeedsNoWait) {
+  auto host = CreateHostAllocator();
+  CachingPool pool(*host);
+  auto compute = *CreateCallerStream({.name = "compute"});
+  testing::Gate started, gate;
+  std::atomic<bool> gate_opened_in_time{false};
+  std::thread worker([&] {
+    EXPECT_TRUE(compute
+                    ->Enqueue([&] {
+                      started.Open();
+                      gate_opened_in_time = gate.Wait();
+                      return absl::OkStatus();
+                    })
+                    .ok());
+  });
+  ASSERT_TRUE(started.Wait());
+  absl::StatusOr<Buffer> a = pool.Allocate(5000, *compute);
+  ASSERT_TRUE(a.ok());
+  void* const block = a->data();
+  a->ReleaseAfter(*RecordEvent(*compute));  // pending until the worker's item ends
+  a->Reset();
+  absl::StatusOr<Buffer> b = pool.Allocate(5000, *compute);  // must not block
+  ASSERT_TRUE(b.ok());
+  gate.Open();
+  worker.join();
+  EXPECT_TRUE(gate_opened_in_time) << "the reuse blocked the calling thread";
+  EXPECT_EQ(b->data(), block);
+  EXPECT_EQ(pool.cache_stats().stream_ordered_hits, 1);
+}
+
+// A guard whose work fails poisons the stream that reuses its block (the memory's last user
+// failed), and a poisoned first user gets a fresh block's error path, never a block under a
+// running reader.
+TEST(CachingPoolTest, StreamOrderedReuseCarriesTheReadersFailure) {
+  auto host = CreateHostAllocator();
+  CachingPool pool(*host);
+  auto reader = *CreateHostStream({.name = "compute"});
+  auto writer = *CreateHostStream({.name = "gather"});
+  testing::Gate gate;
+  ASSERT_TRUE(reader
+                  ->Enqueue([&gate] {
+                    gate.Wait();
+                    return absl::InternalError("the reader's kernel failed");
+                  })
+                  .ok());
+  absl::StatusOr<Buffer> a = pool.Allocate(3000);
+  ASSERT_TRUE(a.ok());
+  a->ReleaseAfter(*RecordEvent(*reader));
+  a->Reset();
+  absl::StatusOr<Buffer> b = pool.Allocate(3000, *writer);
+  ASSERT_TRUE(b.ok());
+  gate.Open();
+  EXPECT_EQ(writer->Synchronize(absl::Now() + absl::Seconds(30)).code(),
+            absl::StatusCode::kInternal);
 }
 
 TEST(CachingPoolTest, ConcurrentUseKeepsExactCounts) {

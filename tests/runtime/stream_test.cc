@@ -20,7 +20,9 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "runtime/clock.h"
 #include "runtime/config.h"
+#include "tests/runtime/manual_event.h"
 
 namespace shardline {
 namespace {
@@ -567,6 +569,244 @@ TEST(CallerStreamTest, HostStreamWaitsForCallerWorkRunningOnAnotherThread) {
   EXPECT_TRUE(saw_computed);
   EXPECT_TRUE(caller->Synchronize(Soon()).ok());
   worker.join();
+}
+
+// L16: an event recorded while work of several threads runs completes when the work started
+// before it finishes, even while later work keeps the stream busy.
+TEST(CallerStreamTest, EventIsNotStarvedByWorkStartedAfterIt) {
+  auto caller = MakeCaller("compute");
+  Gate first_started, first_gate, second_started, second_gate;
+  std::thread first([&] {
+    EXPECT_TRUE(caller
+                    ->Enqueue([&] {
+                      first_started.Open();
+                      first_gate.Wait();
+                      return absl::OkStatus();
+                    })
+                    .ok());
+  });
+  ASSERT_TRUE(first_started.Wait());
+  std::shared_ptr<Event> event = *RecordEvent(*caller);
+  std::thread second([&] {
+    EXPECT_TRUE(caller
+                    ->Enqueue([&] {
+                      second_started.Open();
+                      second_gate.Wait();
+                      return absl::OkStatus();
+                    })
+                    .ok());
+  });
+  ASSERT_TRUE(second_started.Wait());
+  EXPECT_EQ(event->Query().value_or(true), false);
+  first_gate.Open();
+  // The stream is still busy with `second`, started after the record.
+  EXPECT_TRUE(event->Synchronize(Soon()).ok());
+  EXPECT_FALSE(caller->Synchronize(absl::Now() + absl::Milliseconds(1)).ok());
+  second_gate.Open();
+  first.join();
+  second.join();
+  EXPECT_TRUE(caller->Synchronize(Soon()).ok());
+}
+
+// L16: recording on a poisoned caller stream still waits for work that runs on other threads.
+TEST(CallerStreamTest, EventOnAPoisonedStreamWaitsForRunningWork) {
+  auto caller = MakeCaller("compute");
+  Gate started, gate;
+  std::atomic<bool> finished{false};
+  std::thread worker([&] {
+    (void)caller->Enqueue([&] {
+      started.Open();
+      gate.Wait();
+      finished = true;
+      return absl::OkStatus();
+    });
+  });
+  ASSERT_TRUE(started.Wait());
+  EXPECT_FALSE(caller->Enqueue([] { return absl::InternalError("boom"); }).ok());
+  std::shared_ptr<Event> event = caller->CreateEvent();
+  EXPECT_FALSE(event->Record(*caller).ok());
+  EXPECT_EQ(event->Query().value_or(true), false) << "work from before the record still runs";
+  gate.Open();
+  EXPECT_EQ(event->Synchronize(Soon()).code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(finished);
+  worker.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropped ops, the open event protocol, clocks.
+
+TEST(StreamOpTest, APoisonedStreamCancelsInsteadOfRunning) {
+  for (bool host : {true, false}) {
+    auto stream = host ? MakeHost("ops") : MakeCaller("ops");
+    Gate gate;
+    std::thread opener;
+    if (host) {
+      ASSERT_TRUE(stream
+                      ->Enqueue([&gate] {
+                        gate.Wait();
+                        return absl::DataLossError("bad bits");
+                      })
+                      .ok());
+    } else {
+      EXPECT_FALSE(stream->Enqueue([] { return absl::DataLossError("bad bits"); }).ok());
+    }
+    std::atomic<int> ran{0};
+    absl::Status cancelled;
+    StreamOp op;
+    op.name = "all_gather #3";
+    op.kind = StreamOpKind::kCollective;
+    op.run = [&ran] {
+      ++ran;
+      return absl::OkStatus();
+    };
+    op.cancel = [&cancelled](const absl::Status& poison) { cancelled = poison; };
+    const absl::Status submitted = stream->Submit(std::move(op));
+    if (host) {
+      ASSERT_TRUE(submitted.ok());  // accepted: the stream fails only later
+      gate.Open();
+      EXPECT_EQ(stream->Synchronize(Soon()).code(), absl::StatusCode::kDataLoss);
+      EXPECT_EQ(cancelled.code(), absl::StatusCode::kDataLoss) << cancelled;
+    } else {
+      // Refused at submission: neither run nor cancel is called.
+      EXPECT_EQ(submitted.code(), absl::StatusCode::kDataLoss);
+      EXPECT_TRUE(cancelled.ok());
+    }
+    EXPECT_EQ(ran.load(), 0);
+    EXPECT_EQ(StreamOpKindName(StreamOpKind::kCollective), "collective");
+  }
+}
+
+TEST(EventTest, OnCompleteRunsOnceAfterTheCapturedWorkAndBeforeSynchronizeReturns) {
+  auto stream = MakeHost("producer");
+  Gate gate;
+  std::atomic<int> value{0};
+  ASSERT_TRUE(stream
+                  ->Enqueue([&] {
+                    gate.Wait();
+                    value = 7;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  std::shared_ptr<Event> event = *RecordEvent(*stream);
+  std::atomic<int> calls{0};
+  std::atomic<int> seen{-1};
+  event->OnComplete([&](absl::Status status) {
+    EXPECT_TRUE(status.ok()) << status;
+    seen = value.load();
+    ++calls;
+  });
+  EXPECT_EQ(calls.load(), 0);
+  gate.Open();
+  ASSERT_TRUE(event->Synchronize(Soon()).ok());
+  EXPECT_EQ(calls.load(), 1) << "callbacks run before the completion is reported";
+  EXPECT_EQ(seen.load(), 7);
+  // Registered after completion: at once, here.
+  bool late = false;
+  event->OnComplete([&late](absl::Status status) { late = status.ok(); });
+  EXPECT_TRUE(late);
+  // Never recorded: at once.
+  bool never = false;
+  CreateHostEvent()->OnComplete([&never](absl::Status status) { never = status.ok(); });
+  EXPECT_TRUE(never);
+  // On a failure, with the failure.
+  ASSERT_TRUE(stream->Enqueue([] { return absl::InternalError("kernel"); }).ok());
+  std::shared_ptr<Event> failed = stream->CreateEvent();
+  (void)failed->Record(*stream);
+  absl::Status outcome;
+  std::atomic<bool> called{false};
+  failed->OnComplete([&](absl::Status status) {
+    outcome = status;
+    called = true;
+  });
+  (void)failed->Synchronize(Soon());
+  EXPECT_TRUE(called);
+  EXPECT_EQ(outcome.code(), absl::StatusCode::kInternal);
+}
+
+// An event of a kind no stream knows (a framework's own, here a test double) is waited for
+// through OnComplete: the host and caller streams order work after it, and its failure poisons.
+TEST(EventTest, StreamsWaitForForeignEventsThroughOnComplete) {
+  auto host = MakeHost("host");
+  auto foreign = testing::ManualEvent::Create();
+  ASSERT_TRUE(host->WaitEvent(*foreign).ok());
+  std::atomic<bool> ran{false};
+  ASSERT_TRUE(host->Enqueue([&ran] {
+                    ran = true;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  EXPECT_FALSE(host->Synchronize(absl::Now() + absl::Milliseconds(50)).ok());
+  EXPECT_FALSE(ran);
+  foreign->Complete();
+  ASSERT_TRUE(host->Synchronize(Soon()).ok());
+  EXPECT_TRUE(ran);
+
+  auto failing = testing::ManualEvent::Create();
+  auto caller = MakeCaller("caller");
+  std::thread failer([&failing] { failing->Fail(absl::AbortedError("framework stream died")); });
+  EXPECT_EQ(caller->WaitEvent(*failing).code(), absl::StatusCode::kAborted);
+  failer.join();
+  EXPECT_EQ(caller->status().code(), absl::StatusCode::kAborted);
+}
+
+TEST(ClockTest, ManualClockMovesOnlyWhenTold) {
+  ManualClock clock(absl::FromUnixSeconds(100));
+  EXPECT_EQ(clock.Now(), absl::FromUnixSeconds(100));
+  clock.Advance(absl::Seconds(5));
+  EXPECT_EQ(clock.Now(), absl::FromUnixSeconds(105));
+  clock.Set(absl::FromUnixSeconds(90));  // never backwards
+  EXPECT_EQ(clock.Now(), absl::FromUnixSeconds(105));
+  clock.Set(absl::FromUnixSeconds(200));
+  EXPECT_EQ(clock.Now(), absl::FromUnixSeconds(200));
+  EXPECT_EQ(clock.name(), "manual");
+  EXPECT_EQ(WallClock().name(), "wall");
+}
+
+// A stream on a manual clock: its wait_timeout and every deadline are times on that clock. A
+// wait of 5 virtual seconds survives real time passing, and ends when the clock is advanced.
+TEST(ClockTest, WaitTimeoutAndDeadlinesFollowTheStreamsClock) {
+  ManualClock clock;
+  for (bool host : {true, false}) {
+    SCOPED_TRACE(host ? "host stream" : "caller stream");
+    StreamOptions options{.name = "virtual", .wait_timeout = absl::Seconds(5), .clock = &clock};
+    std::unique_ptr<Stream> stream =
+        host ? *CreateHostStream(options) : *CreateCallerStream(options);
+    EXPECT_EQ(&stream->clock(), &clock);
+    auto never = testing::ManualEvent::Create();
+    absl::Status waited;
+    std::thread waiter;
+    if (host) {
+      ASSERT_TRUE(stream->WaitEvent(*never).ok());
+    } else {
+      waiter = std::thread([&] { waited = stream->WaitEvent(*never); });
+    }
+    // Once the wait has read the clock, advance it in steps: it must not give up before 5
+    // virtual seconds, however much real time passes meanwhile.
+    while (clock.waiters() == 0) std::this_thread::yield();
+    const absl::Time start = clock.Now();
+    for (int i = 0; i < 4; ++i) clock.Advance(absl::Seconds(1));
+    EXPECT_TRUE(stream->status().ok());
+    clock.Advance(absl::Seconds(2));
+    const absl::Status status = stream->Synchronize(clock.Now() + absl::Hours(1));
+    if (waiter.joinable()) waiter.join();
+    EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+    if (!host) EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+    EXPECT_GE(clock.Now() - start, absl::Seconds(5));
+    // An event's Synchronize deadline is on the recording stream's clock too.
+    auto other = *CreateHostStream({.name = "gated", .clock = &clock});
+    Gate gate;
+    ASSERT_TRUE(other->Enqueue(BlockOn(gate)).ok());
+    std::shared_ptr<Event> event = *RecordEvent(*other);
+    std::thread advancer([&clock] {
+      while (clock.waiters() == 0) std::this_thread::yield();
+      clock.Advance(absl::Seconds(11));
+    });
+    EXPECT_EQ(event->Synchronize(clock.Now() + absl::Seconds(10)).code(),
+              absl::StatusCode::kDeadlineExceeded);
+    advancer.join();
+    gate.Open();
+    EXPECT_TRUE(event->Synchronize(clock.Now() + absl::Seconds(10)).ok());
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
