@@ -330,12 +330,13 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
   }
   absl::StatusOr<std::shared_ptr<Event>> done = RecordEvent(stream);
   if (!done.ok()) {
-    // Without the event nobody can order work after the collective; it may not even run.
-    absl::Status error = SkippedError(
+    // The stream is poisoned: by the collective itself (which has aborted the communicator with
+    // its error already), or before it ran (its cancel aborts). Either way nobody can order work
+    // after it; make sure the peers hear of it, and report what poisoned the stream.
+    Abort(SkippedError(
         op, stream.name(),
-        absl::StrCat("could not record its completion event: ", done.status().message()));
-    Abort(error);
-    return error;
+        absl::StrCat("could not record its completion event: ", done.status().message())));
+    return done.status();
   }
   last_done_ = *done;
   return Work(*std::move(done), weak_from_this());
