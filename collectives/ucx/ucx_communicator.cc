@@ -45,7 +45,7 @@ class UcxCommunicator final : public Communicator {
       if (self == nullptr) return;
       forward_abort_ = forward;
       // Only peers' aborts and deaths come through here.
-      self->Abort(MarkPeerError(reason, "a peer (see the message)"));
+      self->Abort(MarkPeerError(reason, "peer"));
       forward_abort_ = true;
     });
   }

@@ -98,6 +98,19 @@ class MultiprocessUcxTest(unittest.TestCase):
             with self.subTest(n=n):
                 self.expect_ok(n, "mismatch", timeout=60)
 
+    def test_skipped_collective_fails_every_rank_at_once(self):
+        # Rank 1's stream drops its all-reduce (poisoned after the collective was enqueued). The
+        # timeout is 600 s; every rank must fail within seconds (the time is printed).
+        for n in (2, 3):
+            with self.subTest(n=n):
+                code, out, took = run(n, "skipped", timeout=60)
+                self.assertEqual(code, 0, out)
+                for r in range(n):
+                    m = re.search(rf"SKIPPED rank {r} failed after ([0-9.]+) s", out)
+                    self.assertIsNotNone(m, f"rank {r} did not report:\n{out}")
+                    self.assertLess(float(m.group(1)), 10, out)
+                print(out, file=sys.stderr)
+
     def test_store_flooded_with_garbage(self):
         self.expect_ok(3, "flood", timeout=60)
 

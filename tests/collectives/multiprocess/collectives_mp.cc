@@ -8,6 +8,9 @@
 //   collectives_mp kill          rank 1 SIGKILLs itself in the middle of a large all-reduce;
 //                                survivors must fail within the deadline + a few seconds, shut
 //                                down cleanly and exit with kSurvivorExit
+//   collectives_mp skipped       rank 1's stream is poisoned after it enqueued an all-reduce, so
+//                                the collective never runs there; every rank (timeout 600 s) must
+//                                fail within seconds, naming the collective; prints the time
 //   collectives_mp flood         rank 0 floods the store's port with garbage and oversized
 //                                frames from a thread while the collectives run; they must pass
 //   collectives_mp quick         a few collectives of every kind (used over TCP)
@@ -31,10 +34,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -364,6 +370,48 @@ int Kill() {
   return kSurvivorExit;
 }
 
+int Skipped() {
+  World w = Join(absl::Seconds(600));  // SHARDLINE_TIMEOUT_S's default: nobody may wait for it
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  std::vector<float> buffer(1 << 16, 1.0f);
+  const absl::Time start = absl::Now();
+  absl::Status status;
+  if (g_rank == 1) {
+    // The framework's work ahead of the collective fails once the collective is enqueued.
+    std::mutex mu;
+    std::condition_variable cv;
+    bool issued = false;
+    ExpectOk(w.stream->Enqueue([&]() -> absl::Status {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, std::chrono::seconds(30), [&] { return issued; });
+      return absl::InternalError("the framework's kernel failed");
+    }),
+             "enqueue");
+    absl::StatusOr<Work> work =
+        w.comm->AllReduce(buffer.data(), buffer.data(), buffer.size(), DType::kF32, *w.stream);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      issued = true;
+    }
+    cv.notify_all();
+    status = WaitFor(work);
+  } else {
+    status = WaitFor(
+        w.comm->AllReduce(buffer.data(), buffer.data(), buffer.size(), DType::kF32, *w.stream));
+  }
+  const absl::Duration took = absl::Now() - start;
+  Expect(!status.ok(), "the collective succeeded although rank 1 never ran it");
+  if (g_rank != 1) {
+    Expect(absl::StrContains(status.message(), "all_reduce #1") &&
+               absl::StrContains(status.message(), "never ran"),
+           absl::StrCat("the error does not name the skipped collective: ", status.ToString()));
+  }
+  std::printf("SKIPPED rank %d failed after %.3f s: %s\n", g_rank, absl::ToDoubleSeconds(took),
+              status.ToString().c_str());
+  std::printf("OK skipped rank %d\n", g_rank);
+  return 0;
+}
+
 // The 2 x 2 mesh of hybrid sharding: parameters sharded over the row, gradients reduced over
 // the row and then all-reduced over the column, against plain-loop sums over all four ranks.
 void CheckMesh(const std::shared_ptr<Communicator>& world, Stream& stream) {
@@ -552,6 +600,7 @@ int main(int argc, char** argv) {
   if (scenario == "mismatch") return shardline::Mismatch();
   if (scenario == "kill") return shardline::Kill();
   if (scenario == "flood") return shardline::FloodScenario();
+  if (scenario == "skipped") return shardline::Skipped();
   if (scenario == "bench") return shardline::Bench();
   if (scenario == "init") return shardline::InitScenario();
   if (scenario == "init_error") return shardline::InitError(argc > 2 ? argv[2] : nullptr);
