@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <utility>
 
@@ -30,8 +31,11 @@ Buffer::Buffer(Buffer&& other) noexcept
     : allocator_(std::exchange(other.allocator_, nullptr)),
       data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
-      guards_(std::move(other.guards_)) {
+      guards_(std::move(other.guards_)),
+      device_(other.device_),
+      release_(std::move(other.release_)) {
   other.guards_.clear();
+  other.release_ = nullptr;
 }
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
@@ -42,24 +46,79 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
     size_ = std::exchange(other.size_, 0);
     guards_ = std::move(other.guards_);
     other.guards_.clear();
+    device_ = other.device_;
+    release_ = std::move(other.release_);
+    other.release_ = nullptr;
   }
   return *this;
 }
 
 Buffer::~Buffer() { Reset(); }
 
-Device Buffer::device() const {
-  return allocator_ != nullptr ? allocator_->device() : Device::Host();
+Buffer Buffer::Adopt(void* data, size_t size, Device device, ReleaseFn release) {
+  Buffer buffer;
+  buffer.data_ = data;
+  buffer.size_ = data == nullptr ? 0 : size;
+  buffer.device_ = device;
+  buffer.release_ = std::move(release);
+  return buffer;
 }
 
-void Buffer::ReleaseAfter(std::shared_ptr<Event> event) {
-  if (event != nullptr && data_ != nullptr) guards_.push_back(std::move(event));
+Buffer Buffer::View(void* data, size_t size, Device device) {
+  return Adopt(data, size, device, nullptr);
 }
+
+Device Buffer::device() const { return allocator_ != nullptr ? allocator_->device() : device_; }
+
+void Buffer::ReleaseAfter(std::shared_ptr<Event> event) {
+  if (event != nullptr && data_ != nullptr && (allocator_ != nullptr || release_ != nullptr)) {
+    guards_.push_back(std::move(event));
+  }
+}
+
+namespace {
+
+// Runs an adopted buffer's release once its last guard completed.
+struct AdoptedRelease {
+  std::mutex mu;
+  size_t left = 0;
+  void* data = nullptr;
+  Buffer::ReleaseFn release;
+
+  void GuardCompleted() {
+    Buffer::ReleaseFn run;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (--left > 0) return;
+      run = std::move(release);
+    }
+    std::move(run)(data);
+  }
+};
+
+}  // namespace
 
 void Buffer::Reset() {
   if (allocator_ != nullptr && data_ != nullptr) {
     allocator_->Release(data_, size_, std::move(guards_));
+  } else if (release_ != nullptr) {
+    std::erase(guards_, nullptr);
+    if (guards_.empty()) {
+      std::move(release_)(data_);
+    } else {
+      auto state = std::make_shared<AdoptedRelease>();
+      state->data = data_;
+      state->release = std::move(release_);
+      // One extra count, dropped below, so that guards completing during registration cannot
+      // release before every guard is registered.
+      state->left = guards_.size() + 1;
+      for (const std::shared_ptr<Event>& guard : guards_) {
+        guard->OnComplete([state](const absl::Status&) { state->GuardCompleted(); });
+      }
+      state->GuardCompleted();
+    }
   }
+  release_ = nullptr;
   allocator_ = nullptr;
   data_ = nullptr;
   size_ = 0;

@@ -47,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "runtime/device.h"
@@ -67,10 +68,23 @@ struct MemoryStats {
 
 class Allocator;
 
-// One allocation. Move-only; returns the memory to its allocator when destroyed.
+// One allocation. Move-only; returns the memory to its allocator when destroyed. A Buffer may
+// also hold memory that is not an allocator's: a framework's tensor, adopted with a release
+// function (Adopt) or only viewed (View).
 class Buffer {
  public:
+  using ReleaseFn = absl::AnyInvocable<void(void* data) &&>;
+
   Buffer() = default;
+  // Memory the caller allocated: `release(data)` runs once the buffer is reset (or destroyed)
+  // and every guard given to ReleaseAfter has completed — in Reset() if none is pending, else on
+  // the thread that completes the last guard (a stream's worker, a CUDA callback thread: it must
+  // be short and must not call CUDA). A null `release` makes a view.
+  static Buffer Adopt(void* data, size_t size, Device device, ReleaseFn release);
+  // Memory the caller keeps alive for as long as the buffer and every work enqueued on it: the
+  // buffer frees nothing.
+  static Buffer View(void* data, size_t size, Device device);
+
   Buffer(Buffer&& other) noexcept;
   Buffer& operator=(Buffer&& other) noexcept;
   Buffer(const Buffer&) = delete;
@@ -85,6 +99,7 @@ class Buffer {
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   Device device() const;
+  // The allocator the memory came from; null for adopted memory and views.
   Allocator* allocator() const { return allocator_; }
 
   // The memory may be reused only after `event` completes. May be called several times (for
@@ -105,6 +120,8 @@ class Buffer {
   void* data_ = nullptr;
   size_t size_ = 0;
   std::vector<std::shared_ptr<Event>> guards_;
+  Device device_ = Device::Host();  // adopted memory and views
+  ReleaseFn release_;               // adopted memory
 };
 
 class Allocator {

@@ -97,16 +97,53 @@ absl::StatusOr<std::unique_ptr<FlatParameter>> FlatParameter::Create(
         options.unsharded_pool->name(), "' is on ", options.unsharded_pool->device().ToString()));
   }
 
+  const size_t bytes = layout.shard_elements() * DTypeSize(policy.master_dtype);
+  Buffer external = std::move(options.master_shard);
+  if (!external.empty() || external.data() != nullptr) {
+    if (external.size() != bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": master_shard has ", external.size(), " bytes but the layout's shard needs ",
+          bytes, " (", layout.shard_elements(), " x ", DTypeName(policy.master_dtype), ")"));
+    }
+    if (external.device() != options.unsharded_pool->device()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": master_shard is on ", external.device().ToString(), " but unsharded_pool '",
+          options.unsharded_pool->name(), "' is on ", options.unsharded_pool->device().ToString(),
+          " (a host master shard with a device pool, CPU offload, is not supported yet)"));
+    }
+  }
+  if (options.init_stream != nullptr &&
+      options.init_stream->device() != options.unsharded_pool->device()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": init_stream '", options.init_stream->name(), "' is on ",
+                     options.init_stream->device().ToString(), " but the unit's buffers are on ",
+                     options.unsharded_pool->device().ToString()));
+  }
+  Stream* const init_stream = options.init_stream;
   std::unique_ptr<FlatParameter> unit(
       new FlatParameter(std::move(layout), shard_rank, policy, std::move(options)));
-  const size_t bytes = unit->layout_.shard_elements() * DTypeSize(policy.master_dtype);
+  if (external.data() != nullptr || bytes == 0) {
+    // The framework's memory holds the parameters' values already.
+    unit->master_ = std::move(external);
+    return unit;
+  }
   absl::StatusOr<Buffer> master = unit->shard_allocator_->Allocate(bytes);
   if (!master.ok()) return Annotate(master.status(), absl::StrCat(what, ": master shard"));
   unit->master_ = *std::move(master);
-  const std::vector<uint8_t> zeros(bytes);
-  SL_RETURN_IF_ERROR(Annotate(CopyFromHost(unit->master_.data(), unit->shard_allocator_->device(),
-                                           zeros.data(), bytes, DefaultDeadline()),
-                              absl::StrCat(what, ": zero-filling the master shard")));
+  // The zero-fill is a stream op like every other touch of the unit's memory (a simulated
+  // stream accounts for it without running it).
+  const std::string filling = absl::StrCat(what, ": zero-filling the master shard");
+  if (init_stream != nullptr) {
+    SL_RETURN_IF_ERROR(Annotate(EnqueueFill(*init_stream, unit->master_.data(), bytes), filling));
+    SL_ASSIGN_OR_RETURN(unit->master_ready_, RecordEvent(*init_stream));
+    return unit;
+  }
+  const Device device = unit->shard_allocator_->device();
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
+                      device.is_host() ? CreateCallerStream({.name = "flat parameter init"})
+                                       : CreateStream(device, {.name = "flat parameter init"}));
+  SL_RETURN_IF_ERROR(Annotate(EnqueueFill(*stream, unit->master_.data(), bytes), filling));
+  SL_RETURN_IF_ERROR(Annotate(stream->Synchronize(DefaultDeadline()), filling));
   return unit;
 }
 
@@ -117,6 +154,7 @@ FlatParameter::~FlatParameter() {
   // writes the sharded gradient, as does the last zero-fill. Buffers release themselves after.
   const std::shared_ptr<Event>& gathered = gather_work_.event();
   master_.ReleaseAfter(gathered);
+  master_.ReleaseAfter(master_ready_);
   if (state_ == FlatParameterState::kGathering || state_ == FlatParameterState::kUnsharded) {
     ReleaseUnsharded(nullptr);
   }
@@ -222,7 +260,15 @@ absl::Status FlatParameter::SetShardFromTensors(absl::Span<const void* const> te
                        shard_rank_, " but its pointer is null"));
     }
   }
-  // The last gather may still be casting the shard (a failed one reads nothing any more).
+  // The zero-fill may still be queued, the last gather may still be casting the shard (a failed
+  // one reads nothing any more).
+  if (master_ready_ != nullptr) {
+    absl::Status done = master_ready_->Synchronize(deadline);
+    if (absl::IsDeadlineExceeded(done)) {
+      return Annotate(done, absl::StrCat("flat parameter '", name_, "': ", kCall,
+                                         ": waiting for the master shard's zero-fill"));
+    }
+  }
   if (const std::shared_ptr<Event>& gathered = gather_work_.event(); gathered != nullptr) {
     absl::Status done = gathered->Synchronize(deadline);
     if (absl::IsDeadlineExceeded(done)) {
@@ -288,8 +334,11 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
     SL_RETURN_IF_ERROR(Annotate(gather_stream.WaitEvent(*options.shard_ready), context));
   }
   // Gathers of one unit run one after the other, so the last one's event covers every earlier
-  // reader of the master shard and writer of an unsharded buffer.
-  SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(gather_stream, gather_work_.event()), context));
+  // reader of the master shard and writer of an unsharded buffer; the first one waits for the
+  // master shard's zero-fill on the init stream.
+  const std::shared_ptr<Event>& previous =
+      gather_work_.event() != nullptr ? gather_work_.event() : master_ready_;
+  SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(gather_stream, previous), context));
   SL_RETURN_IF_ERROR(Annotate(
       EnqueueCast(gather_stream, master_.data(), policy_.master_dtype, slice, param, count),
       context));

@@ -135,6 +135,15 @@ struct FlatParameterOptions {
   Allocator* shard_allocator = nullptr;
   // Shown in errors and logs ("block3").
   std::string name = "unit";
+  // The framework's own memory for the master shard (Buffer::Adopt or Buffer::View):
+  // layout.shard_elements() elements of master_dtype, laid out as the layout's shard, on the
+  // pool's device, holding the parameters' values (not zeroed). Empty: allocated from
+  // shard_allocator and zero-filled.
+  Buffer master_shard;
+  // The stream that zero-fills a master shard from shard_allocator (nothing else runs on it);
+  // the first Gather waits for it. Null: a temporary stream of the device, synchronized before
+  // Create returns.
+  Stream* init_stream = nullptr;
 };
 
 // One tensor of an unsharded buffer, for the host framework. `data` is null for a tensor of no
@@ -332,8 +341,9 @@ class FlatParameter {
   std::string name_;
   FlatParameterState state_ = FlatParameterState::kSharded;
 
-  Buffer master_;          // shard_elements x master_dtype
-  Buffer unsharded_;       // total_elements x param_dtype, gathering/unsharded only
+  Buffer master_;                        // shard_elements x master_dtype
+  std::shared_ptr<Event> master_ready_;  // after the master shard's zero-fill on init_stream
+  Buffer unsharded_;                     // total_elements x param_dtype, gathering/unsharded only
   Buffer unsharded_grad_;  // total_elements x param_dtype, from PrepareGrad to ReduceGrad
   Buffer shard_grad_;      // shard_elements x sharded_grad_dtype
   // A zero-element layout gets empty (zero-byte) buffers; these say whether they "exist".
