@@ -144,12 +144,13 @@ bool ProcessAlive(int64_t pid) {
   return state != 'Z' && state != 'X';
 }
 
-std::string AddressKey(absl::string_view name, int rank) {
-  return absl::StrCat(name, "/ucx/addr/", rank);
+// `prefix` is "<name>/ucx/<epoch>" (see Init).
+std::string AddressKey(absl::string_view prefix, int rank) {
+  return absl::StrCat(prefix, "/addr/", rank);
 }
 
-std::string CmaKey(absl::string_view name, int rank) {
-  return absl::StrCat(name, "/ucx/cma/", rank);
+std::string CmaKey(absl::string_view prefix, int rank) {
+  return absl::StrCat(prefix, "/cma/", rank);
 }
 
 // Under Yama's ptrace_scope 1 only ancestors may read a process's memory; let any process of
@@ -271,10 +272,17 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
                                    " ", probe_, "\n");
   value.append(reinterpret_cast<const char*>(address), address_length);
   ucp_worker_release_address(worker_, address);
-  SL_RETURN_IF_ERROR(Annotate(store.Set(AddressKey(name_, rank_), value), where));
+  // The keys of a communicator that existed under this name before (destroyed, aborted, or a
+  // creation that failed) must never be read again: they name dead workers and freed probes.
+  // Every creation gets its own key prefix, numbered per rank: rank r's k-th creation under a
+  // name meets every peer's k-th, so all ranks agree on the number without talking first.
+  absl::StatusOr<int64_t> epoch = store.Add(absl::StrCat(name_, "/ucx/epoch/", rank_), 1);
+  if (!epoch.ok()) return Annotate(epoch.status(), where);
+  key_prefix_ = absl::StrCat(name_, "/ucx/", *epoch);
+  SL_RETURN_IF_ERROR(Annotate(store.Set(AddressKey(key_prefix_, rank_), value), where));
 
   std::vector<std::string> keys;
-  for (int p = 0; p < size_; ++p) keys.push_back(AddressKey(name_, p));
+  for (int p = 0; p < size_; ++p) keys.push_back(AddressKey(key_prefix_, p));
   absl::Status waited = store.Wait(keys, deadline);
   if (!waited.ok()) {
     if (waited.code() != absl::StatusCode::kDeadlineExceeded) return Annotate(waited, where);
@@ -335,6 +343,10 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
     PostControlRecv();
   }
   SL_RETURN_IF_ERROR(CompleteWireup(deadline, where));
+  // Every peer's wire-up message arrived, and a peer sends it only after its last read of the
+  // store: nobody reads this rank's keys any more.
+  store.Delete(AddressKey(key_prefix_, rank_)).IgnoreError();
+  store.Delete(CmaKey(key_prefix_, rank_)).IgnoreError();
   progress_thread_ = std::thread([this] { ProgressThread(); });
   return absl::OkStatus();
 }
@@ -442,9 +454,9 @@ absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::strin
                          << "): its large messages go through UCX's shared memory";
     }
   }
-  SL_RETURN_IF_ERROR(store.Set(CmaKey(name_, rank_), readable));
+  SL_RETURN_IF_ERROR(store.Set(CmaKey(key_prefix_, rank_), readable));
   std::vector<std::string> keys;
-  for (int p : local) keys.push_back(CmaKey(name_, p));
+  for (int p : local) keys.push_back(CmaKey(key_prefix_, p));
   absl::Status waited = store.Wait(keys, deadline);
   if (absl::IsDeadlineExceeded(waited)) {
     return absl::DeadlineExceededError(
@@ -452,7 +464,7 @@ absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::strin
   }
   SL_RETURN_IF_ERROR(waited);
   for (int p : local) {
-    SL_ASSIGN_OR_RETURN(std::string theirs, store.Get(CmaKey(name_, p), deadline));
+    SL_ASSIGN_OR_RETURN(std::string theirs, store.Get(CmaKey(key_prefix_, p), deadline));
     peers_[p].pulls_from = readable[p] == '1';
     peers_[p].pulled_by = theirs.size() == static_cast<size_t>(size_) && theirs[rank_] == '1';
   }

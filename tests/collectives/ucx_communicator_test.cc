@@ -21,11 +21,13 @@
 #include "runtime/shared_memory.h"
 #include "runtime/stream.h"
 #include "tests/collectives/conformance.h"
+#include "tests/common/gate.h"
 
 namespace shardline {
 namespace {
 
 using ::shardline::testing::Comms;
+using ::shardline::testing::Gate;
 using ::shardline::testing::GetElement;
 using ::shardline::testing::PatternBuffer;
 using ::shardline::testing::PatternValue;
@@ -34,14 +36,15 @@ using ::shardline::testing::RunRanks;
 using ::shardline::testing::WaitFor;
 
 // Creates the n communicators concurrently (creation waits for every peer's address).
-Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30)) {
-  auto store = std::make_shared<MemoryStore>();
+Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30),
+                std::shared_ptr<Store> store = nullptr, const std::string& name = "world") {
+  if (store == nullptr) store = std::make_shared<MemoryStore>();
   Comms comms(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
-          {.rank = r, .size = n, .store = store, .name = "world", .timeout = timeout});
+          {.rank = r, .size = n, .store = store, .name = name, .timeout = timeout});
       SL_CHECK_OK(comm.status());
       comms[r] = *std::move(comm);
     });
@@ -63,6 +66,126 @@ INSTANTIATE_TYPED_TEST_SUITE_P(Ucx, CommunicatorConformanceTest, UcxBackend);
 }  // namespace testing
 
 namespace {
+
+// A float from a hash of (rank, i, salt): no period, so a misplaced block always shows. A
+// multiple of 1/1024 below 2^13 in magnitude, so that sums of a few ranks are exact.
+float HashedFloat(int rank, size_t i, int salt) {
+  uint64_t x = (uint64_t(rank) << 48) ^ (uint64_t(salt) << 40) ^ i;
+  x += 0x9e3779b97f4a7c15;  // splitmix64
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111eb;
+  x ^= x >> 31;
+  return static_cast<float>(static_cast<int64_t>(x >> 41) - (int64_t{1} << 22)) / 1024.0f;
+}
+
+std::vector<float> HashedFloats(int rank, size_t count, int salt) {
+  std::vector<float> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = HashedFloat(rank, i, salt);
+  return v;
+}
+
+// An all-gather and an all-reduce of `count` hashed floats per rank, every element checked.
+void CheckCollectives(Communicator& comm, Stream& stream, size_t count, int salt) {
+  const int n = comm.size(), r = comm.rank();
+  const std::vector<float> input = HashedFloats(r, count, salt);
+  std::vector<float> gathered(n * count);
+  ASSERT_TRUE(
+      WaitFor(comm.AllGather(input.data(), gathered.data(), count, DType::kF32, stream)).ok());
+  for (int s = 0; s < n; ++s) {
+    for (size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(gathered[s * count + i], HashedFloat(s, i, salt)) << "from rank " << s << ", " << i;
+    }
+  }
+  std::vector<float> reduced(count);
+  ASSERT_TRUE(
+      WaitFor(comm.AllReduce(input.data(), reduced.data(), count, DType::kF32, stream)).ok());
+  for (size_t i = 0; i < count; ++i) {
+    float sum = 0;
+    for (int s = 0; s < n; ++s) sum += HashedFloat(s, i, salt);
+    ASSERT_EQ(reduced[i], sum) << "element " << i;
+  }
+}
+
+// Delegates to `inner`, and opens `address_wait` when a rank first waits for the UCX addresses
+// of its peers.
+class WatchedStore final : public Store {
+ public:
+  explicit WatchedStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+  Gate address_wait;
+
+ protected:
+  absl::Status DoSet(absl::string_view key, absl::string_view value) override {
+    return inner_->Set(key, value);
+  }
+  absl::StatusOr<std::string> DoGet(absl::string_view key, absl::Time deadline) override {
+    return inner_->Get(key, deadline);
+  }
+  absl::StatusOr<int64_t> DoAdd(absl::string_view key, int64_t delta) override {
+    return inner_->Add(key, delta);
+  }
+  absl::StatusOr<std::string> DoCompareSet(absl::string_view key, absl::string_view expected,
+                                           absl::string_view desired) override {
+    return inner_->CompareSet(key, expected, desired);
+  }
+  absl::Status DoWait(absl::Span<const std::string> keys, absl::Time deadline) override {
+    for (const std::string& key : keys) {
+      if (absl::StrContains(key, "/addr/")) address_wait.Open();
+    }
+    return inner_->Wait(keys, deadline);
+  }
+  absl::StatusOr<bool> DoCheck(absl::Span<const std::string> keys) override {
+    return inner_->Check(keys);
+  }
+  absl::StatusOr<bool> DoDelete(absl::string_view key) override { return inner_->Delete(key); }
+  absl::StatusOr<int64_t> DoNumKeys() override { return inner_->NumKeys(); }
+
+ private:
+  std::shared_ptr<Store> inner_;
+};
+
+TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {
+  // The keys of the first communicator stay in the store. Its re-creation must wait for the
+  // peers' new addresses instead of connecting to the dead workers the old keys name: rank 1
+  // only starts once rank 0 waits for the addresses, so rank 0 would find stale ones first.
+  const int n = 2;
+  auto store = std::make_shared<MemoryStore>();
+  {
+    Comms comms = MakeComms(n, absl::Seconds(30), store, "again");
+    RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
+      CheckCollectives(comm, stream, 70000, /*salt=*/1);
+    });
+    comms[0]->Abort(absl::CancelledError("the test discards this communicator"));
+  }
+  for (int round = 2; round <= 3; ++round) {
+    auto watched = std::make_shared<WatchedStore>(store);
+    Comms comms(n);
+    std::vector<absl::Status> created(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        if (r == 1) {
+          ASSERT_TRUE(watched->address_wait.Wait());
+        }
+        absl::StatusOr<std::shared_ptr<Communicator>> comm =
+            CreateUcxCommunicator({.rank = r,
+                                   .size = n,
+                                   .store = watched,
+                                   .name = "again",
+                                   .timeout = absl::Seconds(10)});
+        created[r] = comm.status();
+        if (comm.ok()) comms[r] = *std::move(comm);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < n; ++r)
+      ASSERT_TRUE(created[r].ok()) << "round " << round << ": " << created[r];
+    RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
+      CheckCollectives(comm, stream, 70000, /*salt=*/round);
+    });
+  }
+  // Each rank deleted its keys once its peers had read them; only the creation counters stay.
+  EXPECT_EQ(*store->NumKeys(), n);
+}
 
 // Makes the next communicator read SHARDLINE_UCX_CMA again.
 void ReReadCmaKnob() {

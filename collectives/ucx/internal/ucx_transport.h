@@ -131,8 +131,10 @@ class Batch {
 
 class UcxTransport {
  public:
-  // Publishes this rank's address under "<name>/ucx/addr/<rank>", reads every peer's (until
-  // `deadline`) and connects to them.
+  // Publishes this rank's address under "<name>/ucx/<epoch>/addr/<rank>", reads every peer's
+  // (until `deadline`) and connects to them. `epoch` counts this rank's creations under `name`
+  // (the counter "<name>/ucx/epoch/<rank>"), so a communicator re-created under a name never
+  // reads the keys of an earlier one; each rank deletes its keys once every peer has read them.
   static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(int rank, int size, Store& store,
                                                               absl::string_view name,
                                                               absl::Time deadline);
@@ -264,6 +266,7 @@ class UcxTransport {
   const int rank_;
   const int size_;
   const std::string name_;
+  std::string key_prefix_;         // "<name>/ucx/<epoch>": this creation's store keys
   std::shared_ptr<void> context_;  // the process-wide ucp context
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
