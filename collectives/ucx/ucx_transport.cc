@@ -64,6 +64,19 @@ SL_PARAM(bool, UcxShm, "UCX_SHM", true,
          "remote and UCX's shared-memory transports are left out unless UCX_TLS is set, which "
          "exercises the network path on one machine).");
 
+absl::StatusOr<Tuning> Tuning::FromEnvironment() {
+  Tuning t;
+  SL_ASSIGN_OR_RETURN(const int64_t chunk, ParamUcxChunkBytes().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t small, ParamUcxSmallBytes().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t window, ParamUcxWindow().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t spin, ParamUcxSpinUs().Get());
+  t.chunk_bytes = static_cast<size_t>(chunk);
+  t.small_bytes = static_cast<size_t>(small);
+  t.window = static_cast<int>(std::min<int64_t>(window, 64));
+  t.spin = absl::Microseconds(spin);
+  return t;
+}
+
 std::string UcxError(ucs_status_t status) { return ucs_status_string(status); }
 
 namespace {
@@ -219,17 +232,18 @@ UcxTransport::UcxTransport(int rank, int size, std::string name)
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int rank, int size, Store& store,
                                                                    absl::string_view name,
+                                                                   const Tuning& tuning,
                                                                    absl::Time deadline) {
   if (size > kMaxRanks) {
     return absl::InvalidArgumentError(
         absl::StrCat("ucx communicator ", name, ": size ", size, " exceeds ", kMaxRanks));
   }
   std::unique_ptr<UcxTransport> transport(new UcxTransport(rank, size, std::string(name)));
-  SL_RETURN_IF_ERROR(transport->Init(store, deadline));
+  SL_RETURN_IF_ERROR(transport->Init(store, tuning, deadline));
   return transport;
 }
 
-absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
+absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time deadline) {
   const std::string where =
       absl::StrCat("creating ucx communicator ", name_, " (rank ", rank_, " of ", size_, ")");
   SL_ASSIGN_OR_RETURN(const bool shm, ParamUcxShm().Get());
@@ -342,7 +356,7 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
     control_buffer_.reset(new uint8_t[kControlBytes]);
     PostControlRecv();
   }
-  SL_RETURN_IF_ERROR(CompleteWireup(deadline, where));
+  SL_RETURN_IF_ERROR(CompleteWireup(tuning, deadline, where));
   // Every peer's wire-up message arrived, and a peer sends it only after its last read of the
   // store: nobody reads this rank's keys any more.
   store.Delete(AddressKey(key_prefix_, rank_)).IgnoreError();
@@ -351,25 +365,43 @@ absl::Status UcxTransport::Init(Store& store, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::Status UcxTransport::CompleteWireup(absl::Time deadline, absl::string_view where) {
+namespace {
+
+// The wire-up message: the sender's rank and its wire-protocol tuning, as SHARDLINE_UCX_* knobs.
+enum WireupWord : size_t {
+  kWireupRank,
+  kWireupChunkBytes,
+  kWireupSmallBytes,
+  kWireupWindow,
+  kWireupWords
+};
+constexpr size_t kWireupBytes = kWireupWords * sizeof(uint64_t);
+
+}  // namespace
+
+absl::Status UcxTransport::CompleteWireup(const Tuning& tuning, absl::Time deadline,
+                                          absl::string_view where) {
   auto batch = std::make_unique<Batch>();
   // One message each way per peer: this rank's receives, then its sends.
   std::vector<Completion*> recvs(size_, nullptr), sends(size_, nullptr), flushes(size_, nullptr);
-  uint8_t* in = batch->Buffer(static_cast<size_t>(size_) * sizeof(uint64_t));
-  uint64_t* out = reinterpret_cast<uint64_t*>(batch->Buffer(sizeof(uint64_t)));
-  *out = static_cast<uint64_t>(rank_);
+  auto* in = reinterpret_cast<uint64_t*>(batch->Buffer(size_ * kWireupBytes));
+  auto* out = in + rank_ * kWireupWords;
+  out[kWireupRank] = static_cast<uint64_t>(rank_);
+  out[kWireupChunkBytes] = tuning.chunk_bytes;
+  out[kWireupSmallBytes] = tuning.small_bytes;
+  out[kWireupWindow] = static_cast<uint64_t>(tuning.window);
   // Posting errors are kept, not returned: the batch must go through Release either way.
   absl::Status status;
   for (int p = 0; p < size_ && status.ok(); ++p) {
     if (p == rank_) continue;
     recvs[p] = batch->Add(p, /*is_send=*/false);
-    status.Update(Recv(p, in + p * sizeof(uint64_t), sizeof(uint64_t),
-                       MakeTag(Phase::kWireup, p, 0, 0), recvs[p]));
+    status.Update(
+        Recv(p, in + p * kWireupWords, kWireupBytes, MakeTag(Phase::kWireup, p, 0, 0), recvs[p]));
   }
   for (int p = 0; p < size_ && status.ok(); ++p) {
     if (p == rank_) continue;
     sends[p] = batch->Add(p, /*is_send=*/true);
-    status.Update(Send(p, out, sizeof(uint64_t), MakeTag(Phase::kWireup, rank_, 0, 0), sends[p]));
+    status.Update(Send(p, out, kWireupBytes, MakeTag(Phase::kWireup, rank_, 0, 0), sends[p]));
   }
   // Waits until every completion of `cs` is done; an error names the first failed peer, or
   // every pending one at the deadline.
@@ -421,6 +453,29 @@ absl::Status UcxTransport::CompleteWireup(absl::Time deadline, absl::string_view
       Track(ucp_ep_flush_nbx(peers_[p].ep, &param), c);
     }
     status = wait(flushes, "flushing the endpoint to");
+  }
+  for (int p = 0; p < size_ && status.ok(); ++p) {
+    if (p != rank_ && recvs[p]->length != kWireupBytes) {
+      status = absl::InternalError(absl::StrCat(where, ": the wire-up message of rank ", p, " has ",
+                                                recvs[p]->length, " bytes, not ", kWireupBytes,
+                                                " (a different shardline version?)"));
+    }
+  }
+  // Every rank now holds every rank's tuning (and every peer holds this rank's: the flush
+  // completed), so all find the same first difference.
+  const std::pair<WireupWord, const ParamBase*> knobs[] = {
+      {kWireupChunkBytes, &ParamUcxChunkBytes()},
+      {kWireupSmallBytes, &ParamUcxSmallBytes()},
+      {kWireupWindow, &ParamUcxWindow()}};
+  for (const auto& [word, knob] : knobs) {
+    for (int p = 1; p < size_ && status.ok(); ++p) {
+      const uint64_t theirs = in[p * kWireupWords + word], first = in[word];
+      if (theirs != first) {
+        status = absl::InvalidArgumentError(absl::StrCat(
+            where, ": rank ", p, " has ", knob->env_name(), "=", theirs, " but rank 0 has ",
+            knob->env_name(), "=", first, " (the ucx wire protocol needs the same on every rank)"));
+      }
+    }
   }
   Release(std::move(batch));
   return status;

@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/store/memory_store.h"
+#include "collectives/ucx/internal/ucx_communicator_internal.h"
 #include "runtime/allocator.h"
 #include "runtime/check.h"
 #include "runtime/config.h"
@@ -185,6 +186,51 @@ TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {
   }
   // Each rank deleted its keys once its peers had read them; only the creation counters stay.
   EXPECT_EQ(*store->NumKeys(), n);
+}
+
+TEST(UcxCommunicatorTest, DifferentWireTuningFailsCreationOnEveryRankNamingTheKnob) {
+  // Rank 1 of 3 differs from the others in one knob of the wire protocol at a time.
+  using ucx_internal::Tuning;
+  absl::StatusOr<Tuning> base = Tuning::FromEnvironment();
+  ASSERT_TRUE(base.ok()) << base.status();
+  struct Case {
+    std::string knob;
+    void (*change)(Tuning&);
+    std::string theirs, first;
+  };
+  const Case cases[] = {
+      {"SHARDLINE_UCX_CHUNK_BYTES", [](Tuning& t) { t.chunk_bytes = 8192; }, "8192",
+       absl::StrCat(base->chunk_bytes)},
+      {"SHARDLINE_UCX_SMALL_BYTES", [](Tuning& t) { t.small_bytes = 777; }, "777",
+       absl::StrCat(base->small_bytes)},
+      {"SHARDLINE_UCX_WINDOW", [](Tuning& t) { t.window = 7; }, "7", absl::StrCat(base->window)}};
+  for (const Case& c : cases) {
+    ASSERT_NE(c.theirs, c.first) << c.knob;
+    Tuning other = *base;
+    c.change(other);
+    const int n = 3;
+    auto store = std::make_shared<MemoryStore>();
+    std::vector<absl::Status> created(n);
+    std::vector<std::thread> threads;
+    const absl::Time start = absl::Now();
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        created[r] = ucx_internal::CreateUcxCommunicatorWithTuning(
+                         {.rank = r, .size = n, .store = store, .timeout = absl::Seconds(20)},
+                         r == 1 ? other : *base)
+                         .status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << c.knob;
+    const std::string expected = absl::StrCat("rank 1 has ", c.knob, "=", c.theirs,
+                                              " but rank 0 has ", c.knob, "=", c.first);
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(created[r].code(), absl::StatusCode::kInvalidArgument) << created[r];
+      EXPECT_TRUE(absl::StrContains(created[r].message(), expected))
+          << "rank " << r << ": " << created[r] << "\nexpected: " << expected;
+    }
+  }
 }
 
 // Makes the next communicator read SHARDLINE_UCX_CMA again.

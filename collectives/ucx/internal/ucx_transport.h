@@ -64,6 +64,18 @@ const Param<bool>& ParamUcxShm();
 const Param<bool>& ParamUcxCma();
 const Param<bool>& ParamUcxMap();
 
+// What the SHARDLINE_UCX_* knobs say about running collectives. The wire protocol depends on
+// chunk_bytes, small_bytes and window (which messages are small, how large chunks are tagged), so
+// every rank of a communicator must use the same values; creation compares them. spin is local.
+struct Tuning {
+  size_t chunk_bytes;
+  size_t small_bytes;
+  int window;
+  absl::Duration spin;
+  // The knobs' values (their defaults where unset); InvalidArgument for an invalid one.
+  static absl::StatusOr<Tuning> FromEnvironment();
+};
+
 // Tag layout (64 bits): phase (4) | source rank (16) | sequence (24) | chunk (20). A worker
 // belongs to one communicator, so tags never need a communicator id. Header tags carry no
 // sequence: headers from one peer are matched in send order, so a peer that is at another
@@ -135,8 +147,12 @@ class UcxTransport {
   // (until `deadline`) and connects to them. `epoch` counts this rank's creations under `name`
   // (the counter "<name>/ucx/epoch/<rank>"), so a communicator re-created under a name never
   // reads the keys of an earlier one; each rank deletes its keys once every peer has read them.
+  // Every rank sends its wire-protocol `tuning` to every peer in the wire-up handshake;
+  // creation fails on every rank with InvalidArgument naming the first knob on which a rank
+  // differs from rank 0, both ranks and both values.
   static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(int rank, int size, Store& store,
                                                               absl::string_view name,
+                                                              const Tuning& tuning,
                                                               absl::Time deadline);
   UcxTransport(const UcxTransport&) = delete;
   UcxTransport& operator=(const UcxTransport&) = delete;
@@ -244,15 +260,16 @@ class UcxTransport {
   };
 
   UcxTransport(int rank, int size, std::string name);
-  absl::Status Init(Store& store, absl::Time deadline);
+  absl::Status Init(Store& store, const Tuning& tuning, absl::Time deadline);
   // Probes which local peers this rank can read with CMA and agrees on it through the store.
   absl::Status AgreeOnCma(Store& store, const std::vector<std::string>& values, bool cma,
                           absl::Time deadline);
   // Completes UCX's lazy wire-up with every peer before the first collective: one small message
-  // each way on the kWireup tag, then a flush of every endpoint, all until `deadline`. (UCX 1.13
-  // aborts a survivor whose endpoint to a dead peer fails while a wire-up message is still
-  // queued on a shared-memory lane; fixed upstream in openucx PR #8175.)
-  absl::Status CompleteWireup(absl::Time deadline, absl::string_view where);
+  // each way on the kWireup tag (this rank's wire-protocol tuning), then a flush of every
+  // endpoint, all until `deadline`; then compares every rank's tuning. (UCX 1.13 aborts a
+  // survivor whose endpoint to a dead peer fails while a wire-up message is still queued on a
+  // shared-memory lane; fixed upstream in openucx PR #8175.)
+  absl::Status CompleteWireup(const Tuning& tuning, absl::Time deadline, absl::string_view where);
   void CloseEndpoint(Peer& peer, bool force, std::vector<void*>* closing);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void PostControlRecv();
