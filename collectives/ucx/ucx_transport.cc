@@ -93,14 +93,24 @@ absl::StatusOr<std::shared_ptr<void>> AcquireContext(bool shm) {
   std::weak_ptr<void>& slot = cached[shm ? 1 : 0];
   if (std::shared_ptr<void> context = slot.lock()) return context;
 
-  // Shared-memory transports only offer peer-failure handling (needed by MODE_PEER endpoints,
-  // without which UCX drops them) when asked to.
-  setenv("UCX_MM_ERROR_HANDLING", "y", /*overwrite=*/0);
   ucp_config_t* config = nullptr;
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
   if (status != UCS_OK) {
     return absl::InternalError(
         absl::StrCat("ucx: reading the configuration failed: ", UcxError(status)));
+  }
+  // Shared-memory transports only offer peer-failure handling (needed by MODE_PEER endpoints,
+  // without which UCX drops them) when asked to. Asked through the configuration object, not
+  // the environment: setenv would race every other thread's getenv. (ucp_config_modify keeps
+  // names that are not UCP's own and applies them to the transports.)
+  if (std::getenv("UCX_MM_ERROR_HANDLING") == nullptr) {
+    status = ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
+    if (status != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InternalError(
+          absl::StrCat("ucx: enabling error handling of the shared-memory transports failed: ",
+                       UcxError(status)));
+    }
   }
   // Notice dead peers across machines within seconds, not the default tens of seconds.
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {

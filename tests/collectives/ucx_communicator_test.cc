@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <memory>
 #include <thread>
 
@@ -23,6 +24,7 @@
 #include "runtime/stream.h"
 #include "tests/collectives/conformance.h"
 #include "tests/common/gate.h"
+#include "tests/common/scoped_env.h"
 
 namespace shardline {
 namespace {
@@ -34,6 +36,7 @@ using ::shardline::testing::PatternBuffer;
 using ::shardline::testing::PatternValue;
 using ::shardline::testing::ReferenceReduce;
 using ::shardline::testing::RunRanks;
+using ::shardline::testing::ScopedEnv;
 using ::shardline::testing::WaitFor;
 
 // Creates the n communicators concurrently (creation waits for every peer's address).
@@ -231,6 +234,19 @@ TEST(UcxCommunicatorTest, DifferentWireTuningFailsCreationOnEveryRankNamingTheKn
           << "rank " << r << ": " << created[r] << "\nexpected: " << expected;
     }
   }
+}
+
+TEST(UcxCommunicatorTest, CreationLeavesTheEnvironmentAlone) {
+  // UCX's settings go through its configuration object: setenv in a library races every other
+  // thread's getenv. (The first communicator of the process creates the UCX context.)
+  ScopedEnv unset("UCX_MM_ERROR_HANDLING", nullptr);
+  {
+    Comms comms = MakeComms(2);
+    RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
+      CheckCollectives(comm, stream, 70000, /*salt=*/4);
+    });
+  }
+  EXPECT_EQ(std::getenv("UCX_MM_ERROR_HANDLING"), nullptr);
 }
 
 // Makes the next communicator read SHARDLINE_UCX_CMA again.
