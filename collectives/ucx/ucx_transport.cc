@@ -157,6 +157,8 @@ std::string HostIdentity() {
   return absl::StrCat(host, "|", ReadFirstLine("/proc/sys/kernel/random/boot_id"), "|", ns);
 }
 
+// Without a pidfd (kernels before 5.3, or no descriptor to spare): the pid, which another
+// process may have taken over since the peer exited.
 bool ProcessAlive(int64_t pid) {
   if (kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return false;
   // A zombie has exited; it only waits for its parent.
@@ -340,6 +342,7 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
     Peer& peer = peers_[p];
     peer.local = peer_value.compare(0, nl[0], host) == 0;
     peer.pid = pid;
+    if (peer.local) OpenPidfd(p);
     error_args_.push_back(std::make_unique<ErrorArg>(ErrorArg{this, p}));
     ucp_ep_params_t ep_params{};
     ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
@@ -546,28 +549,38 @@ const uint8_t* UcxTransport::MapPeerRegion(int peer, uint64_t region_id, int fd,
       return m.bytes == bytes ? m.base : nullptr;
     }
   }
-  auto give_up = [&](const char* what) -> const uint8_t* {
-    SL_LOG(INFO, COLL) << "ucx communicator " << name_ << " rank " << rank_ << ": " << what
-                       << " for peer rank " << peer << " failed (" << std::strerror(errno)
-                       << "); reading its memory with process_vm_readv";
-    p.unmappable = true;
+  // Out of descriptors (or memory) is transient: copy this message with process_vm_readv and try
+  // again with the next. Anything else means this peer's memory cannot be mapped at all.
+  auto fail = [&](const char* what) -> const uint8_t* {
+    const int error = errno;
+    const bool transient = error == EMFILE || error == ENFILE || error == ENOMEM;
+    if (!transient) {
+      p.unmappable = true;
+    } else if (p.warned_transient) {
+      return nullptr;
+    } else {
+      p.warned_transient = true;
+    }
+    SL_LOG(WARN, COLL) << "ucx communicator " << name_ << " rank " << rank_ << ": " << what
+                       << " for peer rank " << peer << " failed (" << std::strerror(error)
+                       << "); reading its memory with process_vm_readv"
+                       << (transient ? " until this succeeds (not logged again)" : "");
     return nullptr;
   };
-  if (p.pidfd < 0) {
-    p.pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(p.pid), 0));
-    if (p.pidfd < 0) return give_up("pidfd_open");
-  }
+  // Opened at creation; again here if that failed for want of a descriptor.
+  if (p.pidfd < 0 && !OpenPidfd(peer)) return fail("pidfd_open");
   const int local_fd = static_cast<int>(syscall(SYS_pidfd_getfd, p.pidfd, fd, 0));
-  if (local_fd < 0) return give_up("pidfd_getfd");
+  if (local_fd < 0) return fail("pidfd_getfd");
   struct stat st {};
   void* base = MAP_FAILED;
   if (fstat(local_fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes) {
     base = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, local_fd, 0);
   }
+  const int map_error = base == MAP_FAILED && errno != 0 ? errno : EINVAL;
   close(local_fd);
   if (base == MAP_FAILED) {
-    errno = errno == 0 ? EINVAL : errno;
-    return give_up("mapping a shared region");
+    errno = map_error;
+    return fail("mapping a shared region");
   }
   // A bounded cache per peer: a region the peer freed stays alive while mapped here. Per peer,
   // not overall, so that a collective never unmaps a region it still reads (borrowed chunks):
@@ -924,6 +937,34 @@ void UcxTransport::Wake() {
   if (worker_ != nullptr) ucp_worker_signal(worker_);
 }
 
+bool UcxTransport::OpenPidfd(int p) {
+  Peer& peer = peers_[p];
+  peer.pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer.pid), 0));
+  if (peer.pidfd >= 0) return true;
+  const int error = errno;  // for the caller, whatever logging does to it
+  if (!peer.warned_pidfd) {
+    peer.warned_pidfd = true;
+    SL_LOG(WARN, COLL) << "ucx communicator " << name_ << " rank " << rank_
+                       << ": pidfd_open for peer rank " << p << " (pid " << peer.pid << ") failed ("
+                       << std::strerror(error)
+                       << "); watching its pid instead, which a new process may reuse";
+  }
+  errno = error;
+  return false;
+}
+
+bool UcxTransport::PeerAlive(const Peer& peer) const {
+  if (peer.pidfd < 0) return ProcessAlive(peer.pid);
+  // A pidfd names one process for good: it turns readable once that process has exited, even
+  // if its pid now belongs to another.
+  pollfd fd{peer.pidfd, POLLIN, 0};
+  int ready;
+  do {
+    ready = poll(&fd, 1, 0);
+  } while (ready < 0 && errno == EINTR);
+  return ready <= 0;
+}
+
 absl::Status UcxTransport::CheckPeers() {
   const absl::Time now = absl::Now();
   if (now < next_peer_check_) return peers_status_;
@@ -933,7 +974,7 @@ absl::Status UcxTransport::CheckPeers() {
   for (int p = 0; p < size_; ++p) {
     const Peer& peer = peers_[p];
     if (p == rank_ || !peer.local || peer.pid == self) continue;
-    if (!ProcessAlive(peer.pid)) {
+    if (!PeerAlive(peer)) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         peers_[p].failed = true;

@@ -9,7 +9,11 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <thread>
 
@@ -383,6 +387,65 @@ TEST(UcxCommunicatorTest, FreshShareableBuffersEveryIterationStayCorrect) {
       FreeShareable(*input, count * 4);
     }
   });
+}
+
+// Mappings of shareable memory in this process (the owners' and the peers' alike).
+int CountShareableMappings() {
+  std::ifstream maps("/proc/self/maps");
+  int count = 0;
+  for (std::string line; std::getline(maps, line);) count += absl::StrContains(line, "memfd:");
+  return count;
+}
+
+TEST(UcxCommunicatorTest, PeersMapEachOtherAgainAfterRunningOutOfDescriptors) {
+  // Mapping a peer's region takes a descriptor (pidfd_getfd). While the process has none to
+  // spare, large messages fall back to process_vm_readv; once it has, they are mapped again.
+  const int n = 2;
+  const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
+  Comms comms = MakeComms(n);
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  std::vector<void*> inputs(n);
+  for (void*& input : inputs) {
+    absl::StatusOr<void*> allocated = AllocateShareable(count * 4);
+    ASSERT_TRUE(allocated.ok()) << allocated.status();
+    input = *allocated;
+  }
+  const int before = CountShareableMappings();
+  int starved = 0;
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    std::vector<float> output(n * count);
+    for (int iter = 0; iter < 2; ++iter) {
+      const std::vector<float> values = HashedFloats(r, count, /*salt=*/iter);
+      std::copy(values.begin(), values.end(), static_cast<float*>(inputs[r]));
+      // Rank 0 changes the limit before it sends its descriptors, and back once its all-gather
+      // is done (the peer has read its memory then): every mapping attempt of the first
+      // all-gather happens without a descriptor to spare, every one of the second with.
+      if (r == 0 && iter == 0) {
+        const int lowest_free = dup(0);
+        close(lowest_free);
+        rlimit starving = saved;
+        starving.rlim_cur = static_cast<rlim_t>(lowest_free);
+        ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &starving), 0);
+      }
+      absl::Status status =
+          WaitFor(comm.AllGather(inputs[r], output.data(), count, DType::kF32, stream));
+      if (r == 0 && iter == 0) {
+        ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+        starved = CountShareableMappings();
+      }
+      ASSERT_TRUE(status.ok()) << status;
+      for (int s = 0; s < n; ++s) {
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(output[s * count + i], HashedFloat(s, i, iter))
+              << "iteration " << iter << ", from rank " << s << ", element " << i;
+        }
+      }
+    }
+  });
+  EXPECT_EQ(starved, before);                       // nothing mapped without descriptors
+  EXPECT_EQ(CountShareableMappings(), before + n);  // each rank mapped the other's input since
+  for (void* input : inputs) FreeShareable(input, count * 4);
 }
 
 TEST(UcxCommunicatorTest, CreationWithoutPeersTimesOutNamingThem) {

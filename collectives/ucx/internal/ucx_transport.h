@@ -24,8 +24,9 @@
 // matching FinPhase tag, which completes the send. A read from a peer that died fails with
 // ESRCH and becomes Unavailable naming the peer. Whether rank a may read rank b's memory is
 // probed at creation and agreed through the store, so both sides always pick the same protocol.
-// Peers on the same host are also watched by pid (CheckPeers), which notices a death within
-// 200 ms even when no read is in flight. When the sender's buffer is shareable memory
+// Peers on the same host are also watched through a pidfd opened at creation (CheckPeers), which
+// notices a death within 200 ms even when no read is in flight, and never mistakes a new process
+// that reuses the pid for the peer. When the sender's buffer is shareable memory
 // (runtime/shared_memory.h) its descriptor also names the region, and the receiver copies from
 // its own mapping of that region (MapPeerRegion) instead: plain memcpy, no system call.
 
@@ -197,8 +198,9 @@ class UcxTransport {
   // in a cache of 64 regions per peer (the peer's least recently used region is unmapped; a
   // mapping returned during a collective stays valid until the collective ends). Null when the peer
   // cannot be mapped (SHARDLINE_UCX_MAP off, no CMA permission, pidfd_getfd refused, or the file
-  // is not what the peer described): the caller then falls back to CmaRead. Only the thread
-  // that runs collectives may call it.
+  // is not what the peer described), or for now (out of file descriptors: tried again at the
+  // next call): the caller then falls back to CmaRead. Only the thread that runs collectives
+  // may call it.
   const uint8_t* MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes);
 
   // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
@@ -229,14 +231,20 @@ class UcxTransport {
  private:
   struct Peer {
     ucp_ep_h ep = nullptr;
-    bool local = false;       // same host: shared memory, pid watched
+    bool local = false;       // same host: shared memory, pidfd watched
     bool pulls_from = false;  // this rank reads the peer's large messages (CMA)
     bool pulled_by = false;   // the peer reads this rank's large messages (CMA)
     int64_t pid = 0;
     bool failed = false;    // endpoint error seen
     bool departed = false;  // said goodbye
-    int pidfd = -1;         // for pidfd_getfd of the peer's shareable regions
-    bool unmappable = false;
+    // Local peers: opened at creation, before the CMA probe reads the peer's memory by pid (a
+    // probe that finds the value the peer published shows that the pid, and so the pidfd, was
+    // still the peer's). Watched for the peer's exit (CheckPeers); pidfd_getfd of its shareable
+    // regions (MapPeerRegion).
+    int pidfd = -1;
+    bool warned_pidfd = false;      // pidfd_open failed (logged once)
+    bool unmappable = false;        // mapping failed for good
+    bool warned_transient = false;  // mapping failed for want of descriptors (logged once)
     bool mapped_before = false;
   };
   struct Mapping {
@@ -270,6 +278,10 @@ class UcxTransport {
   // survivor whose endpoint to a dead peer fails while a wire-up message is still queued on a
   // shared-memory lane; fixed upstream in openucx PR #8175.)
   absl::Status CompleteWireup(const Tuning& tuning, absl::Time deadline, absl::string_view where);
+  // Opens peers_[p].pidfd; false (logged once per peer) if the kernel refuses.
+  bool OpenPidfd(int p);
+  // Whether a local peer's process still runs: its pidfd, else its pid (ProcessAlive).
+  bool PeerAlive(const Peer& peer) const;
   void CloseEndpoint(Peer& peer, bool force, std::vector<void*>* closing);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void PostControlRecv();
