@@ -642,14 +642,22 @@ UcxTransport::~UcxTransport() {
 
   // Goodbyes first: a peer that sees our endpoint close afterwards knows we left on purpose.
   const bool unclean = unclean_.load();
-  for (int p = 0; p < size_; ++p) {
-    if (peers_[p].ep != nullptr && !peers_[p].failed) SendControl(p, kGoodbye, absl::OkStatus());
+  for (int p = 0; p < size_; ++p) SendControl(p, kGoodbye, absl::OkStatus());
+  std::vector<void*> closing;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing = std::move(force_closing_);
   }
-  std::vector<void*> closing = std::move(force_closing_);
   for (int p = 0; p < size_; ++p) {
+    std::lock_guard<std::mutex> ep_lock(ep_mu_);
+    bool failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failed = peers_[p].failed;
+    }
     // After a failure, requests to live peers may never finish (their receives were
     // cancelled): a flushing close would wait for them. Forcing completes them with an error.
-    if (peers_[p].ep != nullptr) CloseEndpoint(peers_[p], peers_[p].failed || unclean, &closing);
+    if (void* request = CloseEndpoint(peers_[p], failed || unclean)) closing.push_back(request);
   }
   const absl::Time deadline = absl::Now() + absl::Seconds(2);
   while (!closing.empty() && absl::Now() < deadline) {
@@ -683,29 +691,35 @@ UcxTransport::~UcxTransport() {
     }
     control_.request = nullptr;
   }
+  // Requests that the forced closes completed.
+  std::deque<Outgoing> outgoing;
+  std::vector<std::unique_ptr<Batch>> graveyard;
   {
-    // Requests that the forced closes completed.
     std::lock_guard<std::mutex> lock(mu_);
-    for (Outgoing& o : outgoing_) {
-      if (o.completion.request != nullptr && o.completion.done.load(std::memory_order_acquire)) {
-        ucp_request_free(o.completion.request);
-        o.completion.request = nullptr;
-      }
-    }
-    for (std::unique_ptr<Batch>& batch : graveyard_) FreeRequests(*batch);
+    outgoing.swap(outgoing_);
+    graveyard.swap(graveyard_);
   }
+  for (Outgoing& o : outgoing) {
+    if (o.completion.request != nullptr && o.completion.done.load(std::memory_order_acquire)) {
+      ucp_request_free(o.completion.request);
+      o.completion.request = nullptr;
+    }
+  }
+  for (std::unique_ptr<Batch>& batch : graveyard) FreeRequests(*batch);
   DrainUnexpected();
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
 }
 
-void UcxTransport::CloseEndpoint(Peer& peer, bool force, std::vector<void*>* closing) {
+// Requires ep_mu_.
+void* UcxTransport::CloseEndpoint(Peer& peer, bool force) {
+  if (peer.ep == nullptr) return nullptr;
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &param);
-  if (UCS_PTR_IS_PTR(r)) closing->push_back(r);
   peer.ep = nullptr;
+  return UCS_PTR_IS_PTR(r) ? r : nullptr;
 }
 
 // Messages nobody will receive any more (a peer's goodbye or abort notice, the payload of a
@@ -898,14 +912,21 @@ void UcxTransport::Report(const absl::Status& status, bool forward) {
 }
 
 void UcxTransport::SendControl(int peer, uint8_t type, const absl::Status& status) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (peers_[peer].ep == nullptr || peers_[peer].failed) return;
-  Outgoing& o = outgoing_.emplace_back();
-  o.bytes.push_back(static_cast<char>(type));
-  o.bytes.push_back(static_cast<char>(status.code()));
-  o.bytes.append(status.message().data(),
-                 std::min<size_t>(status.message().size(), kControlBytes - 2));
-  Send(peer, o.bytes.data(), o.bytes.size(), MakeTag(Phase::kControl, rank_, 0, 0), &o.completion)
+  // ep_mu_ keeps the endpoint open during the send; mu_ must not be held across it, since the
+  // endpoint error callback takes mu_ (UCX may call it from inside ucp_tag_send_nbx).
+  std::lock_guard<std::mutex> ep_lock(ep_mu_);
+  Outgoing* o;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peers_[peer].ep == nullptr || peers_[peer].failed) return;
+    o = &outgoing_.emplace_back();  // a deque: elements never move
+    o->bytes.push_back(static_cast<char>(type));
+    o->bytes.push_back(static_cast<char>(status.code()));
+    o->bytes.append(status.message().data(),
+                    std::min<size_t>(status.message().size(), kControlBytes - 2));
+  }
+  Send(peer, o->bytes.data(), o->bytes.size(), MakeTag(Phase::kControl, rank_, 0, 0),
+       &o->completion)
       .IgnoreError();
 }
 
@@ -1058,9 +1079,19 @@ void UcxTransport::Release(std::unique_ptr<Batch> batch) {
       if (!c.done.load(std::memory_order_acquire) && c.is_send && c.peer >= 0) close[c.peer] = true;
     }
     for (int p = 0; p < size_; ++p) {
-      std::lock_guard<std::mutex> lock(mu_);
-      Peer& peer = peers_[p];
-      if (close[p] && peer.failed && peer.ep != nullptr) CloseEndpoint(peer, true, &force_closing_);
+      if (!close[p]) continue;
+      // As in SendControl: ep_mu_ across the UCX call, mu_ only around the bookkeeping.
+      std::lock_guard<std::mutex> ep_lock(ep_mu_);
+      bool failed;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        failed = peers_[p].failed;
+      }
+      if (!failed) continue;
+      if (void* request = CloseEndpoint(peers_[p], /*force=*/true)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        force_closing_.push_back(request);
+      }
     }
     // Cancelled receives complete at the next progress; sends to live peers complete only if
     // the peer still receives them, which after a failure it usually does not.

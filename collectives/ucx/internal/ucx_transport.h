@@ -282,7 +282,8 @@ class UcxTransport {
   bool OpenPidfd(int p);
   // Whether a local peer's process still runs: its pidfd, else its pid (ProcessAlive).
   bool PeerAlive(const Peer& peer) const;
-  void CloseEndpoint(Peer& peer, bool force, std::vector<void*>* closing);
+  // Closes `peer`'s endpoint (if open); returns the close request still in flight, if any.
+  void* CloseEndpoint(Peer& peer, bool force);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void PostControlRecv();
   void HandleControl(const Completion& c, std::vector<absl::Status>* notices);
@@ -306,7 +307,13 @@ class UcxTransport {
   AbortHandler abort_handler_;
   std::vector<std::pair<absl::Status, bool>> early_reports_;  // before SetAbortHandler
 
-  std::mutex mu_;  // guards failures_, peers_[].failed/departed, outgoing_, graveyard_
+  // Guards peers_[].ep against a close while another thread sends on it (SendControl from any
+  // thread, Release and the destructor close). Held across UCX calls, so no UCX callback takes
+  // it; taken before mu_, never after.
+  std::mutex ep_mu_;
+  // Guards failures_, peers_[].failed/departed, outgoing_, graveyard_, force_closing_. Never held
+  // across a UCX call: the endpoint error callback takes it.
+  std::mutex mu_;
   std::vector<Failure> failures_;
   std::deque<Outgoing> outgoing_;
   std::vector<std::unique_ptr<Batch>> graveyard_;
