@@ -241,8 +241,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
                                   .size = options.size,
                                   .store = options.store,
                                   .name = options.name,
-                                  .timeout = options.timeout,
-                                  .local_size = options.local_size});
+                                  .timeout = options.timeout});
   }
   if (options.backend == "nccl") {
 #ifdef SHARDLINE_WITH_CUDA
@@ -324,7 +323,6 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   comm.device = device;
   comm.name = options.name;
   comm.timeout = timeout;
-  comm.local_size = info.local_world_size;
   SL_ASSIGN_OR_RETURN(group.world, CreateCommunicator(comm));
   return group;
 }

@@ -177,8 +177,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> UcxCommunicator::CreateSubgroup(
                              .size = static_cast<int>(ranks.size()),
                              .store = store_,
                              .name = name,
-                             .timeout = timeout(),
-                             .local_size = 1},
+                             .timeout = timeout()},
                             tuning_, deadline);
 }
 
@@ -191,10 +190,6 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateWithDeadline(
   }
   if (options.store == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": store is null"));
-  }
-  if (options.local_size < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": local_size must be >= 1, got ", options.local_size));
   }
   if (options.timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(

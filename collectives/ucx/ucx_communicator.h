@@ -56,8 +56,6 @@ struct UcxOptions {
   std::string name = "world";
   // Bound on creation and the default of every collective. Unset (zero): SHARDLINE_TIMEOUT_S.
   absl::Duration timeout = absl::ZeroDuration();
-  // Ranks per host (a hint; peers on the same host are found by comparing host identities).
-  int local_size = 1;
 };
 
 // This rank's communicator of the group. InvalidArgument for a bad rank, size or missing
