@@ -102,8 +102,9 @@ absl::StatusOr<std::shared_ptr<void>> AcquireContext(bool shm) {
   // Shared-memory transports only offer peer-failure handling (needed by MODE_PEER endpoints,
   // without which UCX drops them) when asked to. Asked through the configuration object, not
   // the environment: setenv would race every other thread's getenv. (ucp_config_modify keeps
-  // names that are not UCP's own and applies them to the transports.)
-  if (std::getenv("UCX_MM_ERROR_HANDLING") == nullptr) {
+  // names that are not UCP's own and applies them to the transports; it warns when none takes
+  // it, hence not for a context without the shared-memory transports.)
+  if (shm && std::getenv("UCX_MM_ERROR_HANDLING") == nullptr) {
     status = ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
     if (status != UCS_OK) {
       ucp_config_release(config);
@@ -369,12 +370,17 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
     control_buffer_.reset(new uint8_t[kControlBytes]);
     PostControlRecv();
   }
-  SL_RETURN_IF_ERROR(CompleteWireup(tuning, deadline, where));
+  std::vector<Tuning> tunings;
+  SL_RETURN_IF_ERROR(CompleteWireup(tuning, deadline, where, &tunings));
+  // From here on the worker is served between collectives, also while this rank waits for its
+  // peers in AgreeOnTuning: a peer still flushing its endpoint to this rank (over TCP) needs
+  // this rank's worker to answer.
+  progress_thread_ = std::thread([this] { ProgressThread(); });
+  SL_RETURN_IF_ERROR(AgreeOnTuning(store, tunings, deadline, where));
   // Every peer's wire-up message arrived, and a peer sends it only after its last read of the
   // store: nobody reads this rank's keys any more.
   store.Delete(AddressKey(key_prefix_, rank_)).IgnoreError();
   store.Delete(CmaKey(key_prefix_, rank_)).IgnoreError();
-  progress_thread_ = std::thread([this] { ProgressThread(); });
   return absl::OkStatus();
 }
 
@@ -393,7 +399,7 @@ constexpr size_t kWireupBytes = kWireupWords * sizeof(uint64_t);
 }  // namespace
 
 absl::Status UcxTransport::CompleteWireup(const Tuning& tuning, absl::Time deadline,
-                                          absl::string_view where) {
+                                          absl::string_view where, std::vector<Tuning>* tunings) {
   auto batch = std::make_unique<Batch>();
   // One message each way per peer: this rank's receives, then its sends.
   std::vector<Completion*> recvs(size_, nullptr), sends(size_, nullptr), flushes(size_, nullptr);
@@ -474,24 +480,50 @@ absl::Status UcxTransport::CompleteWireup(const Tuning& tuning, absl::Time deadl
                                                 " (a different shardline version?)"));
     }
   }
-  // Every rank now holds every rank's tuning (and every peer holds this rank's: the flush
-  // completed), so all find the same first difference.
-  const std::pair<WireupWord, const ParamBase*> knobs[] = {
-      {kWireupChunkBytes, &ParamUcxChunkBytes()},
-      {kWireupSmallBytes, &ParamUcxSmallBytes()},
-      {kWireupWindow, &ParamUcxWindow()}};
-  for (const auto& [word, knob] : knobs) {
-    for (int p = 1; p < size_ && status.ok(); ++p) {
-      const uint64_t theirs = in[p * kWireupWords + word], first = in[word];
-      if (theirs != first) {
-        status = absl::InvalidArgumentError(absl::StrCat(
-            where, ": rank ", p, " has ", knob->env_name(), "=", theirs, " but rank 0 has ",
-            knob->env_name(), "=", first, " (the ucx wire protocol needs the same on every rank)"));
-      }
+  if (status.ok()) {
+    tunings->assign(size_, tuning);
+    for (int p = 0; p < size_; ++p) {
+      const uint64_t* words = in + p * kWireupWords;
+      (*tunings)[p].chunk_bytes = words[kWireupChunkBytes];
+      (*tunings)[p].small_bytes = words[kWireupSmallBytes];
+      (*tunings)[p].window = static_cast<int>(words[kWireupWindow]);
     }
   }
   Release(std::move(batch));
   return status;
+}
+
+absl::Status UcxTransport::AgreeOnTuning(Store& store, const std::vector<Tuning>& tunings,
+                                         absl::Time deadline, absl::string_view where) {
+  struct Knob {
+    const ParamBase* param;
+    uint64_t (*value)(const Tuning&);
+  };
+  const Knob knobs[] = {
+      {&ParamUcxChunkBytes(), [](const Tuning& t) -> uint64_t { return t.chunk_bytes; }},
+      {&ParamUcxSmallBytes(), [](const Tuning& t) -> uint64_t { return t.small_bytes; }},
+      {&ParamUcxWindow(), [](const Tuning& t) -> uint64_t { return t.window; }}};
+  // Every rank holds every rank's tuning, so all find the same first difference.
+  absl::Status mismatch;
+  for (const Knob& knob : knobs) {
+    for (int p = 1; p < size_ && mismatch.ok(); ++p) {
+      const uint64_t theirs = knob.value(tunings[p]), first = knob.value(tunings[0]);
+      if (theirs == first) continue;
+      const std::string& name = knob.param->env_name();
+      mismatch = absl::InvalidArgumentError(
+          absl::StrCat(where, ": rank ", p, " has ", name, "=", theirs, " but rank 0 has ", name,
+                       "=", first, " (the ucx wire protocol needs the same on every rank)"));
+    }
+  }
+  if (mismatch.ok()) return absl::OkStatus();
+  // A rank finds the difference once its own handshake is complete, but a peer may still be
+  // flushing its endpoint to it; closing that endpoint now would fail the peer's creation with
+  // an unrelated error. So the ranks leave together (bounded by the deadline).
+  std::vector<std::string> keys;
+  for (int p = 0; p < size_; ++p) keys.push_back(absl::StrCat(key_prefix_, "/tuning_differs/", p));
+  store.Set(keys[rank_], "").IgnoreError();
+  store.Wait(keys, deadline).IgnoreError();
+  return mismatch;
 }
 
 absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::string>& values,

@@ -274,10 +274,15 @@ class UcxTransport {
                           absl::Time deadline);
   // Completes UCX's lazy wire-up with every peer before the first collective: one small message
   // each way on the kWireup tag (this rank's wire-protocol tuning), then a flush of every
-  // endpoint, all until `deadline`; then compares every rank's tuning. (UCX 1.13 aborts a
+  // endpoint, all until `deadline`. `tunings` receives every rank's tuning. (UCX 1.13 aborts a
   // survivor whose endpoint to a dead peer fails while a wire-up message is still queued on a
   // shared-memory lane; fixed upstream in openucx PR #8175.)
-  absl::Status CompleteWireup(const Tuning& tuning, absl::Time deadline, absl::string_view where);
+  absl::Status CompleteWireup(const Tuning& tuning, absl::Time deadline, absl::string_view where,
+                              std::vector<Tuning>* tunings);
+  // InvalidArgument naming the first wire-protocol knob on which a rank differs from rank 0 (the
+  // same error on every rank, returned once every rank has found it); OK if none does.
+  absl::Status AgreeOnTuning(Store& store, const std::vector<Tuning>& tunings, absl::Time deadline,
+                             absl::string_view where);
   // Opens peers_[p].pidfd; false (logged once per peer) if the kernel refuses.
   bool OpenPidfd(int p);
   // Whether a local peer's process still runs: its pidfd, else its pid (ProcessAlive).
