@@ -79,19 +79,21 @@ absl::StatusOr<Tuning> Tuning::FromEnvironment() {
 
 std::string UcxError(ucs_status_t status) { return ucs_status_string(status); }
 
-namespace {
-
 // `shm` false: a context without UCX's shared-memory transports, so that peers on this host
 // really talk over the network. Leaving them in would not only defeat the point of that mode:
 // UCX then still wires every peer up over shared memory, and UCX 1.13 aborts (an assertion in
 // ucp_request_send_state_ff) when a peer dies while a wireup message is still queued on such an
 // endpoint. The two kinds of context are cached apart.
-absl::StatusOr<std::shared_ptr<void>> AcquireContext(bool shm) {
-  static std::mutex mu;
-  static std::weak_ptr<void>* cached = new std::weak_ptr<void>[2]();
-  std::lock_guard<std::mutex> lock(mu);
-  std::weak_ptr<void>& slot = cached[shm ? 1 : 0];
-  if (std::shared_ptr<void> context = slot.lock()) return context;
+absl::StatusOr<std::shared_ptr<UcxContext>> UcxContext::Acquire(bool shm) {
+  struct Cache {
+    std::mutex mu;
+    std::weak_ptr<UcxContext> with_shm, without_shm;
+  };
+  // Never destroyed: a communicator may outlive static destruction.
+  static Cache* const cache = new Cache;
+  std::lock_guard<std::mutex> lock(cache->mu);
+  std::weak_ptr<UcxContext>& slot = shm ? cache->with_shm : cache->without_shm;
+  if (std::shared_ptr<UcxContext> context = slot.lock()) return context;
 
   ucp_config_t* config = nullptr;
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
@@ -135,10 +137,14 @@ absl::StatusOr<std::shared_ptr<void>> AcquireContext(bool shm) {
   if (status != UCS_OK) {
     return absl::InternalError(absl::StrCat("ucx: ucp_init failed: ", UcxError(status)));
   }
-  std::shared_ptr<void> owned(context, [](void* c) { ucp_cleanup(static_cast<ucp_context_h>(c)); });
+  std::shared_ptr<UcxContext> owned(new UcxContext(context));
   slot = owned;
   return owned;
 }
+
+UcxContext::~UcxContext() { ucp_cleanup(context_); }
+
+namespace {
 
 std::string ReadFirstLine(const char* path) {
   std::ifstream in(path);
@@ -262,13 +268,12 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
   SL_ASSIGN_OR_RETURN(const bool shm, ParamUcxShm().Get());
   SL_ASSIGN_OR_RETURN(const bool cma, ParamUcxCma().Get());
   SL_ASSIGN_OR_RETURN(map_, ParamUcxMap().Get());
-  SL_ASSIGN_OR_RETURN(context_, AcquireContext(shm));
+  SL_ASSIGN_OR_RETURN(context_, UcxContext::Acquire(shm));
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wparams.thread_mode = UCS_THREAD_MODE_MULTI;
-  ucs_status_t status =
-      ucp_worker_create(static_cast<ucp_context_h>(context_.get()), &wparams, &worker_);
+  ucs_status_t status = ucp_worker_create(context_->get(), &wparams, &worker_);
   if (status != UCS_OK) {
     worker_ = nullptr;
     return absl::InternalError(absl::StrCat(where, ": ucp_worker_create: ", UcxError(status)));

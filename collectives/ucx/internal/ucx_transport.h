@@ -52,30 +52,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "collectives/store/store.h"
-#include "runtime/config.h"
+#include "collectives/ucx/internal/ucx_context.h"
 
 namespace shardline::ucx_internal {
-
-// SHARDLINE_UCX_* knobs.
-const Param<int64_t>& ParamUcxChunkBytes();
-const Param<int64_t>& ParamUcxSmallBytes();
-const Param<int64_t>& ParamUcxWindow();
-const Param<int64_t>& ParamUcxSpinUs();
-const Param<bool>& ParamUcxShm();
-const Param<bool>& ParamUcxCma();
-const Param<bool>& ParamUcxMap();
-
-// What the SHARDLINE_UCX_* knobs say about running collectives. The wire protocol depends on
-// chunk_bytes, small_bytes and window (which messages are small, how large chunks are tagged), so
-// every rank of a communicator must use the same values; creation compares them. spin is local.
-struct Tuning {
-  size_t chunk_bytes;
-  size_t small_bytes;
-  int window;
-  absl::Duration spin;
-  // The knobs' values (their defaults where unset); InvalidArgument for an invalid one.
-  static absl::StatusOr<Tuning> FromEnvironment();
-};
 
 // Tag layout (64 bits): phase (4) | source rank (16) | sequence (24) | chunk (20). A worker
 // belongs to one communicator, so tags never need a communicator id. Header tags carry no
@@ -301,8 +280,8 @@ class UcxTransport {
   const int rank_;
   const int size_;
   const std::string name_;
-  std::string key_prefix_;         // "<name>/ucx/<epoch>": this creation's store keys
-  std::shared_ptr<void> context_;  // the process-wide ucp context
+  std::string key_prefix_;  // "<name>/ucx/<epoch>": this creation's store keys
+  std::shared_ptr<UcxContext> context_;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
   std::vector<Peer> peers_;
@@ -347,9 +326,6 @@ class UcxTransport {
   absl::Time next_peer_check_ = absl::InfinitePast();
   absl::Status peers_status_;
 };
-
-// "Connection reset by remote peer" for a UCX status.
-std::string UcxError(ucs_status_t status);
 
 }  // namespace shardline::ucx_internal
 
