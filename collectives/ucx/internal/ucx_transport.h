@@ -28,7 +28,12 @@
 // notices a death within 200 ms even when no read is in flight, and never mistakes a new process
 // that reuses the pid for the peer. When the sender's buffer is shareable memory
 // (runtime/shared_memory.h) its descriptor also names the region, and the receiver copies from
-// its own mapping of that region (MapPeerRegion) instead: plain memcpy, no system call.
+// its own mapping of that region (MapPeerRegion) instead: plain memcpy, no system call. What
+// touches the local peers' processes (liveness, reads, mappings) is PeerMemory (peer_memory.h).
+//
+// The implementation is split by job: ucx_wireup.cc (creation: addresses, the CMA agreement, the
+// handshake and its tuning check), ucx_control.cc (control channel, aborts, liveness),
+// ucx_progress.cc (the progress model), ucx_transport.cc (send, receive, release, teardown).
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
@@ -52,6 +57,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "collectives/store/store.h"
+#include "collectives/ucx/internal/peer_memory.h"
 #include "collectives/ucx/internal/ucx_context.h"
 
 namespace shardline::ucx_internal {
@@ -98,6 +104,13 @@ struct Completion {
   const uint8_t* view = nullptr;
   ucp_tag_recv_info_t info{};
 };
+
+// Callbacks of posted requests: they complete the Completion passed as user data.
+void SendCallback(void* request, ucs_status_t status, void* user);
+void RecvCallback(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user);
+// Records what a ucp_*_nbx call returned: done at once (OK or an error), or a request whose
+// callback completes `c` later.
+void Track(ucs_status_ptr_t r, Completion* c);
 
 // The posted operations of one collective and the buffers they use. Completion slots have
 // stable addresses; a Batch outlives every request that points into it (see Release).
@@ -210,28 +223,11 @@ class UcxTransport {
  private:
   struct Peer {
     ucp_ep_h ep = nullptr;
-    bool local = false;       // same host: shared memory, pidfd watched
+    bool local = false;       // same host: shared memory, watched through peer_memory_
     bool pulls_from = false;  // this rank reads the peer's large messages (CMA)
     bool pulled_by = false;   // the peer reads this rank's large messages (CMA)
-    int64_t pid = 0;
-    bool failed = false;    // endpoint error seen
-    bool departed = false;  // said goodbye
-    // Local peers: opened at creation, before the CMA probe reads the peer's memory by pid (a
-    // probe that finds the value the peer published shows that the pid, and so the pidfd, was
-    // still the peer's). Watched for the peer's exit (CheckPeers); pidfd_getfd of its shareable
-    // regions (MapPeerRegion).
-    int pidfd = -1;
-    bool warned_pidfd = false;      // pidfd_open failed (logged once)
-    bool unmappable = false;        // mapping failed for good
-    bool warned_transient = false;  // mapping failed for want of descriptors (logged once)
-    bool mapped_before = false;
-  };
-  struct Mapping {
-    int peer;
-    uint64_t region_id;
-    const uint8_t* base;
-    size_t bytes;
-    uint64_t last_use;
+    bool failed = false;      // endpoint error seen
+    bool departed = false;    // said goodbye
   };
   struct ErrorArg {
     UcxTransport* transport;
@@ -241,6 +237,9 @@ class UcxTransport {
     int peer;
     ucs_status_t status;
   };
+  enum ControlType : uint8_t { kAbortNotice = 1, kGoodbye = 2 };
+  static constexpr size_t kControlBytes = 4096;  // the largest control message
+
   struct Outgoing {
     std::string bytes;
     Completion completion;
@@ -262,10 +261,6 @@ class UcxTransport {
   // same error on every rank, returned once every rank has found it); OK if none does.
   absl::Status AgreeOnTuning(Store& store, const std::vector<Tuning>& tunings, absl::Time deadline,
                              absl::string_view where);
-  // Opens peers_[p].pidfd; false (logged once per peer) if the kernel refuses.
-  bool OpenPidfd(int p);
-  // Whether a local peer's process still runs: its pidfd, else its pid (ProcessAlive).
-  bool PeerAlive(const Peer& peer) const;
   // Closes `peer`'s endpoint (if open); returns the close request still in flight, if any.
   void* CloseEndpoint(Peer& peer, bool force);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
@@ -285,6 +280,7 @@ class UcxTransport {
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
   std::vector<Peer> peers_;
+  PeerMemory peer_memory_;  // of the local peers
   std::vector<std::unique_ptr<ErrorArg>> error_args_;
 
   std::mutex handler_mu_;  // guards abort_handler_, early_reports_
@@ -306,9 +302,7 @@ class UcxTransport {
   // What peers read to check that CMA works (random; published with the address).
   uint64_t probe_ = 0;
   bool oversubscribed_ = false;
-  bool map_ = false;               // SHARDLINE_UCX_MAP
-  std::vector<Mapping> mappings_;  // of local peers' shareable regions
-  uint64_t map_clock_ = 0;
+  bool map_ = false;  // SHARDLINE_UCX_MAP
 
   std::mutex control_mu_;  // guards the control receive
   Completion control_;
