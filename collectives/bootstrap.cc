@@ -67,13 +67,18 @@ absl::StatusOr<int> SlurmTasksOnNode(absl::string_view list, int node) {
       absl::StrCat("SLURM_TASKS_PER_NODE='", list, "' has no entry for SLURM_NODEID=", node));
 }
 
-absl::Status FillStoreAddress(LaunchInfo& info, absl::string_view hint) {
+// MASTER_ADDR and MASTER_PORT, else the launcher's own `fallback_addr` / `fallback_port`.
+absl::Status FillStoreAddress(LaunchInfo& info, absl::string_view hint,
+                              std::optional<std::string> fallback_addr = std::nullopt,
+                              std::optional<int> fallback_port = std::nullopt) {
   std::optional<std::string> addr = Env("MASTER_ADDR");
   SL_ASSIGN_OR_RETURN(std::optional<int> port_or, ([]() -> absl::StatusOr<std::optional<int>> {
                         if (!Env("MASTER_PORT").has_value()) return std::optional<int>();
                         SL_ASSIGN_OR_RETURN(int port, IntEnv("MASTER_PORT", 1, 65535, {}));
                         return std::optional<int>(port);
                       }()));
+  if (!addr.has_value()) addr = std::move(fallback_addr);
+  if (!port_or.has_value()) port_or = fallback_port;
   if (addr.has_value()) info.master_addr = *addr;
   if (port_or.has_value()) info.master_port = *port_or;
   if (info.world_size == 1 && !addr.has_value()) {
@@ -202,18 +207,14 @@ absl::StatusOr<LaunchInfo> ReadLaunchEnvironment() {
       info.local_world_size = 1;
     }
     SL_RETURN_IF_ERROR(CheckRanks(info, "SLURM_PROCID"));
-    // Slurm names the launch node; the port follows the job id so concurrent jobs differ.
-    if (!Env("MASTER_ADDR").has_value()) {
-      if (std::optional<std::string> node = Env("SLURM_LAUNCH_NODE_IPADDR")) {
-        info.master_addr = *node;
-        setenv("MASTER_ADDR", node->c_str(), 0);
-      }
-    }
+    // Slurm names the launch node; the port follows the job id so concurrent jobs differ. Both
+    // stay in `info`: writing them into the environment would race other threads' getenv.
+    std::optional<int> job_port;
     if (!Env("MASTER_PORT").has_value()) {
       SL_ASSIGN_OR_RETURN(int job, IntEnv("SLURM_JOB_ID", 0, 1 << 30, 0));
-      setenv("MASTER_PORT", absl::StrCat(20000 + job % 20000).c_str(), 0);
+      job_port = 20000 + job % 20000;
     }
-    SL_RETURN_IF_ERROR(FillStoreAddress(info, ""));
+    SL_RETURN_IF_ERROR(FillStoreAddress(info, "", Env("SLURM_LAUNCH_NODE_IPADDR"), job_port));
     return info;
   }
   return absl::NotFoundError(
@@ -240,8 +241,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
                                   .size = options.size,
                                   .store = options.store,
                                   .name = options.name,
-                                  .timeout = options.timeout,
-                                  .local_size = options.local_size});
+                                  .timeout = options.timeout});
   }
   if (options.backend == "nccl") {
 #ifdef SHARDLINE_WITH_CUDA
@@ -323,7 +323,6 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   comm.device = device;
   comm.name = options.name;
   comm.timeout = timeout;
-  comm.local_size = info.local_world_size;
   SL_ASSIGN_OR_RETURN(group.world, CreateCommunicator(comm));
   return group;
 }

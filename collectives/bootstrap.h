@@ -87,8 +87,6 @@ struct CommunicatorOptions {
   Device device = Device::Host();
   std::string name = "world";
   absl::Duration timeout = absl::ZeroDuration();
-  // Ranks per host (for topology-aware algorithms and the default mesh shape).
-  int local_size = 1;
 };
 absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
     const CommunicatorOptions& options);

@@ -13,19 +13,6 @@
 
 namespace shardline::ucx_internal {
 
-absl::StatusOr<Tuning> Tuning::FromEnvironment() {
-  Tuning t;
-  SL_ASSIGN_OR_RETURN(const int64_t chunk, ParamUcxChunkBytes().Get());
-  SL_ASSIGN_OR_RETURN(const int64_t small, ParamUcxSmallBytes().Get());
-  SL_ASSIGN_OR_RETURN(const int64_t window, ParamUcxWindow().Get());
-  SL_ASSIGN_OR_RETURN(const int64_t spin, ParamUcxSpinUs().Get());
-  t.chunk_bytes = static_cast<size_t>(chunk);
-  t.small_bytes = static_cast<size_t>(small);
-  t.window = static_cast<int>(std::min<int64_t>(window, 64));
-  t.spin = absl::Microseconds(spin);
-  return t;
-}
-
 namespace {
 
 // Data phases move user buffers; only they take the single-copy protocol.

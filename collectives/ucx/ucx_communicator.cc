@@ -8,6 +8,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/ucx/internal/ucx_collective.h"
+#include "collectives/ucx/internal/ucx_communicator_internal.h"
 #include "collectives/ucx/internal/ucx_transport.h"
 #include "runtime/config.h"
 #include "runtime/host_kernels.h"
@@ -21,9 +22,10 @@ using ucx_internal::CollectiveRun;
 using ucx_internal::Tuning;
 using ucx_internal::UcxTransport;
 
-// CreateUcxCommunicator with an explicit bound on the address exchange (Split passes its own).
+// CreateUcxCommunicator with an explicit bound on the address exchange (Split passes its own)
+// and tuning (unset: the knobs'; subgroups inherit their parent's).
 absl::StatusOr<std::shared_ptr<Communicator>> CreateWithDeadline(
-    const UcxOptions& options, std::optional<absl::Time> deadline);
+    const UcxOptions& options, std::optional<Tuning> tuning, std::optional<absl::Time> deadline);
 
 class UcxCommunicator final : public Communicator {
  public:
@@ -176,13 +178,12 @@ absl::StatusOr<std::shared_ptr<Communicator>> UcxCommunicator::CreateSubgroup(
                              .size = static_cast<int>(ranks.size()),
                              .store = store_,
                              .name = name,
-                             .timeout = timeout(),
-                             .local_size = 1},
-                            deadline);
+                             .timeout = timeout()},
+                            tuning_, deadline);
 }
 
 absl::StatusOr<std::shared_ptr<Communicator>> CreateWithDeadline(
-    const UcxOptions& options, std::optional<absl::Time> deadline) {
+    const UcxOptions& options, std::optional<Tuning> tuning, std::optional<absl::Time> deadline) {
   const std::string where = absl::StrCat("creating ucx communicator ", options.name);
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": rank ", options.rank,
@@ -190,10 +191,6 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateWithDeadline(
   }
   if (options.store == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": store is null"));
-  }
-  if (options.local_size < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": local_size must be >= 1, got ", options.local_size));
   }
   if (options.timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -203,16 +200,18 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateWithDeadline(
   if (timeout == absl::ZeroDuration()) {
     SL_ASSIGN_OR_RETURN(timeout, DefaultTimeout());
   }
-  SL_ASSIGN_OR_RETURN(const Tuning tuning, Tuning::FromEnvironment());
+  if (!tuning.has_value()) {
+    SL_ASSIGN_OR_RETURN(tuning, Tuning::FromEnvironment());
+  }
   SL_RETURN_IF_ERROR(ucx_internal::ParamUcxShm().Get().status());
   std::unique_ptr<UcxTransport> transport;
   if (options.size > 1) {
     SL_ASSIGN_OR_RETURN(
         transport, UcxTransport::Create(options.rank, options.size, *options.store, options.name,
-                                        deadline.value_or(absl::Now() + timeout)));
+                                        *tuning, deadline.value_or(absl::Now() + timeout)));
   }
   auto comm = std::make_shared<UcxCommunicator>(options.rank, options.size, options.name, timeout,
-                                                options.store, std::move(transport), tuning);
+                                                options.store, std::move(transport), *tuning);
   comm->Attach();
   return std::shared_ptr<Communicator>(std::move(comm));
 }
@@ -220,7 +219,16 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateWithDeadline(
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Communicator>> CreateUcxCommunicator(const UcxOptions& options) {
-  return CreateWithDeadline(options, std::nullopt);
+  return CreateWithDeadline(options, std::nullopt, std::nullopt);
 }
+
+namespace ucx_internal {
+
+absl::StatusOr<std::shared_ptr<Communicator>> CreateUcxCommunicatorWithTuning(
+    const UcxOptions& options, const Tuning& tuning) {
+  return CreateWithDeadline(options, tuning, std::nullopt);
+}
+
+}  // namespace ucx_internal
 
 }  // namespace shardline

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <functional>
 #include <thread>
 
@@ -128,6 +129,23 @@ TEST(LaunchEnvironmentTest, SlurmWithTaskListAndDerivedPort) {
   EXPECT_EQ(info->local_world_size, 3);  // node 2 has 3 tasks
   EXPECT_EQ(info->master_addr, "10.1.2.3");
   EXPECT_EQ(info->master_port, 20000 + 123456 % 20000);
+  // Derived, not written into the environment (setenv would race other threads' getenv).
+  EXPECT_EQ(std::getenv("MASTER_ADDR"), nullptr);
+  EXPECT_EQ(std::getenv("MASTER_PORT"), nullptr);
+}
+
+TEST(LaunchEnvironmentTest, SlurmPrefersMasterAddrAndPort) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"SLURM_PROCID", "0"},
+                {"SLURM_NTASKS", "2"},
+                {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"},
+                {"SLURM_JOB_ID", "not a number, and unused"},
+                {"MASTER_ADDR", "node7"},
+                {"MASTER_PORT", "29511"}};
+  absl::StatusOr<LaunchInfo> info = ReadLaunchEnvironment();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->master_addr, "node7");
+  EXPECT_EQ(info->master_port, 29511);
 }
 
 TEST(LaunchEnvironmentTest, SlurmMalformedTaskList) {

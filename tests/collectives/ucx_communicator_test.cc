@@ -9,39 +9,50 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/store/memory_store.h"
+#include "collectives/ucx/internal/ucx_communicator_internal.h"
 #include "runtime/allocator.h"
 #include "runtime/check.h"
 #include "runtime/config.h"
 #include "runtime/shared_memory.h"
 #include "runtime/stream.h"
 #include "tests/collectives/conformance.h"
+#include "tests/common/gate.h"
+#include "tests/common/scoped_env.h"
 
 namespace shardline {
 namespace {
 
 using ::shardline::testing::Comms;
+using ::shardline::testing::Gate;
 using ::shardline::testing::GetElement;
 using ::shardline::testing::PatternBuffer;
 using ::shardline::testing::PatternValue;
 using ::shardline::testing::ReferenceReduce;
 using ::shardline::testing::RunRanks;
+using ::shardline::testing::ScopedEnv;
 using ::shardline::testing::WaitFor;
 
 // Creates the n communicators concurrently (creation waits for every peer's address).
-Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30)) {
-  auto store = std::make_shared<MemoryStore>();
+Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30),
+                std::shared_ptr<Store> store = nullptr, const std::string& name = "world") {
+  if (store == nullptr) store = std::make_shared<MemoryStore>();
   Comms comms(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
-          {.rank = r, .size = n, .store = store, .name = "world", .timeout = timeout});
+          {.rank = r, .size = n, .store = store, .name = name, .timeout = timeout});
       SL_CHECK_OK(comm.status());
       comms[r] = *std::move(comm);
     });
@@ -63,6 +74,184 @@ INSTANTIATE_TYPED_TEST_SUITE_P(Ucx, CommunicatorConformanceTest, UcxBackend);
 }  // namespace testing
 
 namespace {
+
+// A float from a hash of (rank, i, salt): no period, so a misplaced block always shows. A
+// multiple of 1/1024 below 2^13 in magnitude, so that sums of a few ranks are exact.
+float HashedFloat(int rank, size_t i, int salt) {
+  uint64_t x = (uint64_t(rank) << 48) ^ (uint64_t(salt) << 40) ^ i;
+  x += 0x9e3779b97f4a7c15;  // splitmix64
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111eb;
+  x ^= x >> 31;
+  return static_cast<float>(static_cast<int64_t>(x >> 41) - (int64_t{1} << 22)) / 1024.0f;
+}
+
+std::vector<float> HashedFloats(int rank, size_t count, int salt) {
+  std::vector<float> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = HashedFloat(rank, i, salt);
+  return v;
+}
+
+// An all-gather and an all-reduce of `count` hashed floats per rank, every element checked.
+void CheckCollectives(Communicator& comm, Stream& stream, size_t count, int salt) {
+  const int n = comm.size(), r = comm.rank();
+  const std::vector<float> input = HashedFloats(r, count, salt);
+  std::vector<float> gathered(n * count);
+  ASSERT_TRUE(
+      WaitFor(comm.AllGather(input.data(), gathered.data(), count, DType::kF32, stream)).ok());
+  for (int s = 0; s < n; ++s) {
+    for (size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(gathered[s * count + i], HashedFloat(s, i, salt)) << "from rank " << s << ", " << i;
+    }
+  }
+  std::vector<float> reduced(count);
+  ASSERT_TRUE(
+      WaitFor(comm.AllReduce(input.data(), reduced.data(), count, DType::kF32, stream)).ok());
+  for (size_t i = 0; i < count; ++i) {
+    float sum = 0;
+    for (int s = 0; s < n; ++s) sum += HashedFloat(s, i, salt);
+    ASSERT_EQ(reduced[i], sum) << "element " << i;
+  }
+}
+
+// Delegates to `inner`, and opens `address_wait` when a rank first waits for the UCX addresses
+// of its peers.
+class WatchedStore final : public Store {
+ public:
+  explicit WatchedStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+  Gate address_wait;
+
+ protected:
+  absl::Status DoSet(absl::string_view key, absl::string_view value) override {
+    return inner_->Set(key, value);
+  }
+  absl::StatusOr<std::string> DoGet(absl::string_view key, absl::Time deadline) override {
+    return inner_->Get(key, deadline);
+  }
+  absl::StatusOr<int64_t> DoAdd(absl::string_view key, int64_t delta) override {
+    return inner_->Add(key, delta);
+  }
+  absl::StatusOr<std::string> DoCompareSet(absl::string_view key, absl::string_view expected,
+                                           absl::string_view desired) override {
+    return inner_->CompareSet(key, expected, desired);
+  }
+  absl::Status DoWait(absl::Span<const std::string> keys, absl::Time deadline) override {
+    for (const std::string& key : keys) {
+      if (absl::StrContains(key, "/addr/")) address_wait.Open();
+    }
+    return inner_->Wait(keys, deadline);
+  }
+  absl::StatusOr<bool> DoCheck(absl::Span<const std::string> keys) override {
+    return inner_->Check(keys);
+  }
+  absl::StatusOr<bool> DoDelete(absl::string_view key) override { return inner_->Delete(key); }
+  absl::StatusOr<int64_t> DoNumKeys() override { return inner_->NumKeys(); }
+
+ private:
+  std::shared_ptr<Store> inner_;
+};
+
+TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {
+  // The keys of the first communicator stay in the store. Its re-creation must wait for the
+  // peers' new addresses instead of connecting to the dead workers the old keys name: rank 1
+  // only starts once rank 0 waits for the addresses, so rank 0 would find stale ones first.
+  const int n = 2;
+  auto store = std::make_shared<MemoryStore>();
+  {
+    Comms comms = MakeComms(n, absl::Seconds(30), store, "again");
+    RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
+      CheckCollectives(comm, stream, 70000, /*salt=*/1);
+    });
+    comms[0]->Abort(absl::CancelledError("the test discards this communicator"));
+  }
+  for (int round = 2; round <= 3; ++round) {
+    auto watched = std::make_shared<WatchedStore>(store);
+    Comms comms(n);
+    std::vector<absl::Status> created(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        if (r == 1) {
+          ASSERT_TRUE(watched->address_wait.Wait());
+        }
+        absl::StatusOr<std::shared_ptr<Communicator>> comm =
+            CreateUcxCommunicator({.rank = r,
+                                   .size = n,
+                                   .store = watched,
+                                   .name = "again",
+                                   .timeout = absl::Seconds(10)});
+        created[r] = comm.status();
+        if (comm.ok()) comms[r] = *std::move(comm);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < n; ++r)
+      ASSERT_TRUE(created[r].ok()) << "round " << round << ": " << created[r];
+    RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
+      CheckCollectives(comm, stream, 70000, /*salt=*/round);
+    });
+  }
+  // Each rank deleted its keys once its peers had read them; only the creation counters stay.
+  EXPECT_EQ(*store->NumKeys(), n);
+}
+
+TEST(UcxCommunicatorTest, DifferentWireTuningFailsCreationOnEveryRankNamingTheKnob) {
+  // Rank 1 of 3 differs from the others in one knob of the wire protocol at a time.
+  using ucx_internal::Tuning;
+  absl::StatusOr<Tuning> base = Tuning::FromEnvironment();
+  ASSERT_TRUE(base.ok()) << base.status();
+  struct Case {
+    std::string knob;
+    void (*change)(Tuning&);
+    std::string theirs, first;
+  };
+  const Case cases[] = {
+      {"SHARDLINE_UCX_CHUNK_BYTES", [](Tuning& t) { t.chunk_bytes = 8192; }, "8192",
+       absl::StrCat(base->chunk_bytes)},
+      {"SHARDLINE_UCX_SMALL_BYTES", [](Tuning& t) { t.small_bytes = 777; }, "777",
+       absl::StrCat(base->small_bytes)},
+      {"SHARDLINE_UCX_WINDOW", [](Tuning& t) { t.window = 7; }, "7", absl::StrCat(base->window)}};
+  for (const Case& c : cases) {
+    ASSERT_NE(c.theirs, c.first) << c.knob;
+    Tuning other = *base;
+    c.change(other);
+    const int n = 3;
+    auto store = std::make_shared<MemoryStore>();
+    std::vector<absl::Status> created(n);
+    std::vector<std::thread> threads;
+    const absl::Time start = absl::Now();
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        created[r] = ucx_internal::CreateUcxCommunicatorWithTuning(
+                         {.rank = r, .size = n, .store = store, .timeout = absl::Seconds(20)},
+                         r == 1 ? other : *base)
+                         .status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << c.knob;
+    const std::string expected = absl::StrCat("rank 1 has ", c.knob, "=", c.theirs,
+                                              " but rank 0 has ", c.knob, "=", c.first);
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(created[r].code(), absl::StatusCode::kInvalidArgument) << created[r];
+      EXPECT_TRUE(absl::StrContains(created[r].message(), expected))
+          << "rank " << r << ": " << created[r] << "\nexpected: " << expected;
+    }
+  }
+}
+
+TEST(UcxCommunicatorTest, CreationLeavesTheEnvironmentAlone) {
+  // UCX's settings go through its configuration object: setenv in a library races every other
+  // thread's getenv. (The first communicator of the process creates the UCX context.)
+  ScopedEnv unset("UCX_MM_ERROR_HANDLING", nullptr);
+  {
+    Comms comms = MakeComms(2);
+    RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
+      CheckCollectives(comm, stream, 70000, /*salt=*/4);
+    });
+  }
+  EXPECT_EQ(std::getenv("UCX_MM_ERROR_HANDLING"), nullptr);
+}
 
 // Makes the next communicator read SHARDLINE_UCX_CMA again.
 void ReReadCmaKnob() {
@@ -198,6 +387,65 @@ TEST(UcxCommunicatorTest, FreshShareableBuffersEveryIterationStayCorrect) {
       FreeShareable(*input, count * 4);
     }
   });
+}
+
+// Mappings of shareable memory in this process (the owners' and the peers' alike).
+int CountShareableMappings() {
+  std::ifstream maps("/proc/self/maps");
+  int count = 0;
+  for (std::string line; std::getline(maps, line);) count += absl::StrContains(line, "memfd:");
+  return count;
+}
+
+TEST(UcxCommunicatorTest, PeersMapEachOtherAgainAfterRunningOutOfDescriptors) {
+  // Mapping a peer's region takes a descriptor (pidfd_getfd). While the process has none to
+  // spare, large messages fall back to process_vm_readv; once it has, they are mapped again.
+  const int n = 2;
+  const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
+  Comms comms = MakeComms(n);
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  std::vector<void*> inputs(n);
+  for (void*& input : inputs) {
+    absl::StatusOr<void*> allocated = AllocateShareable(count * 4);
+    ASSERT_TRUE(allocated.ok()) << allocated.status();
+    input = *allocated;
+  }
+  const int before = CountShareableMappings();
+  int starved = 0;
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    std::vector<float> output(n * count);
+    for (int iter = 0; iter < 2; ++iter) {
+      const std::vector<float> values = HashedFloats(r, count, /*salt=*/iter);
+      std::copy(values.begin(), values.end(), static_cast<float*>(inputs[r]));
+      // Rank 0 changes the limit before it sends its descriptors, and back once its all-gather
+      // is done (the peer has read its memory then): every mapping attempt of the first
+      // all-gather happens without a descriptor to spare, every one of the second with.
+      if (r == 0 && iter == 0) {
+        const int lowest_free = dup(0);
+        close(lowest_free);
+        rlimit starving = saved;
+        starving.rlim_cur = static_cast<rlim_t>(lowest_free);
+        ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &starving), 0);
+      }
+      absl::Status status =
+          WaitFor(comm.AllGather(inputs[r], output.data(), count, DType::kF32, stream));
+      if (r == 0 && iter == 0) {
+        ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+        starved = CountShareableMappings();
+      }
+      ASSERT_TRUE(status.ok()) << status;
+      for (int s = 0; s < n; ++s) {
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(output[s * count + i], HashedFloat(s, i, iter))
+              << "iteration " << iter << ", from rank " << s << ", element " << i;
+        }
+      }
+    }
+  });
+  EXPECT_EQ(starved, before);                       // nothing mapped without descriptors
+  EXPECT_EQ(CountShareableMappings(), before + n);  // each rank mapped the other's input since
+  for (void* input : inputs) FreeShareable(input, count * 4);
 }
 
 TEST(UcxCommunicatorTest, CreationWithoutPeersTimesOutNamingThem) {

@@ -171,6 +171,23 @@ class MultiprocessUcxTest(unittest.TestCase):
             r"FAILED_PRECONDITION: join of world: rank 1 has timeout_s=7 but rank 0 has "
             r"timeout_s=5")
 
+    def test_different_ucx_wire_tuning_fails_on_every_rank_naming_it(self):
+        # Rank 1's chunk size differs: the ucx handshake names it on every rank, over UCX's
+        # shared memory and over its network path alike.
+        for shm in ("1", "0"):
+            with self.subTest(shm=shm):
+                code, out, _ = run(3, "init_error", timeout=60,
+                                   env={"SHARDLINE_UCX_CHUNK_BYTES": "1048576",
+                                        "SHARDLINE_UCX_SHM": shm},
+                                   args=["SHARDLINE_UCX_CHUNK_BYTES=65536"])
+                self.assertEqual(code, INIT_ERROR_EXIT, out)
+                self.expect_init_errors(
+                    out, (0, 1, 2),
+                    r"INVALID_ARGUMENT: creating ucx communicator world \(rank \d of 3\): rank 1 "
+                    r"has SHARDLINE_UCX_CHUNK_BYTES=65536 but rank 0 has "
+                    r"SHARDLINE_UCX_CHUNK_BYTES=1048576")
+                self.assertIsNone(CRASH.search(out), out)
+
     def test_wrong_token_is_refused(self):
         code, out, _ = run(2, "init_error", timeout=60,
                            env={"SHARDLINE_TIMEOUT_S": "3", "SHARDLINE_STORE_TOKEN": "right"},

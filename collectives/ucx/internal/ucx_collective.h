@@ -44,14 +44,6 @@ struct CollectiveHooks {
   std::string describe;  // "all_gather #3 on world (rank 0 of 2, ucx)"
 };
 
-struct Tuning {
-  size_t chunk_bytes = 512 * 1024;
-  size_t small_bytes = 16 * 1024;
-  int window = 3;
-  absl::Duration spin = absl::Microseconds(2000);
-  static absl::StatusOr<Tuning> FromEnvironment();
-};
-
 class CollectiveRun {
  public:
   CollectiveRun(UcxTransport& transport, const CollectiveFingerprint& fp, const void* input,

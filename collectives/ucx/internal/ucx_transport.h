@@ -24,10 +24,16 @@
 // matching FinPhase tag, which completes the send. A read from a peer that died fails with
 // ESRCH and becomes Unavailable naming the peer. Whether rank a may read rank b's memory is
 // probed at creation and agreed through the store, so both sides always pick the same protocol.
-// Peers on the same host are also watched by pid (CheckPeers), which notices a death within
-// 200 ms even when no read is in flight. When the sender's buffer is shareable memory
+// Peers on the same host are also watched through a pidfd opened at creation (CheckPeers), which
+// notices a death within 200 ms even when no read is in flight, and never mistakes a new process
+// that reuses the pid for the peer. When the sender's buffer is shareable memory
 // (runtime/shared_memory.h) its descriptor also names the region, and the receiver copies from
-// its own mapping of that region (MapPeerRegion) instead: plain memcpy, no system call.
+// its own mapping of that region (MapPeerRegion) instead: plain memcpy, no system call. What
+// touches the local peers' processes (liveness, reads, mappings) is PeerMemory (peer_memory.h).
+//
+// The implementation is split by job: ucx_wireup.cc (creation: addresses, the CMA agreement, the
+// handshake and its tuning check), ucx_control.cc (control channel, aborts, liveness),
+// ucx_progress.cc (the progress model), ucx_transport.cc (send, receive, release, teardown).
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_TRANSPORT_H_
@@ -51,18 +57,10 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "collectives/store/store.h"
-#include "runtime/config.h"
+#include "collectives/ucx/internal/peer_memory.h"
+#include "collectives/ucx/internal/ucx_context.h"
 
 namespace shardline::ucx_internal {
-
-// SHARDLINE_UCX_* knobs.
-const Param<int64_t>& ParamUcxChunkBytes();
-const Param<int64_t>& ParamUcxSmallBytes();
-const Param<int64_t>& ParamUcxWindow();
-const Param<int64_t>& ParamUcxSpinUs();
-const Param<bool>& ParamUcxShm();
-const Param<bool>& ParamUcxCma();
-const Param<bool>& ParamUcxMap();
 
 // Tag layout (64 bits): phase (4) | source rank (16) | sequence (24) | chunk (20). A worker
 // belongs to one communicator, so tags never need a communicator id. Header tags carry no
@@ -107,6 +105,13 @@ struct Completion {
   ucp_tag_recv_info_t info{};
 };
 
+// Callbacks of posted requests: they complete the Completion passed as user data.
+void SendCallback(void* request, ucs_status_t status, void* user);
+void RecvCallback(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user);
+// Records what a ucp_*_nbx call returned: done at once (OK or an error), or a request whose
+// callback completes `c` later.
+void Track(ucs_status_ptr_t r, Completion* c);
+
 // The posted operations of one collective and the buffers they use. Completion slots have
 // stable addresses; a Batch outlives every request that points into it (see Release).
 class Batch {
@@ -131,10 +136,16 @@ class Batch {
 
 class UcxTransport {
  public:
-  // Publishes this rank's address under "<name>/ucx/addr/<rank>", reads every peer's (until
-  // `deadline`) and connects to them.
+  // Publishes this rank's address under "<name>/ucx/<epoch>/addr/<rank>", reads every peer's
+  // (until `deadline`) and connects to them. `epoch` counts this rank's creations under `name`
+  // (the counter "<name>/ucx/epoch/<rank>"), so a communicator re-created under a name never
+  // reads the keys of an earlier one; each rank deletes its keys once every peer has read them.
+  // Every rank sends its wire-protocol `tuning` to every peer in the wire-up handshake;
+  // creation fails on every rank with InvalidArgument naming the first knob on which a rank
+  // differs from rank 0, both ranks and both values.
   static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(int rank, int size, Store& store,
                                                               absl::string_view name,
+                                                              const Tuning& tuning,
                                                               absl::Time deadline);
   UcxTransport(const UcxTransport&) = delete;
   UcxTransport& operator=(const UcxTransport&) = delete;
@@ -179,8 +190,9 @@ class UcxTransport {
   // in a cache of 64 regions per peer (the peer's least recently used region is unmapped; a
   // mapping returned during a collective stays valid until the collective ends). Null when the peer
   // cannot be mapped (SHARDLINE_UCX_MAP off, no CMA permission, pidfd_getfd refused, or the file
-  // is not what the peer described): the caller then falls back to CmaRead. Only the thread
-  // that runs collectives may call it.
+  // is not what the peer described), or for now (out of file descriptors: tried again at the
+  // next call): the caller then falls back to CmaRead. Only the thread that runs collectives
+  // may call it.
   const uint8_t* MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes);
 
   // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
@@ -211,22 +223,11 @@ class UcxTransport {
  private:
   struct Peer {
     ucp_ep_h ep = nullptr;
-    bool local = false;       // same host: shared memory, pid watched
+    bool local = false;       // same host: shared memory, watched through peer_memory_
     bool pulls_from = false;  // this rank reads the peer's large messages (CMA)
     bool pulled_by = false;   // the peer reads this rank's large messages (CMA)
-    int64_t pid = 0;
-    bool failed = false;    // endpoint error seen
-    bool departed = false;  // said goodbye
-    int pidfd = -1;         // for pidfd_getfd of the peer's shareable regions
-    bool unmappable = false;
-    bool mapped_before = false;
-  };
-  struct Mapping {
-    int peer;
-    uint64_t region_id;
-    const uint8_t* base;
-    size_t bytes;
-    uint64_t last_use;
+    bool failed = false;      // endpoint error seen
+    bool departed = false;    // said goodbye
   };
   struct ErrorArg {
     UcxTransport* transport;
@@ -236,22 +237,32 @@ class UcxTransport {
     int peer;
     ucs_status_t status;
   };
+  enum ControlType : uint8_t { kAbortNotice = 1, kGoodbye = 2 };
+  static constexpr size_t kControlBytes = 4096;  // the largest control message
+
   struct Outgoing {
     std::string bytes;
     Completion completion;
   };
 
   UcxTransport(int rank, int size, std::string name);
-  absl::Status Init(Store& store, absl::Time deadline);
+  absl::Status Init(Store& store, const Tuning& tuning, absl::Time deadline);
   // Probes which local peers this rank can read with CMA and agrees on it through the store.
   absl::Status AgreeOnCma(Store& store, const std::vector<std::string>& values, bool cma,
                           absl::Time deadline);
   // Completes UCX's lazy wire-up with every peer before the first collective: one small message
-  // each way on the kWireup tag, then a flush of every endpoint, all until `deadline`. (UCX 1.13
-  // aborts a survivor whose endpoint to a dead peer fails while a wire-up message is still
-  // queued on a shared-memory lane; fixed upstream in openucx PR #8175.)
-  absl::Status CompleteWireup(absl::Time deadline, absl::string_view where);
-  void CloseEndpoint(Peer& peer, bool force, std::vector<void*>* closing);
+  // each way on the kWireup tag (this rank's wire-protocol tuning), then a flush of every
+  // endpoint, all until `deadline`. `tunings` receives every rank's tuning. (UCX 1.13 aborts a
+  // survivor whose endpoint to a dead peer fails while a wire-up message is still queued on a
+  // shared-memory lane; fixed upstream in openucx PR #8175.)
+  absl::Status CompleteWireup(const Tuning& tuning, absl::Time deadline, absl::string_view where,
+                              std::vector<Tuning>* tunings);
+  // InvalidArgument naming the first wire-protocol knob on which a rank differs from rank 0 (the
+  // same error on every rank, returned once every rank has found it); OK if none does.
+  absl::Status AgreeOnTuning(Store& store, const std::vector<Tuning>& tunings, absl::Time deadline,
+                             absl::string_view where);
+  // Closes `peer`'s endpoint (if open); returns the close request still in flight, if any.
+  void* CloseEndpoint(Peer& peer, bool force);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void PostControlRecv();
   void HandleControl(const Completion& c, std::vector<absl::Status>* notices);
@@ -264,17 +275,25 @@ class UcxTransport {
   const int rank_;
   const int size_;
   const std::string name_;
-  std::shared_ptr<void> context_;  // the process-wide ucp context
+  std::string key_prefix_;  // "<name>/ucx/<epoch>": this creation's store keys
+  std::shared_ptr<UcxContext> context_;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
   std::vector<Peer> peers_;
+  PeerMemory peer_memory_;  // of the local peers
   std::vector<std::unique_ptr<ErrorArg>> error_args_;
 
   std::mutex handler_mu_;  // guards abort_handler_, early_reports_
   AbortHandler abort_handler_;
   std::vector<std::pair<absl::Status, bool>> early_reports_;  // before SetAbortHandler
 
-  std::mutex mu_;  // guards failures_, peers_[].failed/departed, outgoing_, graveyard_
+  // Guards peers_[].ep against a close while another thread sends on it (SendControl from any
+  // thread, Release and the destructor close). Held across UCX calls, so no UCX callback takes
+  // it; taken before mu_, never after.
+  std::mutex ep_mu_;
+  // Guards failures_, peers_[].failed/departed, outgoing_, graveyard_, force_closing_. Never held
+  // across a UCX call: the endpoint error callback takes it.
+  std::mutex mu_;
   std::vector<Failure> failures_;
   std::deque<Outgoing> outgoing_;
   std::vector<std::unique_ptr<Batch>> graveyard_;
@@ -283,9 +302,7 @@ class UcxTransport {
   // What peers read to check that CMA works (random; published with the address).
   uint64_t probe_ = 0;
   bool oversubscribed_ = false;
-  bool map_ = false;               // SHARDLINE_UCX_MAP
-  std::vector<Mapping> mappings_;  // of local peers' shareable regions
-  uint64_t map_clock_ = 0;
+  bool map_ = false;  // SHARDLINE_UCX_MAP
 
   std::mutex control_mu_;  // guards the control receive
   Completion control_;
@@ -303,9 +320,6 @@ class UcxTransport {
   absl::Time next_peer_check_ = absl::InfinitePast();
   absl::Status peers_status_;
 };
-
-// "Connection reset by remote peer" for a UCX status.
-std::string UcxError(ucs_status_t status);
 
 }  // namespace shardline::ucx_internal
 

@@ -1,0 +1,129 @@
+#include "collectives/ucx/internal/ucx_context.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/status.h"
+
+namespace shardline::ucx_internal {
+
+namespace {
+
+absl::Status AtLeast(int64_t v, int64_t min, absl::string_view what) {
+  if (v < min) return absl::InvalidArgumentError(absl::StrCat(what, " must be >= ", min));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+SL_PARAM(int64_t, UcxChunkBytes, "UCX_CHUNK_BYTES", 512 * 1024,
+         "Pipeline chunk of the large reduce-scatter/all-reduce of the ucx backend (bytes).",
+         [](const int64_t& v) { return AtLeast(v, 4096, "chunk bytes"); });
+SL_PARAM(int64_t, UcxSmallBytes, "UCX_SMALL_BYTES", 32 * 1024,
+         "Per-peer payload up to which a ucx collective sends its data along with the "
+         "fingerprints in one round (staged, then copied); above it data moves zero-copy.",
+         [](const int64_t& v) { return AtLeast(v, 0, "small bytes"); });
+SL_PARAM(int64_t, UcxWindow, "UCX_WINDOW", 3,
+         "Chunks in flight per peer in the pipelined ucx reductions.",
+         [](const int64_t& v) { return AtLeast(v, 1, "window"); });
+SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 2000,
+         "Microseconds a waiting ucx collective polls (yielding its core between polls where "
+         "this host runs more ranks than the process has CPUs) before it sleeps on the "
+         "worker's event fd.",
+         [](const int64_t& v) { return AtLeast(v, 0, "spin"); });
+SL_PARAM(bool, UcxCma, "UCX_CMA", true,
+         "Within a host, copy large messages once, straight out of the sender's memory "
+         "(process_vm_readv; a peer that dies meanwhile is an error, not a crash). Off: UCX's "
+         "shared-memory transports (two copies per byte).");
+SL_PARAM(bool, UcxMap, "UCX_MAP", true,
+         "Within a host, copy large messages out of the sender's shareable memory through a "
+         "mapping of it (memcpy, no system call per message); off, or for private memory: "
+         "process_vm_readv.");
+SL_PARAM(bool, UcxShm, "UCX_SHM", true,
+         "Use shared memory between ranks on the same host (off: every peer is treated as "
+         "remote and UCX's shared-memory transports are left out unless UCX_TLS is set, which "
+         "exercises the network path on one machine).");
+
+absl::StatusOr<Tuning> Tuning::FromEnvironment() {
+  Tuning t;
+  SL_ASSIGN_OR_RETURN(const int64_t chunk, ParamUcxChunkBytes().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t small, ParamUcxSmallBytes().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t window, ParamUcxWindow().Get());
+  SL_ASSIGN_OR_RETURN(const int64_t spin, ParamUcxSpinUs().Get());
+  t.chunk_bytes = static_cast<size_t>(chunk);
+  t.small_bytes = static_cast<size_t>(small);
+  t.window = static_cast<int>(std::min<int64_t>(window, 64));
+  t.spin = absl::Microseconds(spin);
+  return t;
+}
+
+std::string UcxError(ucs_status_t status) { return ucs_status_string(status); }
+
+// `shm` false: a context without UCX's shared-memory transports, so that peers on this host
+// really talk over the network. Leaving them in would not only defeat the point of that mode:
+// UCX then still wires every peer up over shared memory, and UCX 1.13 aborts (an assertion in
+// ucp_request_send_state_ff) when a peer dies while a wireup message is still queued on such an
+// endpoint. The two kinds of context are cached apart.
+absl::StatusOr<std::shared_ptr<UcxContext>> UcxContext::Acquire(bool shm) {
+  struct Cache {
+    std::mutex mu;
+    std::weak_ptr<UcxContext> with_shm, without_shm;
+  };
+  // Never destroyed: a communicator may outlive static destruction.
+  static Cache* const cache = new Cache;
+  std::lock_guard<std::mutex> lock(cache->mu);
+  std::weak_ptr<UcxContext>& slot = shm ? cache->with_shm : cache->without_shm;
+  if (std::shared_ptr<UcxContext> context = slot.lock()) return context;
+
+  ucp_config_t* config = nullptr;
+  ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
+  if (status != UCS_OK) {
+    return absl::InternalError(
+        absl::StrCat("ucx: reading the configuration failed: ", UcxError(status)));
+  }
+  // Shared-memory transports only offer peer-failure handling (needed by MODE_PEER endpoints,
+  // without which UCX drops them) when asked to. Asked through the configuration object, not
+  // the environment: setenv would race every other thread's getenv. (ucp_config_modify keeps
+  // names that are not UCP's own and applies them to the transports; it warns when none takes
+  // it, hence not for a context without the shared-memory transports.)
+  if (shm && std::getenv("UCX_MM_ERROR_HANDLING") == nullptr) {
+    status = ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
+    if (status != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InternalError(
+          absl::StrCat("ucx: enabling error handling of the shared-memory transports failed: ",
+                       UcxError(status)));
+    }
+  }
+  // Notice dead peers across machines within seconds, not the default tens of seconds.
+  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+  }
+  if (!shm && std::getenv("UCX_TLS") == nullptr) {
+    status = ucp_config_modify(config, "TLS", "^sm");
+    if (status != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InternalError(
+          absl::StrCat("ucx: excluding the shared-memory transports failed: ", UcxError(status)));
+    }
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 1;
+  ucp_context_h context = nullptr;
+  status = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  if (status != UCS_OK) {
+    return absl::InternalError(absl::StrCat("ucx: ucp_init failed: ", UcxError(status)));
+  }
+  std::shared_ptr<UcxContext> owned(new UcxContext(context));
+  slot = owned;
+  return owned;
+}
+
+UcxContext::~UcxContext() { ucp_cleanup(context_); }
+
+}  // namespace shardline::ucx_internal

@@ -1,0 +1,104 @@
+#include "collectives/ucx/internal/ucx_transport.h"
+
+#include <poll.h>
+#include <sched.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/logging.h"
+
+namespace shardline::ucx_internal {
+
+bool UcxTransport::Progress() {
+  bool activity = false;
+  for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) activity = true;
+
+  std::vector<absl::Status> notices;
+  std::vector<absl::Status> reports;
+  {
+    std::lock_guard<std::mutex> lock(control_mu_);
+    while (control_posted_ && control_.done.load(std::memory_order_acquire)) {
+      activity = true;
+      HandleControl(control_, &notices);
+      PostControlRecv();
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Failure& f : failures_) {
+      Peer& peer = peers_[f.peer];
+      if (peer.failed) continue;
+      peer.failed = true;
+      if (peer.departed) {
+        SL_LOG(INFO, COLL) << "ucx communicator " << name_ << " rank " << rank_ << ": peer rank "
+                           << f.peer << " closed its endpoint";
+        continue;
+      }
+      reports.push_back(absl::UnavailableError(
+          absl::StrCat("peer rank ", f.peer, " unreachable (ucx: ", UcxError(f.status), ")")));
+    }
+    failures_.clear();
+  }
+  for (const absl::Status& s : notices) Report(s, /*forward=*/false);
+  for (const absl::Status& s : reports) Report(s, /*forward=*/true);
+  return activity || !reports.empty() || !notices.empty();
+}
+
+void UcxTransport::Sleep(absl::Time until) {
+  if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) return;
+  const int64_t ms = std::clamp<int64_t>(
+      absl::ToInt64Milliseconds(until - absl::Now() + absl::Microseconds(999)), 0, 200);
+  pollfd fd{efd_, POLLIN, 0};
+  poll(&fd, 1, static_cast<int>(ms));
+}
+
+void UcxTransport::YieldIfOversubscribed() const {
+  if (oversubscribed_) sched_yield();
+}
+
+void UcxTransport::Wake() {
+  if (worker_ != nullptr) ucp_worker_signal(worker_);
+}
+
+void UcxTransport::BeginCollective() {
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    ++active_;
+    wake = polling_;
+  }
+  // Only a progress thread asleep on the event fd must be told; one waiting out the grace
+  // period (the usual case between back-to-back collectives) sees active_ when it next looks.
+  if (wake) Wake();
+}
+
+void UcxTransport::EndCollective() {
+  // No notify: waking the progress thread after every collective (and again at the next one)
+  // costs two context switches per collective, which dominates small-message latency on a
+  // loaded host. It takes over once no collective ran for kIdleGrace.
+  std::lock_guard<std::mutex> lock(idle_mu_);
+  if (--active_ == 0) last_end_ = absl::Now();
+}
+
+void UcxTransport::ProgressThread() {
+  // How long after the last collective the progress thread takes over polling the worker.
+  constexpr absl::Duration kIdleGrace = absl::Milliseconds(20);
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  while (!stop_) {
+    const absl::Time now = absl::Now();
+    if (active_ > 0 || now < last_end_ + kIdleGrace) {
+      const absl::Time until = active_ > 0 ? now + kIdleGrace : last_end_ + kIdleGrace;
+      idle_cv_.wait_until(lock, absl::ToChronoTime(until));
+      continue;
+    }
+    polling_ = true;
+    lock.unlock();
+    Progress();
+    Sleep(absl::Now() + absl::Seconds(1));
+    lock.lock();
+    polling_ = false;
+  }
+}
+
+}  // namespace shardline::ucx_internal
