@@ -1,6 +1,5 @@
 #include "collectives/ucx/ucx_communicator.h"
 
-#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -62,8 +61,6 @@ class UcxCommunicator final : public Communicator {
                                                                int index, const std::string& name,
                                                                absl::Time deadline) override;
   void OnAbort(const absl::Status& reason) override {
-    { std::lock_guard<std::mutex> lock(turn_mu_); }
-    turn_cv_.notify_all();
     if (transport_ == nullptr) return;
     // A peer's abort notice went to every rank already; anything else is news to the peers.
     if (forward_abort_) {
@@ -75,13 +72,6 @@ class UcxCommunicator final : public Communicator {
 
  private:
   absl::Status RunAlone(const Op& op);
-  // Collectives run in sequence order, whichever streams they were issued on: every rank issues
-  // them in the same order, so every rank then runs them in the same order (header tags carry no
-  // sequence number and would cross otherwise). Blocks until every earlier collective has run,
-  // the communicator is aborted, or the op's deadline.
-  absl::Status WaitForTurn(const Op& op);
-  void EndTurn();
-
   // Whether an abort raised on this thread must be sent to the peers (false while handling a
   // peer's notice).
   static thread_local bool forward_abort_;
@@ -89,10 +79,6 @@ class UcxCommunicator final : public Communicator {
   std::shared_ptr<Store> store_;
   std::unique_ptr<UcxTransport> transport_;  // null for a group of one
   const Tuning tuning_;
-
-  std::mutex turn_mu_;
-  std::condition_variable turn_cv_;
-  uint64_t next_turn_ = 0;  // the sequence number of the next collective to run
 };
 
 thread_local bool UcxCommunicator::forward_abort_ = true;
@@ -117,35 +103,11 @@ absl::Status UcxCommunicator::RunAlone(const Op& op) {
   return absl::OkStatus();
 }
 
-absl::Status UcxCommunicator::WaitForTurn(const Op& op) {
-  const uint64_t seq = op.fingerprint.seq;
-  std::unique_lock<std::mutex> lock(turn_mu_);
-  while (next_turn_ != seq) {
-    absl::Status aborted = status();
-    if (!aborted.ok()) return Annotate(aborted, Describe(op));
-    if (turn_cv_.wait_until(lock, absl::ToChronoTime(op.deadline)) == std::cv_status::timeout &&
-        next_turn_ != seq) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(Describe(op), ": timed out after ", absl::FormatDuration(op.timeout),
-                       " waiting for collective #", next_turn_,
-                       " of this communicator, issued earlier on another stream, to run"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-void UcxCommunicator::EndTurn() {
-  {
-    std::lock_guard<std::mutex> lock(turn_mu_);
-    ++next_turn_;
-  }
-  turn_cv_.notify_all();
-}
-
 absl::Status UcxCommunicator::Run(const Op& op) {
   if (size() == 1) return RunAlone(op);
-  SL_RETURN_IF_ERROR(WaitForTurn(op));
-  absl::Cleanup next_turn = [&] { EndTurn(); };
+  // Collectives run in sequence order whichever streams they were issued on (the base class
+  // orders them), so every rank runs them in the same order: header tags carry no sequence
+  // number and would cross otherwise.
   transport_->BeginCollective();
   absl::Cleanup end = [&] { transport_->EndCollective(); };
 

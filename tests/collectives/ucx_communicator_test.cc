@@ -260,40 +260,6 @@ void ReReadCmaKnob() {
   }
 }
 
-TEST(UcxCommunicatorTest, CollectivesIssuedOnTwoStreamsRunInIssueOrder) {
-  // FSDP's shape: all-gathers on a gather stream, reduce-scatters on a reduce stream, one
-  // communicator. The two stream threads run at once; results must be as if issued serially.
-  const int n = 3;
-  Comms comms = MakeComms(n);
-  RunRanks(comms, [&](int r, Communicator& comm, Stream& gather) {
-    auto reduce = *CreateHostStream({.name = absl::StrCat("reduce", r)});
-    for (size_t count : {size_t{1000}, size_t{70000}}) {  // small and large protocols
-      for (int iter = 0; iter < 4; ++iter) {
-        std::vector<uint8_t> shard = PatternBuffer(DType::kF32, r, count, /*salt=*/iter);
-        std::vector<uint8_t> full(n * count * 4);
-        std::vector<uint8_t> grad = PatternBuffer(DType::kF32, r, n * count, /*salt=*/iter + 9);
-        std::vector<uint8_t> reduced(count * 4);
-        absl::StatusOr<Work> g =
-            comm.AllGather(shard.data(), full.data(), count, DType::kF32, gather);
-        absl::StatusOr<Work> rs =
-            comm.ReduceScatter(grad.data(), reduced.data(), count, DType::kF32, *reduce);
-        ASSERT_TRUE(WaitFor(g).ok()) << WaitFor(g);
-        ASSERT_TRUE(WaitFor(rs).ok()) << WaitFor(rs);
-        for (int s = 0; s < n; ++s) {
-          for (size_t i = 0; i < count; i += 13) {
-            ASSERT_EQ(GetElement(DType::kF32, full.data(), s * count + i),
-                      PatternValue(DType::kF32, s, i, iter));
-          }
-        }
-        for (size_t i = 0; i < count; i += 13) {
-          ASSERT_EQ(GetElement(DType::kF32, reduced.data(), i),
-                    ReferenceReduce(DType::kF32, ReduceOp::kSum, n, r * count + i, iter + 9));
-        }
-      }
-    }
-  });
-}
-
 TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {
   // SHARDLINE_UCX_CMA=0: no single-copy reads, UCX moves the large messages itself.
   setenv("SHARDLINE_UCX_CMA", "0", 1);
