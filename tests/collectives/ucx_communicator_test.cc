@@ -19,6 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "collectives/local/local_communicator.h"
 #include "collectives/store/memory_store.h"
 #include "collectives/ucx/internal/ucx_communicator_internal.h"
 #include "runtime/allocator.h"
@@ -429,3 +430,82 @@ TEST(UcxCommunicatorTest, CreationWithoutPeersTimesOutNamingThem) {
 
 }  // namespace
 }  // namespace shardline
+
+namespace shardline::testing {
+namespace {
+
+// docs/collectives.md promises that the local and ucx backends reduce in rank order, so their
+// floating-point results are the same bits. Hashed floats (sums are not exact), odd sizes on both
+// sides of the small-message threshold and across chunk boundaries, f32 and bf16 (accumulated in
+// f32, rounded once), sum and avg: both backends bit for bit, each within a tolerance of a double
+// reference.
+TEST(UcxCommunicatorTest, ReductionsMatchTheLocalBackendBitForBit) {
+  const int n = 3;
+  Comms ucx = MakeComms(n);
+  absl::StatusOr<Comms> local = CreateLocalCommunicators(n, {.timeout = absl::Seconds(30)});
+  ASSERT_TRUE(local.ok()) << local.status();
+  struct Case {
+    DType dtype;
+    ReduceOp op;
+    size_t count;
+  };
+  const Case cases[] = {{DType::kF32, ReduceOp::kSum, 1001},
+                        {DType::kF32, ReduceOp::kAvg, 300007},
+                        {DType::kBF16, ReduceOp::kSum, 5003},
+                        {DType::kBF16, ReduceOp::kAvg, 400009},
+                        {DType::kF32, ReduceOp::kSum, 262147}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(DTypeName(c.dtype), " ", ReduceOpName(c.op), " x ", c.count));
+    const size_t esize = DTypeSize(c.dtype);
+    // outputs[backend][rank]: all-reduce then reduce-scatter results, as bytes.
+    std::vector<std::vector<uint8_t>> allreduce[2], scatter[2];
+    for (int b = 0; b < 2; ++b) {
+      allreduce[b].resize(n);
+      scatter[b].resize(n);
+      RunRanks(b == 0 ? *local : ucx, [&](int r, Communicator& comm, Stream& stream) {
+        std::vector<uint8_t> input(n * c.count * esize);
+        for (size_t i = 0; i < n * c.count; ++i) {
+          SetElement(c.dtype, input.data(), i, HashedFloat(r, i, 21));
+        }
+        std::vector<uint8_t> out(input.size());
+        ASSERT_TRUE(WaitFor(comm.AllReduce(input.data(), out.data(), n * c.count, c.dtype, stream,
+                                           {.op = c.op}))
+                        .ok());
+        std::vector<uint8_t> shard(c.count * esize);
+        ASSERT_TRUE(WaitFor(comm.ReduceScatter(input.data(), shard.data(), c.count, c.dtype, stream,
+                                               {.op = c.op}))
+                        .ok());
+        allreduce[b][r] = std::move(out);
+        scatter[b][r] = std::move(shard);
+      });
+    }
+    // The inputs as the backends saw them (rounded to the dtype), reduced in double.
+    auto reference = [&](size_t i) {
+      double sum = 0;
+      for (int s = 0; s < n; ++s) {
+        std::vector<uint8_t> one(esize);
+        SetElement(c.dtype, one.data(), 0, HashedFloat(s, i, 21));
+        sum += GetElement(c.dtype, one.data(), 0);
+      }
+      return c.op == ReduceOp::kAvg ? sum / n : sum;
+    };
+    const double tolerance = c.dtype == DType::kBF16 ? 3.0 / 128 : 1e-5;
+    for (int r = 0; r < n; ++r) {
+      ASSERT_EQ(allreduce[0][r], allreduce[1][r])
+          << "all_reduce differs between backends, rank " << r;
+      ASSERT_EQ(scatter[0][r], scatter[1][r])
+          << "reduce_scatter differs between backends, rank " << r;
+      for (size_t i = 0; i < n * c.count; ++i) {
+        ASSERT_NEAR(GetElement(c.dtype, allreduce[1][r].data(), i), reference(i), tolerance) << i;
+      }
+      for (size_t i = 0; i < c.count; ++i) {
+        ASSERT_NEAR(GetElement(c.dtype, scatter[1][r].data(), i), reference(r * c.count + i),
+                    tolerance)
+            << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardline::testing
