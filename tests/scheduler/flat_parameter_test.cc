@@ -29,6 +29,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -54,6 +55,7 @@ constexpr absl::Duration kTimeout = absl::Seconds(20);
 
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
+// ASSERT_TRUE / EXPECT_TRUE of status.ok(), showing the expression and the status.
 #define EXPECT_OK(expr)                                                      \
   do {                                                                       \
     const absl::Status expect_ok_status = (expr);                            \
