@@ -1,27 +1,36 @@
-// FlatParameter over the local backend, ranks as threads (each with a gather and a reduce host
-// stream and a caller stream for compute):
+// FlatParameter over the local backend, ranks as threads. Each rank has a gather and a reduce
+// host stream and a compute stream, which is either a caller stream (the framework computes on
+// the calling thread) or a host stream (asynchronous, as a GPU's is). The framework's compute —
+// reading the views, writing the gradient, the optimizer reading the sharded gradient — is always
+// work enqueued on the compute stream, so that an ordering bug shows up with a host stream.
 //   * the gathered tensors equal the full tensors cast master → param dtype, bit for bit;
 //   * the reduced gradient shard equals a double-precision reference (sum or average of every
 //     rank's full gradient, sliced to the shard) within the policy's dtype tolerance, for 1-8
 //     ranks and six precision policies;
 //   * 4 micro-batches (accumulated unsharded then reduced once, or reduced 4 times into the
-//     shard) equal one big batch; a 2 x 2 hybrid mesh averages over all 4 ranks;
+//     shard) equal one big batch; a 2 x 2 hybrid mesh averages over all 4 ranks, also with the
+//     reduction split over three streams;
 //   * illegal calls are FailedPrecondition naming the unit, the call and the state;
-//   * the pool holds the unsharded buffer only from Gather to Reshard + its event.
+//   * a unit acquired by two streams keeps its buffer until the last release;
+//   * the pool holds the unsharded buffer from Gather until the last reader (including work
+//     already queued on an acquiring stream when the unit reshards or is destroyed);
+//   * a gather and a reduction overlap on one communicator in either issue order, and a
+//     training loop reuses the pool's blocks stream-ordered without blocking the host.
 #include "scheduler/flat_parameter.h"
 
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
+#include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -31,11 +40,13 @@
 #include "runtime/caching_pool.h"
 #include "runtime/check.h"
 #include "testing/typed_values.h"
+#include "tests/common/gate.h"
 #include "tests/runtime/random_layout.h"
 
 namespace shardline {
 namespace {
 
+using ::shardline::testing::Gate;
 using ::shardline::testing::GetElement;
 using ::shardline::testing::SetElement;
 using ::shardline::testing::UniformInt;
@@ -44,23 +55,70 @@ constexpr absl::Duration kTimeout = absl::Seconds(20);
 
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
+// ASSERT_TRUE / EXPECT_TRUE of status.ok(), showing the expression and the status.
+#define EXPECT_OK(expr)                                                      \
+  do {                                                                       \
+    const absl::Status expect_ok_status = (expr);                            \
+    EXPECT_TRUE(expect_ok_status.ok()) << #expr << ": " << expect_ok_status; \
+  } while (false)
+#define ASSERT_OK(expr)                                                      \
+  do {                                                                       \
+    const absl::Status assert_ok_status = (expr);                            \
+    ASSERT_TRUE(assert_ok_status.ok()) << #expr << ": " << assert_ok_status; \
+  } while (false)
+
 // ---- Fixtures ------------------------------------------------------------------------------
 
-// What one rank owns: streams and allocators, declared before the unit so they outlive it.
+enum class ComputeKind : uint8_t { kCaller, kHost };
+
+const char* ComputeKindName(ComputeKind kind) {
+  return kind == ComputeKind::kHost ? "host_compute" : "caller_compute";
+}
+
+std::unique_ptr<Stream> CreateComputeStream(ComputeKind kind, std::string name) {
+  StreamOptions options{.name = std::move(name), .wait_timeout = kTimeout};
+  return kind == ComputeKind::kHost ? *CreateHostStream(std::move(options))
+                                    : *CreateCallerStream(std::move(options));
+}
+
+// Stream work that holds its stream until `gate` opens. Unlike testing::BlockOn it fails (and so
+// poisons the stream) if the gate's bounded wait runs out: a test that relies on the host never
+// waiting for the held work then fails instead of passing late.
+Stream::Work Hold(Gate& gate) {
+  return [&gate] {
+    return gate.Wait() ? absl::OkStatus() : absl::DeadlineExceededError("test gate never opened");
+  };
+}
+
+// What one rank owns: gates, streams and allocators, declared before the units so they outlive
+// them.
 struct RankRig {
-  RankRig()
+  explicit RankRig(ComputeKind compute_kind = ComputeKind::kCaller)
       : gather(*CreateHostStream({.name = "gather", .wait_timeout = kTimeout})),
         reduce(*CreateHostStream({.name = "reduce", .wait_timeout = kTimeout})),
-        compute(*CreateCallerStream({.name = "compute", .wait_timeout = kTimeout})),
+        compute(CreateComputeStream(compute_kind, "compute")),
         backing(CreateHostAllocator(64, "backing")),
         pool(std::make_unique<CachingPool>(*backing, CachingPoolOptions{.name = "pool"})),
         shards(CreateHostAllocator(64, "shards")) {}
+  // Opens every gate first, so that held work runs before the pool drains and the streams join
+  // (also when a failed assertion returned early).
+  ~RankRig() {
+    for (Gate& gate : gates) gate.Open();
+  }
 
   FlatParameterOptions Options(std::string name = "unit") {
     return {.unsharded_pool = pool.get(), .shard_allocator = shards.get(), .name = name};
   }
+  Gate& NewGate() { return gates.emplace_back(); }
+  // Another host stream, owned by the rig.
+  Stream& NewStream(std::string name) {
+    return *more.emplace_back(
+        *CreateHostStream({.name = std::move(name), .wait_timeout = kTimeout}));
+  }
 
+  std::deque<Gate> gates;  // first: destroyed after every stream that may wait on one
   std::unique_ptr<Stream> gather, reduce, compute;
+  std::vector<std::unique_ptr<Stream>> more;
   std::unique_ptr<Allocator> backing;
   std::unique_ptr<CachingPool> pool;
   std::unique_ptr<Allocator> shards;
@@ -160,14 +218,47 @@ double Roundoff(DType dtype) {
   }
 }
 
-// Checks that every tensor view of the gathered unit equals the full tensor cast to the master
-// and then to the param dtype, bit for bit.
-void ExpectGathered(const FlatParameter& unit, const FullTensors& full) {
+// ---- Framework compute ---------------------------------------------------------------------
+// Views are taken on the test thread (FlatParameter is single-threaded); the work that reads or
+// writes through them is enqueued on a stream. A caller stream runs it at once (Enqueue returns
+// its error); a host stream later, and an error poisons the stream, so the test's next wait on
+// it (or on an event after it) fails with the message.
+
+// What work on a stream should read from one view: every element, exactly.
+struct ExpectedView {
+  std::string what;  // "rank 1 'unit' tensor 't3'"
+  TensorView view;
+  std::vector<double> values;
+};
+
+// Work that reads every element of the views and compares it with the expected value.
+Stream::Work CheckViews(std::vector<ExpectedView> expected) {
+  return [expected = std::move(expected)]() -> absl::Status {
+    for (const ExpectedView& e : expected) {
+      for (size_t i = 0; i < e.values.size(); ++i) {
+        const double got = GetElement(e.view.dtype, e.view.data, i);
+        if (!(got == e.values[i])) {
+          return absl::InternalError(absl::StrCat(e.what, " element ", i, " of ", e.values.size(),
+                                                  ": read ", got, ", expected ", e.values[i]));
+        }
+      }
+    }
+    return absl::OkStatus();
+  };
+}
+
+// The views of the gathered unit and what they must hold: the full tensor cast to the master and
+// then to the param dtype. Checks the views' metadata here.
+std::vector<ExpectedView> GatheredViews(const FlatParameter& unit, const FullTensors& full) {
   const FlatLayout& layout = unit.layout();
   const MixedPrecisionPolicy& policy = unit.policy();
+  std::vector<ExpectedView> expected;
   for (int t = 0; t < layout.num_tensors(); ++t) {
     absl::StatusOr<TensorView> view = unit.View(t);
-    ASSERT_TRUE(view.ok()) << view.status();
+    if (!view.ok()) {
+      ADD_FAILURE() << view.status();
+      return {};
+    }
     const FlatTensor& tensor = layout.tensor(t);
     EXPECT_EQ(view->name, tensor.spec.name);
     EXPECT_EQ(view->numel, tensor.numel);
@@ -180,34 +271,45 @@ void ExpectGathered(const FlatParameter& unit, const FullTensors& full) {
     }
     const int storage = tensor.storage;
     const DType spec_dtype = layout.tensor(storage).spec.dtype;
+    ExpectedView e{absl::StrCat("rank ", unit.shard_rank(), " '", unit.name(), "' tensor '",
+                                tensor.spec.name, "' (", policy.ToString(), ")"),
+                   *view,
+                   {}};
+    e.values.resize(tensor.numel);
     for (size_t i = 0; i < tensor.numel; ++i) {
       const double original = GetElement(spec_dtype, full.pointers[storage], i);
-      const double expected = RoundTo(policy.param_dtype, RoundTo(policy.master_dtype, original));
-      const double got = GetElement(policy.param_dtype, view->data, i);
-      if (got != expected) {
-        ADD_FAILURE() << "rank " << unit.shard_rank() << " tensor " << tensor.spec.name
-                      << " element " << i << ": got " << got << ", expected " << expected
-                      << " (original " << original << ", " << policy << ")";
-        return;
-      }
+      e.values[i] = RoundTo(policy.param_dtype, RoundTo(policy.master_dtype, original));
     }
+    expected.push_back(std::move(e));
   }
+  return expected;
 }
 
-// Writes (or, with `accumulate`, adds) rank `rank`'s micro-batch `micro` gradient into the
-// unsharded gradient (storage tensors only: a tie's gradient is its target's).
-void WriteGrad(FlatParameter& unit, uint64_t seed, int rank, int micro, bool accumulate) {
+// Work that writes (or, with `accumulate`, adds) rank `rank`'s micro-batch `micro` gradient into
+// the unsharded gradient (storage tensors only: a tie's gradient is its target's).
+Stream::Work WriteGrad(const FlatParameter& unit, uint64_t seed, int rank, int micro,
+                       bool accumulate) {
+  std::vector<std::pair<int, TensorView>> views;
   const FlatLayout& layout = unit.layout();
   for (int t = 0; t < layout.num_tensors(); ++t) {
     if (layout.tensor(t).is_tie() || layout.tensor(t).numel == 0) continue;
     absl::StatusOr<TensorView> view = unit.GradView(t);
-    ASSERT_TRUE(view.ok()) << view.status();
-    for (size_t i = 0; i < view->numel; ++i) {
-      double v = GradValue(seed, rank, micro, t, i);
-      if (accumulate) v += GetElement(view->dtype, view->data, i);
-      SetElement(view->dtype, view->data, i, v);
+    if (!view.ok()) {
+      ADD_FAILURE() << view.status();
+      return [status = view.status()] { return status; };
     }
+    views.emplace_back(t, *view);
   }
+  return [views = std::move(views), seed, rank, micro, accumulate] {
+    for (const auto& [t, view] : views) {
+      for (size_t i = 0; i < view.numel; ++i) {
+        double v = GradValue(seed, rank, micro, t, i);
+        if (accumulate) v += GetElement(view.dtype, view.data, i);
+        SetElement(view.dtype, view.data, i, v);
+      }
+    }
+    return absl::OkStatus();
+  };
 }
 
 // The reference sharded gradient of shard `shard`: the sum (or average over `divisor` ranks)
@@ -235,35 +337,68 @@ void ReferenceShardGrad(const FlatLayout& layout, int shard, DType param_dtype, 
   }
 }
 
-// Compares the unit's sharded gradient with the reference: |got - ref| <= tolerance * magnitude
-// for tensor elements, exactly zero for padding.
-void ExpectShardGrad(const FlatParameter& unit, const std::vector<double>& reference,
-                     const std::vector<double>& magnitude, double tolerance) {
-  absl::StatusOr<FlatShardView> grad = unit.ShardGrad();
-  ASSERT_TRUE(grad.ok()) << grad.status();
-  EXPECT_EQ(grad->dtype, unit.policy().sharded_grad_dtype());
-  ASSERT_EQ(grad->elements, reference.size());
-  const FlatLayout& layout = unit.layout();
-  std::vector<bool> is_tensor(grad->elements, false);
-  for (const ShardSlice& slice : layout.ShardSlices(unit.shard_rank())) {
-    for (size_t k = 0; k < slice.length; ++k) is_tensor[slice.shard_offset + k] = true;
-  }
-  for (size_t i = 0; i < grad->elements; ++i) {
-    const double got = GetElement(grad->dtype, grad->data, i);
-    const double allowed = is_tensor[i] ? tolerance * magnitude[i] : 0.0;
-    if (!(std::abs(got - reference[i]) <= allowed)) {
-      ADD_FAILURE() << "shard " << unit.shard_rank() << " element " << i
-                    << (is_tensor[i] ? "" : " (padding)") << ": got " << got << ", expected "
-                    << reference[i] << " +- " << allowed << " (" << unit.policy() << ")";
-      return;
-    }
-  }
-}
-
 // Relative tolerance of a reduction of `world` ranks' gradients, `micros` micro-batches each.
 double GradTolerance(const MixedPrecisionPolicy& policy, int world, int micros) {
   return (world + 4) * Roundoff(policy.reduce_dtype) +
          (micros + 1) * (Roundoff(policy.param_dtype) + Roundoff(policy.sharded_grad_dtype()));
+}
+
+// The expected sharded gradient of a unit's shard, with the magnitudes its tolerance scales.
+struct ShardReference {
+  std::vector<double> values;
+  std::vector<double> magnitude;
+};
+
+// The average (kAvg) or sum (kSum) over ranks [0, ranks) of their micro-batches [0, micros).
+ShardReference ReferenceFor(const FlatParameter& unit, uint64_t seed, int ranks, int micros,
+                            ReduceOp op) {
+  std::vector<int> all(ranks);
+  for (int r = 0; r < ranks; ++r) all[r] = r;
+  ShardReference reference;
+  ReferenceShardGrad(unit.layout(), unit.shard_rank(), unit.policy().param_dtype, seed, all, micros,
+                     op == ReduceOp::kAvg ? ranks : 1, reference.values, reference.magnitude);
+  return reference;
+}
+
+// Work that compares the unit's sharded gradient (taken now, read when the work runs) with the
+// reference: |got - ref| <= tolerance * magnitude for tensor elements, exactly zero for padding.
+Stream::Work CheckShardGrad(const FlatParameter& unit, ShardReference reference, double tolerance) {
+  absl::StatusOr<FlatShardView> grad = unit.ShardGrad();
+  if (!grad.ok()) {
+    ADD_FAILURE() << grad.status();
+    return [status = grad.status()] { return status; };
+  }
+  EXPECT_EQ(grad->dtype, unit.policy().sharded_grad_dtype());
+  EXPECT_EQ(grad->elements, reference.values.size());
+  std::vector<bool> is_tensor(grad->elements, false);
+  for (const ShardSlice& slice : unit.layout().ShardSlices(unit.shard_rank())) {
+    for (size_t k = 0; k < slice.length; ++k) is_tensor[slice.shard_offset + k] = true;
+  }
+  return
+      [grad = *grad, is_tensor = std::move(is_tensor), reference = std::move(reference), tolerance,
+       what = absl::StrCat("'", unit.name(), "' shard ", unit.shard_rank(), " (",
+                           unit.policy().ToString(), ")")]() -> absl::Status {
+        if (grad.elements != reference.values.size()) {
+          return absl::InternalError(absl::StrCat(what, ": ", grad.elements, " elements, expected ",
+                                                  reference.values.size()));
+        }
+        for (size_t i = 0; i < grad.elements; ++i) {
+          const double got = GetElement(grad.dtype, grad.data, i);
+          const double expected = reference.values[i];
+          const double allowed = is_tensor[i] ? tolerance * reference.magnitude[i] : 0.0;
+          if (!(std::abs(got - expected) <= allowed)) {
+            return absl::InternalError(absl::StrCat(what, " gradient element ", i,
+                                                    is_tensor[i] ? "" : " (padding)", ": got ", got,
+                                                    ", expected ", expected, " +- ", allowed));
+          }
+        }
+        return absl::OkStatus();
+      };
+}
+
+// The same, checked now on the calling thread (the reduction must have finished).
+void ExpectShardGrad(const FlatParameter& unit, ShardReference reference, double tolerance) {
+  EXPECT_OK(CheckShardGrad(unit, std::move(reference), tolerance)());
 }
 
 struct NamedPolicy {
@@ -287,6 +422,7 @@ struct Case {
   int ranks;
   int policy;  // index into kPolicies
   ReduceOp op;
+  ComputeKind compute;
 };
 
 class FlatParameterCollectiveTest : public ::testing::TestWithParam<Case> {};
@@ -301,47 +437,44 @@ TEST_P(FlatParameterCollectiveTest, GatherAndReduceMatchTheUnshardedReference) {
     const FlatLayout layout = RandomFloatLayout(rng, n, policy.master_dtype);
     const FullTensors full = MakeFullTensors(layout, rng);
     auto comms = *CreateLocalCommunicators(n, {.timeout = kTimeout});
-    std::vector<int> all_ranks(n);
-    for (int r = 0; r < n; ++r) all_ranks[r] = r;
     RunRanks(n, [&](int r) {
-      RankRig rig;
+      RankRig rig(GetParam().compute);
       absl::StatusOr<std::unique_ptr<FlatParameter>> created =
           FlatParameter::Create(layout, r, policy, rig.Options());
       ASSERT_TRUE(created.ok()) << created.status();
       FlatParameter& unit = **created;
-      ASSERT_TRUE(unit.SetShardFromTensors(full.pointers).ok());
+      ASSERT_OK(unit.SetShardFromTensors(full.pointers));
 
       absl::StatusOr<Work> work = unit.Gather(*comms[r], *rig.gather);
       ASSERT_TRUE(work.ok()) << work.status();
       ASSERT_EQ(unit.state(), FlatParameterState::kGathering);
-      ASSERT_TRUE(unit.WaitGathered(*rig.compute).ok());
+      ASSERT_OK(unit.WaitGathered(*rig.compute));
       ASSERT_EQ(unit.state(), FlatParameterState::kUnsharded);
-      ExpectGathered(unit, full);
+      ASSERT_OK(rig.compute->Enqueue(CheckViews(GatheredViews(unit, full))));
 
-      ASSERT_TRUE(unit.PrepareGrad(*rig.compute).ok());
-      WriteGrad(unit, seed, r, 0, /*accumulate=*/false);
+      ASSERT_OK(unit.PrepareGrad(*rig.compute));
+      ASSERT_OK(rig.compute->Enqueue(WriteGrad(unit, seed, r, 0, /*accumulate=*/false)));
       absl::StatusOr<std::shared_ptr<Event>> ready = RecordEvent(*rig.compute);
       ASSERT_TRUE(ready.ok());
       absl::StatusOr<std::shared_ptr<Event>> reduced =
           unit.ReduceGrad(*comms[r], nullptr, *rig.reduce, *ready, {.op = op});
       ASSERT_TRUE(reduced.ok()) << reduced.status();
       ASSERT_EQ(unit.state(), FlatParameterState::kReducing);
-      ASSERT_TRUE(unit.WaitReduced(Deadline()).ok());
+      ASSERT_OK(unit.WaitReduced(Deadline()));
       ASSERT_EQ(unit.state(), FlatParameterState::kSharded);
-
-      std::vector<double> reference, magnitude;
-      ReferenceShardGrad(layout, r, policy.param_dtype, seed, all_ranks, 1,
-                         op == ReduceOp::kAvg ? n : 1, reference, magnitude);
-      ExpectShardGrad(unit, reference, magnitude, GradTolerance(policy, n, 1));
+      ExpectShardGrad(unit, ReferenceFor(unit, seed, n, 1, op), GradTolerance(policy, n, 1));
+      EXPECT_OK(rig.compute->Synchronize(Deadline()));
     });
   }
 }
 
 std::vector<Case> AllCases() {
   std::vector<Case> cases;
-  for (int n : {1, 2, 3, 4, 5, 8}) {
-    for (int p = 0; p < static_cast<int>(std::size(kPolicies)); ++p) {
-      for (ReduceOp op : {ReduceOp::kAvg, ReduceOp::kSum}) cases.push_back({n, p, op});
+  for (ComputeKind compute : {ComputeKind::kCaller, ComputeKind::kHost}) {
+    for (int n : {1, 2, 3, 4, 5, 8}) {
+      for (int p = 0; p < static_cast<int>(std::size(kPolicies)); ++p) {
+        for (ReduceOp op : {ReduceOp::kAvg, ReduceOp::kSum}) cases.push_back({n, p, op, compute});
+      }
     }
   }
   return cases;
@@ -351,82 +484,91 @@ INSTANTIATE_TEST_SUITE_P(RanksPoliciesOps, FlatParameterCollectiveTest,
                          ::testing::ValuesIn(AllCases()), [](const auto& info) {
                            return absl::StrCat(info.param.ranks, "ranks_",
                                                kPolicies[info.param.policy].name, "_",
-                                               ReduceOpName(info.param.op));
+                                               ReduceOpName(info.param.op), "_",
+                                               ComputeKindName(info.param.compute));
                          });
 
 // ---- Gradient accumulation over micro-batches --------------------------------------------
 
-class FlatParameterAccumulationTest : public ::testing::TestWithParam<int> {};
+class FlatParameterAccumulationTest
+    : public ::testing::TestWithParam<std::tuple<int, ComputeKind>> {};
 
 // 4 micro-batches, accumulated in the unsharded gradient (no_sync) and reduced once, or reduced
 // after each into the sharded gradient: both equal the one big batch (the sum over micro-batches
-// of the rank-average). Then ZeroShardGrad starts over.
+// of the rank-average). Then ZeroShardGrad starts over. The optimizer's reads of the sharded
+// gradient are work on the compute stream, after WaitReduced(compute).
 TEST_P(FlatParameterAccumulationTest, FourMicroBatchesEqualOneBigBatch) {
-  const MixedPrecisionPolicy& policy = kPolicies[GetParam()].policy;
+  const auto [policy_index, compute_kind] = GetParam();
+  const MixedPrecisionPolicy& policy = kPolicies[policy_index].policy;
   constexpr int kRanks = 3;
   constexpr int kMicros = 4;
-  std::mt19937_64 rng(77 + GetParam());
+  std::mt19937_64 rng(77 + policy_index);
   const FlatLayout layout = RandomFloatLayout(rng, kRanks, policy.master_dtype);
   const FullTensors full = MakeFullTensors(layout, rng);
   auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
-  const std::vector<int> all_ranks = {0, 1, 2};
   RunRanks(kRanks, [&](int r) {
-    RankRig rig;
+    RankRig rig(compute_kind);
+    Stream& compute = *rig.compute;
     for (const bool no_sync : {true, false}) {
       SCOPED_TRACE(no_sync ? "no_sync" : "reduce every micro-batch");
       const uint64_t seed = no_sync ? 11 : 12;
       auto unit = *FlatParameter::Create(layout, r, policy, rig.Options());
-      ASSERT_TRUE(unit->SetShardFromTensors(full.pointers).ok());
+      ASSERT_OK(unit->SetShardFromTensors(full.pointers));
       for (int m = 0; m < kMicros; ++m) {
         ASSERT_TRUE(unit->Gather(*comms[r], *rig.gather).ok());
-        ASSERT_TRUE(unit->WaitGathered(*rig.compute).ok());
-        ASSERT_TRUE(unit->PrepareGrad(*rig.compute).ok());
-        WriteGrad(*unit, seed, r, m, /*accumulate=*/true);
-        std::shared_ptr<Event> ready = *RecordEvent(*rig.compute);
+        ASSERT_OK(unit->WaitGathered(compute));
+        ASSERT_OK(compute.Enqueue(CheckViews(GatheredViews(*unit, full))));
+        ASSERT_OK(unit->PrepareGrad(compute));
+        ASSERT_OK(compute.Enqueue(WriteGrad(*unit, seed, r, m, /*accumulate=*/true)));
+        std::shared_ptr<Event> ready = *RecordEvent(compute);
         if (no_sync && m + 1 < kMicros) {
-          ASSERT_TRUE(unit->Reshard(ready).ok());
+          ASSERT_OK(unit->Reshard(ready));
           EXPECT_TRUE(unit->has_unsharded_grad());
           continue;
         }
         ASSERT_TRUE(unit->ReduceGrad(*comms[r], nullptr, *rig.reduce, ready).ok());
         EXPECT_FALSE(unit->has_unsharded_grad());
-        ASSERT_TRUE(unit->WaitReduced(*rig.compute).ok());
+        ASSERT_OK(unit->WaitReduced(compute));
       }
-      std::vector<double> reference, magnitude;
-      ReferenceShardGrad(layout, r, policy.param_dtype, seed, all_ranks, kMicros, kRanks, reference,
-                         magnitude);
-      ExpectShardGrad(*unit, reference, magnitude, GradTolerance(policy, kRanks, kMicros));
+      ASSERT_OK(compute.Enqueue(
+          CheckShardGrad(*unit, ReferenceFor(*unit, seed, kRanks, kMicros, ReduceOp::kAvg),
+                         GradTolerance(policy, kRanks, kMicros))));
 
       // zero_grad, then one more step: only its gradient remains.
-      ASSERT_TRUE(unit->ZeroShardGrad(*rig.compute).ok());
-      absl::StatusOr<FlatShardView> zeroed = unit->ShardGrad();
-      ASSERT_TRUE(zeroed.ok());
-      for (size_t i = 0; i < zeroed->elements; ++i) {
-        ASSERT_EQ(GetElement(zeroed->dtype, zeroed->data, i), 0.0);
-      }
+      ASSERT_OK(unit->ZeroShardGrad(compute));
+      ShardReference zeros;
+      zeros.values.assign(layout.shard_elements(), 0.0);
+      zeros.magnitude.assign(layout.shard_elements(), 0.0);
+      ASSERT_OK(compute.Enqueue(CheckShardGrad(*unit, std::move(zeros), 0.0)));
       ASSERT_TRUE(unit->Gather(*comms[r], *rig.gather).ok());
-      ASSERT_TRUE(unit->WaitGathered(*rig.compute).ok());
-      ASSERT_TRUE(unit->PrepareGrad(*rig.compute).ok());
-      WriteGrad(*unit, seed + 100, r, 0, /*accumulate=*/false);
-      ASSERT_TRUE(
-          unit->ReduceGrad(*comms[r], nullptr, *rig.reduce, *RecordEvent(*rig.compute)).ok());
-      ASSERT_TRUE(unit->WaitReduced(Deadline()).ok());
-      ReferenceShardGrad(layout, r, policy.param_dtype, seed + 100, all_ranks, 1, kRanks, reference,
-                         magnitude);
-      ExpectShardGrad(*unit, reference, magnitude, GradTolerance(policy, kRanks, 1));
+      ASSERT_OK(unit->WaitGathered(compute));
+      ASSERT_OK(unit->PrepareGrad(compute));
+      ASSERT_OK(compute.Enqueue(WriteGrad(*unit, seed + 100, r, 0, /*accumulate=*/false)));
+      ASSERT_TRUE(unit->ReduceGrad(*comms[r], nullptr, *rig.reduce, *RecordEvent(compute)).ok());
+      ASSERT_OK(unit->WaitReduced(Deadline()));
+      ExpectShardGrad(*unit, ReferenceFor(*unit, seed + 100, kRanks, 1, ReduceOp::kAvg),
+                      GradTolerance(policy, kRanks, 1));
+      ASSERT_OK(compute.Synchronize(Deadline()));
     }
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, FlatParameterAccumulationTest,
-                         ::testing::Range(0, static_cast<int>(std::size(kPolicies))),
-                         [](const auto& info) { return kPolicies[info.param].name; });
+INSTANTIATE_TEST_SUITE_P(
+    Policies, FlatParameterAccumulationTest,
+    ::testing::Combine(::testing::Range(0, static_cast<int>(std::size(kPolicies))),
+                       ::testing::Values(ComputeKind::kCaller, ComputeKind::kHost)),
+    [](const auto& info) {
+      return absl::StrCat(kPolicies[std::get<0>(info.param)].name, "_",
+                          ComputeKindName(std::get<1>(info.param)));
+    });
 
 // ---- Hybrid sharding ----------------------------------------------------------------------
 
+class FlatParameterHybridTest : public ::testing::TestWithParam<ComputeKind> {};
+
 // A 2 x 2 mesh: parameters sharded over each row, gradients averaged (or summed) over all four
 // ranks; the two replicas of a shard end up bit-identical.
-TEST(FlatParameterHybridTest, TwoByTwoMeshReducesOverAllRanks) {
+TEST_P(FlatParameterHybridTest, TwoByTwoMeshReducesOverAllRanks) {
   constexpr int kWorld = 4;
   constexpr int kShard = 2;
   for (int policy_index : {0, 2}) {
@@ -437,31 +579,30 @@ TEST(FlatParameterHybridTest, TwoByTwoMeshReducesOverAllRanks) {
       const FlatLayout layout = RandomFloatLayout(rng, kShard, policy.master_dtype);
       const FullTensors full = MakeFullTensors(layout, rng);
       auto world = *CreateLocalCommunicators(kWorld, {.timeout = kTimeout});
-      const std::vector<int> all_ranks = {0, 1, 2, 3};
       std::vector<std::vector<double>> results(kWorld);
       RunRanks(kWorld, [&](int r) {
         absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(world[r], kShard, Deadline());
         ASSERT_TRUE(mesh.ok()) << mesh.status();
-        RankRig rig;
+        RankRig rig(GetParam());
         auto unit = *FlatParameter::Create(layout, mesh->shard_rank(), policy, rig.Options());
-        ASSERT_TRUE(unit->SetShardFromTensors(full.pointers).ok());
+        ASSERT_OK(unit->SetShardFromTensors(full.pointers));
         ASSERT_TRUE(unit->Gather(*mesh->shard(), *rig.gather).ok());
-        ASSERT_TRUE(unit->WaitGathered(*rig.compute).ok());
-        ExpectGathered(*unit, full);
-        ASSERT_TRUE(unit->PrepareGrad(*rig.compute).ok());
-        WriteGrad(*unit, 9, r, 0, /*accumulate=*/false);
+        ASSERT_OK(unit->WaitGathered(*rig.compute));
+        ASSERT_OK(rig.compute->Enqueue(CheckViews(GatheredViews(*unit, full))));
+        ASSERT_OK(unit->PrepareGrad(*rig.compute));
+        ASSERT_OK(rig.compute->Enqueue(WriteGrad(*unit, 9, r, 0, /*accumulate=*/false)));
         ASSERT_TRUE(unit->ReduceGrad(*mesh->shard(), mesh->replicate().get(), *rig.reduce,
                                      *RecordEvent(*rig.compute), {.op = op})
                         .ok());
-        ASSERT_TRUE(unit->WaitReduced(Deadline()).ok());
-        std::vector<double> reference, magnitude;
-        ReferenceShardGrad(layout, mesh->shard_rank(), policy.param_dtype, 9, all_ranks, 1,
-                           op == ReduceOp::kAvg ? kWorld : 1, reference, magnitude);
-        ExpectShardGrad(*unit, reference, magnitude, GradTolerance(policy, kWorld, 1));
+        ASSERT_OK(unit->WaitReduced(Deadline()));
+        // Every rank's gradient goes into the reference: rank r is world rank r.
+        ExpectShardGrad(*unit, ReferenceFor(*unit, 9, kWorld, 1, op),
+                        GradTolerance(policy, kWorld, 1));
         const FlatShardView grad = *unit->ShardGrad();
         for (size_t i = 0; i < grad.elements; ++i) {
           results[r].push_back(GetElement(grad.dtype, grad.data, i));
         }
+        EXPECT_OK(rig.compute->Synchronize(Deadline()));
       });
       // Ranks r and r + 2 hold the same shard (column r % 2).
       EXPECT_EQ(results[0], results[2]);
@@ -470,6 +611,85 @@ TEST(FlatParameterHybridTest, TwoByTwoMeshReducesOverAllRanks) {
   }
 }
 
+// The reduction split over three streams: ReduceScatter on the reduce stream, AllReduce over the
+// replicate communicator on a second, Accumulate on a third; two steps accumulate into the
+// sharded gradient. Calls out of order are FailedPrecondition naming the call and change nothing.
+TEST_P(FlatParameterHybridTest, SplitReductionOnThreeStreamsMatchesTheReference) {
+  constexpr int kWorld = 4;
+  constexpr int kShard = 2;
+  constexpr int kSteps = 2;
+  for (int policy_index : {1, 5}) {
+    for (ReduceOp op : {ReduceOp::kAvg, ReduceOp::kSum}) {
+      SCOPED_TRACE(absl::StrCat(kPolicies[policy_index].name, " ", ReduceOpName(op)));
+      const MixedPrecisionPolicy& policy = kPolicies[policy_index].policy;
+      std::mt19937_64 rng(50 + policy_index);
+      const FlatLayout layout = RandomFloatLayout(rng, kShard, policy.master_dtype);
+      const FullTensors full = MakeFullTensors(layout, rng);
+      auto world = *CreateLocalCommunicators(kWorld, {.timeout = kTimeout});
+      RunRanks(kWorld, [&](int r) {
+        absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(world[r], kShard, Deadline());
+        ASSERT_TRUE(mesh.ok()) << mesh.status();
+        RankRig rig(GetParam());
+        Stream& compute = *rig.compute;
+        Stream& allreduce = rig.NewStream("allreduce");
+        Stream& accumulate = rig.NewStream("accumulate");
+        auto unit = *FlatParameter::Create(layout, mesh->shard_rank(), policy, rig.Options("hsdp"));
+        ASSERT_OK(unit->SetShardFromTensors(full.pointers));
+        auto expect_out_of_order = [&](const absl::Status& status, absl::string_view call) {
+          EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+          EXPECT_TRUE(absl::StrContains(status.message(), "'hsdp'")) << status;
+          EXPECT_TRUE(absl::StrContains(status.message(), call)) << status;
+        };
+        for (int step = 0; step < kSteps; ++step) {
+          ASSERT_TRUE(unit->Gather(*mesh->shard(), *rig.gather).ok());
+          ASSERT_OK(unit->WaitGathered(compute));
+          ASSERT_OK(compute.Enqueue(CheckViews(GatheredViews(*unit, full))));
+          ASSERT_OK(unit->PrepareGrad(compute));
+          ASSERT_OK(compute.Enqueue(WriteGrad(*unit, 21, r, step, /*accumulate=*/false)));
+          std::shared_ptr<Event> ready = *RecordEvent(compute);
+
+          expect_out_of_order(
+              unit->AllReduce(mesh->replicate().get(), allreduce, {.op = op}).status(),
+              "AllReduce()");
+          expect_out_of_order(unit->Accumulate(accumulate).status(), "Accumulate()");
+          EXPECT_EQ(unit->state(), FlatParameterState::kUnsharded);
+
+          absl::StatusOr<std::shared_ptr<Event>> scattered =
+              unit->ReduceScatter(*mesh->shard(), *rig.reduce, ready, {.op = op});
+          ASSERT_TRUE(scattered.ok()) << scattered.status();
+          EXPECT_EQ(unit->state(), FlatParameterState::kReducing);
+          expect_out_of_order(unit->WaitReduced(compute), "WaitReduced()");
+          expect_out_of_order(unit->WaitReduced(Deadline()), "WaitReduced()");
+          absl::StatusOr<std::shared_ptr<Event>> allreduced =
+              unit->AllReduce(mesh->replicate().get(), allreduce, {.op = op});
+          ASSERT_TRUE(allreduced.ok()) << allreduced.status();
+          expect_out_of_order(
+              unit->AllReduce(mesh->replicate().get(), allreduce, {.op = op}).status(),
+              "AllReduce()");
+          expect_out_of_order(unit->WaitReduced(Deadline()), "WaitReduced()");
+          absl::StatusOr<std::shared_ptr<Event>> accumulated = unit->Accumulate(accumulate);
+          ASSERT_TRUE(accumulated.ok()) << accumulated.status();
+          expect_out_of_order(unit->Accumulate(accumulate).status(), "Accumulate()");
+          expect_out_of_order(
+              unit->AllReduce(mesh->replicate().get(), allreduce, {.op = op}).status(),
+              "AllReduce()");
+          EXPECT_EQ(unit->state(), FlatParameterState::kReducing);
+          ASSERT_OK(unit->WaitReduced(compute));
+          EXPECT_EQ(unit->state(), FlatParameterState::kSharded);
+          ASSERT_OK(
+              compute.Enqueue(CheckShardGrad(*unit, ReferenceFor(*unit, 21, kWorld, step + 1, op),
+                                             GradTolerance(policy, kWorld, step + 1))));
+        }
+        EXPECT_OK(compute.Synchronize(Deadline()));
+      });
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ComputeStreams, FlatParameterHybridTest,
+                         ::testing::Values(ComputeKind::kCaller, ComputeKind::kHost),
+                         [](const auto& info) { return ComputeKindName(info.param); });
+
 // ---- State machine ------------------------------------------------------------------------
 
 FlatLayout SmallLayout(int shards, DType element_dtype = DType::kF32) {
@@ -477,6 +697,14 @@ FlatLayout SmallLayout(int shards, DType element_dtype = DType::kF32) {
                               {"b", {5}, DType::kBF16, ""},
                               {"w_tied", {3, 5}, DType::kF32, "w"}},
                              {.num_shards = shards, .element_dtype = element_dtype});
+}
+
+// Odd sizes: a 37 x 29 weight, its bias, and a tie to the weight.
+FlatLayout OddLayout(int shards) {
+  return *FlatLayout::Create({{"w", {37, 29}, DType::kF32, ""},
+                              {"b", {29}, DType::kF32, ""},
+                              {"w_out", {37, 29}, DType::kF32, "w"}},
+                             {.num_shards = shards, .element_dtype = DType::kF32});
 }
 
 void ExpectWrongState(const absl::Status& status, absl::string_view call, absl::string_view state) {
@@ -637,34 +865,101 @@ TEST(FlatParameterStateTest, FailedGatherLeavesTheUnitSharded) {
   EXPECT_EQ(rig.pool->stats().current_bytes, 0);
 }
 
+// ---- Several users ------------------------------------------------------------------------
+
+// A unit acquired by two compute streams (a tied weight used twice in one forward): the first
+// Release keeps the buffer for the second user, whose work is held by a gate; the last Release
+// returns it after its event. Release and Acquire in other states are FailedPrecondition.
+TEST(FlatParameterAcquireTest, TwoUsersKeepTheBufferUntilTheLastRelease) {
+  constexpr int kRanks = 2;
+  const MixedPrecisionPolicy policy{DType::kBF16, DType::kF32, DType::kF32, false};
+  const FlatLayout layout = OddLayout(kRanks);
+  std::mt19937_64 rng(404);
+  const FullTensors full = MakeFullTensors(layout, rng);
+  auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
+  RunRanks(kRanks, [&](int r) {
+    RankRig rig(ComputeKind::kHost);
+    Stream& first = *rig.compute;
+    Stream& second = rig.NewStream("compute2");
+    Gate& gate = rig.NewGate();
+    auto unit = *FlatParameter::Create(layout, r, policy, rig.Options("block7"));
+    ASSERT_OK(unit->SetShardFromTensors(full.pointers));
+    const size_t unsharded_bytes = layout.total_elements() * DTypeSize(policy.param_dtype);
+
+    ExpectWrongState(unit->Release(nullptr), "Release()", "sharded");
+    ExpectWrongState(unit->Acquire(first), "Acquire()", "sharded");
+    ASSERT_TRUE(unit->Gather(*comms[r], *rig.gather).ok());
+    ExpectWrongState(unit->Release(nullptr), "Release()", "gathering");
+    EXPECT_EQ(unit->users(), 0);
+    ASSERT_OK(unit->WaitGathered(first));
+    ASSERT_OK(unit->Acquire(second));
+    EXPECT_EQ(unit->users(), 2);
+    const std::vector<ExpectedView> expected = GatheredViews(*unit, full);
+    ASSERT_OK(first.Enqueue(CheckViews(expected)));
+    std::shared_ptr<Event> first_use = *RecordEvent(first);
+    ASSERT_OK(second.Enqueue(Hold(gate)));
+    ASSERT_OK(second.Enqueue(CheckViews(expected)));
+    std::shared_ptr<Event> second_use = *RecordEvent(second);
+
+    // The first use ended and ran: the buffer stays, handed out (not even pending).
+    ASSERT_OK(unit->Release(first_use));
+    EXPECT_EQ(unit->state(), FlatParameterState::kUnsharded);
+    EXPECT_EQ(unit->users(), 1);
+    // (Streams, not events: the guards' completion callbacks have run once the stream is idle.)
+    ASSERT_OK(first.Synchronize(Deadline()));
+    ASSERT_OK(rig.gather->Synchronize(Deadline()));
+    rig.pool->Collect();
+    EXPECT_EQ(rig.pool->stats().current_bytes, static_cast<int64_t>(unsharded_bytes));
+    EXPECT_EQ(rig.pool->pending_blocks(), 0);
+    // A block of the same size from the pool is another one; fill it with NaNs, which the held
+    // reader would see if it were the unit's.
+    Buffer scribble = *rig.pool->Allocate(unsharded_bytes);
+    std::memset(scribble.data(), 0xff, scribble.size());
+
+    // The last use ends: the unit reshards; the buffer waits for the held reader.
+    ASSERT_OK(unit->Release(second_use));
+    EXPECT_EQ(unit->state(), FlatParameterState::kSharded);
+    EXPECT_EQ(unit->users(), 0);
+    ExpectWrongState(unit->Release(nullptr), "Release()", "sharded");
+    rig.pool->Collect();
+    EXPECT_EQ(rig.pool->stats().current_bytes, static_cast<int64_t>(2 * unsharded_bytes));
+    EXPECT_EQ(rig.pool->pending_blocks(), 1);
+    gate.Open();
+    ASSERT_OK(second.Synchronize(Deadline()));
+    ASSERT_OK(first.Synchronize(Deadline()));  // it recorded a guard at the last Release too
+    rig.pool->Collect();
+    EXPECT_EQ(rig.pool->stats().current_bytes, static_cast<int64_t>(unsharded_bytes));
+    EXPECT_EQ(rig.pool->pending_blocks(), 0);
+    scribble.Reset();
+
+    // Still usable: Acquire is also the first use (from gathering), a stream may acquire twice,
+    // and a reduction ends the remaining uses.
+    ASSERT_TRUE(unit->Gather(*comms[r], *rig.gather).ok());
+    ASSERT_OK(unit->Acquire(second));
+    ASSERT_OK(unit->Acquire(second));
+    EXPECT_EQ(unit->users(), 2);
+    ASSERT_OK(second.Enqueue(CheckViews(GatheredViews(*unit, full))));
+    ASSERT_OK(unit->Release(*RecordEvent(second)));
+    ASSERT_OK(unit->PrepareGrad(second));
+    ASSERT_OK(second.Enqueue(WriteGrad(*unit, 31, r, 0, /*accumulate=*/false)));
+    ASSERT_TRUE(unit->ReduceGrad(*comms[r], nullptr, *rig.reduce, *RecordEvent(second)).ok());
+    EXPECT_EQ(unit->users(), 0);
+    ExpectWrongState(unit->Acquire(first), "Acquire()", "reducing");
+    ExpectWrongState(unit->Release(nullptr), "Release()", "reducing");
+    ASSERT_OK(unit->WaitReduced(Deadline()));
+    ExpectShardGrad(*unit, ReferenceFor(*unit, 31, kRanks, 1, ReduceOp::kAvg),
+                    GradTolerance(policy, kRanks, 1));
+    EXPECT_OK(first.Synchronize(Deadline()));
+    EXPECT_OK(second.Synchronize(Deadline()));
+  });
+}
+
 // ---- Memory ---------------------------------------------------------------------------------
-
-// Holds a host stream's work until opened (bounded: it gives up after kTimeout).
-class Gate {
- public:
-  void Open() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  absl::Status Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!cv_.wait_for(lock, std::chrono::seconds(20), [&] { return open_; })) {
-      return absl::DeadlineExceededError("gate never opened");
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
 
 TEST(FlatParameterMemoryTest, UnshardedBufferLivesFromGatherToReshardPlusEvent) {
   auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
   RankRig rig;
-  auto blocker = *CreateHostStream({.name = "reader", .wait_timeout = kTimeout});
+  Stream& reader = rig.NewStream("reader");
   const MixedPrecisionPolicy policy{DType::kBF16, DType::kF32, DType::kF32, false};
   auto unit = *FlatParameter::Create(SmallLayout(1), 0, policy, rig.Options());
   const int64_t unsharded_bytes = unit->layout().total_elements() * DTypeSize(DType::kBF16);
@@ -678,24 +973,107 @@ TEST(FlatParameterMemoryTest, UnshardedBufferLivesFromGatherToReshardPlusEvent) 
     ASSERT_TRUE(unit->Gather(*comms[0], *rig.gather).ok());
     EXPECT_EQ(rig.pool->stats().current_bytes, unsharded_bytes);
     EXPECT_EQ(rig.pool->stats().total_allocations, 1);
-    ASSERT_TRUE(unit->WaitGathered(*rig.compute).ok());
+    ASSERT_OK(unit->WaitGathered(*rig.compute));
 
     // A reader on another stream is still using the views: Reshard does not free the buffer.
-    Gate gate;
-    ASSERT_TRUE(blocker->Enqueue([&gate] { return gate.Wait(); }).ok());
-    std::shared_ptr<Event> last_use = *RecordEvent(*blocker);
-    ASSERT_TRUE(unit->Reshard(last_use).ok());
+    Gate& gate = rig.NewGate();
+    ASSERT_OK(reader.Enqueue(Hold(gate)));
+    std::shared_ptr<Event> last_use = *RecordEvent(reader);
+    ASSERT_OK(unit->Reshard(last_use));
     EXPECT_EQ(unit->state(), FlatParameterState::kSharded);
     rig.pool->Collect();
     EXPECT_EQ(rig.pool->stats().current_bytes, unsharded_bytes);
     gate.Open();
-    ASSERT_TRUE(last_use->Synchronize(Deadline()).ok());
+    ASSERT_OK(reader.Synchronize(Deadline()));
     rig.pool->Collect();
     EXPECT_EQ(rig.pool->stats().current_bytes, 0);
     EXPECT_EQ(rig.pool->stats().peak_bytes, unsharded_bytes);
   }
   // The shards were never touched by the gathers.
   EXPECT_EQ(rig.shards->stats().current_bytes, shard_bytes);
+}
+
+// M5: Reshard(nullptr) ends the uses of two acquiring host streams whose work (held by a gate)
+// still reads the views. The buffer must stay with the pool's in-use bytes until that work ran,
+// although the gather itself finished long ago; the held reads see the gathered values (a
+// same-sized block taken from the pool meanwhile and filled with NaNs is another block).
+TEST(FlatParameterMemoryTest, ReshardWithoutEventWaitsForWorkQueuedOnAcquiringStreams) {
+  auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
+  RankRig rig(ComputeKind::kHost);
+  Stream& second = rig.NewStream("compute2");
+  Gate& gate = rig.NewGate();
+  const MixedPrecisionPolicy policy{DType::kBF16, DType::kF32, DType::kF32, false};
+  const FlatLayout layout = OddLayout(1);
+  std::mt19937_64 rng(505);
+  const FullTensors full = MakeFullTensors(layout, rng);
+  auto unit = *FlatParameter::Create(layout, 0, policy, rig.Options());
+  ASSERT_OK(unit->SetShardFromTensors(full.pointers));
+  const size_t unsharded_bytes = layout.total_elements() * DTypeSize(policy.param_dtype);
+
+  ASSERT_TRUE(unit->Gather(*comms[0], *rig.gather).ok());
+  ASSERT_OK(unit->WaitGathered(*rig.compute));
+  ASSERT_OK(unit->Acquire(second));
+  ASSERT_OK(rig.gather->Synchronize(Deadline()));
+  const std::vector<ExpectedView> expected = GatheredViews(*unit, full);
+  for (Stream* stream : {rig.compute.get(), &second}) {
+    ASSERT_OK(stream->Enqueue(Hold(gate)));
+    ASSERT_OK(stream->Enqueue(CheckViews(expected)));
+  }
+  ASSERT_OK(unit->Reshard(nullptr));
+  EXPECT_EQ(unit->state(), FlatParameterState::kSharded);
+  EXPECT_EQ(unit->users(), 0);
+
+  rig.pool->Collect();
+  EXPECT_EQ(rig.pool->stats().current_bytes, static_cast<int64_t>(unsharded_bytes));
+  EXPECT_EQ(rig.pool->pending_blocks(), 1);
+  Buffer scribble = *rig.pool->Allocate(unsharded_bytes);
+  std::memset(scribble.data(), 0xff, scribble.size());
+  gate.Open();
+  EXPECT_OK(rig.compute->Synchronize(Deadline()));
+  EXPECT_OK(second.Synchronize(Deadline()));
+  rig.pool->Collect();
+  EXPECT_EQ(rig.pool->stats().current_bytes, static_cast<int64_t>(unsharded_bytes));  // scribble
+  EXPECT_EQ(rig.pool->pending_blocks(), 0);
+}
+
+// M5: destroying a unit while work held on the host compute stream still reads the parameters
+// and writes the gradient. Both buffers stay in use until that work ran; its reads see the
+// gathered values.
+TEST(FlatParameterMemoryTest, DestroyingWaitsForWorkQueuedOnTheComputeStream) {
+  auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
+  RankRig rig(ComputeKind::kHost);
+  Gate& gate = rig.NewGate();
+  const MixedPrecisionPolicy policy{DType::kF32, DType::kF32, DType::kF32, false};
+  const FlatLayout layout = OddLayout(1);
+  std::mt19937_64 rng(606);
+  const FullTensors full = MakeFullTensors(layout, rng);
+  auto unit = *FlatParameter::Create(layout, 0, policy, rig.Options());
+  ASSERT_OK(unit->SetShardFromTensors(full.pointers));
+  const size_t bytes = layout.total_elements() * DTypeSize(policy.param_dtype);
+
+  ASSERT_TRUE(unit->Gather(*comms[0], *rig.gather).ok());
+  ASSERT_OK(unit->WaitGathered(*rig.compute));
+  ASSERT_OK(unit->PrepareGrad(*rig.compute));
+  // The gather and the zero-fill are done: only the held work below can keep the buffers.
+  ASSERT_OK(rig.compute->Synchronize(Deadline()));
+  ASSERT_OK(rig.gather->Synchronize(Deadline()));
+  ASSERT_OK(rig.compute->Enqueue(Hold(gate)));
+  ASSERT_OK(rig.compute->Enqueue(CheckViews(GatheredViews(*unit, full))));
+  ASSERT_OK(rig.compute->Enqueue(WriteGrad(*unit, 61, 0, 0, /*accumulate=*/true)));
+  unit.reset();
+
+  rig.pool->Collect();
+  EXPECT_EQ(rig.pool->stats().current_bytes, static_cast<int64_t>(2 * bytes));
+  EXPECT_EQ(rig.pool->pending_blocks(), 2);
+  Buffer scribble[2] = {*rig.pool->Allocate(bytes), *rig.pool->Allocate(bytes)};
+  for (Buffer& buffer : scribble) std::memset(buffer.data(), 0xff, buffer.size());
+  gate.Open();
+  EXPECT_OK(rig.compute->Synchronize(Deadline()));
+  rig.pool->Collect();
+  rig.shards->Collect();
+  EXPECT_EQ(rig.pool->stats().current_bytes, static_cast<int64_t>(2 * bytes));  // scribbles
+  EXPECT_EQ(rig.pool->pending_blocks(), 0);
+  EXPECT_EQ(rig.shards->stats().current_bytes, 0);
 }
 
 TEST(FlatParameterMemoryTest, ReductionReturnsEverythingButTheShards) {
@@ -705,11 +1083,11 @@ TEST(FlatParameterMemoryTest, ReductionReturnsEverythingButTheShards) {
   auto unit = *FlatParameter::Create(SmallLayout(1), 0, policy, rig.Options());
   const int64_t total = unit->layout().total_elements();
   ASSERT_TRUE(unit->Gather(*comms[0], *rig.gather).ok());
-  ASSERT_TRUE(unit->WaitGathered(*rig.compute).ok());
-  ASSERT_TRUE(unit->PrepareGrad(*rig.compute).ok());
+  ASSERT_OK(unit->WaitGathered(*rig.compute));
+  ASSERT_OK(unit->PrepareGrad(*rig.compute));
   EXPECT_EQ(rig.pool->stats().current_bytes, 2 * total * 2);  // parameters + gradient, bf16
   ASSERT_TRUE(unit->ReduceGrad(*comms[0], nullptr, *rig.reduce, *RecordEvent(*rig.compute)).ok());
-  ASSERT_TRUE(unit->WaitReduced(Deadline()).ok());
+  ASSERT_OK(unit->WaitReduced(Deadline()));
   rig.pool->Collect();
   EXPECT_EQ(rig.pool->stats().current_bytes, 0);
   // Peak: parameters + bf16 gradient + its f32 copy for the reduction.
@@ -717,7 +1095,7 @@ TEST(FlatParameterMemoryTest, ReductionReturnsEverythingButTheShards) {
   // Master shard + f32 sharded gradient.
   const int64_t shard_elements = unit->layout().shard_elements();
   EXPECT_EQ(rig.shards->stats().current_bytes, 2 * shard_elements * 4);
-  ASSERT_TRUE(unit->ReleaseShardGrad(nullptr).ok());
+  ASSERT_OK(unit->ReleaseShardGrad(nullptr));
   rig.shards->Collect();
   EXPECT_EQ(rig.shards->stats().current_bytes, shard_elements * 4);
 }
@@ -731,17 +1109,17 @@ TEST(FlatParameterMemoryTest, DestroyingInAnyStateFreesEverything) {
       auto unit = *FlatParameter::Create(SmallLayout(1), 0, {}, rig.Options());
       ASSERT_TRUE(unit->Gather(*comms[0], *rig.gather).ok());
       if (stop >= 1) {
-        ASSERT_TRUE(unit->WaitGathered(*rig.compute).ok());
+        ASSERT_OK(unit->WaitGathered(*rig.compute));
       }
       if (stop >= 2) {
-        ASSERT_TRUE(unit->PrepareGrad(*rig.compute).ok());
+        ASSERT_OK(unit->PrepareGrad(*rig.compute));
       }
       if (stop >= 3) {
         ASSERT_TRUE(unit->ReduceGrad(*comms[0], nullptr, *rig.reduce, nullptr).ok());
       }
     }
-    ASSERT_TRUE(rig.gather->Synchronize(Deadline()).ok());
-    ASSERT_TRUE(rig.reduce->Synchronize(Deadline()).ok());
+    ASSERT_OK(rig.gather->Synchronize(Deadline()));
+    ASSERT_OK(rig.reduce->Synchronize(Deadline()));
     rig.pool->Collect();
     rig.shards->Collect();
     EXPECT_EQ(rig.pool->stats().current_bytes, 0) << stop;
@@ -759,15 +1137,198 @@ TEST(FlatParameterMemoryTest, EmptyUnitRunsTheWholeCycle) {
   RunRanks(n, [&](int r) {
     RankRig rig;
     auto unit = *FlatParameter::Create(layout, r, {}, rig.Options());
-    ASSERT_TRUE(unit->SetShardFromTensors({nullptr}).ok());
+    ASSERT_OK(unit->SetShardFromTensors({nullptr}));
     ASSERT_TRUE(unit->Gather(*comms[r], *rig.gather).ok());
-    ASSERT_TRUE(unit->WaitGathered(*rig.compute).ok());
+    ASSERT_OK(unit->WaitGathered(*rig.compute));
     EXPECT_EQ(unit->View("empty")->data, nullptr);
-    ASSERT_TRUE(unit->PrepareGrad(*rig.compute).ok());
+    ASSERT_OK(unit->PrepareGrad(*rig.compute));
     EXPECT_TRUE(unit->has_unsharded_grad());
     ASSERT_TRUE(unit->ReduceGrad(*comms[r], nullptr, *rig.reduce, nullptr).ok());
-    ASSERT_TRUE(unit->WaitReduced(Deadline()).ok());
+    ASSERT_OK(unit->WaitReduced(Deadline()));
     EXPECT_EQ(unit->ShardGrad()->elements, 0u);
+  });
+}
+
+// ---- Overlap on one communicator ------------------------------------------------------------
+
+// Two units on three ranks, one shard communicator: the all-gather of unit A (gather stream)
+// and the reduction of unit B's gradient (reduce stream) are both in flight while the host
+// compute stream is held, issued in either order, with ReduceGrad or the split ReduceScatter +
+// Accumulate. A's gathered views and B's sharded gradient are checked element by element against
+// the references, by work on the compute stream.
+TEST(FlatParameterOverlapTest, GatherAndReductionOverlapOnOneCommunicator) {
+  constexpr int kRanks = 3;
+  const MixedPrecisionPolicy policy{DType::kBF16, DType::kF32, DType::kF32, false};
+  const FlatLayout layout_a =
+      *FlatLayout::Create({{"a.w", {37, 29}, DType::kF32, ""},
+                           {"a.b", {29}, DType::kBF16, ""},
+                           {"a.v", {3, 7, 11}, DType::kF32, ""}},
+                          {.num_shards = kRanks, .element_dtype = DType::kF32});
+  const FlatLayout layout_b = *FlatLayout::Create(
+      {{"b.w", {41, 23}, DType::kF32, ""},
+       {"b.b", {23}, DType::kF32, ""},
+       {"b.w_out", {41, 23}, DType::kF32, "b.w"}},
+      {.num_shards = kRanks, .element_dtype = DType::kF32, .block_elements = 3});
+  std::mt19937_64 rng(707);
+  const FullTensors full_a = MakeFullTensors(layout_a, rng);
+  const FullTensors full_b = MakeFullTensors(layout_b, rng);
+  for (const bool gather_first : {true, false}) {
+    for (const bool split : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(gather_first ? "gather first" : "reduction first",
+                                split ? ", split reduction" : ", ReduceGrad"));
+      const uint64_t seed = 70 + 2 * gather_first + split;
+      auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
+      RunRanks(kRanks, [&](int r) {
+        RankRig rig(ComputeKind::kHost);
+        Stream& compute = *rig.compute;
+        Communicator& comm = *comms[r];
+        Gate& gate = rig.NewGate();
+        auto a = *FlatParameter::Create(layout_a, r, policy, rig.Options("a"));
+        auto b = *FlatParameter::Create(layout_b, r, policy, rig.Options("b"));
+        ASSERT_OK(a->SetShardFromTensors(full_a.pointers));
+        ASSERT_OK(b->SetShardFromTensors(full_b.pointers));
+
+        // B's backward, held: it reads B's parameters and writes B's gradient.
+        ASSERT_TRUE(b->Gather(comm, *rig.gather).ok());
+        ASSERT_OK(b->WaitGathered(compute));
+        ASSERT_OK(b->PrepareGrad(compute));
+        ASSERT_OK(compute.Enqueue(Hold(gate)));
+        ASSERT_OK(compute.Enqueue(CheckViews(GatheredViews(*b, full_b))));
+        ASSERT_OK(compute.Enqueue(WriteGrad(*b, seed, r, 0, /*accumulate=*/false)));
+        std::shared_ptr<Event> b_ready = *RecordEvent(compute);
+
+        auto gather_a = [&] { ASSERT_TRUE(a->Gather(comm, *rig.gather).ok()); };
+        auto reduce_b = [&] {
+          if (!split) {
+            ASSERT_TRUE(b->ReduceGrad(comm, nullptr, *rig.reduce, b_ready).ok());
+            return;
+          }
+          ASSERT_TRUE(b->ReduceScatter(comm, *rig.reduce, b_ready).ok());
+          ASSERT_TRUE(b->Accumulate(*rig.reduce).ok());
+        };
+        if (gather_first) {
+          ASSERT_NO_FATAL_FAILURE(gather_a());
+          ASSERT_NO_FATAL_FAILURE(reduce_b());
+        } else {
+          ASSERT_NO_FATAL_FAILURE(reduce_b());
+          ASSERT_NO_FATAL_FAILURE(gather_a());
+        }
+        ASSERT_OK(a->WaitGathered(compute));
+        ASSERT_OK(compute.Enqueue(CheckViews(GatheredViews(*a, full_a))));
+        ASSERT_OK(b->WaitReduced(compute));
+        ASSERT_OK(
+            compute.Enqueue(CheckShardGrad(*b, ReferenceFor(*b, seed, kRanks, 1, ReduceOp::kAvg),
+                                           GradTolerance(policy, kRanks, 1))));
+        std::shared_ptr<Event> checked = *RecordEvent(compute);
+        // Everything above was issued without waiting for the held compute stream.
+        EXPECT_EQ(checked->Query().value_or(true), false);
+        gate.Open();
+        EXPECT_OK(checked->Synchronize(Deadline()));
+        ASSERT_OK(a->Reshard(checked));
+      });
+    }
+  }
+}
+
+// ---- Stream-ordered reuse in a training loop ------------------------------------------------
+
+// Two units of different size classes, two ranks, a CachingPool, gather + host compute + reduce
+// streams, the reductions on a Dup() of the gather communicator (the ordering rule of
+// collectives/communicator.h). Each step: forward (both gathers prefetched, views checked by
+// compute work, resharded after it), backward in reverse order (A's gather prefetched while B's
+// gradient is written), reductions, and an "optimizer" on the compute stream that checks the
+// sharded gradients and zeroes them. After one warm-up step, the steady-state steps are issued
+// while the reduce stream is held, so the gradient blocks the next gathers reuse are still
+// pending: no step takes a new block from the backing allocator (the reuse is stream-ordered,
+// the host never waits), and the pool's peak stays within the two units' parameter and gradient
+// buffers. A gather that wrote into a gradient block before its reduction read it would show
+// up in the gradients.
+TEST(FlatParameterOverlapTest, SteadyStateStepsReuseBlocksWithoutBlockingTheHost) {
+  constexpr int kRanks = 2;
+  constexpr int kSteadySteps = 3;
+  const MixedPrecisionPolicy policy;  // f32 throughout: no reduce-dtype temporaries
+  // About 12 KB and 67 KB of f32: size classes 12288 and 81920 bytes.
+  const FlatLayout layout_a = *FlatLayout::Create(
+      {{"a.w", {61, 49}, DType::kF32, ""}, {"a.b", {49}, DType::kF32, ""}}, {.num_shards = kRanks});
+  const FlatLayout layout_b =
+      *FlatLayout::Create({{"b.w", {127, 131}, DType::kF32, ""}, {"b.b", {131}, DType::kF32, ""}},
+                          {.num_shards = kRanks});
+  const size_t class_a = CachingPool::SizeClass(layout_a.total_elements() * 4);
+  const size_t class_b = CachingPool::SizeClass(layout_b.total_elements() * 4);
+  ASSERT_NE(class_a, class_b);
+  std::mt19937_64 rng(808);
+  const FullTensors full_a = MakeFullTensors(layout_a, rng);
+  const FullTensors full_b = MakeFullTensors(layout_b, rng);
+  auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
+  RunRanks(kRanks, [&](int r) {
+    RankRig rig(ComputeKind::kHost);
+    Stream& gather = *rig.gather;
+    Stream& compute = *rig.compute;
+    Stream& reduce = *rig.reduce;
+    Communicator& gather_comm = *comms[r];
+    absl::StatusOr<std::shared_ptr<Communicator>> reduce_comm = gather_comm.Dup(Deadline());
+    ASSERT_TRUE(reduce_comm.ok()) << reduce_comm.status();
+    auto a = *FlatParameter::Create(layout_a, r, policy, rig.Options("a"));
+    auto b = *FlatParameter::Create(layout_b, r, policy, rig.Options("b"));
+    ASSERT_OK(a->SetShardFromTensors(full_a.pointers));
+    ASSERT_OK(b->SetShardFromTensors(full_b.pointers));
+    const uint64_t seed = 80;
+
+    auto forward = [&](FlatParameter& unit, const FullTensors& full) {
+      ASSERT_OK(unit.WaitGathered(compute));
+      ASSERT_OK(compute.Enqueue(CheckViews(GatheredViews(unit, full))));
+      ASSERT_OK(unit.Reshard(*RecordEvent(compute)));
+    };
+    auto backward = [&](FlatParameter& unit, const FullTensors& full, int step) {
+      ASSERT_OK(unit.WaitGathered(compute));
+      ASSERT_OK(unit.PrepareGrad(compute));
+      ASSERT_OK(compute.Enqueue(CheckViews(GatheredViews(unit, full))));
+      ASSERT_OK(compute.Enqueue(WriteGrad(unit, seed + step, r, 0, /*accumulate=*/false)));
+      ASSERT_TRUE(unit.ReduceGrad(**reduce_comm, nullptr, reduce, *RecordEvent(compute)).ok());
+    };
+    auto optimizer = [&](FlatParameter& unit, int step) {
+      ASSERT_OK(unit.WaitReduced(compute));
+      ASSERT_OK(compute.Enqueue(
+          CheckShardGrad(unit, ReferenceFor(unit, seed + step, kRanks, 1, ReduceOp::kAvg),
+                         GradTolerance(policy, kRanks, 1))));
+      ASSERT_OK(unit.ZeroShardGrad(compute));
+    };
+    auto step = [&](int s) {
+      ASSERT_TRUE(a->Gather(gather_comm, gather).ok());
+      ASSERT_TRUE(b->Gather(gather_comm, gather).ok());
+      ASSERT_NO_FATAL_FAILURE(forward(*a, full_a));
+      ASSERT_NO_FATAL_FAILURE(forward(*b, full_b));
+      ASSERT_TRUE(b->Gather(gather_comm, gather).ok());
+      ASSERT_TRUE(a->Gather(gather_comm, gather).ok());
+      ASSERT_NO_FATAL_FAILURE(backward(*b, full_b, s));
+      ASSERT_NO_FATAL_FAILURE(backward(*a, full_a, s));
+      ASSERT_NO_FATAL_FAILURE(optimizer(*b, s));
+      ASSERT_NO_FATAL_FAILURE(optimizer(*a, s));
+    };
+
+    ASSERT_NO_FATAL_FAILURE(step(0));  // warm-up: the pool reserves its blocks
+    const PoolCacheStats warm = rig.pool->cache_stats();
+    rig.pool->ResetPeak();
+    Gate& gate = rig.NewGate();
+    ASSERT_OK(reduce.Enqueue(Hold(gate)));
+    for (int s = 1; s <= kSteadySteps; ++s) ASSERT_NO_FATAL_FAILURE(step(s));
+    std::shared_ptr<Event> done = *RecordEvent(compute);
+    // All steady steps were issued while no reduction could run.
+    EXPECT_EQ(done->Query().value_or(true), false);
+    const PoolCacheStats issued = rig.pool->cache_stats();
+    gate.Open();
+    ASSERT_OK(done->Synchronize(Deadline()));
+
+    EXPECT_EQ(issued.misses, warm.misses);
+    EXPECT_EQ(issued.reserved_bytes, warm.reserved_bytes);
+    EXPECT_GT(issued.stream_ordered_hits, warm.stream_ordered_hits);
+    // Each unit's parameters and gradient, once each.
+    EXPECT_LE(warm.reserved_bytes, static_cast<int64_t>(2 * (class_a + class_b)));
+    EXPECT_LE(
+        rig.pool->stats().peak_bytes,
+        static_cast<int64_t>(2 * 4 * (layout_a.total_elements() + layout_b.total_elements())));
+    EXPECT_OK(gather.Synchronize(Deadline()));
+    EXPECT_OK(reduce.Synchronize(Deadline()));
   });
 }
 
