@@ -22,6 +22,7 @@
 #include "runtime/internal/stream_internal.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
+#include "runtime/trace.h"
 
 #ifdef SHARDLINE_WITH_CUDA
 #include "runtime/cuda/cuda_stream.h"
@@ -63,12 +64,28 @@ absl::string_view StreamOpKindName(StreamOpKind kind) {
   return "invalid";
 }
 
+absl::StatusOr<absl::Duration> ElapsedBetween(const Event& start, const Event& end) {
+  const std::optional<absl::Time> started = start.completed_at();
+  const std::optional<absl::Time> ended = end.completed_at();
+  if (!started.has_value() || !ended.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ElapsedBetween: the ", !started.has_value() ? "start" : "end", " event (",
+        (!started.has_value() ? start : end).device().ToString(),
+        ") has no completion time: it is pending, was never recorded, or its kind does not "
+        "record one"));
+  }
+  return *ended - *started;
+}
+
 namespace stream_internal {
 
 void HostCapture::Complete(absl::Status status) {
+  // Read before taking mu_: the time the captured work was done, not when the callbacks were.
+  const absl::Time now = clock_->Now();
   std::unique_lock<std::mutex> lock(mu_);
   if (done_ || completing_) return;
   completing_ = true;
+  completed_at_ = now;
   status_ = std::move(status);
   // The callbacks run before the capture reports done, so that whoever sees it done (a
   // Synchronize, a Query) also sees their effects (an allocator's block marked free). One
@@ -112,6 +129,44 @@ bool HostCapture::done(absl::Status* status) {
   std::lock_guard<std::mutex> lock(mu_);
   if (done_) *status = status_;
   return done_;
+}
+
+std::optional<absl::Time> HostCapture::completed_at() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!done_) return std::nullopt;
+  return completed_at_;
+}
+
+StreamTracer::StreamTracer(const StreamOptions& options) : writer_(options.trace) {
+  if (writer_ != nullptr)
+    tid_ = writer_->Track(options.track.empty() ? options.name : options.track);
+}
+
+absl::Status StreamTracer::RunOp(StreamOp& op, const Clock& clock) const {
+  if (writer_ == nullptr) return std::move(op.run)();
+  const absl::Time start = clock.Now();
+  absl::Status result = std::move(op.run)();
+  const absl::Time end = clock.Now();
+  TraceArgs args;
+  args.ints.emplace_back("bytes", static_cast<int64_t>(op.bytes));
+  if (op.flops != 0) args.ints.emplace_back("flops", static_cast<int64_t>(op.flops));
+  if (!result.ok()) args.strings.emplace_back("error", result.ToString());
+  writer_->AddComplete(tid_, op.name, StreamOpKindName(op.kind), start, end - start,
+                       std::move(args));
+  return result;
+}
+
+absl::Status StreamTracer::RunWait(absl::string_view source, const Clock& clock,
+                                   absl::FunctionRef<absl::Status()> wait) const {
+  if (writer_ == nullptr) return wait();
+  const absl::Time start = clock.Now();
+  absl::Status result = wait();
+  const absl::Time end = clock.Now();
+  TraceArgs args;
+  if (!result.ok()) args.strings.emplace_back("error", result.ToString());
+  writer_->AddComplete(tid_, absl::StrCat("wait ", source), "wait", start, end - start,
+                       std::move(args));
+  return result;
 }
 
 absl::StatusOr<absl::Duration> ResolveWaitTimeout(const StreamOptions& options) {
@@ -178,13 +233,21 @@ uint64_t HostEvent::recorded_stream_id() const {
   return capture == nullptr ? 0 : capture->stream_id();
 }
 
+std::optional<absl::Time> HostEvent::completed_at() const {
+  std::shared_ptr<HostCapture> capture = current();
+  if (capture == nullptr) return std::nullopt;
+  return capture->completed_at();
+}
+
 namespace {
 
 // What a stream has to wait for to honour WaitEvent(event): a host capture, a foreign waiter, or
-// nothing (never recorded, or already complete and OK).
+// nothing (never recorded, or already complete and OK). `source` names what is waited for in
+// trace spans.
 struct WaitTarget {
   std::shared_ptr<HostCapture> capture;
   HostWaitable::Waiter foreign;
+  std::string source;
   bool empty() const { return capture == nullptr && foreign == nullptr; }
 };
 
@@ -192,10 +255,13 @@ absl::StatusOr<WaitTarget> SnapshotWaitTarget(Event& event, const Stream& waiter
   WaitTarget target;
   if (auto* host = dynamic_cast<HostEvent*>(&event)) {
     target.capture = host->current();
+    if (target.capture != nullptr) target.source = target.capture->stream_name();
   } else if (auto* waitable = dynamic_cast<HostWaitable*>(&event)) {
     SL_ASSIGN_OR_RETURN(target.foreign, waitable->SnapshotForHostWait());
+    target.source = waitable->recorded_stream_name();
     return target;
   } else {
+    target.source = absl::StrCat("event (", event.device().ToString(), ")");
     // Any other kind of event (a framework's, a test double): a capture of our own that the
     // event's completion callback completes.
     target.capture = std::make_shared<HostCapture>(waiter);
@@ -226,12 +292,19 @@ absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const Clock& cl
   return status;
 }
 
+// RunWait inside a trace span.
+absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl::Duration timeout,
+                           const Clock& clock, const std::string& stream_name) {
+  return tracer.RunWait(target.source, clock,
+                        [&] { return RunWait(target, timeout, clock, stream_name); });
+}
+
 // One worker thread, one FIFO. Ops, event markers and waits share the queue so that they keep
 // their relative order.
 class HostStream final : public Stream, public HostCaptureRecorder {
  public:
-  HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock)
-      : name_(std::move(name)), wait_timeout_(wait_timeout), clock_(clock) {
+  HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock, StreamTracer tracer)
+      : name_(std::move(name)), wait_timeout_(wait_timeout), clock_(clock), tracer_(tracer) {
     worker_ = std::thread([this] { WorkerLoop(); });
   }
 
@@ -329,7 +402,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     switch (item.kind) {
       case Item::kOp:
         if (poison.ok()) {
-          result = std::move(item.op.run)();
+          result = tracer_.RunOp(item.op, clock_);
           if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", name_, "'"));
         } else if (item.op.cancel != nullptr) {
           std::move(item.op.cancel)(poison);
@@ -340,7 +413,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         item.wait.capture->Complete(poison);
         break;
       case Item::kWait:
-        if (poison.ok()) result = RunWait(item.wait, wait_timeout_, clock_, name_);
+        if (poison.ok()) result = RunTracedWait(tracer_, item.wait, wait_timeout_, clock_, name_);
         break;
     }
     item.wait.capture = nullptr;
@@ -377,6 +450,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   const std::string name_;
   const absl::Duration wait_timeout_;
   const Clock& clock_;
+  const StreamTracer tracer_;
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the worker waits for items
@@ -400,8 +474,9 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 // is poisoned (an item that failed does not make one still running on another thread finish).
 class CallerStream final : public Stream, public HostCaptureRecorder {
  public:
-  CallerStream(std::string name, absl::Duration wait_timeout, const Clock& clock)
-      : name_(std::move(name)), wait_timeout_(wait_timeout), clock_(clock) {}
+  CallerStream(std::string name, absl::Duration wait_timeout, const Clock& clock,
+               StreamTracer tracer)
+      : name_(std::move(name)), wait_timeout_(wait_timeout), clock_(clock), tracer_(tracer) {}
 
   Device device() const override { return Device::Host(); }
   const std::string& name() const override { return name_; }
@@ -409,7 +484,7 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
 
   absl::Status Submit(StreamOp op) override {
     SL_ASSIGN_OR_RETURN(const uint64_t ticket, Start());
-    absl::Status result = std::move(op.run)();
+    absl::Status result = tracer_.RunOp(op, clock_);
     op = StreamOp();
     if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", name_, "'"));
     return Finish(ticket, std::move(result));
@@ -420,7 +495,7 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
     SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return absl::OkStatus();
     SL_ASSIGN_OR_RETURN(const uint64_t ticket, Start());
-    return Finish(ticket, RunWait(target, wait_timeout_, clock_, name_));
+    return Finish(ticket, RunTracedWait(tracer_, target, wait_timeout_, clock_, name_));
   }
 
   absl::Status Synchronize(absl::Time deadline) override {
@@ -491,6 +566,7 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
   const std::string name_;
   const absl::Duration wait_timeout_;
   const Clock& clock_;
+  const StreamTracer tracer_;
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
@@ -507,15 +583,17 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
 absl::StatusOr<std::unique_ptr<Stream>> CreateHostStream(StreamOptions options) {
   SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
   const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();
-  return std::make_unique<stream_internal::HostStream>(std::move(options.name), wait_timeout,
-                                                       clock);
+  const stream_internal::StreamTracer tracer(options);
+  return std::make_unique<stream_internal::HostStream>(std::move(options.name), wait_timeout, clock,
+                                                       tracer);
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateCallerStream(StreamOptions options) {
   SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
   const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();
+  const stream_internal::StreamTracer tracer(options);
   return std::make_unique<stream_internal::CallerStream>(std::move(options.name), wait_timeout,
-                                                         clock);
+                                                         clock, tracer);
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateStream(Device device, StreamOptions options) {

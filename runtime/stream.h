@@ -43,12 +43,18 @@
 // worker waiting on an event gives up at the stream's `wait_timeout` (default
 // SHARDLINE_TIMEOUT_S) and poisons the stream with DeadlineExceeded.
 //
+// Timing and tracing: an event reports the time at which its capture completed on the recording
+// stream's clock (Event::completed_at, ElapsedBetween). A stream given a TraceWriter
+// (StreamOptions::trace) emits one Chrome-trace span per StreamOp it runs and per wait it honours,
+// at execution time, timed on its clock (see StreamOptions for what each kind of stream shows).
+//
 // Thread safety: every method may be called from any thread.
 
 #ifndef SHARDLINE_RUNTIME_STREAM_H_
 #define SHARDLINE_RUNTIME_STREAM_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/functional/any_invocable.h"
@@ -61,6 +67,7 @@
 namespace shardline {
 
 class Stream;
+class TraceWriter;
 
 // A callback run once when an event's capture completes, with OK or the failure.
 using EventCallback = absl::AnyInvocable<void(absl::Status) &&>;
@@ -96,7 +103,19 @@ class Event {
   // Stream::id() of the stream of the latest Record(); 0 if never recorded or unknown. Lets a
   // stream skip waiting for its own earlier work (stream order already covers it).
   virtual uint64_t recorded_stream_id() const { return 0; }
+
+  // The time, on the recording stream's clock, at which the capture of the latest Record()
+  // completed (whether it succeeded or failed); on a ManualClock stream that is virtual time.
+  // nullopt while it is pending, if the event was never recorded, or if this kind of event does
+  // not know (the default; CUDA events, which are created with cudaEventDisableTiming).
+  virtual std::optional<absl::Time> completed_at() const { return std::nullopt; }
 };
+
+// end.completed_at() - start.completed_at(): how long after `start`'s capture completed `end`'s
+// did (negative if it completed first). FailedPrecondition, naming which one, if either has no
+// completion time (see completed_at()). Both must have been recorded on streams that share a
+// clock; the difference of two clocks' times means nothing.
+absl::StatusOr<absl::Duration> ElapsedBetween(const Event& start, const Event& end);
 
 // What an op costs, for streams that account time instead of spending it (the simulator) and
 // for traces.
@@ -140,6 +159,28 @@ struct StreamOptions {
   // caller streams accept any clock (tests drive them with a ManualClock); CUDA streams only the
   // wall clock.
   const Clock* clock = nullptr;
+  // A scheduling hint: higher is more urgent, 0 is the default. Host and caller streams ignore
+  // it. A CUDA stream maps it onto the device's cudaDeviceGetStreamPriorityRange: priority p
+  // becomes CUDA priority (least - p) clamped to [greatest, least], so 0 and below are CUDA's
+  // default and values past the device's few levels act as its most urgent.
+  int priority = 0;
+  // Where the stream's spans go; null: no tracing. Must outlive the stream (and, for a CUDA
+  // stream, its host functions). Each StreamOp that runs becomes one complete event on `track`:
+  // name = op.name, category = StreamOpKindName(op.kind), args {bytes, flops (if nonzero),
+  // error (if it failed)}, start and end read from the stream's clock() around `run`, so a
+  // ManualClock stream shows virtual time. Each wait the stream executes (WaitEvent on an
+  // event not yet complete) becomes a span named "wait <recording stream's name>", category
+  // "wait", covering the time the stream was held up. Dropped ops make no span.
+  //   host     spans are timed on the worker thread
+  //   caller   spans are timed on the calling thread
+  //   cuda     host functions (Submit'ed ops, waits for host events) are timed on CUDA's
+  //            host-callback thread. Kernels and copies that runtime/stream_ops.h enqueues
+  //            directly, and waits for CUDA events (cudaStreamWaitEvent), are not StreamOps and
+  //            make no span.
+  TraceWriter* trace = nullptr;
+  // The trace track (Chrome-trace tid) of the spans; empty: `name`. Streams that share a track
+  // share a lane in the viewer.
+  std::string track;
 };
 
 class Stream {

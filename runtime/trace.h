@@ -7,7 +7,8 @@
 // Events are "complete" events (ph "X": a name, a start and a duration, in microseconds) and
 // counters (ph "C", e.g. bytes in use per pool). Process and track names are emitted as metadata
 // events (ph "M"). Timestamps are wall-clock microseconds since the Unix epoch, so traces of
-// ranks on one machine line up when merged.
+// ranks on one machine line up when merged; streams traced on a virtual clock
+// (StreamOptions::trace with a ManualClock) write that clock's times instead.
 //
 //   TraceWriter trace(/*rank=*/0);
 //   int gather = trace.Track("gather");

@@ -33,15 +33,19 @@ namespace shardline {
 namespace {
 
 using stream_internal::HostCapture;
+using stream_internal::StreamTracer;
 
 // The failure state of one CUDA stream, shared with its host functions in flight and with the
 // events recorded on it. Host functions are numbered 1, 2, ... in stream order; only they can
 // fail, so an event recorded after host function n failed iff the stream failed at some m <= n.
+// It also carries the stream's tracer, which the host functions use.
 class CudaStreamState {
  public:
-  explicit CudaStreamState(std::string name) : name_(std::move(name)) {}
+  CudaStreamState(std::string name, StreamTracer tracer)
+      : name_(std::move(name)), tracer_(tracer) {}
 
   const std::string& name() const { return name_; }
+  const StreamTracer& tracer() const { return tracer_; }
 
   absl::Status status() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -63,6 +67,7 @@ class CudaStreamState {
 
  private:
   const std::string name_;
+  const StreamTracer tracer_;
   mutable std::mutex mu_;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   uint64_t failed_at_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<uint64_t>::max();
@@ -148,7 +153,7 @@ void CUDART_CB RunHostTask(void* arg) {
   switch (task->kind) {
     case HostTask::kWork:
       if (poison.ok()) {
-        result = std::move(task->op.run)();
+        result = state.tracer().RunOp(task->op, WallClock());
         if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", state.name(), "'"));
       } else if (task->op.cancel != nullptr) {
         std::move(task->op.cancel)(poison);
@@ -159,9 +164,11 @@ void CUDART_CB RunHostTask(void* arg) {
       break;
     case HostTask::kWaitHost:
       if (poison.ok()) {
-        result = task->capture->Wait(task->capture->clock().Now() + task->wait_timeout,
+        result = state.tracer().RunWait(task->capture->stream_name(), WallClock(), [&] {
+          return task->capture->Wait(task->capture->clock().Now() + task->wait_timeout,
                                      absl::StrCat("stream '", state.name(), "' (wait_timeout ",
                                                   absl::FormatDuration(task->wait_timeout), ")"));
+        });
       }
       break;
     case HostTask::kCheckEvent:
@@ -233,6 +240,11 @@ class CudaEvent final : public Event, public stream_internal::HostWaitable {
 
   uint64_t recorded_stream_id() const override { return Snapshot().stream_id; }
 
+  std::string recorded_stream_name() const override {
+    CudaCapture capture = Snapshot();
+    return capture.source == nullptr ? std::string() : capture.source->name();
+  }
+
   absl::StatusOr<Waiter> SnapshotForHostWait() override {
     return Waiter([capture = Snapshot()](absl::Time deadline) {
       return PollCapture(capture, deadline, "host wait");
@@ -252,12 +264,13 @@ class CudaEvent final : public Event, public stream_internal::HostWaitable {
 
 class CudaStream final : public Stream, public stream_internal::HostCaptureRecorder {
  public:
-  CudaStream(int device, std::string name, absl::Duration wait_timeout, cudaStream_t stream)
+  CudaStream(int device, std::string name, absl::Duration wait_timeout, cudaStream_t stream,
+             StreamTracer tracer)
       : device_(device),
         name_(name),
         wait_timeout_(wait_timeout),
         stream_(stream),
-        state_(std::make_shared<CudaStreamState>(std::move(name))) {}
+        state_(std::make_shared<CudaStreamState>(std::move(name), tracer)) {}
 
   ~CudaStream() override {
     absl::Status drained = Drain(DefaultDeadline());
@@ -390,6 +403,20 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
   uint64_t host_funcs_ ABSL_GUARDED_BY(enqueue_mu_) = 0;
 };
 
+// StreamOptions::priority on the current device's scale: CUDA's numerically lower values are more
+// urgent, `least` is its default, and `greatest` its most urgent.
+absl::StatusOr<int> CudaPriority(const StreamOptions& options) {
+  int least = 0;
+  int greatest = 0;
+  SL_RETURN_IF_ERROR(
+      Annotate(SL_CUDA_STATUS(cudaDeviceGetStreamPriorityRange(&least, &greatest)),
+               absl::StrCat("stream '", options.name, "': reading the stream priority range")));
+  if (options.priority <= 0) return least;
+  // least - priority without overflow: the range spans a handful of levels.
+  if (options.priority >= least - greatest) return greatest;
+  return least - options.priority;
+}
+
 absl::Status CudaEvent::Record(Stream& stream) {
   auto* cuda = dynamic_cast<CudaStream*>(&stream);
   if (cuda == nullptr || cuda->device_index() != device_) {
@@ -432,11 +459,14 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateCudaStream(int device, StreamOptio
   }
   CudaDeviceGuard guard;
   SL_RETURN_IF_ERROR(guard.Set(device));
+  SL_ASSIGN_OR_RETURN(const int priority, CudaPriority(options));
   cudaStream_t stream = nullptr;
-  SL_RETURN_IF_ERROR(
-      Annotate(SL_CUDA_STATUS(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)),
-               absl::StrCat("stream '", options.name, "'")));
-  return std::make_unique<CudaStream>(device, std::move(options.name), wait_timeout, stream);
+  SL_RETURN_IF_ERROR(Annotate(
+      SL_CUDA_STATUS(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority)),
+      absl::StrCat("stream '", options.name, "'")));
+  const StreamTracer tracer(options);
+  return std::make_unique<CudaStream>(device, std::move(options.name), wait_timeout, stream,
+                                      tracer);
 }
 
 }  // namespace shardline

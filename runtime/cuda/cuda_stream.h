@@ -23,6 +23,13 @@
 //   * Record(stream) of a CUDA event needs a CUDA stream on the event's device.
 //   * The destructor waits for the stream's work (until the SHARDLINE_TIMEOUT_S deadline), then
 //     destroys it.
+//   * StreamOptions::priority: cudaStreamCreateWithPriority with the mapping stream.h describes
+//     (cudaDeviceGetStreamPriorityRange of the device).
+//   * Timing: events are created with cudaEventDisableTiming, so Event::completed_at() is
+//     nullopt and ElapsedBetween() fails on them. StreamOptions::trace times host functions only
+//     (Submit'ed ops, waits for host events), on CUDA's host-callback thread and the wall clock.
+//     Kernels and copies enqueued by runtime/stream_ops.h and waits for CUDA events make no span.
+//     TODO: spans for device work need timing events recorded around it.
 
 #ifndef SHARDLINE_RUNTIME_CUDA_CUDA_STREAM_H_
 #define SHARDLINE_RUNTIME_CUDA_CUDA_STREAM_H_

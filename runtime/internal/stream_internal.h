@@ -8,6 +8,8 @@
 // when the work enqueued before it has run. Waiters (Event::Synchronize, a host stream's worker, a
 // caller stream's thread, a CUDA host function) hold the capture they saw when they started, so
 // re-recording the event never changes what an earlier wait waits for, which is CUDA's rule.
+//
+// StreamTracer turns StreamOptions::trace into spans; every stream kind uses it.
 
 #ifndef SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_
 #define SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_
@@ -15,11 +17,13 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -40,8 +44,11 @@ class HostCapture {
       : stream_name_(stream.name()), stream_id_(stream.id()), clock_(&stream.clock()) {}
 
   // Marks the capture complete with `status` (OK, or the failure of the stream it was recorded
-  // on): runs the callbacks, then wakes every waiter. Only the first call counts.
+  // on) at clock().Now(): runs the callbacks, then wakes every waiter. Only the first call counts.
   void Complete(absl::Status status);
+
+  // The clock time of the first Complete() call; nullopt until the capture reports done.
+  std::optional<absl::Time> completed_at();
 
   // OK once complete: the failure's Status if the captured work failed. DeadlineExceeded if
   // `deadline` (on the recording stream's clock) passes first, naming `waiter`
@@ -66,6 +73,7 @@ class HostCapture {
   std::condition_variable cv_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   bool completing_ ABSL_GUARDED_BY(mu_) = false;  // Complete() is running the callbacks
+  absl::Time completed_at_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   std::vector<EventCallback> callbacks_ ABSL_GUARDED_BY(mu_);
 };
@@ -93,6 +101,9 @@ class HostWaitable {
   // be waited for from the host.
   virtual absl::StatusOr<Waiter> SnapshotForHostWait() = 0;
 
+  // The name of the stream of the latest Record() ("" if never recorded), for wait spans.
+  virtual std::string recorded_stream_name() const = 0;
+
  protected:
   ~HostWaitable() = default;
 };
@@ -111,6 +122,7 @@ class HostEvent final : public Event {
   absl::Status Synchronize(absl::Time deadline) override;
   void OnComplete(EventCallback callback) override;
   uint64_t recorded_stream_id() const override;
+  std::optional<absl::Time> completed_at() const override;
 
   // The capture of the latest Record(); nullptr if the event was never recorded.
   std::shared_ptr<HostCapture> current() const;
@@ -118,6 +130,29 @@ class HostEvent final : public Event {
  private:
   mutable std::mutex mu_;
   std::shared_ptr<HostCapture> current_ ABSL_GUARDED_BY(mu_);
+};
+
+// The spans of one stream (StreamOptions::trace, track). A no-op without a writer, so streams
+// call it unconditionally. Cheap to copy; the writer must outlive every copy.
+class StreamTracer {
+ public:
+  StreamTracer() = default;
+  // Resolves the track (options.track, else options.name) once.
+  explicit StreamTracer(const StreamOptions& options);
+
+  bool enabled() const { return writer_ != nullptr; }
+
+  // Runs `op` (std::move(op.run)()) between two readings of `clock`, emits its span and returns
+  // what `run` returned. The op's name, kind and cost stay in `op`; `run` is consumed.
+  absl::Status RunOp(StreamOp& op, const Clock& clock) const;
+
+  // Runs `wait` between two readings of `clock` and emits the span "wait <source>".
+  absl::Status RunWait(absl::string_view source, const Clock& clock,
+                       absl::FunctionRef<absl::Status()> wait) const;
+
+ private:
+  TraceWriter* writer_ = nullptr;
+  int tid_ = 0;
 };
 
 }  // namespace shardline::stream_internal
