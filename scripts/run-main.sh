@@ -5,8 +5,9 @@
 # output: all-gather and reduce-scatter, 1 MiB to 64 MiB, results checked), then the runtime
 # tour: one FSDP forward pass driven by hand over two ranks (casts into place, in-place
 # all-gathers on a gather stream, a caching pool bounded by the prefetch limit), which writes a
-# Chrome trace to build/runtime_tour.json. With the scheduler it becomes a sharded training
-# demo.
+# Chrome trace to build/runtime_tour.json, then one FSDP step of FlatParameters driven from a
+# framework's own streams, events and memory (examples/framework_streams.cc, checked against a
+# plain loop). With the scheduler (next issue) it becomes a sharded training demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -19,3 +20,6 @@ done
 echo
 echo "=== runtime tour"
 build/examples/runtime_tour --trace build/runtime_tour.json
+echo
+echo "=== a framework's streams and memory through gathers and reduce-scatters"
+build/examples/framework_streams
