@@ -85,6 +85,8 @@ size_t RoundToPages(size_t bytes) {
 
 }  // namespace
 
+namespace {
+
 // Every region holds a file descriptor for as long as it lives; a quarter of the process's
 // descriptor limit at most, so that shareable memory never starves the rest of the process
 // (sockets, files) of descriptors.
@@ -93,6 +95,8 @@ size_t MaxRegions() {
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 1 << 16;
   return static_cast<size_t>(limit.rlim_cur / 4);
 }
+
+}  // namespace
 
 absl::StatusOr<void*> AllocateShareable(size_t bytes) {
   SL_CHECK(bytes > 0) << "AllocateShareable: zero bytes";

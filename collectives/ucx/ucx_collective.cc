@@ -212,12 +212,11 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     if (now >= deadline_) return hooks_.deadline_error(PendingPeers());
     if (activity) last_activity = now;
     // Poll, then sleep. Waking a sleeping rank costs a scheduler wake-up, which on a virtual
-    // machine whose idle vCPU halted takes hundreds of microseconds: with a spin shorter than
+    // machine whose idle vCPU halted can take hundreds of microseconds: with a spin shorter than
     // that, two ranks fall into a lock-step where every collective waits for the other's
-    // wake-up (measured: 8 KiB all-gather 250-350 us with a 200 us spin, 4-6 us with 2 ms).
-    // Where this host runs more ranks than this process has CPUs, polling hands the core to a
-    // runnable peer between polls; otherwise sched_yield only costs (here it made the same
-    // lock-step appear at the yield threshold, 8 KiB latency 5 us -> 120-350 us in half the runs).
+    // wake-up (docs/benchmarks.md has the measurements). Where this host runs more ranks than
+    // this process has CPUs, polling hands the core to a runnable peer between polls; otherwise
+    // sched_yield only costs (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
       transport_.YieldIfOversubscribed();
       continue;
