@@ -210,24 +210,33 @@ absl::Status Communicator::SkippedError(const Op& op, absl::string_view stream_n
 }
 
 absl::Status Communicator::Launch(Op op, Stream& stream) {
+  // One allocation per collective: run and cancel share it (each closure then holds only a
+  // shared pointer, which fits in its inline storage).
+  struct Task {
+    std::shared_ptr<Communicator> comm;
+    Op op;
+    Stream* stream;
+  };
+  op.clock = &stream.clock();
+  auto task = std::make_shared<Task>(Task{shared_from_this(), op, &stream});
   StreamOp run;
-  run.name = op.fingerprint.ToString();
+  run.name = std::string(CollectiveName(op.fingerprint.kind));  // short: no allocation
   run.kind = StreamOpKind::kCollective;
   run.bytes = std::max(op.input_count, op.output_count) * op.element_size;
-  op.clock = &stream.clock();
-  run.run = [self = shared_from_this(), op]() mutable -> absl::Status {
-    SL_RETURN_IF_ERROR(self->status());
-    op.deadline = op.clock->Now() + op.timeout;
-    absl::Status status = self->Run(op);
-    if (!status.ok()) self->Abort(status);
-    return status;
-  };
   // The sequence number is spent: without this the peers would wait for this rank until their
-  // deadlines.
-  run.cancel = [self = shared_from_this(), op,
-                stream_name = stream.name()](const absl::Status& poison) {
-    self->Abort(self->SkippedError(op, stream_name,
-                                   absl::StrCat("was poisoned before it ran: ", poison.message())));
+  // deadlines. Only the stream calls it, while it is alive.
+  run.cancel = [task](const absl::Status& poison) {
+    task->comm->Abort(
+        task->comm->SkippedError(task->op, task->stream->name(),
+                                 absl::StrCat("was poisoned before it ran: ", poison.message())));
+  };
+  run.run = [task = std::move(task)]() -> absl::Status {
+    Communicator& comm = *task->comm;
+    SL_RETURN_IF_ERROR(comm.status());
+    task->op.deadline = task->op.clock->Now() + task->op.timeout;
+    absl::Status status = comm.Run(task->op);
+    if (!status.ok()) comm.Abort(status);
+    return status;
   };
   return stream.Submit(std::move(run));
 }

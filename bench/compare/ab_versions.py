@@ -55,7 +55,7 @@ def run_cell(launch, bindir, coll, ranks, size, iters, warmup, timeout):
 def iterations(size):
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     n = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    return (200, 50) if n <= (1 << 20) else (20, 5)
+    return (2000, 200) if n <= (1 << 20) else (20, 5)
 
 
 def main():
