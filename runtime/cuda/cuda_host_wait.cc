@@ -8,6 +8,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -139,12 +140,13 @@ class Watchdog {
         continue;
       }
       const absl::Time next = pending_.begin()->first.first;
-      if (absl::Now() < next) {
-        cv_.wait_until(lock, absl::ToChronoTime(next));
+      const absl::Time now = absl::Now();
+      if (now < next) {
+        // Capped: a far deadline would overflow the condition variable's clock conversion.
+        cv_.wait_until(lock, absl::ToChronoTime(std::min(next, now + absl::Hours(1))));
         continue;
       }
       std::vector<absl::AnyInvocable<void() &&>> due;
-      const absl::Time now = absl::Now();
       while (!pending_.empty() && pending_.begin()->first.first <= now) {
         auto entry = pending_.begin();
         deadlines_.erase(entry->first.second);
