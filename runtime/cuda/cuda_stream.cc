@@ -487,6 +487,10 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
   // the capture's completion (or the watchdog at wait_timeout) sets. Unimplemented if the
   // platform has no stream memory operations (nothing was enqueued then).
   absl::Status WaitOnDevice(const std::shared_ptr<HostCapture>& capture) {
+    // This stream's device current throughout: a new page of flags is pinned in its context
+    // (not in whichever device this thread had), and cudaHostGetDevicePointer answers for it.
+    CudaDeviceGuard guard;
+    SL_RETURN_IF_ERROR(Annotate(guard.Set(device_), absl::StrCat("stream '", name_, "'")));
     absl::StatusOr<HostFlag> flag = cuda_internal::AcquireHostFlag();
     if (!flag.ok()) return Annotate(flag.status(), absl::StrCat("stream '", name_, "'"));
     std::shared_ptr<DeviceHostWait> wait;
@@ -494,10 +498,7 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
       std::lock_guard<std::mutex> lock(enqueue_mu_);
       absl::Status enqueued = state_->status();
       if (enqueued.ok()) {
-        // Always current here: cudaHostGetDevicePointer answers for the current device.
-        CudaDeviceGuard guard;
-        enqueued = guard.Set(device_);
-        if (enqueued.ok()) enqueued = cuda_internal::EnqueueHostFlagWait(stream_, *flag);
+        enqueued = cuda_internal::EnqueueHostFlagWait(stream_, *flag);
         if (!enqueued.ok() && !absl::IsUnimplemented(enqueued)) {
           enqueued = Annotate(enqueued, absl::StrCat("stream '", name_, "'"));
         }
@@ -533,8 +534,9 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
       task->seq = ++steps_;
       CudaDeviceGuard guard;
       status = MakeCurrent(guard);
-      if (status.ok())
+      if (status.ok()) {
         status = SL_CUDA_STATUS(cudaLaunchHostFunc(stream_, &RunHostTask, task.get()));
+      }
       if (status.ok()) {
         task.release();
         return absl::OkStatus();
