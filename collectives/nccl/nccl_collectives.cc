@@ -59,6 +59,8 @@ std::string PointerText(const void* ptr) {
 
 }  // namespace
 
+// The device and the cudaStream_t only, not the Stream's class: a framework's stream wrapped with
+// WrapCudaStream qualifies as well as one of ours.
 absl::Status NcclCommunicator::CheckStream(const Stream& stream) const {
   if (stream.device() != Device::Cuda(cuda_device_) || stream.native_handle() == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -17,8 +17,10 @@
 // be used once per store.
 //
 // Collectives: issued on the caller's CUDA stream, which must be a stream of the communicator's
-// device (CreateStream(Device::Cuda(device))); a host stream or another device's stream is
-// InvalidArgument before anything is enqueued. Buffers must be memory of that device (or managed
+// device: one of ours (CreateStream(Device::Cuda(device))) or a framework's wrapped with
+// WrapCudaStream (runtime/cuda/cuda_stream.h; the check looks only at the device and
+// native_handle()). A host stream or another device's stream is InvalidArgument before anything
+// is enqueued. Buffers must be memory of that device (or managed
 // memory); a host pointer is InvalidArgument, but found only at launch, after the sequence number
 // is spent, so it aborts the communicator like every other launch failure. Every dtype and op of
 // communicator.h maps onto NCCL's own (avg is ncclAvg; integer averages truncate); all-to-all is

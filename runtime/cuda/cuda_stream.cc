@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -25,20 +26,31 @@
 #include "runtime/config.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/cuda_util.h"
+#include "runtime/cuda/internal/cuda_host_wait.h"
 #include "runtime/internal/stream_internal.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
 
 namespace shardline {
+
+SL_PARAM(bool, CudaWaitValue, "CUDA_WAIT_VALUE", true,
+         "CUDA streams wait for host events on the device (cuStreamWaitValue32 on a pinned flag). "
+         "0: in a host function that blocks CUDA's host-callback thread while it waits (the "
+         "fallback for platforms without stream memory operations).");
+
 namespace {
 
+using cuda_internal::HostFlag;
 using stream_internal::HostCapture;
 using stream_internal::StreamTracer;
 
-// The failure state of one CUDA stream, shared with its host functions in flight and with the
-// events recorded on it. Host functions are numbered 1, 2, ... in stream order; only they can
-// fail, so an event recorded after host function n failed iff the stream failed at some m <= n.
-// It also carries the stream's tracer, which the host functions use.
+// The failure state of one CUDA stream, shared with its host functions in flight, its device
+// waits for host events and the events recorded on it. The stream's steps that can fail — host
+// functions and waits for host events — are numbered 1, 2, ... in stream order, so an event
+// recorded after step n failed iff the stream failed at some step m <= n. A wait for a host
+// event learns its outcome on the host, possibly before the device gets there, so failures can
+// arrive out of order: the earliest step's failure wins. It also carries the stream's tracer,
+// which the host functions use.
 class CudaStreamState {
  public:
   CudaStreamState(std::string name, StreamTracer tracer)
@@ -47,22 +59,23 @@ class CudaStreamState {
   const std::string& name() const { return name_; }
   const StreamTracer& tracer() const { return tracer_; }
 
+  // The failure at the earliest step, or OK.
   absl::Status status() const {
     std::lock_guard<std::mutex> lock(mu_);
     return status_;
   }
 
-  void Poison(absl::Status status, uint64_t seq) {
+  void Poison(absl::Status status, uint64_t step) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!status_.ok()) return;
+    if (step >= failed_at_) return;
     status_ = std::move(status);
-    failed_at_ = seq;
+    failed_at_ = step;
   }
 
-  // The stream's failure if it happened at or before host function `seq`, else OK.
-  absl::Status FailureUpTo(uint64_t seq) const {
+  // The stream's failure if it happened at or before step `step`, else OK.
+  absl::Status FailureUpTo(uint64_t step) const {
     std::lock_guard<std::mutex> lock(mu_);
-    return failed_at_ <= seq ? status_ : absl::OkStatus();
+    return failed_at_ <= step ? status_ : absl::OkStatus();
   }
 
  private:
@@ -73,23 +86,38 @@ class CudaStreamState {
   uint64_t failed_at_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<uint64_t>::max();
 };
 
+// A cudaEvent_t: ours (destroyed with the handle) or a framework's (WrapCudaEvent: never).
 struct CudaEventHandle {
   CudaEventHandle() = default;
+  CudaEventHandle(cudaEvent_t e, bool own) : event(e), owned(own) {}
   CudaEventHandle(const CudaEventHandle&) = delete;
   CudaEventHandle& operator=(const CudaEventHandle&) = delete;
   ~CudaEventHandle() {
-    if (event != nullptr) (void)cudaEventDestroy(event);
+    if (owned && event != nullptr) (void)cudaEventDestroy(event);
   }
   cudaEvent_t event = nullptr;
+  bool owned = true;
 };
 
 // One Record() of a CUDA event: what to query, and where a failure would come from.
 struct CudaCapture {
   std::shared_ptr<CudaEventHandle> handle;  // nullptr: never recorded
+  // The stream of the record; nullptr for a wrapped event recorded by its framework (its
+  // failures are the framework's to report: only CUDA errors are seen here).
   std::shared_ptr<CudaStreamState> source;
-  uint64_t source_seq = 0;  // host functions enqueued on the source stream before the record
+  uint64_t source_seq = 0;  // steps enqueued on the source stream before the record
   uint64_t stream_id = 0;   // Stream::id() of the source stream
 };
+
+absl::Status SourceFailure(const CudaCapture& capture) {
+  if (capture.source == nullptr) return absl::OkStatus();
+  return capture.source->FailureUpTo(capture.source_seq);
+}
+
+std::string DescribeCapture(const CudaCapture& capture) {
+  if (capture.source == nullptr) return "a wrapped CUDA event";
+  return absl::StrCat("a CUDA event recorded on stream '", capture.source->name(), "'");
+}
 
 // "Done" only once the device has reached the event: a host function that failed earlier on the
 // stream poisons it, but kernels enqueued before the record keep running until then, and memory
@@ -99,12 +127,9 @@ absl::StatusOr<bool> QueryCapture(const CudaCapture& capture) {
   if (capture.handle == nullptr) return true;
   const cudaError_t error = cudaEventQuery(capture.handle->event);
   if (error == cudaErrorNotReady) return false;
-  if (error != cudaSuccess) {
-    return Annotate(SL_CUDA_STATUS(error),
-                    absl::StrCat("event recorded on stream '", capture.source->name(), "'"));
-  }
-  // The event completed, so every host function before it has run and published its failure.
-  SL_RETURN_IF_ERROR(capture.source->FailureUpTo(capture.source_seq));
+  if (error != cudaSuccess) return Annotate(SL_CUDA_STATUS(error), DescribeCapture(capture));
+  // The event completed, so every step before it has run and published its failure.
+  SL_RETURN_IF_ERROR(SourceFailure(capture));
   return true;
 }
 
@@ -116,8 +141,7 @@ absl::Status PollCapture(const CudaCapture& capture, absl::Time deadline,
     if (done) return absl::OkStatus();
     if (WallClock().Now() >= deadline) {
       return absl::DeadlineExceededError(
-          absl::StrCat(waiter, ": timed out waiting for a CUDA event recorded on stream '",
-                       capture.source->name(), "'"));
+          absl::StrCat(waiter, ": timed out waiting for ", DescribeCapture(capture)));
     }
     backoff.Pause();
   }
@@ -148,7 +172,9 @@ struct HostTask {
 void CUDART_CB RunHostTask(void* arg) {
   std::unique_ptr<HostTask> task(static_cast<HostTask*>(arg));
   CudaStreamState& state = *task->state;
-  const absl::Status poison = state.status();
+  // Only a failure at an earlier step skips this one: a wait for a host event enqueued later may
+  // have failed already (its outcome is known on the host before the device gets there).
+  const absl::Status poison = state.FailureUpTo(task->seq - 1);
   absl::Status result;
   switch (task->kind) {
     case HostTask::kWork:
@@ -163,6 +189,7 @@ void CUDART_CB RunHostTask(void* arg) {
       task->capture->Complete(poison);
       break;
     case HostTask::kWaitHost:
+      // The fallback without stream memory operations: blocks CUDA's host-callback thread.
       if (poison.ok()) {
         result = state.tracer().RunWait(task->capture->stream_name(), WallClock(), [&] {
           return task->capture->Wait(task->capture->clock().Now() + task->wait_timeout,
@@ -178,6 +205,58 @@ void CUDART_CB RunHostTask(void* arg) {
   if (!result.ok()) state.Poison(std::move(result), task->seq);
 }
 
+// One wait of a CUDA stream for a host capture, done on the device: the stream waits on a pinned
+// flag, which is signalled by the capture's completion callback, or by the watchdog once the
+// stream's wait_timeout has passed. The first of the two decides the outcome. A failure
+// poisons the stream at the wait's step before the flag lets the device go on, so host
+// functions and events after the wait see it.
+class DeviceHostWait {
+ public:
+  DeviceHostWait(std::shared_ptr<CudaStreamState> state, uint64_t step, HostFlag flag)
+      : state_(std::move(state)), step_(step), flag_(flag) {}
+  DeviceHostWait(const DeviceHostWait&) = delete;
+  DeviceHostWait& operator=(const DeviceHostWait&) = delete;
+  ~DeviceHostWait() {
+    // Both owners (the capture's callback and the watchdog) dropped it unfinished: never leave
+    // the device waiting on a flag nobody will set.
+    Finish(absl::InternalError(
+        absl::StrCat("stream '", state_->name(), "': a wait for a host event was abandoned")));
+  }
+
+  // The watchdog entry to cancel when the wait finishes first (0: none).
+  void Armed(uint64_t watchdog) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!finished_) {
+        watchdog_ = watchdog;
+        return;
+      }
+    }
+    cuda_internal::CancelWatchdog(watchdog);
+  }
+
+  void Finish(absl::Status status) {
+    uint64_t watchdog = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      finished_ = true;
+      watchdog = watchdog_;
+    }
+    if (!status.ok()) state_->Poison(std::move(status), step_);
+    cuda_internal::SignalHostFlag(flag_);
+    if (watchdog != 0) cuda_internal::CancelWatchdog(watchdog);
+  }
+
+ private:
+  const std::shared_ptr<CudaStreamState> state_;
+  const uint64_t step_;
+  const HostFlag flag_;
+  std::mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t watchdog_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 // OnComplete of a CUDA event: a host function on a per-device side stream that waits for the
 // event, so the callback runs when the device reaches it (CUDA calls are not allowed in a host
 // function; the event is known complete there, so only the source's host failures remain).
@@ -188,7 +267,7 @@ struct CompletionTask {
 
 void CUDART_CB RunCompletionTask(void* arg) {
   std::unique_ptr<CompletionTask> task(static_cast<CompletionTask*>(arg));
-  std::move(task->callback)(task->capture.source->FailureUpTo(task->capture.source_seq));
+  std::move(task->callback)(SourceFailure(task->capture));
 }
 
 // The side stream of `device` for completion callbacks, created on first use and kept for the
@@ -212,6 +291,11 @@ class CudaStream;
 class CudaEvent final : public Event, public stream_internal::HostWaitable {
  public:
   explicit CudaEvent(int device) : device_(device) {}
+  // A framework's event (WrapCudaEvent): queried as the framework last recorded it until a
+  // Record() here, which records that same cudaEvent_t.
+  CudaEvent(int device, cudaEvent_t wrapped) : device_(device) {
+    capture_.handle = std::make_shared<CudaEventHandle>(wrapped, /*own=*/false);
+  }
 
   Device device() const override { return Device::Cuda(device_); }
   absl::Status Record(Stream& stream) override;
@@ -262,17 +346,34 @@ class CudaEvent final : public Event, public stream_internal::HostWaitable {
   CudaCapture capture_ ABSL_GUARDED_BY(mu_);
 };
 
+struct CudaStreamConfig {
+  int device = 0;
+  std::string name;
+  absl::Duration wait_timeout;
+  cudaStream_t stream = nullptr;
+  bool owned = true;         // created here: drained and destroyed with the Stream
+  bool legacy = false;       // cudaStreamLegacy: resolved through the current device
+  bool device_waits = true;  // wait for host events with cuStreamWaitValue32
+  StreamTracer tracer;
+};
+
+// Owned (CreateCudaStream) and wrapped (WrapCudaStream) streams are this one class; they differ
+// only in what the destructor does.
 class CudaStream final : public Stream, public stream_internal::HostCaptureRecorder {
  public:
-  CudaStream(int device, std::string name, absl::Duration wait_timeout, cudaStream_t stream,
-             StreamTracer tracer)
-      : device_(device),
-        name_(name),
-        wait_timeout_(wait_timeout),
-        stream_(stream),
-        state_(std::make_shared<CudaStreamState>(std::move(name), tracer)) {}
+  explicit CudaStream(CudaStreamConfig config)
+      : device_(config.device),
+        name_(config.name),
+        wait_timeout_(config.wait_timeout),
+        stream_(config.stream),
+        owned_(config.owned),
+        legacy_(config.legacy),
+        device_waits_(config.device_waits),
+        state_(std::make_shared<CudaStreamState>(std::move(config.name), config.tracer)) {}
 
   ~CudaStream() override {
+    // A wrapped stream is the framework's: its work keeps running, and the handle stays valid.
+    if (!owned_) return;
     absl::Status drained = Drain(DefaultDeadline());
     if (!drained.ok()) {
       SL_LOG(WARN, STREAM) << "destroying CUDA stream '" << name_
@@ -299,6 +400,8 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
       if (capture.handle == nullptr) return status();
       std::lock_guard<std::mutex> lock(enqueue_mu_);
       SL_RETURN_IF_ERROR(state_->status());
+      CudaDeviceGuard guard;
+      SL_RETURN_IF_ERROR(MakeCurrent(guard));
       SL_RETURN_IF_ERROR(
           Annotate(SL_CUDA_STATUS(cudaStreamWaitEvent(stream_, capture.handle->event, 0)),
                    absl::StrCat("stream '", name_, "'")));
@@ -313,8 +416,24 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
     }
     if (auto* host_event = dynamic_cast<stream_internal::HostEvent*>(&event)) {
       std::shared_ptr<HostCapture> capture = host_event->current();
+      if (capture == nullptr) return status();
       absl::Status captured;
-      if (capture == nullptr || (capture->done(&captured) && captured.ok())) return status();
+      if (capture->done(&captured)) {
+        if (captured.ok()) return status();
+        // Already failed: the failure enters this stream here, in its order.
+        std::lock_guard<std::mutex> lock(enqueue_mu_);
+        SL_RETURN_IF_ERROR(state_->status());
+        state_->Poison(std::move(captured), ++steps_);
+        return absl::OkStatus();
+      }
+      if (device_waits_.load(std::memory_order_relaxed)) {
+        absl::Status waited = WaitOnDevice(capture);
+        if (!absl::IsUnimplemented(waited)) return waited;
+        if (device_waits_.exchange(false)) {
+          SL_LOG(WARN, STREAM) << "CUDA stream '" << name_
+                               << "' waits for host events in blocking host functions: " << waited;
+        }
+      }
       auto task = std::make_unique<HostTask>();
       task->kind = HostTask::kWaitHost;
       task->capture = std::move(capture);
@@ -349,12 +468,62 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
   // Records `handle` on this stream: the capture that CudaEvent keeps.
   absl::StatusOr<CudaCapture> RecordCudaEvent(std::shared_ptr<CudaEventHandle> handle) {
     std::lock_guard<std::mutex> lock(enqueue_mu_);
+    CudaDeviceGuard guard;
+    SL_RETURN_IF_ERROR(MakeCurrent(guard));
     SL_RETURN_IF_ERROR(Annotate(SL_CUDA_STATUS(cudaEventRecord(handle->event, stream_)),
                                 absl::StrCat("stream '", name_, "'")));
-    return CudaCapture{std::move(handle), state_, host_funcs_, id()};
+    return CudaCapture{std::move(handle), state_, steps_, id()};
   }
 
  private:
+  // The legacy default stream means "the default stream of the current device": every call on
+  // it needs this stream's device current.
+  absl::Status MakeCurrent(CudaDeviceGuard& guard) const {
+    if (!legacy_) return absl::OkStatus();
+    return Annotate(guard.Set(device_), absl::StrCat("stream '", name_, "'"));
+  }
+
+  // The wait for a pending host capture on the device: cuStreamWaitValue32 on a pinned flag that
+  // the capture's completion (or the watchdog at wait_timeout) sets. Unimplemented if the
+  // platform has no stream memory operations (nothing was enqueued then).
+  absl::Status WaitOnDevice(const std::shared_ptr<HostCapture>& capture) {
+    // This stream's device current throughout: a new page of flags is pinned in its context
+    // (not in whichever device this thread had), and cudaHostGetDevicePointer answers for it.
+    CudaDeviceGuard guard;
+    SL_RETURN_IF_ERROR(Annotate(guard.Set(device_), absl::StrCat("stream '", name_, "'")));
+    absl::StatusOr<HostFlag> flag = cuda_internal::AcquireHostFlag();
+    if (!flag.ok()) return Annotate(flag.status(), absl::StrCat("stream '", name_, "'"));
+    std::shared_ptr<DeviceHostWait> wait;
+    {
+      std::lock_guard<std::mutex> lock(enqueue_mu_);
+      absl::Status enqueued = state_->status();
+      if (enqueued.ok()) {
+        enqueued = cuda_internal::EnqueueHostFlagWait(stream_, *flag);
+        if (!enqueued.ok() && !absl::IsUnimplemented(enqueued)) {
+          enqueued = Annotate(enqueued, absl::StrCat("stream '", name_, "'"));
+        }
+      }
+      if (!enqueued.ok()) {
+        cuda_internal::ReturnHostFlag(*flag);
+        return enqueued;
+      }
+      wait = std::make_shared<DeviceHostWait>(state_, ++steps_, *flag);
+    }
+    // The device wait has no timeout of its own: the watchdog ends it at wait_timeout, counted
+    // from now (the blocking fallback counts from when the stream reaches the wait).
+    if (wait_timeout_ < absl::InfiniteDuration()) {
+      std::string timed_out = absl::StrCat(
+          "stream '", name_, "' (wait_timeout ", absl::FormatDuration(wait_timeout_),
+          "): timed out waiting for an event recorded on stream '", capture->stream_name(), "'");
+      wait->Armed(cuda_internal::ArmWatchdog(
+          absl::Now() + wait_timeout_, [wait, timed_out = std::move(timed_out)]() mutable {
+            wait->Finish(absl::DeadlineExceededError(std::move(timed_out)));
+          }));
+    }
+    capture->OnComplete([wait](absl::Status status) { wait->Finish(std::move(status)); });
+    return absl::OkStatus();
+  }
+
   // Launches `task` as the next host function, unless the stream is poisoned. A host capture that
   // cannot be launched completes with the error, so that nobody waits for it.
   absl::Status LaunchLocked(std::unique_ptr<HostTask> task)
@@ -362,8 +531,12 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
     absl::Status status = state_->status();
     if (status.ok()) {
       task->state = state_;
-      task->seq = ++host_funcs_;
-      status = SL_CUDA_STATUS(cudaLaunchHostFunc(stream_, &RunHostTask, task.get()));
+      task->seq = ++steps_;
+      CudaDeviceGuard guard;
+      status = MakeCurrent(guard);
+      if (status.ok()) {
+        status = SL_CUDA_STATUS(cudaLaunchHostFunc(stream_, &RunHostTask, task.get()));
+      }
       if (status.ok()) {
         task.release();
         return absl::OkStatus();
@@ -378,6 +551,8 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
 
   // Polls until the stream's work has run: OK, a CUDA error, or DeadlineExceeded.
   absl::Status Drain(absl::Time deadline) {
+    CudaDeviceGuard guard;
+    SL_RETURN_IF_ERROR(MakeCurrent(guard));
     PollBackoff backoff;
     while (true) {
       const cudaError_t error = cudaStreamQuery(stream_);
@@ -397,25 +572,15 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
   const std::string name_;
   const absl::Duration wait_timeout_;
   const cudaStream_t stream_;
+  const bool owned_;
+  const bool legacy_;
+  // Cleared for good when the platform refuses cuStreamWaitValue32.
+  std::atomic<bool> device_waits_;
   const std::shared_ptr<CudaStreamState> state_;
-  // Keeps host-function numbering in stream order when several threads enqueue.
+  // Keeps step numbering in stream order when several threads enqueue.
   std::mutex enqueue_mu_;
-  uint64_t host_funcs_ ABSL_GUARDED_BY(enqueue_mu_) = 0;
+  uint64_t steps_ ABSL_GUARDED_BY(enqueue_mu_) = 0;
 };
-
-// StreamOptions::priority on the current device's scale: CUDA's numerically lower values are more
-// urgent, `least` is its default, and `greatest` its most urgent.
-absl::StatusOr<int> CudaPriority(const StreamOptions& options) {
-  int least = 0;
-  int greatest = 0;
-  SL_RETURN_IF_ERROR(
-      Annotate(SL_CUDA_STATUS(cudaDeviceGetStreamPriorityRange(&least, &greatest)),
-               absl::StrCat("stream '", options.name, "': reading the stream priority range")));
-  if (options.priority <= 0) return least;
-  // least - priority without overflow: the range spans a handful of levels.
-  if (options.priority >= least - greatest) return greatest;
-  return least - options.priority;
-}
 
 absl::Status CudaEvent::Record(Stream& stream) {
   auto* cuda = dynamic_cast<CudaStream*>(&stream);
@@ -427,46 +592,123 @@ absl::Status CudaEvent::Record(Stream& stream) {
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<CudaEventHandle> handle = capture_.handle;
   // A pending host wait holds the old handle: give this record a new one, so that the wait keeps
-  // waiting for what it captured.
-  if (handle == nullptr || handle.use_count() > 2) {
+  // waiting for what it captured. A wrapped event always records its own cudaEvent_t (the
+  // framework waits on that one), with CUDA's rule: host waits see the latest record.
+  if (handle == nullptr || (handle->owned && handle.use_count() > 2)) {
     SL_ASSIGN_OR_RETURN(handle, CreateEventHandle(device_));
   }
   SL_ASSIGN_OR_RETURN(capture_, cuda->RecordCudaEvent(std::move(handle)));
   return cuda->status();
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<Stream>> CreateCudaStream(int device, StreamOptions options) {
+// Unavailable unless cuda:`device` exists; `what` names the caller's object in the message.
+absl::Status CheckDeviceExists(int device, absl::string_view what) {
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) {
     (void)cudaGetLastError();  // do not leave the error behind for unrelated callers
-    return absl::UnavailableError(absl::StrCat("cannot create CUDA stream '", options.name,
-                                               "' on cuda:", device, ": ",
-                                               SL_CUDA_STATUS(error).message()));
+    return absl::UnavailableError(
+        absl::StrCat(what, " on cuda:", device, ": ", SL_CUDA_STATUS(error).message()));
   }
   if (device < 0 || device >= count) {
-    return absl::UnavailableError(absl::StrCat("cannot create CUDA stream '", options.name,
-                                               "': cuda:", device, " does not exist (", count,
+    return absl::UnavailableError(absl::StrCat(what, ": cuda:", device, " does not exist (", count,
                                                " CUDA device(s) visible)"));
   }
-  SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
+  return absl::OkStatus();
+}
+
+// The parts of a stream's configuration that do not depend on the cudaStream_t.
+absl::StatusOr<CudaStreamConfig> ConfigFor(int device, StreamOptions& options,
+                                           absl::string_view what) {
+  SL_RETURN_IF_ERROR(CheckDeviceExists(device, what));
+  CudaStreamConfig config;
+  config.device = device;
+  SL_ASSIGN_OR_RETURN(config.wait_timeout, stream_internal::ResolveWaitTimeout(options));
   if (options.clock != nullptr && options.clock != &WallClock()) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot create CUDA stream '", options.name,
-                                                   "' on a ", options.clock->name(),
+    return absl::InvalidArgumentError(absl::StrCat(what, " on a ", options.clock->name(),
                                                    " clock: CUDA streams run on the wall clock"));
   }
+  SL_ASSIGN_OR_RETURN(const bool wait_value, ParamCudaWaitValue().Get());
+  config.device_waits = wait_value && cuda_internal::DeviceWaitsAvailable(device);
+  config.tracer = StreamTracer(options);
+  config.name = std::move(options.name);
+  return config;
+}
+
+// StreamOptions::priority on the current device's scale: CUDA's numerically lower values are more
+// urgent, `least` is its default, and `greatest` its most urgent.
+absl::StatusOr<int> CudaPriority(int priority, absl::string_view name) {
+  int least = 0;
+  int greatest = 0;
+  SL_RETURN_IF_ERROR(
+      Annotate(SL_CUDA_STATUS(cudaDeviceGetStreamPriorityRange(&least, &greatest)),
+               absl::StrCat("stream '", name, "': reading the stream priority range")));
+  if (priority <= 0) return least;
+  // least - priority without overflow: the range spans a handful of levels.
+  if (priority >= least - greatest) return greatest;
+  return least - priority;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Stream>> CreateCudaStream(int device, StreamOptions options) {
+  const std::string what = absl::StrCat("cannot create CUDA stream '", options.name, "'");
+  const int requested_priority = options.priority;
+  SL_ASSIGN_OR_RETURN(CudaStreamConfig config, ConfigFor(device, options, what));
   CudaDeviceGuard guard;
   SL_RETURN_IF_ERROR(guard.Set(device));
-  SL_ASSIGN_OR_RETURN(const int priority, CudaPriority(options));
-  cudaStream_t stream = nullptr;
+  SL_ASSIGN_OR_RETURN(const int priority, CudaPriority(requested_priority, config.name));
   SL_RETURN_IF_ERROR(Annotate(
-      SL_CUDA_STATUS(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority)),
-      absl::StrCat("stream '", options.name, "'")));
-  const StreamTracer tracer(options);
-  return std::make_unique<CudaStream>(device, std::move(options.name), wait_timeout, stream,
-                                      tracer);
+      SL_CUDA_STATUS(cudaStreamCreateWithPriority(&config.stream, cudaStreamNonBlocking, priority)),
+      absl::StrCat("stream '", config.name, "'")));
+  return std::make_unique<CudaStream>(std::move(config));
+}
+
+absl::StatusOr<std::unique_ptr<Stream>> WrapCudaStream(cudaStream_t stream, int device,
+                                                       StreamOptions options) {
+  const std::string what = absl::StrCat("cannot wrap CUDA stream '", options.name, "'");
+  if (stream == cudaStreamPerThread) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what,
+                     ": cudaStreamPerThread names a different stream on every host thread; "
+                     "wrap the framework's stream handle itself"));
+  }
+  SL_ASSIGN_OR_RETURN(CudaStreamConfig config, ConfigFor(device, options, what));
+  config.owned = false;
+  config.legacy = stream == nullptr || stream == cudaStreamLegacy;
+  config.stream = config.legacy ? cudaStreamLegacy : stream;
+#if CUDART_VERSION >= 12080
+  if (!config.legacy) {
+    int stream_device = -1;
+    const cudaError_t error = cudaStreamGetDevice(stream, &stream_device);
+    if (error != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": not a valid stream: ", SL_CUDA_STATUS(error).message()));
+    }
+    if (stream_device != device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the stream belongs to cuda:", stream_device, ", not cuda:", device));
+    }
+  }
+#endif
+  return std::make_unique<CudaStream>(std::move(config));
+}
+
+absl::StatusOr<std::shared_ptr<Event>> WrapCudaEvent(cudaEvent_t event, int device) {
+  if (event == nullptr) {
+    return absl::InvalidArgumentError("WrapCudaEvent: the cudaEvent_t is null");
+  }
+  SL_RETURN_IF_ERROR(CheckDeviceExists(device, "cannot wrap a CUDA event"));
+  CudaDeviceGuard guard;
+  SL_RETURN_IF_ERROR(guard.Set(device));
+  const cudaError_t error = cudaEventQuery(event);
+  if (error != cudaSuccess && error != cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrCat("WrapCudaEvent: not a usable event of cuda:",
+                                                   device, ": ", SL_CUDA_STATUS(error).message()));
+  }
+  return std::make_shared<CudaEvent>(device, event);
 }
 
 }  // namespace shardline
