@@ -173,8 +173,9 @@ struct StreamOptions {
   // "wait", covering the time the stream was held up. Dropped ops make no span.
   //   host     spans are timed on the worker thread
   //   caller   spans are timed on the calling thread
-  //   cuda     host functions (Submit'ed ops, waits for host events) are timed on CUDA's
-  //            host-callback thread. Kernels and copies that runtime/stream_ops.h enqueues
+  //   cuda     host functions (Submit'ed ops; waits for host events only where the device
+  //            cannot wait itself, see cuda_stream.h) are timed on CUDA's host-callback
+  //            thread. Kernels and copies that runtime/stream_ops.h enqueues
   //            directly, and waits for CUDA events (cudaStreamWaitEvent), are not StreamOps and
   //            make no span.
   TraceWriter* trace = nullptr;

@@ -11,6 +11,7 @@
 
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/cuda_kernels.h"
+#include "runtime/cuda/cuda_util.h"
 #endif
 
 namespace shardline {
@@ -32,6 +33,12 @@ absl::Status SubmitHost(Stream& stream, StreamOpKind kind, std::string name, uin
 cudaStream_t CudaHandle(Stream& stream) {
   return static_cast<cudaStream_t>(stream.native_handle());
 }
+
+// Launches on the stream's device: a wrapped legacy default stream (a null handle) belongs to
+// whichever device is current, so make it the stream's.
+#define SL_ON_STREAM_DEVICE(stream) \
+  CudaDeviceGuard sl_device_guard;  \
+  SL_RETURN_IF_ERROR(sl_device_guard.Set((stream).device().index()))
 #endif
 
 // Unimplemented for a device this build cannot reach.
@@ -53,6 +60,7 @@ absl::Status EnqueueCast(Stream& stream, const void* src, DType src_dtype, void*
                       [=]() { return Cast(src, src_dtype, dst, dst_dtype, count); });
   }
 #ifdef SHARDLINE_WITH_CUDA
+  SL_ON_STREAM_DEVICE(stream);
   return CudaCast(src, src_dtype, dst, dst_dtype, count, CudaHandle(stream));
 #else
   return NoDevice(stream);
@@ -69,6 +77,7 @@ absl::Status EnqueueReduce(Stream& stream, void* inout, const void* in, size_t c
                       [=]() { return Reduce(inout, in, count, dtype, op); });
   }
 #ifdef SHARDLINE_WITH_CUDA
+  SL_ON_STREAM_DEVICE(stream);
   return CudaReduce(inout, in, count, dtype, op, CudaHandle(stream));
 #else
   return NoDevice(stream);
@@ -84,6 +93,7 @@ absl::Status EnqueueFill(Stream& stream, void* data, size_t bytes) {
     });
   }
 #ifdef SHARDLINE_WITH_CUDA
+  SL_ON_STREAM_DEVICE(stream);
   return Annotate(SL_CUDA_STATUS(cudaMemsetAsync(data, 0, bytes, CudaHandle(stream))),
                   absl::StrCat("stream '", stream.name(), "': zero fill of ", bytes, " bytes"));
 #else
@@ -100,6 +110,7 @@ absl::Status EnqueueCopy(Stream& stream, void* dst, const void* src, size_t byte
     });
   }
 #ifdef SHARDLINE_WITH_CUDA
+  SL_ON_STREAM_DEVICE(stream);
   return Annotate(
       SL_CUDA_STATUS(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, CudaHandle(stream))),
       absl::StrCat("stream '", stream.name(), "': copy of ", bytes, " bytes"));
