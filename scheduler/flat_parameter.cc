@@ -158,7 +158,6 @@ FlatParameter::~FlatParameter() {
   if (state_ == FlatParameterState::kGathering || state_ == FlatParameterState::kUnsharded) {
     ReleaseUnsharded(nullptr);
   }
-  unsharded_.ReleaseAfter(gathered);
   unsharded_grad_.ReleaseAfter(grad_zeroed_);
   unsharded_grad_.ReleaseAfter(grad_ready_);
   unsharded_grad_.ReleaseAfter(reduce_step_);
@@ -665,20 +664,11 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
   reduce_done_ = reduce_step_;
   reduce_phase_ = ReducePhase::kAccumulated;
   // The gradient and the reduce-dtype copy were read by the steps before this one.
-  unsharded_grad_.ReleaseAfter(reduce_step_);
-  unsharded_grad_.ReleaseAfter(grad_ready_);
-  unsharded_grad_.ReleaseAfter(grad_zeroed_);
-  unsharded_grad_.Reset();
-  unsharded_grad_live_ = false;
-  reduce_input_.ReleaseAfter(reduce_step_);
-  reduce_input_.Reset();
-  grad_zeroed_ = nullptr;
-  grad_ready_ = nullptr;
-  reduced_slice_ = nullptr;
+  ReleaseReductionInputs();
   return reduce_done_;
 }
 
-absl::Status FlatParameter::AbortReduction(absl::Status error) {
+void FlatParameter::ReleaseReductionInputs() {
   // Work that uses the buffers may be queued: each goes back after the events that cover it. If
   // no event could be recorded, the stream is poisoned and runs nothing more.
   for (Buffer* buffer : {&unsharded_grad_, &reduce_input_}) {
@@ -691,6 +681,10 @@ absl::Status FlatParameter::AbortReduction(absl::Status error) {
   grad_zeroed_ = nullptr;
   grad_ready_ = nullptr;
   reduced_slice_ = nullptr;
+}
+
+absl::Status FlatParameter::AbortReduction(absl::Status error) {
+  ReleaseReductionInputs();
   // The sharded gradient may have been half written: its contents are undefined now.
   reduce_done_ = reduce_step_;
   reduce_phase_ = ReducePhase::kAccumulated;

@@ -330,7 +330,10 @@ class FlatParameter {
   absl::Status AddConsumer(Stream& stream, absl::string_view call);
   // Events recorded now on every consumer stream (nothing for a poisoned one: it runs no more).
   static std::vector<std::shared_ptr<Event>> RecordOnConsumers(const std::vector<Stream*>& streams);
-  // Ends a failed reduction: the buffers go back after `last`, the unit is sharded again.
+  // Returns the unsharded gradient and its reduce-dtype copy after the events that cover their
+  // users (the reduction's last step, the backward, the zero-fill).
+  void ReleaseReductionInputs();
+  // Ends a failed reduction: the inputs go back, the unit is sharded again.
   absl::Status AbortReduction(absl::Status error);
 
   FlatLayout layout_;
