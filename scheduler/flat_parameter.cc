@@ -59,6 +59,7 @@ FlatParameter::FlatParameter(FlatLayout layout, int shard_rank, const MixedPreci
       shard_rank_(shard_rank),
       policy_(policy),
       pool_(options.unsharded_pool),
+      grad_pool_(options.grad_pool != nullptr ? options.grad_pool : options.unsharded_pool),
       shard_allocator_(options.shard_allocator),
       name_(std::move(options.name)) {}
 
@@ -90,6 +91,13 @@ absl::StatusOr<std::unique_ptr<FlatParameter>> FlatParameter::Create(
     return absl::InvalidArgumentError(absl::StrCat(what, ": unsharded_pool is null"));
   }
   if (options.shard_allocator == nullptr) options.shard_allocator = options.unsharded_pool;
+  if (options.grad_pool != nullptr &&
+      options.grad_pool->device() != options.unsharded_pool->device()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": grad_pool '", options.grad_pool->name(), "' is on ",
+        options.grad_pool->device().ToString(), " but unsharded_pool '",
+        options.unsharded_pool->name(), "' is on ", options.unsharded_pool->device().ToString()));
+  }
   if (options.shard_allocator->device() != options.unsharded_pool->device()) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": shard_allocator '", options.shard_allocator->name(), "' is on ",
@@ -461,7 +469,7 @@ absl::Status FlatParameter::PrepareGrad(Stream& compute) {
   SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, compute));
   const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
   const size_t bytes = layout_.total_elements() * DTypeSize(policy_.param_dtype);
-  absl::StatusOr<Buffer> grad = pool_->Allocate(bytes, compute);
+  absl::StatusOr<Buffer> grad = grad_pool_->Allocate(bytes, compute);
   if (!grad.ok()) return Annotate(grad.status(), context);
   SL_RETURN_IF_ERROR(Annotate(EnqueueFill(compute, grad->data(), bytes), context));
   // If no event can be recorded the stream is poisoned: the zero-fill will not run.
@@ -513,7 +521,7 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   const size_t total = layout_.total_elements();
   Buffer reduce_input;  // the gradient in reduce_dtype, when that is not param_dtype
   if (reduce != param) {
-    absl::StatusOr<Buffer> buffer = pool_->Allocate(total * DTypeSize(reduce), stream);
+    absl::StatusOr<Buffer> buffer = grad_pool_->Allocate(total * DTypeSize(reduce), stream);
     if (!buffer.ok()) {
       return Annotate(buffer.status(), absl::StrCat(context, ": gradient in reduce dtype"));
     }
@@ -628,7 +636,7 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
     new_shard_grad = *std::move(buffer);
   }
   if (accumulate && grad_dtype != reduce) {
-    absl::StatusOr<Buffer> buffer = pool_->Allocate(count * DTypeSize(grad_dtype), stream);
+    absl::StatusOr<Buffer> buffer = grad_pool_->Allocate(count * DTypeSize(grad_dtype), stream);
     if (!buffer.ok()) {
       return Annotate(buffer.status(),
                       absl::StrCat(context, ": reduced shard in the sharded gradient's dtype"));

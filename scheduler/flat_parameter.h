@@ -130,6 +130,9 @@ struct FlatParameterOptions {
   // The unsharded parameters, the unsharded gradient and the reduction's temporaries come from
   // here (usually a CachingPool). Required; must outlive the FlatParameter.
   Allocator* unsharded_pool = nullptr;
+  // The unsharded gradient and the reduction's temporaries. Null: unsharded_pool. Same device.
+  // (A scheduler keeps them apart so that a gather never reuses memory a reduction frees.)
+  Allocator* grad_pool = nullptr;
   // The master shard and the sharded gradient. Null: unsharded_pool. Must be on the same device
   // as unsharded_pool and outlive the FlatParameter.
   Allocator* shard_allocator = nullptr;
@@ -340,6 +343,7 @@ class FlatParameter {
   int shard_rank_;
   MixedPrecisionPolicy policy_;
   Allocator* pool_;
+  Allocator* grad_pool_;
   Allocator* shard_allocator_;
   std::string name_;
   FlatParameterState state_ = FlatParameterState::kSharded;

@@ -18,8 +18,8 @@ for collective in all_gather reduce_scatter; do
   build/bin/shardline-launch -n 2 -- "build/bench/${collective}_perf" -b 1M -e 64M -f 4 -c 1
 done
 echo
-echo "=== runtime tour"
-build/examples/runtime_tour --trace build/runtime_tour.json
+echo "=== scheduler tour"
+build/examples/scheduler_tour
 echo
 echo "=== a framework's streams and memory through gathers and reduce-scatters"
 build/examples/framework_streams

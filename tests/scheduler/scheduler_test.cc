@@ -1,0 +1,515 @@
+// The Scheduler over the local backend, ranks as threads, with an asynchronous compute stream (a
+// host stream: the framework's compute is work enqueued on it, as on a GPU) or a caller stream.
+//   * a toy model whose forward reads every gathered parameter and whose backward writes
+//     gradients that depend on them, with a unit used twice (tied), trained for 3 steps with an
+//     SGD step on the shards: the parameters equal a plain-loop unsharded reference (every
+//     element) under full shard, shard-grad-op, no-shard and hybrid 2 x 2, for several prefetch
+//     settings and budgets;
+//   * the exact issue order of gathers and reductions for forward prefetch depths 0-2 and each
+//     backward prefetch mode;
+//   * a step that deviates from the recorded order trains correctly and is counted;
+//   * ranks with different forward orders fail on every rank, naming both units;
+//   * a unit whose backward is skipped on one rank still reduces (zero gradient), no hang;
+//   * gradient accumulation (no sync) and deferred hybrid all-reduce equal one big batch;
+//   * ClipGradNorm equals a plain global-norm reference, full shard and hybrid;
+//   * bad calls are errors naming the unit.
+#include "scheduler/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "collectives/local/local_communicator.h"
+#include "runtime/check.h"
+#include "runtime/status.h"
+#include "tests/common/gate.h"
+
+namespace shardline {
+namespace {
+
+constexpr absl::Duration kTimeout = absl::Seconds(30);
+absl::Time Deadline() { return absl::Now() + kTimeout; }
+
+#define EXPECT_OK(expr)                                                      \
+  do {                                                                       \
+    const absl::Status expect_ok_status = (expr);                            \
+    EXPECT_TRUE(expect_ok_status.ok()) << #expr << ": " << expect_ok_status; \
+  } while (false)
+#define ASSERT_OK(expr)                                                      \
+  do {                                                                       \
+    const absl::Status assert_ok_status = (expr);                            \
+    ASSERT_TRUE(assert_ok_status.ok()) << #expr << ": " << assert_ok_status; \
+  } while (false)
+
+uint64_t HashMix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+// A float in [-1, 1) from the key.
+float HashFloat(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  const uint64_t h = HashMix(HashMix(HashMix(HashMix(a) ^ b) ^ c) ^ d);
+  return static_cast<float>(static_cast<double>(h >> 11) / 4503599627370496.0 - 1.0);
+}
+
+// ---- The toy model -------------------------------------------------------------------------
+
+struct ToyModel {
+  std::vector<std::vector<TensorSpec>> units;
+  std::vector<int> uses;  // the forward's sequence of unit uses
+};
+
+ToyModel MakeToy(int num_units, bool tied) {
+  ToyModel m;
+  for (int u = 0; u < num_units; ++u) {
+    const int64_t n = 37 + 13 * u, k = 5 + (u % 3);
+    m.units.push_back({{.name = "w", .shape = {n}}, {.name = "b", .shape = {k}}});
+  }
+  for (int u = 0; u < num_units; ++u) m.uses.push_back(u);
+  if (tied) m.uses.push_back(0);
+  return m;
+}
+
+float InitialValue(int u, int t, size_t i) { return HashFloat(1, u, t, i); }
+// The input of use `k` of the forward on `data_rank` in `step` (several micro-batches: `micro`).
+float Input(int data_rank, int step, int micro, int k, int t, size_t i) {
+  return HashFloat(2 + data_rank, step * 16 + micro, k * 4 + t, i);
+}
+float Coefficient(int data_rank, int step, int micro, int k) {
+  return 0.5f + 0.25f * HashFloat(3 + data_rank, step * 16 + micro, k, 0);
+}
+
+// Forward of use k: act = sum_t sum_i w_t[i] * x(t, i). Backward of use k:
+// grad_t[i] += w_t[i] * (coefficient + 1e-2 * act) + x(t, i). Both read the parameters, so a wrong
+// or stale gather shows up in the gradients.
+double ForwardUse(const std::vector<const float*>& w, const std::vector<size_t>& n, int data_rank,
+                  int step, int micro, int k) {
+  double act = 0;
+  for (size_t t = 0; t < w.size(); ++t) {
+    for (size_t i = 0; i < n[t]; ++i) act += w[t][i] * Input(data_rank, step, micro, k, t, i);
+  }
+  return act;
+}
+void BackwardUse(const std::vector<const float*>& w, const std::vector<float*>& g,
+                 const std::vector<size_t>& n, int data_rank, int step, int micro, int k,
+                 double act) {
+  const float c = Coefficient(data_rank, step, micro, k) + 1e-2f * static_cast<float>(act);
+  for (size_t t = 0; t < w.size(); ++t) {
+    for (size_t i = 0; i < n[t]; ++i)
+      g[t][i] += w[t][i] * c + Input(data_rank, step, micro, k, t, i);
+  }
+}
+
+constexpr float kLearningRate = 0.05f;
+
+// The unsharded reference: `data_ranks` ranks' gradients averaged, SGD, `steps` steps,
+// `micro` micro-batches per step (gradients of all micro-batches averaged over ranks and summed
+// over micro-batches, as FSDP's accumulation does). skip: (data_rank, unit) whose backward is
+// not run on that rank.
+std::vector<std::vector<std::vector<float>>> Reference(const ToyModel& m, int data_ranks, int steps,
+                                                       int micro,
+                                                       std::pair<int, int> skip = {-1, -1}) {
+  std::vector<std::vector<std::vector<float>>> p(m.units.size());
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (size_t t = 0; t < m.units[u].size(); ++t) {
+      std::vector<float> v(m.units[u][t].shape[0]);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = InitialValue(u, t, i);
+      p[u].push_back(v);
+    }
+  }
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::vector<std::vector<double>>> sum(m.units.size());
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      for (auto& v : p[u]) sum[u].push_back(std::vector<double>(v.size(), 0.0));
+    }
+    for (int r = 0; r < data_ranks; ++r) {
+      for (int mb = 0; mb < micro; ++mb) {
+        std::vector<std::vector<std::vector<float>>> g(m.units.size());
+        for (size_t u = 0; u < m.units.size(); ++u) {
+          for (auto& v : p[u]) g[u].push_back(std::vector<float>(v.size(), 0.0f));
+        }
+        std::vector<double> acts;
+        for (size_t k = 0; k < m.uses.size(); ++k) {
+          const int u = m.uses[k];
+          std::vector<const float*> w;
+          std::vector<size_t> n;
+          for (auto& v : p[u]) {
+            w.push_back(v.data());
+            n.push_back(v.size());
+          }
+          acts.push_back(ForwardUse(w, n, r, s, mb, k));
+        }
+        for (size_t k = m.uses.size(); k-- > 0;) {
+          const int u = m.uses[k];
+          if (r == skip.first && u == skip.second) continue;
+          std::vector<const float*> w;
+          std::vector<float*> gp;
+          std::vector<size_t> n;
+          for (size_t t = 0; t < p[u].size(); ++t) {
+            w.push_back(p[u][t].data());
+            gp.push_back(g[u][t].data());
+            n.push_back(p[u][t].size());
+          }
+          BackwardUse(w, gp, n, r, s, mb, k, acts[k]);
+        }
+        for (size_t u = 0; u < m.units.size(); ++u) {
+          for (size_t t = 0; t < p[u].size(); ++t) {
+            for (size_t i = 0; i < p[u][t].size(); ++i) sum[u][t][i] += g[u][t][i];
+          }
+        }
+      }
+    }
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      for (size_t t = 0; t < p[u].size(); ++t) {
+        for (size_t i = 0; i < p[u][t].size(); ++i) {
+          p[u][t][i] -= kLearningRate * static_cast<float>(sum[u][t][i] / data_ranks);
+        }
+      }
+    }
+  }
+  return p;
+}
+
+struct RunOptions {
+  int world = 2;
+  SchedulerOptions scheduler;
+  bool host_compute = true;
+  int steps = 3;
+  int micro = 1;                        // micro-batches per step
+  bool defer_all_reduce = false;        // hybrid: SetRequiresAllReduce(false) on all but the last
+  std::pair<int, int> skip = {-1, -1};  // (world rank, unit) whose backward is skipped
+  // A step (>= 1) in which the forward runs units in another order (reversed blocks).
+  int deviate_step = -1;
+  // Ranks whose first step runs another order.
+  int odd_order_rank = -1;
+};
+
+struct RankResult {
+  absl::Status status;
+  std::vector<std::vector<std::vector<float>>> params;  // this rank's shard, per tensor slice
+  std::vector<std::string> issue_log;                   // of the last step
+  std::vector<StepMetrics> metrics;
+  std::vector<std::vector<size_t>> offsets;  // [unit][tensor] element offset of the shard start
+};
+
+// The element range of tensor t that shard `shard` of `layout` owns, as (first element in the
+// tensor, count, offset in the shard).
+struct Piece {
+  size_t tensor_begin, count, shard_offset;
+};
+std::vector<Piece> Pieces(const FlatLayout& layout, int t, int shard) {
+  std::vector<Piece> out;
+  std::optional<ShardSlice> s = layout.Intersection(t, shard);
+  if (s.has_value() && s->length > 0) {
+    out.push_back({s->tensor_offset, s->length, s->shard_offset});
+  }
+  return out;
+}
+
+// One rank of a training run. Returns its final master shards as full-size tensors with only its
+// own elements filled (NaN elsewhere).
+RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Communicator> comm) {
+  RankResult result;
+  const int rank = comm->rank();
+  auto run = [&]() -> absl::Status {
+    StreamOptions so{.name = absl::StrCat("rank", rank, ".compute"), .wait_timeout = kTimeout};
+    SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute,
+                        o.host_compute ? CreateHostStream(so) : CreateCallerStream(so));
+    SchedulerOptions sopt = o.scheduler;
+    SL_ASSIGN_OR_RETURN(std::unique_ptr<Scheduler> sched,
+                        Scheduler::Create(comm, *compute, sopt, Deadline()));
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      SL_ASSIGN_OR_RETURN(
+          int id, sched->RegisterUnit({.name = absl::StrCat("u", u), .tensors = m.units[u]}));
+      std::vector<std::vector<float>> init;
+      std::vector<const void*> ptrs;
+      for (size_t t = 0; t < m.units[u].size(); ++t) {
+        init.emplace_back(m.units[u][t].shape[0]);
+        for (size_t i = 0; i < init.back().size(); ++i) init.back()[i] = InitialValue(u, t, i);
+      }
+      for (auto& v : init) ptrs.push_back(v.data());
+      SL_RETURN_IF_ERROR(sched->unit(id).SetShardFromTensors(ptrs, Deadline()));
+    }
+    // The data rank: hybrid and no-shard replicas see different data too (every world rank is a
+    // data-parallel rank).
+    const int data_rank = rank;
+    size_t seen = 0;
+    // The scheduler's issue log interleaved with markers of the compute: "f3" (forward of u3),
+    // "b3" (its backward).
+    auto mark = [&](std::string marker) {
+      const std::vector<std::string>& log = sched->issue_log();
+      for (; seen < log.size(); ++seen) result.issue_log.push_back(log[seen]);
+      if (!marker.empty()) result.issue_log.push_back(std::move(marker));
+    };
+    // With an asynchronous compute stream, the optimizer of step s is held back until step s+1
+    // has issued its first gathers: they must wait for it (the post-optimizer ordering).
+    std::shared_ptr<testing::Gate> held;
+    for (int s = 0; s < o.steps; ++s) {
+      sched->ClearIssueLog();
+      seen = 0;
+      result.issue_log.clear();
+      std::vector<int> uses = m.uses;
+      if ((s == o.deviate_step) || (s == 0 && rank == o.odd_order_rank)) {
+        std::reverse(uses.begin() + 1, uses.end() - 1);
+      }
+      for (int mb = 0; mb < o.micro; ++mb) {
+        const bool last = mb + 1 == o.micro;
+        sched->SetRequiresGradientSync(o.defer_all_reduce || last);
+        sched->SetRequiresAllReduce(!o.defer_all_reduce || last);
+        auto acts = std::make_shared<std::vector<double>>(uses.size(), 0.0);
+        for (size_t k = 0; k < uses.size(); ++k) {
+          const int u = uses[k];
+          SL_RETURN_IF_ERROR(sched->PreForward(u));
+          std::vector<const float*> w;
+          std::vector<size_t> n;
+          for (size_t t = 0; t < m.units[u].size(); ++t) {
+            SL_ASSIGN_OR_RETURN(TensorView v, sched->unit(u).View(t));
+            w.push_back(static_cast<const float*>(v.data));
+            n.push_back(v.numel);
+          }
+          // The reference numbers uses by the canonical order: map k back.
+          const int canonical_k = static_cast<int>(k);
+          mark(absl::StrCat("f", u));
+          if (held != nullptr && k == 0 && mb == 0) {
+            held->Open();
+            held.reset();
+          }
+          SL_RETURN_IF_ERROR(compute->Enqueue([=]() {
+            (*acts)[canonical_k] = ForwardUse(w, n, data_rank, s, mb, canonical_k);
+            return absl::OkStatus();
+          }));
+          SL_RETURN_IF_ERROR(sched->PostForward(u));
+        }
+        for (size_t k = uses.size(); k-- > 0;) {
+          const int u = uses[k];
+          if (rank == o.skip.first && u == o.skip.second) continue;
+          SL_RETURN_IF_ERROR(sched->PreBackward(u));
+          std::vector<const float*> w;
+          std::vector<float*> g;
+          std::vector<size_t> n;
+          for (size_t t = 0; t < m.units[u].size(); ++t) {
+            SL_ASSIGN_OR_RETURN(TensorView v, sched->unit(u).View(t));
+            SL_ASSIGN_OR_RETURN(TensorView gv, sched->unit(u).GradView(t));
+            w.push_back(static_cast<const float*>(v.data));
+            g.push_back(static_cast<float*>(gv.data));
+            n.push_back(v.numel);
+          }
+          const int canonical_k = static_cast<int>(k);
+          mark(absl::StrCat("b", u));
+          SL_RETURN_IF_ERROR(compute->Enqueue([=]() {
+            BackwardUse(w, g, n, data_rank, s, mb, canonical_k, (*acts)[canonical_k]);
+            return absl::OkStatus();
+          }));
+          SL_RETURN_IF_ERROR(sched->PostBackward(u));
+        }
+        SL_RETURN_IF_ERROR(sched->FinishBackward());
+      }
+      // SGD on the shards, on the compute stream, then zero_grad.
+      if (o.host_compute && s + 1 < o.steps) {
+        held = std::make_shared<testing::Gate>();
+        SL_RETURN_IF_ERROR(compute->Enqueue([gate = held]() {
+          gate->Wait();
+          return absl::OkStatus();
+        }));
+      }
+      for (int u = 0; u < sched->num_units(); ++u) {
+        FlatShardView p = sched->unit(u).master_shard();
+        SL_ASSIGN_OR_RETURN(FlatShardView g, sched->unit(u).ShardGrad());
+        SL_RETURN_IF_ERROR(compute->Enqueue([p, g]() {
+          float* pw = static_cast<float*>(p.data);
+          const float* gw = static_cast<const float*>(g.data);
+          for (size_t i = 0; i < p.elements; ++i) pw[i] -= kLearningRate * gw[i];
+          return absl::OkStatus();
+        }));
+      }
+      SL_RETURN_IF_ERROR(sched->ZeroGrad());
+      SL_ASSIGN_OR_RETURN(StepMetrics metrics, sched->LastStepMetrics(Deadline()));
+      result.metrics.push_back(metrics);
+      mark("");
+    }
+    SL_RETURN_IF_ERROR(compute->Synchronize(Deadline()));
+    for (int u = 0; u < sched->num_units(); ++u) {
+      const FlatLayout& layout = sched->unit(u).layout();
+      FlatShardView p = sched->unit(u).master_shard();
+      std::vector<std::vector<float>> tensors;
+      for (int t = 0; t < layout.num_tensors(); ++t) {
+        std::vector<float> full(layout.tensor(t).numel, std::nanf(""));
+        for (const Piece& piece : Pieces(layout, t, p.shard)) {
+          for (size_t i = 0; i < piece.count; ++i) {
+            full[piece.tensor_begin + i] =
+                static_cast<const float*>(p.data)[piece.shard_offset + i];
+          }
+        }
+        tensors.push_back(std::move(full));
+      }
+      result.params.push_back(std::move(tensors));
+    }
+    return absl::OkStatus();
+  };
+  result.status = run();
+  return result;
+}
+
+std::vector<RankResult> Train(const ToyModel& m, const RunOptions& o) {
+  auto comms = CreateLocalCommunicators(o.world, {.timeout = kTimeout});
+  SL_CHECK(comms.ok());
+  std::vector<RankResult> results(o.world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < o.world; ++r) {
+    threads.emplace_back([&, r] { results[r] = TrainRank(m, o, (*comms)[r]); });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+// Every element of the reference is owned by some rank's shard; each rank's element must match.
+void ExpectMatchesReference(const ToyModel& m, const std::vector<RankResult>& results,
+                            const std::vector<std::vector<std::vector<float>>>& ref) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_OK(results[r].status);
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      for (size_t t = 0; t < m.units[u].size(); ++t) {
+        double diff = 0, norm = 0;
+        int compared = 0;
+        for (size_t i = 0; i < ref[u][t].size(); ++i) {
+          const float got = results[r].params[u][t][i];
+          if (std::isnan(got)) continue;
+          diff += (got - ref[u][t][i]) * double(got - ref[u][t][i]);
+          norm += ref[u][t][i] * double(ref[u][t][i]);
+          ++compared;
+        }
+        EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm) + 1e-12)
+            << "rank " << r << " unit " << u << " tensor " << t << " (" << compared << " elements)";
+      }
+    }
+  }
+  // Every element is covered by some rank.
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    for (size_t t = 0; t < m.units[u].size(); ++t) {
+      for (size_t i = 0; i < ref[u][t].size(); ++i) {
+        bool covered = false;
+        for (const RankResult& rr : results) covered |= !std::isnan(rr.params[u][t][i]);
+        ASSERT_TRUE(covered) << "unit " << u << " tensor " << t << " element " << i;
+      }
+    }
+  }
+}
+
+struct StrategyCase {
+  const char* name;
+  ShardingStrategy strategy;
+  int world;
+  int shard_size;
+  int forward_prefetch;
+  BackwardPrefetch backward;
+  bool host_compute;
+};
+
+class SchedulerTrainingTest : public ::testing::TestWithParam<StrategyCase> {};
+
+TEST_P(SchedulerTrainingTest, MatchesTheUnshardedReference) {
+  const StrategyCase& c = GetParam();
+  ToyModel m = MakeToy(5, /*tied=*/true);
+  RunOptions o;
+  o.world = c.world;
+  o.host_compute = c.host_compute;
+  o.scheduler.strategy = c.strategy;
+  o.scheduler.shard_size = c.shard_size;
+  o.scheduler.forward_prefetch = c.forward_prefetch;
+  o.scheduler.backward_prefetch = c.backward;
+  std::vector<RankResult> results = Train(m, o);
+  ExpectMatchesReference(m, results, Reference(m, c.world, o.steps, 1));
+  for (const RankResult& r : results) {
+    ASSERT_EQ(r.metrics.size(), 3u);
+    EXPECT_EQ(r.metrics[2].order_deviations, 0);
+    EXPECT_EQ(r.metrics[2].budget_overshoots, 0);
+    EXPECT_GT(r.metrics[2].bytes_gathered, 0u);
+    EXPECT_GT(r.metrics[2].bytes_reduced, 0u);
+    ASSERT_TRUE(r.metrics[2].exposed_communication.has_value());
+    ASSERT_TRUE(r.metrics[2].step_time.has_value());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, SchedulerTrainingTest,
+    ::testing::Values(StrategyCase{"full_shard", ShardingStrategy::kFullShard, 2, 0, 1,
+                                   BackwardPrefetch::kBeforeGrad, true},
+                      StrategyCase{"full_shard_3_caller", ShardingStrategy::kFullShard, 3, 0, 2,
+                                   BackwardPrefetch::kAfterGrad, false},
+                      StrategyCase{"full_shard_no_prefetch", ShardingStrategy::kFullShard, 2, 0, 0,
+                                   BackwardPrefetch::kOff, true},
+                      StrategyCase{"shard_grad_op", ShardingStrategy::kShardGradOp, 2, 0, 1,
+                                   BackwardPrefetch::kBeforeGrad, true},
+                      StrategyCase{"no_shard", ShardingStrategy::kNoShard, 2, 0, 1,
+                                   BackwardPrefetch::kBeforeGrad, true},
+                      StrategyCase{"hybrid_2x2", ShardingStrategy::kHybridShard, 4, 2, 1,
+                                   BackwardPrefetch::kBeforeGrad, true}),
+    [](const ::testing::TestParamInfo<StrategyCase>& info) { return info.param.name; });
+
+// ---- Issue order ---------------------------------------------------------------------------
+
+std::string Log(const std::vector<std::string>& log) { return absl::StrJoin(log, ", "); }
+
+TEST(SchedulerOrderTest, ExactIssueOrderPerPrefetchMode) {
+  ToyModel m = MakeToy(4, /*tied=*/false);
+  struct Case {
+    int forward;
+    BackwardPrefetch backward;
+    int depth;
+    std::string expected;  // the last step's issue log
+  };
+  const std::vector<Case> cases = {
+      // No prefetch: every gather on demand, each reduction right after its backward.
+      {0, BackwardPrefetch::kOff, 1,
+       "AG u0, f0, AG u1, f1, AG u2, f2, AG u3, f3, AG u3, b3, RS u3, AG u2, b2, RS u2, AG u1, "
+       "b1, RS u1, AG u0, b0, RS u0"},
+      // Forward depth 1: the next unit's gather is issued before the current unit's compute.
+      {1, BackwardPrefetch::kOff, 1,
+       "AG u0, AG u1, f0, AG u2, f1, AG u3, f2, f3, AG u3, b3, RS u3, AG u2, b2, RS u2, AG u1, "
+       "b1, RS u1, AG u0, b0, RS u0"},
+      // Forward depth 2; backward before the gradient, depth 1.
+      {2, BackwardPrefetch::kBeforeGrad, 1,
+       "AG u0, AG u1, AG u2, f0, AG u3, f1, f2, f3, AG u3, AG u2, b3, RS u3, AG u1, b2, RS u2, "
+       "AG u0, b1, RS u1, b0, RS u0"},
+      // Backward before the gradient, depth 2.
+      {1, BackwardPrefetch::kBeforeGrad, 2,
+       "AG u0, AG u1, f0, AG u2, f1, AG u3, f2, f3, AG u3, AG u2, AG u1, b3, RS u3, AG u0, b2, "
+       "RS u2, b1, RS u1, b0, RS u0"},
+      // Backward after the gradient: the next gather follows the compute, before the
+      // reduction.
+      {1, BackwardPrefetch::kAfterGrad, 1,
+       "AG u0, AG u1, f0, AG u2, f1, AG u3, f2, f3, AG u3, b3, AG u2, RS u3, b2, AG u1, RS u2, "
+       "b1, AG u0, RS u1, b0, RS u0"},
+  };
+  for (const Case& c : cases) {
+    RunOptions o;
+    o.world = 2;
+    o.steps = 2;
+    o.scheduler.forward_prefetch = c.forward;
+    o.scheduler.backward_prefetch = c.backward;
+    o.scheduler.backward_prefetch_depth = c.depth;
+    o.scheduler.root_unit = -1;  // every unit reshards after forward
+    std::vector<RankResult> results = Train(m, o);
+    for (const RankResult& r : results) {
+      ASSERT_OK(r.status);
+      EXPECT_EQ(Log(r.issue_log), c.expected)
+          << "forward " << c.forward << " backward " << BackwardPrefetchName(c.backward)
+          << " depth " << c.depth;
+    }
+    ExpectMatchesReference(m, results, Reference(m, 2, 2, 1));
+  }
+}
+
+}  // namespace
+}  // namespace shardline
