@@ -60,6 +60,7 @@ FlatParameter::FlatParameter(FlatLayout layout, int shard_rank, const MixedPreci
       policy_(policy),
       pool_(options.unsharded_pool),
       grad_pool_(options.grad_pool != nullptr ? options.grad_pool : options.unsharded_pool),
+      stream_ordered_grad_(options.stream_ordered_grad),
       shard_allocator_(options.shard_allocator),
       name_(std::move(options.name)) {}
 
@@ -469,7 +470,8 @@ absl::Status FlatParameter::PrepareGrad(Stream& compute) {
   SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, compute));
   const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
   const size_t bytes = layout_.total_elements() * DTypeSize(policy_.param_dtype);
-  absl::StatusOr<Buffer> grad = grad_pool_->Allocate(bytes, compute);
+  absl::StatusOr<Buffer> grad =
+      stream_ordered_grad_ ? grad_pool_->Allocate(bytes, compute) : grad_pool_->Allocate(bytes);
   if (!grad.ok()) return Annotate(grad.status(), context);
   SL_RETURN_IF_ERROR(Annotate(EnqueueFill(compute, grad->data(), bytes), context));
   // If no event can be recorded the stream is poisoned: the zero-fill will not run.

@@ -133,6 +133,12 @@ struct FlatParameterOptions {
   // The unsharded gradient and the reduction's temporaries. Null: unsharded_pool. Same device.
   // (A scheduler keeps them apart so that a gather never reuses memory a reduction frees.)
   Allocator* grad_pool = nullptr;
+  // PrepareGrad takes the unsharded gradient stream-ordered on the compute stream: it may reuse a
+  // block that an earlier reduction still uses, after making the compute stream wait for it.
+  // false: only blocks nothing uses any more. A scheduler that may hold a reduction back (see
+  // scheduler/scheduler.h) sets false: its compute stream must never wait for a reduction, which
+  // could wait for a peer whose compute waits for this rank.
+  bool stream_ordered_grad = true;
   // The master shard and the sharded gradient. Null: unsharded_pool. Must be on the same device
   // as unsharded_pool and outlive the FlatParameter.
   Allocator* shard_allocator = nullptr;
@@ -344,6 +350,7 @@ class FlatParameter {
   MixedPrecisionPolicy policy_;
   Allocator* pool_;
   Allocator* grad_pool_;
+  bool stream_ordered_grad_;
   Allocator* shard_allocator_;
   std::string name_;
   FlatParameterState state_ = FlatParameterState::kSharded;

@@ -272,6 +272,7 @@ absl::StatusOr<int> Scheduler::RegisterUnit(UnitSpec spec) {
       FlatParameter::Create(*std::move(layout), mesh_.shard_rank(), mp,
                             {.unsharded_pool = gather_pool_,
                              .grad_pool = reduce_pool_,
+                             .stream_ordered_grad = false,
                              .shard_allocator = shard_allocator_,
                              .name = spec.name,
                              .master_shard = std::move(spec.master_shard),
@@ -605,6 +606,12 @@ absl::Status Scheduler::PreForward(int u) {
     ++unit->recomputing;
     return absl::OkStatus();
   }
+  if (phase_ == Phase::kForward && order_known_ && !deviated_ &&
+      step_sequence_.size() == order_.size() && !order_.empty()) {
+    // The known forward is complete: this is a recomputation inside the backward.
+    SL_RETURN_IF_ERROR(HookError("PreForward", u, BeginBackward()));
+    return PreForward(u);
+  }
   if (phase_ == Phase::kIdle) SL_RETURN_IF_ERROR(BeginStep());
   const size_t pos = step_sequence_.size();
   step_sequence_.push_back(u);
@@ -651,6 +658,16 @@ absl::Status Scheduler::PostForward(int u) {
     SL_RETURN_IF_ERROR(HookError("PostForward", u, ReshardUnit(u, std::move(last_use))));
   }
   return HookError("PostForward", u, PrefetchForward());
+}
+
+absl::Status Scheduler::EndForward() {
+  HookTimer timer(this);
+  if (!failed_.ok()) return failed_;
+  if (phase_ != Phase::kForward) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "scheduler '", options_.name, "': EndForward() outside a forward (step ", step_, ")"));
+  }
+  return BeginBackward();
 }
 
 absl::Status Scheduler::PreBackward(int u) {

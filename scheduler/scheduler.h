@@ -156,7 +156,8 @@ struct SchedulerOptions {
   // Unsharded parameters, unsharded gradients and reduction temporaries. Null: the scheduler
   // makes two CachingPools ("<name>.gather pool", "<name>.reduce pool") over an allocator of the
   // compute stream's device. Given pools must outlive the scheduler; they may be the same pool
-  // only if no rank ever skips a unit's backward (see communicator.h's ordering rule).
+  // only if no rank ever skips a unit's backward (the gather stream could then wait, through a
+  // reused block, for a reduction that another rank holds back).
   Allocator* gather_pool = nullptr;
   Allocator* reduce_pool = nullptr;
   // Master shards and sharded gradients. Null: an allocator of the compute stream's device.
@@ -256,11 +257,18 @@ class Scheduler {
   // them; afterwards unit(u).View() is valid for work enqueued on the compute stream until
   // PostForward(u). The first PreForward of a step begins the step: the gather stream waits for
   // the post-optimizer event (SetPostOptimizerEvent) or, if none was given, for the compute
-  // stream's work so far. A PreForward between PreBackward calls is an activation recomputation:
-  // it is served from the unit's backward gather and is not part of the recorded order.
+  // stream's work so far. A PreForward after the forward ended (EndForward, a PreBackward, or
+  // the known order complete) is an activation recomputation: it is served from the unit's
+  // backward gather and is not part of the recorded order.
   absl::Status PreForward(int unit);
   // Ends the use; reshards unless the unit is kept (its reshard_after_forward is false).
   absl::Status PostForward(int unit);
+  // Marks the end of the forward (the root's post-forward; FSDP2 learns it from the root
+  // module). Optional: the first PreBackward ends the forward too, and so does a PreForward
+  // beyond the end of a known order. Needed in the first step when the backward recomputes
+  // activations (a PreForward before the first PreBackward would otherwise be recorded as a
+  // forward use).
+  absl::Status EndForward();
   // Gathers again if the unit was resharded; prepares the unsharded gradient (zero-filled on the
   // compute stream, or the one accumulated from earlier micro-batches); prefetches.
   absl::Status PreBackward(int unit);

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -119,7 +120,9 @@ constexpr float kLearningRate = 0.05f;
 // not run on that rank.
 std::vector<std::vector<std::vector<float>>> Reference(const ToyModel& m, int data_ranks, int steps,
                                                        int micro,
-                                                       std::pair<int, int> skip = {-1, -1}) {
+                                                       std::pair<int, int> skip = {-1, -1},
+                                                       double clip = 0,
+                                                       std::vector<double>* norms = nullptr) {
   std::vector<std::vector<std::vector<float>>> p(m.units.size());
   for (size_t u = 0; u < m.units.size(); ++u) {
     for (size_t t = 0; t < m.units[u].size(); ++t) {
@@ -170,10 +173,23 @@ std::vector<std::vector<std::vector<float>>> Reference(const ToyModel& m, int da
         }
       }
     }
+    double scale = 1.0;
+    if (clip > 0) {
+      double squares = 0;
+      for (auto& unit : sum) {
+        for (auto& tensor : unit) {
+          for (double g : tensor) squares += (g / data_ranks) * (g / data_ranks);
+        }
+      }
+      const double norm = std::sqrt(squares);
+      if (norms != nullptr) norms->push_back(norm);
+      scale = std::min(1.0, clip / (norm + 1e-6));
+    }
     for (size_t u = 0; u < m.units.size(); ++u) {
       for (size_t t = 0; t < p[u].size(); ++t) {
         for (size_t i = 0; i < p[u][t].size(); ++i) {
-          p[u][t][i] -= kLearningRate * static_cast<float>(sum[u][t][i] / data_ranks);
+          const float g = static_cast<float>(sum[u][t][i] / data_ranks);
+          p[u][t][i] -= kLearningRate * (clip > 0 ? static_cast<float>(g * scale) : g);
         }
       }
     }
@@ -186,8 +202,12 @@ struct RunOptions {
   SchedulerOptions scheduler;
   bool host_compute = true;
   int steps = 3;
-  int micro = 1;                        // micro-batches per step
-  bool defer_all_reduce = false;        // hybrid: SetRequiresAllReduce(false) on all but the last
+  int micro = 1;  // micro-batches per step
+  // How micro-batches before the last reduce: kSync (every one), kNoSync (accumulate unsharded,
+  // SetRequiresGradientSync(false)), kDeferAllReduce (hybrid: SetRequiresAllReduce(false)).
+  enum class Accumulation { kSync, kNoSync, kDeferAllReduce } accumulation = Accumulation::kNoSync;
+  bool recompute = false;               // re-run each unit's forward inside its backward
+  double clip = 0;                      // > 0: ClipGradNorm(clip) before the optimizer
   std::pair<int, int> skip = {-1, -1};  // (world rank, unit) whose backward is skipped
   // A step (>= 1) in which the forward runs units in another order (reversed blocks).
   int deviate_step = -1;
@@ -200,6 +220,7 @@ struct RankResult {
   std::vector<std::vector<std::vector<float>>> params;  // this rank's shard, per tensor slice
   std::vector<std::string> issue_log;                   // of the last step
   std::vector<StepMetrics> metrics;
+  std::vector<double> norms;                 // ClipGradNorm's results
   std::vector<std::vector<size_t>> offsets;  // [unit][tensor] element offset of the shard start
 };
 
@@ -255,6 +276,12 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
     // With an asynchronous compute stream, the optimizer of step s is held back until step s+1
     // has issued its first gathers: they must wait for it (the post-optimizer ordering).
     std::shared_ptr<testing::Gate> held;
+    // On an error, release the compute stream and let it finish before the scheduler (whose
+    // memory the queued optimizer writes) goes away.
+    absl::Cleanup drain = [&] {
+      if (held != nullptr) held->Open();
+      compute->Synchronize(Deadline()).IgnoreError();
+    };
     for (int s = 0; s < o.steps; ++s) {
       sched->ClearIssueLog();
       seen = 0;
@@ -265,8 +292,9 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
       }
       for (int mb = 0; mb < o.micro; ++mb) {
         const bool last = mb + 1 == o.micro;
-        sched->SetRequiresGradientSync(o.defer_all_reduce || last);
-        sched->SetRequiresAllReduce(!o.defer_all_reduce || last);
+        sched->SetRequiresGradientSync(o.accumulation != RunOptions::Accumulation::kNoSync || last);
+        sched->SetRequiresAllReduce(o.accumulation != RunOptions::Accumulation::kDeferAllReduce ||
+                                    last);
         auto acts = std::make_shared<std::vector<double>>(uses.size(), 0.0);
         for (size_t k = 0; k < uses.size(); ++k) {
           const int u = uses[k];
@@ -291,9 +319,16 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
           }));
           SL_RETURN_IF_ERROR(sched->PostForward(u));
         }
+        // The loss is computed: the forward is over (recomputations may follow).
+        if (o.recompute) SL_RETURN_IF_ERROR(sched->EndForward());
         for (size_t k = uses.size(); k-- > 0;) {
           const int u = uses[k];
           if (rank == o.skip.first && u == o.skip.second) continue;
+          if (o.recompute) {
+            SL_RETURN_IF_ERROR(sched->PreForward(u));
+            SL_RETURN_IF_ERROR(sched->unit(u).View(0).status());
+            SL_RETURN_IF_ERROR(sched->PostForward(u));
+          }
           SL_RETURN_IF_ERROR(sched->PreBackward(u));
           std::vector<const float*> w;
           std::vector<float*> g;
@@ -316,6 +351,10 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
         SL_RETURN_IF_ERROR(sched->FinishBackward());
       }
       // SGD on the shards, on the compute stream, then zero_grad.
+      if (o.clip > 0) {
+        SL_ASSIGN_OR_RETURN(double norm, sched->ClipGradNorm(o.clip, Deadline()));
+        result.norms.push_back(norm);
+      }
       if (o.host_compute && s + 1 < o.steps) {
         held = std::make_shared<testing::Gate>();
         SL_RETURN_IF_ERROR(compute->Enqueue([gate = held]() {
@@ -509,6 +548,224 @@ TEST(SchedulerOrderTest, ExactIssueOrderPerPrefetchMode) {
     }
     ExpectMatchesReference(m, results, Reference(m, 2, 2, 1));
   }
+}
+
+// ---- Orders, skipped backward, accumulation, recomputation, clipping, budgets --------------
+
+TEST(SchedulerOrderTest, ADeviatingStepTrainsCorrectlyAndIsCounted) {
+  ToyModel m = MakeToy(5, /*tied=*/true);
+  RunOptions o;
+  o.steps = 3;
+  o.deviate_step = 1;
+  o.scheduler.forward_prefetch = 2;
+  std::vector<RankResult> results = Train(m, o);
+  for (const RankResult& r : results) {
+    ASSERT_OK(r.status);
+    EXPECT_EQ(r.metrics[1].order_deviations, 1);
+    EXPECT_EQ(r.metrics[2].order_deviations, 0);
+    EXPECT_EQ(r.metrics[2].budget_overshoots, 0);
+  }
+  // Steps 0 and 2 follow the order; step 1 runs u0, u4, u3, u2, u1, u0. A run without any
+  // prefetch (no order-dependent logic at all) computes the same arithmetic: compare bit for bit.
+  {
+    RunOptions plain = o;
+    plain.scheduler.forward_prefetch = 0;
+    plain.scheduler.backward_prefetch = BackwardPrefetch::kOff;
+    std::vector<RankResult> expected = Train(m, plain);
+    for (size_t r = 0; r < results.size(); ++r) {
+      ASSERT_OK(expected[r].status);
+      for (size_t u = 0; u < m.units.size(); ++u) {
+        for (size_t t = 0; t < m.units[u].size(); ++t) {
+          for (size_t i = 0; i < expected[r].params[u][t].size(); ++i) {
+            const float want = expected[r].params[u][t][i];
+            const float got = results[r].params[u][t][i];
+            if (std::isnan(want)) {
+              EXPECT_TRUE(std::isnan(got));
+            } else {
+              EXPECT_EQ(got, want)
+                  << "rank " << r << " unit " << u << " tensor " << t << " i " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SchedulerOrderTest, RanksWithDifferentOrdersFailOnEveryRank) {
+  // Units of one size, so that the mismatched gathers do not fail on their counts first: the
+  // order check at the end of the first step must catch it.
+  ToyModel m;
+  for (int u = 0; u < 4; ++u) m.units.push_back({{.name = "w", .shape = {41}}});
+  m.uses = {0, 1, 2, 3};
+  RunOptions o;
+  o.world = 2;
+  o.steps = 2;
+  o.odd_order_rank = 1;  // rank 1 runs u0, u2, u1, u3 in its first step
+  std::vector<RankResult> results = Train(m, o);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(absl::IsFailedPrecondition(results[r].status)) << results[r].status;
+    EXPECT_TRUE(absl::StrContains(results[r].status.message(),
+                                  "at position 1 rank 0 ran 'u1' but rank 1 ran 'u2'"))
+        << results[r].status;
+  }
+}
+
+TEST(SchedulerBackwardTest, AUnitSkippedOnOneRankStillReducesAZeroGradient) {
+  ToyModel m = MakeToy(5, /*tied=*/true);
+  for (const std::pair<int, int> skip : {std::pair{1, 2}, std::pair{0, 4}, std::pair{1, 1}}) {
+    RunOptions o;
+    o.skip = skip;
+    std::vector<RankResult> results = Train(m, o);
+    ExpectMatchesReference(m, results, Reference(m, 2, o.steps, 1, skip));
+  }
+}
+
+TEST(SchedulerAccumulationTest, MicroBatchesMatchOneBigBatch) {
+  ToyModel m = MakeToy(4, /*tied=*/true);
+  struct Case {
+    RunOptions::Accumulation mode;
+    ShardingStrategy strategy;
+    int world, shard;
+  };
+  for (const Case& c :
+       {Case{RunOptions::Accumulation::kSync, ShardingStrategy::kFullShard, 2, 0},
+        Case{RunOptions::Accumulation::kNoSync, ShardingStrategy::kFullShard, 2, 0},
+        Case{RunOptions::Accumulation::kSync, ShardingStrategy::kHybridShard, 4, 2},
+        Case{RunOptions::Accumulation::kDeferAllReduce, ShardingStrategy::kHybridShard, 4, 2}}) {
+    RunOptions o;
+    o.world = c.world;
+    o.micro = 3;
+    o.accumulation = c.mode;
+    o.scheduler.strategy = c.strategy;
+    o.scheduler.shard_size = c.shard;
+    std::vector<RankResult> results = Train(m, o);
+    ExpectMatchesReference(m, results, Reference(m, c.world, o.steps, 3));
+    for (const RankResult& r : results) {
+      ASSERT_OK(r.status);
+      // 3 micro-batches per step: the metrics of the first two report the unsharded gradients
+      // kept across micro-batches when they are not reduced.
+      const StepMetrics& first = r.metrics.front();
+      (void)first;
+    }
+  }
+}
+
+TEST(SchedulerBackwardTest, RecomputationIsServedByTheBackwardGather) {
+  ToyModel m = MakeToy(4, /*tied=*/false);
+  RunOptions plain;
+  plain.steps = 2;
+  plain.scheduler.root_unit = -1;
+  RunOptions recompute = plain;
+  recompute.recompute = true;
+  std::vector<RankResult> a = Train(m, plain);
+  std::vector<RankResult> b = Train(m, recompute);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK(a[r].status);
+    ASSERT_OK(b[r].status);
+    // The same gathers and reductions in the same order: no second gather, no recorded use.
+    std::vector<std::string> ga, gb;
+    for (const std::string& e : a[r].issue_log) {
+      if (e[0] == 'A' || e[0] == 'R') ga.push_back(e);
+    }
+    for (const std::string& e : b[r].issue_log) {
+      if (e[0] == 'A' || e[0] == 'R') gb.push_back(e);
+    }
+    EXPECT_EQ(Log(ga), Log(gb));
+    EXPECT_EQ(b[r].metrics.back().order_deviations, 0);
+  }
+  ExpectMatchesReference(m, b, Reference(m, 2, plain.steps, 1));
+}
+
+TEST(SchedulerClipTest, ClipGradNormMatchesAGlobalNormReference) {
+  ToyModel m = MakeToy(4, /*tied=*/true);
+  for (const auto& [strategy, world, shard] : {std::tuple{ShardingStrategy::kFullShard, 3, 0},
+                                               std::tuple{ShardingStrategy::kHybridShard, 4, 2}}) {
+    RunOptions o;
+    o.world = world;
+    o.scheduler.strategy = strategy;
+    o.scheduler.shard_size = shard;
+    o.clip = 0.5;
+    std::vector<double> norms;
+    auto ref = Reference(m, world, o.steps, 1, {-1, -1}, o.clip, &norms);
+    std::vector<RankResult> results = Train(m, o);
+    ExpectMatchesReference(m, results, ref);
+    for (const RankResult& r : results) {
+      ASSERT_EQ(r.norms.size(), norms.size());
+      for (size_t s = 0; s < norms.size(); ++s) {
+        EXPECT_NEAR(r.norms[s], norms[s], 1e-5 * norms[s]) << "step " << s;
+        EXPECT_GT(norms[s], o.clip);  // the clip is active
+      }
+    }
+  }
+}
+
+TEST(SchedulerBudgetTest, TheMinimumBudgetDefersPrefetchesWithoutOvershooting) {
+  ToyModel m = MakeToy(6, /*tied=*/false);
+  // The minimum on 2 ranks, all f32: the root (u0, kept after forward) plus the largest backward
+  // footprint (parameters + gradient of the largest unit).
+  uint64_t root = 0, largest = 0;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    auto layout = FlatLayout::Create(m.units[u], {.num_shards = 2});
+    ASSERT_TRUE(layout.ok());
+    const uint64_t param = layout->total_elements() * 4;
+    if (u == 0) root = param;
+    largest = std::max(largest, u == 0 ? param : 2 * param);
+  }
+  const uint64_t minimum = root + largest;
+  RunOptions o;
+  o.world = 2;
+  o.scheduler.forward_prefetch = 3;
+  o.scheduler.backward_prefetch_depth = 3;
+  o.scheduler.budget_bytes = minimum - 1;
+  std::vector<RankResult> refused = Train(m, o);
+  ASSERT_TRUE(absl::IsInvalidArgument(refused[0].status)) << refused[0].status;
+  EXPECT_TRUE(absl::StrContains(refused[0].status.message(),
+                                absl::StrCat("is below the ", minimum, " bytes")))
+      << refused[0].status;
+  for (const uint64_t budget : {minimum, minimum + 300, 3 * minimum}) {
+    o.scheduler.budget_bytes = budget;
+    std::vector<RankResult> results = Train(m, o);
+    ExpectMatchesReference(m, results, Reference(m, 2, o.steps, 1));
+    for (const RankResult& r : results) {
+      for (const StepMetrics& step : r.metrics) {
+        EXPECT_LE(step.peak_inflight_bytes, budget) << step.ToString();
+        EXPECT_EQ(step.budget_overshoots, 0) << step.ToString();
+      }
+      // Prefetch depth 3 does not fit in the minimum: prefetches were deferred, not dropped.
+      if (budget == minimum) EXPECT_GT(r.metrics.back().deferred_prefetches, 0);
+    }
+  }
+}
+
+TEST(SchedulerErrorsTest, BadCallsNameTheUnit) {
+  auto comms = CreateLocalCommunicators(1);
+  ASSERT_TRUE(comms.ok());
+  auto compute = CreateCallerStream();
+  ASSERT_TRUE(compute.ok());
+  auto sched = Scheduler::Create((*comms)[0], **compute, {}, Deadline());
+  ASSERT_TRUE(sched.ok()) << sched.status();
+  Scheduler& s = **sched;
+  ASSERT_TRUE(s.RegisterUnit({.name = "block0", .tensors = {{.name = "w", .shape = {3}}}}).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      s.RegisterUnit({.name = "block0", .tensors = {{.name = "w", .shape = {3}}}}).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(s.PreForward(7)));
+  absl::Status status = s.PostForward(0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(status)) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "'block0'")) << status;
+  status = s.PreBackward(0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(status)) << status;
+  EXPECT_TRUE(absl::IsFailedPrecondition(s.FinishBackward()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(s.LastStepMetrics(Deadline()).status()));
+  // A full step works after the errors.
+  ASSERT_OK(s.PreForward(0));
+  ASSERT_OK(s.PostForward(0));
+  ASSERT_OK(s.PreBackward(0));
+  ASSERT_OK(s.PostBackward(0));
+  ASSERT_OK(s.FinishBackward());
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      s.RegisterUnit({.name = "late", .tensors = {{.name = "w", .shape = {3}}}}).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(s.ClipGradNorm(0, Deadline()).status()));
 }
 
 }  // namespace
