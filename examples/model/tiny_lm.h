@@ -29,6 +29,13 @@
 // Numbers: f32 storage and f32 arithmetic, except the loss (summed in f64). Everything is
 // deterministic: the same inputs give bit-identical outputs, whatever the hooks do.
 //
+// Data parallelism: each rank runs its slice of the global batch with loss_denominator = the
+// global batch size, so the global gradient is the SUM of the ranks' gradients (reduce with
+// kSum, not kAvg) and the global loss the sum of the returned losses.
+//
+// Thread safety: the free functions keep no state (one call per thread at a time per UnitAccess);
+// a ReferenceAccess is used by one thread at a time.
+//
 //   ReferenceAccess ref(config);
 //   SL_ASSIGN_OR_RETURN(std::vector<double> losses,
 //                       TrainReference(config, /*steps=*/20, /*data_parallel_world=*/2,
