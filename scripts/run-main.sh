@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs the main job: the README's first command.
 #
-# The main job is the collective benchmark on two local ranks over the UCX backend (nccl-tests'
-# output: all-gather and reduce-scatter, 1 MiB to 64 MiB, results checked), then the runtime
-# tour: one FSDP forward pass driven by hand over two ranks (casts into place, in-place
-# all-gathers on a gather stream, a caching pool bounded by the prefetch limit), which writes a
-# Chrome trace to build/runtime_tour.json, then one FSDP step of FlatParameters driven from a
-# framework's own streams, events and memory (examples/framework_streams.cc, checked against a
-# plain loop). With the scheduler (next issue) it becomes a sharded training demo.
+# The main job trains the example language model (examples/train_fsdp.cc: a tied embedding/head
+# and 10 residual MLP blocks, AdamW, synthetic data) sharded over two processes on the UCX
+# backend with the FSDP scheduler: the loss per step, the step time, the exposed communication and
+# the communication memory in flight against the budget, then a check of the final parameters
+# against a single-process unsharded run, and a merged Chrome trace (build/train_fsdp_trace.json;
+# open it in https://ui.perfetto.dev). Then the same under hybrid sharding on 4 ranks (2 x 2) with
+# bf16 parameters and 2 micro-batches, the scheduler tour, and a short all-gather benchmark.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh build
-for collective in all_gather reduce_scatter; do
-  echo
-  echo "=== ${collective}_perf: 2 ranks, ucx backend"
-  build/bin/shardline-launch -n 2 -- "build/bench/${collective}_perf" -b 1M -e 64M -f 4 -c 1
-done
 echo
-echo "=== scheduler tour"
+echo "=== sharded training: 2 ranks, full shard, prefetch 1, 192 KiB budget (ucx)"
+build/bin/shardline-launch -n 2 -- build/examples/train_fsdp --steps 10 --budget-kib 192 \
+  --trace build/train_fsdp_trace.json
+echo
+echo "=== sharded training: 4 ranks, hybrid 2 x 2, bf16 parameters, 2 micro-batches (ucx)"
+build/bin/shardline-launch -n 4 -- build/examples/train_fsdp --steps 10 --strategy hybrid_shard \
+  --shard-size 2 --param-dtype bf16 --micro 2 --accumulation defer_all_reduce --trace ""
+echo
+echo "=== the scheduler API in one page"
 build/examples/scheduler_tour
 echo
-echo "=== a framework's streams and memory through gathers and reduce-scatters"
-build/examples/framework_streams
+echo "=== all_gather_perf: 2 ranks, ucx backend"
+build/bin/shardline-launch -n 2 -- build/bench/all_gather_perf -b 1M -e 16M -f 4 -c 1
