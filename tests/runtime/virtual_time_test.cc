@@ -547,9 +547,10 @@ TEST(VirtualTimeTest, ForeignEvents) {
   EXPECT_TRUE(a->WaitEvent(*host_event).ok());
   mu.lock();  // the failure comes after the record
   ASSERT_TRUE(host->Enqueue([&mu] {
-                std::lock_guard<std::mutex> hold(mu);
-                return absl::UnavailableError("host failed");
-              }).ok());
+                    std::lock_guard<std::mutex> hold(mu);
+                    return absl::UnavailableError("host failed");
+                  })
+                  .ok());
   std::shared_ptr<Event> failed = *RecordEvent(*host);
   mu.unlock();
   ASSERT_EQ(failed->Synchronize(absl::Now() + absl::Seconds(20)).code(),
