@@ -8,9 +8,9 @@
 //            "compute stream" of a CPU framework, whose compute happens on its own thread.
 //   cuda     cudaStream_t / cudaEvent_t (built with SHARDLINE_WITH_CUDA)
 //
-// (A virtual-clock implementation for the simulator comes with the sim backend. The interface
-// admits it: every stream has a Clock, and work is submitted as a StreamOp that declares its
-// cost, so a simulated stream can advance its clock by the cost without running the op.)
+// (Virtual-time streams for the simulator are in runtime/virtual_time.h: every stream has a
+// Clock, and work is submitted as a StreamOp that declares its cost, so a simulated stream can
+// advance its clock by the cost without running the op.)
 //
 // Semantics follow CUDA's, so the scheduler's code means the same thing on every device:
 //   * Work enqueued on one stream runs in order. Streams run concurrently with each other.
@@ -143,6 +143,9 @@ struct StreamOp {
   StreamOpKind kind = StreamOpKind::kHost;
   uint64_t bytes = 0;
   uint64_t flops = 0;
+  // The op's declared duration on virtual-time streams (runtime/virtual_time.h); zero: the
+  // timeline's cost model decides from kind, bytes and flops. Other streams ignore it.
+  absl::Duration duration = absl::ZeroDuration();
   // The work. A non-OK result poisons the stream.
   Run run;
   // Optional. Called with the poison Status instead of `run` if the stream drops the op.

@@ -1,0 +1,93 @@
+// File: collectives/sim/sim_communicator.h
+// -----------------------------------------------------------------------------
+// The `sim` backend: the ranks of a group are communicators on one VirtualTimeline
+// (runtime/virtual_time.h), whose collectives take virtual time from a cost model. With it the
+// real scheduler runs many ranks in one thread, deterministically, and its issue order, overlap
+// and memory can be checked exactly.
+//
+//   VirtualTimeline timeline;
+//   SL_ASSIGN_OR_RETURN(auto comms, CreateSimCommunicators(timeline, 4));
+//   // rank r: comms[r]->AllGather(in_r, out_r, count, DType::kF32, *virtual_stream_r);
+//   SL_RETURN_IF_ERROR(timeline.RunUntilIdle());
+//
+// Each collective "arrives" when its virtual stream reaches it (its start). Once every rank of
+// the group has arrived, the fingerprints are compared (ranks that disagree fail on every rank
+// with the API's MismatchError, at the last arrival, and move nothing); otherwise the collective
+// completes on every rank at max(arrival) + cost, where the cost is a ring model of n ranks,
+// latency L and bandwidth B (SimOptions), for `count` as the Communicator API defines it and
+// elements of e bytes:
+//
+//   all_gather, reduce_scatter, all_to_all   (n-1) * (L + count*e / B)
+//   all_reduce                               2(n-1) * (L + count*e / (n*B))
+//   broadcast (a pipelined chain)            (n-1) * L + count*e / B
+//   barrier (an all_reduce of nothing)       2(n-1) * L
+//   any collective on one rank               0
+//
+// (SimCollectiveCost computes it.) With SimOptions::move_data and the timeline's run_ops, the
+// data is moved, at the completion time, in host memory: reductions combine the ranks' inputs
+// in rank order with ReduceMany (avg: then Scale by 1/n), exactly as the local backend does, so
+// the results are bit-identical to it. Without them no memory is touched (phantom memory).
+//
+// Failures follow the API: a rank that never arrives makes the arrived ranks fail with
+// DeadlineExceeded at arrival + timeout (virtual time: only if other work moves the clock that
+// far; otherwise the driver reports the stall, naming the collective, the ranks that wait, the
+// ranks whose streams have not reached it and the ranks that have not issued it). A failed or
+// aborted collective aborts the whole group, as in the local backend.
+//
+// Streams: only virtual streams of the group's timeline (InvalidArgument otherwise).
+//
+// Split and Dup: Split(0, rank) on every rank — what Dup() does — completes at once, without
+// waiting for the other ranks, so one thread can Dup every rank's communicator in turn (see
+// SimOptions::dup_without_rendezvous). Any other split is a rendezvous of the calling threads,
+// as with the local backend: the ranks must call it from different threads, and it waits (in
+// wall-clock time, until the deadline) for all of them. The new communicators share the
+// timeline and the options.
+//
+// Lifetimes: the timeline must outlive the communicators.
+
+#ifndef SHARDLINE_COLLECTIVES_SIM_SIM_COMMUNICATOR_H_
+#define SHARDLINE_COLLECTIVES_SIM_SIM_COMMUNICATOR_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+#include "runtime/virtual_time.h"
+
+namespace shardline {
+
+struct SimOptions {
+  std::string name = "world";
+  // Per ring step. Must not be negative.
+  absl::Duration latency = absl::Microseconds(5);
+  // Per link. Must be positive (infinity: only latency counts).
+  double bandwidth_bytes_per_s = 10e9;
+  // Move the data (host memory) when a collective completes; false: touch no memory.
+  bool move_data = true;
+  // Unset (zero): SHARDLINE_TIMEOUT_S. Virtual time.
+  absl::Duration timeout = absl::ZeroDuration();
+  // Split(0, own rank) — what Dup() calls — completes at once, assuming every rank makes the same
+  // call, so that one thread can Dup every rank's communicator in turn. General splits from
+  // threads in which some rank's call has that form (ProcessMesh: the ranks of the first row and
+  // of the first column) need false: then every split is a rendezvous. A rank that makes another
+  // call where its peers' were taken for Dup gets InvalidArgument saying so, and the
+  // communicator those peers got fails its collectives with that error.
+  bool dup_without_rendezvous = true;
+};
+
+// `size` communicators forming one group on `timeline`; element r is rank r. InvalidArgument if
+// size < 1, an option is out of range, or the timeout knob is invalid.
+absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateSimCommunicators(
+    VirtualTimeline& timeline, int size, const SimOptions& options = {});
+
+// The modelled duration of one collective (the table above): `count` as the Communicator API
+// defines it for `kind`, on `size` ranks.
+absl::Duration SimCollectiveCost(CollectiveKind kind, size_t count, DType dtype, int size,
+                                 const SimOptions& options);
+
+}  // namespace shardline
+
+#endif  // SHARDLINE_COLLECTIVES_SIM_SIM_COMMUNICATOR_H_
