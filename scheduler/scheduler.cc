@@ -291,13 +291,12 @@ absl::StatusOr<int> Scheduler::RegisterUnit(UnitSpec spec) {
         ") the units need: those kept unsharded after forward plus the largest backward "
         "footprint (parameters + gradient)"));
   }
-  int kept = 0;
-  for (const Unit& u : units_) kept += u.reshard_after_forward ? 0 : 1;
-  if (options_.budget_units > 0 && kept + 1 > options_.budget_units) {
+  if (options_.budget_units > 0 && MinimumBudgetUnits() > options_.budget_units) {
+    const int minimum = MinimumBudgetUnits();
     units_.pop_back();
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": budget_units ", options_.budget_units, " is below ", kept + 1,
-                     " (the units kept unsharded after forward plus one)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": budget_units ", options_.budget_units, " is below ", minimum,
+        " (the units kept unsharded after forward, those used more than once, plus one)"));
   }
   return id;
 }
@@ -320,6 +319,16 @@ uint64_t Scheduler::MinimumBudgetBytes() const {
     }
   }
   return kept + largest + reused;
+}
+
+int Scheduler::MinimumBudgetUnits() const {
+  int kept = 0;
+  for (const Unit& u : units_) kept += u.reshard_after_forward ? 0 : 1;
+  std::vector<int> uses(units_.size(), 0);
+  for (int u : order_) {
+    if (u >= 0 && u < num_units() && ++uses[u] == 2 && units_[u].reshard_after_forward) ++kept;
+  }
+  return kept + 1;
 }
 
 std::optional<int> Scheduler::FindUnit(absl::string_view name) const {
@@ -474,6 +483,21 @@ absl::Status Scheduler::AdvanceBackwardCursor(size_t target, int prefetch_depth)
     ++backward_cursor_;
   }
   return absl::OkStatus();
+}
+
+bool Scheduler::PrefetchedAgain(int u) const {
+  // A later use of `u` that the cursor already passed (it found the unit gathered and issued
+  // nothing for it): resharding now would leave that use without a gather.
+  if (phase_ == Phase::kForward) {
+    for (size_t q = step_sequence_.size(); q < forward_cursor_ && q < order_.size(); ++q) {
+      if (order_[q] == u) return true;
+    }
+    return false;
+  }
+  for (size_t q = backward_pos_; q < backward_cursor_ && q < backward_sequence_.size(); ++q) {
+    if (backward_sequence_[q] == u) return true;
+  }
+  return false;
 }
 
 absl::Status Scheduler::AcquireForCompute(int u) {
@@ -654,7 +678,7 @@ absl::Status Scheduler::PostForward(int u) {
   }
   SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> last_use, RecordEvent(compute_));
   --unit->active;
-  if (unit->active == 0 && unit->reshard_after_forward) {
+  if (unit->active == 0 && unit->reshard_after_forward && !PrefetchedAgain(u)) {
     SL_RETURN_IF_ERROR(HookError("PostForward", u, ReshardUnit(u, std::move(last_use))));
   }
   return HookError("PostForward", u, PrefetchForward());
@@ -692,6 +716,10 @@ absl::Status Scheduler::PreBackward(int u) {
                         ? options_.backward_prefetch_depth
                         : 0;
   SL_RETURN_IF_ERROR(HookError("PreBackward", u, AdvanceBackwardCursor(pos, depth)));
+  if (!unit->gathered) {
+    // Resharded after an earlier backward use although the cursor had passed this one.
+    SL_RETURN_IF_ERROR(HookError("PreBackward", u, IssueGather(u, true, /*demanded=*/true)));
+  }
   if (unit->recomputing == 0 || unit->active == 0) {
     SL_RETURN_IF_ERROR(HookError("PreBackward", u, AcquireForCompute(u)));
   }
@@ -718,7 +746,7 @@ absl::Status Scheduler::PostBackward(int u) {
   if (unit->backward_left > 0 || unit->active > 0) {
     // More backward uses to come (a unit used twice in forward): the gradient stays; the
     // parameters follow the reshard policy.
-    if (unit->active == 0 && unit->reshard_after_forward) {
+    if (unit->active == 0 && unit->reshard_after_forward && !PrefetchedAgain(u)) {
       SL_RETURN_IF_ERROR(HookError("PostBackward", u, ReshardUnit(u, std::move(ready))));
     }
     return absl::OkStatus();
@@ -878,6 +906,15 @@ absl::Status Scheduler::FinishBackward() {
     finished_->comm.push_back(unit.comm);
   }
   if (record_pending_check_) {
+    // The recorded order may show units used twice, whose gradients live through the backward.
+    if ((options_.budget_bytes > 0 && MinimumBudgetBytes() > options_.budget_bytes) ||
+        (options_.budget_units > 0 && MinimumBudgetUnits() > options_.budget_units)) {
+      SL_LOG(WARN, SCHED) << "scheduler '" << options_.name << "': with the recorded order the "
+                          << "units need a budget of " << MinimumBudgetBytes() << " bytes and "
+                          << MinimumBudgetUnits() << " units (set: " << options_.budget_bytes
+                          << " bytes, " << options_.budget_units
+                          << " units); gathers the compute needs will overshoot it";
+    }
     record_pending_check_ = false;
     if (absl::Status status = StartOrderCheck(); !status.ok()) return fail(status);
   }

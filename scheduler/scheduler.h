@@ -58,11 +58,14 @@
 // charged. A prefetch is issued only if it fits (bytes and count); otherwise it is deferred and
 // retried at every later hook, in order. A gather the compute needs now is always issued; if it
 // does not fit, that is counted as an overshoot in the metrics (it happens only when the forward
-// deviates from the recorded order or a unit's backward is skipped). Create refuses a budget
-// smaller than the minimum that makes overshoots impossible on the recorded order (the units
-// kept after forward plus the largest backward footprint). Unsharded gradients accumulated across
-// micro-batches without reduction (SetRequiresGradientSync(false)) persist between steps: they
-// are outside the budget and reported separately (accumulated_grad_bytes).
+// deviates from the known order, a unit's backward is skipped, or the budget is below the
+// minimum). RegisterUnit refuses (InvalidArgument) a budget below the minimum it can know then
+// (MinimumBudgetBytes/Units: the units kept after forward plus the largest backward footprint;
+// with an explicit order also the gradients of units used twice); when the first step records an
+// order with units used twice and the budget is below the new minimum, a warning names it.
+// Unsharded gradients accumulated across micro-batches without reduction
+// (SetRequiresGradientSync(false)) persist between steps: they are outside the budget and reported
+// separately (accumulated_grad_bytes).
 //
 // Thread safety: one thread at a time calls the hooks (as PyTorch's autograd engine does, one
 // backward at a time); the streams run anywhere.
@@ -309,8 +312,13 @@ class Scheduler {
   int64_t steps() const { return step_; }
   // The recorded (or explicit) forward order; empty before the first step ends.
   const std::vector<int>& forward_order() const { return order_; }
-  // The minimum budget_bytes the registered units need (see RegisterUnit).
+  // The minimum budget_bytes and budget_units the registered units need so that no gather ever
+  // overshoots on the known order: the units kept unsharded after forward, the gradients of units
+  // used more than once (they live from the first backward use to the last), and the largest
+  // backward footprint. Before the order is known (recorded in the first step, or explicit) units
+  // used twice are not counted.
   uint64_t MinimumBudgetBytes() const;
+  int MinimumBudgetUnits() const;
 
   // Every gather and reduction issued so far, in issue order ("AG block3", "RS block3",
   // "AR block3"): for tests of the scheduling decisions.
@@ -390,6 +398,7 @@ class Scheduler {
   absl::Status AdvanceBackwardCursor(size_t target, int prefetch_depth);
   absl::Status HandleBackwardPosition(size_t pos, bool demanded, bool* issued);
   absl::Status AcquireForCompute(int u);
+  bool PrefetchedAgain(int u) const;
   absl::Status ReshardUnit(int u, std::shared_ptr<Event> last_use);
   absl::Status IssueReadyReductions();
   absl::Status IssueReduction(int u);

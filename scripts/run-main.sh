@@ -8,17 +8,19 @@
 # against a single-process unsharded run, and a merged Chrome trace (build/train_fsdp_trace.json;
 # open it in https://ui.perfetto.dev). Then the same under hybrid sharding on 4 ranks (2 x 2) with
 # bf16 parameters and 2 micro-batches, the scheduler tour, and a short all-gather benchmark.
+# The training runs set SHARDLINE_UCX_SPIN_US=0: on a machine with fewer cores than the ranks'
+# compute, stream and UCX threads, spinning for a peer steals the core the compute needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh build
 echo
 echo "=== sharded training: 2 ranks, full shard, prefetch 1, 192 KiB budget (ucx)"
-build/bin/shardline-launch -n 2 -- build/examples/train_fsdp --steps 10 --budget-kib 192 \
+SHARDLINE_UCX_SPIN_US=0 build/bin/shardline-launch -n 2 -- build/examples/train_fsdp --steps 10 --budget-kib 192 \
   --trace build/train_fsdp_trace.json
 echo
 echo "=== sharded training: 4 ranks, hybrid 2 x 2, bf16 parameters, 2 micro-batches (ucx)"
-build/bin/shardline-launch -n 4 -- build/examples/train_fsdp --steps 10 --strategy hybrid_shard \
+SHARDLINE_UCX_SPIN_US=0 build/bin/shardline-launch -n 4 -- build/examples/train_fsdp --steps 10 --strategy hybrid_shard \
   --shard-size 2 --param-dtype bf16 --micro 2 --accumulation defer_all_reduce --trace ""
 echo
 echo "=== the scheduler API in one page"
