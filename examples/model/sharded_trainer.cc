@@ -235,14 +235,77 @@ absl::StatusOr<ShardedRun> TrainSharded(const ModelConfig& config,
   return run;
 }
 
+absl::StatusOr<std::vector<double>> TrainDataParallelReference(const ModelConfig& config, int steps,
+                                                               int world, int micro_batches,
+                                                               int group,
+                                                               const TrainOptions& options,
+                                                               ReferenceAccess& access) {
+  if (group < 1 || world % group != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reference: group ", group, " does not divide the world ", world));
+  }
+  const int global = config.tokens_per_rank * world;
+  const int piece = config.tokens_per_rank / micro_batches;
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    // [unit][tensor][element]: the gradients summed over the ranks of each group in rank order,
+    // then the groups' sums in group order.
+    std::vector<std::vector<std::vector<float>>> total, partial;
+    auto add = [](std::vector<std::vector<std::vector<float>>>& into,
+                  const std::vector<std::vector<std::vector<float>>>& g) {
+      if (into.empty()) {
+        into = g;
+        return;
+      }
+      for (size_t u = 0; u < into.size(); ++u) {
+        for (size_t t = 0; t < into[u].size(); ++t) {
+          for (size_t i = 0; i < into[u][t].size(); ++i) into[u][t][i] += g[u][t][i];
+        }
+      }
+    };
+    double loss = 0;
+    for (int r = 0; r < world; ++r) {
+      SL_ASSIGN_OR_RETURN(std::vector<Example> slice,
+                          SyntheticBatch(config, options.data_seed, s, r, world));
+      access.ZeroGrads();
+      for (int mb = 0; mb < micro_batches; ++mb) {
+        SL_ASSIGN_OR_RETURN(
+            double part, TrainStepForwardBackward(
+                             config, access, absl::MakeConstSpan(slice).subspan(mb * piece, piece),
+                             global, options.step));
+        loss += part;
+      }
+      add(partial, access.grads());
+      if ((r + 1) % group == 0) {
+        add(total, partial);
+        partial.clear();
+      }
+    }
+    for (size_t u = 0; u < total.size(); ++u) {
+      for (size_t t = 0; t < total[u].size(); ++t) access.grad(u, t) = total[u][t];
+    }
+    access.Step(options.adamw, s + 1);
+    losses.push_back(loss);
+  }
+  return losses;
+}
+
 absl::StatusOr<ReferenceComparison> CompareWithReference(const ModelConfig& config,
                                                          Communicator& world, const ShardedRun& run,
                                                          const ShardedRunOptions& options) {
   ReferenceAccess reference(config);
   ReferenceComparison out;
-  SL_ASSIGN_OR_RETURN(out.reference_losses,
-                      TrainReference(config, options.steps, world.size(), options.micro_batches,
-                                     options.train, reference));
+  // The groups whose gradients the reduce-scatter sums first: the shard groups.
+  int group = world.size();
+  if (options.scheduler.strategy == ShardingStrategy::kNoShard) group = 1;
+  if (options.scheduler.strategy == ShardingStrategy::kHybridShard &&
+      options.scheduler.shard_size > 0) {
+    group = options.scheduler.shard_size;
+  }
+  SL_ASSIGN_OR_RETURN(
+      out.reference_losses,
+      TrainDataParallelReference(config, options.steps, world.size(), options.micro_batches, group,
+                                 options.train, reference));
   // [diff^2, norm^2] per tensor, summed over the ranks.
   std::vector<double> sums;
   for (size_t u = 0; u < run.params.size(); ++u) {

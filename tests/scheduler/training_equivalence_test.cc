@@ -91,6 +91,7 @@ INSTANTIATE_TEST_SUITE_P(
     Strategies, TrainingEquivalenceTest,
     ::testing::Values(
         Case{"full_shard_sync", ShardingStrategy::kFullShard, 2, 0, 2, Accumulation::kSync},
+        Case{"full_shard_4_ranks", ShardingStrategy::kFullShard, 4, 0, 1, Accumulation::kSync},
         Case{"full_shard_no_sync", ShardingStrategy::kFullShard, 2, 0, 2, Accumulation::kNoSync},
         Case{"shard_grad_op_sync", ShardingStrategy::kShardGradOp, 2, 0, 2, Accumulation::kSync},
         Case{"shard_grad_op_no_sync", ShardingStrategy::kShardGradOp, 2, 0, 2,
