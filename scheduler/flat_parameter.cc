@@ -350,6 +350,10 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   SL_RETURN_IF_ERROR(Annotate(
       EnqueueCast(gather_stream, master_.data(), policy_.master_dtype, slice, param, count),
       context));
+  if (options.collective_start != nullptr) {
+    absl::StatusOr<std::shared_ptr<Event>> start = RecordEvent(gather_stream);
+    *options.collective_start = start.ok() ? *std::move(start) : nullptr;
+  }
   absl::StatusOr<Work> work =
       shard_comm.AllGather(slice, buffer->data(), count, param, gather_stream, options.collective);
   if (!work.ok()) {
@@ -546,6 +550,10 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   collective.op = options.op;
   absl::Status status = EnqueueCast(stream, grad, param, input, reduce, total);
   const bool cast_enqueued = status.ok() && reduce != param;
+  if (status.ok() && options.collective_start != nullptr) {
+    absl::StatusOr<std::shared_ptr<Event>> start = RecordEvent(stream);
+    *options.collective_start = start.ok() ? *std::move(start) : nullptr;
+  }
   if (status.ok()) {
     // In place: this rank's reduced shard lands in its own slice of the input.
     status = shard_comm.ReduceScatter(input, slice, count, reduce, stream, collective).status();

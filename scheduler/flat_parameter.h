@@ -180,6 +180,9 @@ struct GatherOptions {
   // the optimizer step that updated it on another stream).
   std::shared_ptr<Event> shard_ready;
   CollectiveOptions collective;
+  // If set, receives an event recorded on the gather stream right before the all-gather (after
+  // the waits and the cast into place): with the Work's event, the collective's own duration.
+  std::shared_ptr<Event>* collective_start = nullptr;
 };
 
 struct ReduceGradOptions {
@@ -187,6 +190,9 @@ struct ReduceGradOptions {
   // sum. Anything else is InvalidArgument.
   ReduceOp op = ReduceOp::kAvg;
   CollectiveOptions collective;
+  // ReduceScatter only. If set, receives an event recorded on the stream right before the
+  // reduce-scatter (after the wait for the gradient and the cast).
+  std::shared_ptr<Event>* collective_start = nullptr;
 };
 
 class FlatParameter {

@@ -403,8 +403,9 @@ absl::Status Scheduler::IssueGather(int u, bool backward, bool demanded) {
     if (!demanded) return absl::OkStatus();
     ++current_.budget_overshoots;
   }
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> start, RecordEvent(*gather_stream_));
-  SL_ASSIGN_OR_RETURN(Work work, unit.param->Gather(*gather_comm_, *gather_stream_));
+  std::shared_ptr<Event> start;
+  SL_ASSIGN_OR_RETURN(
+      Work work, unit.param->Gather(*gather_comm_, *gather_stream_, {.collective_start = &start}));
   unit.comm.emplace_back(std::move(start), work.event());
   unit.gathered = true;
   unit.backward_gather = backward;
@@ -424,7 +425,8 @@ absl::Status Scheduler::PrefetchForward() {
     Unit& unit = units_[order_[forward_cursor_]];
     if (!unit.gathered) {
       if (!Fits(unit.param_bytes, unit.charged == 0)) {
-        ++current_.deferred_prefetches;
+        if (deferred_forward_ != forward_cursor_) ++current_.deferred_prefetches;
+        deferred_forward_ = forward_cursor_;
         return absl::OkStatus();  // retried at the next hook, in order
       }
       SL_RETURN_IF_ERROR(IssueGather(order_[forward_cursor_], /*backward=*/false,
@@ -477,7 +479,8 @@ absl::Status Scheduler::AdvanceBackwardCursor(size_t target, int prefetch_depth)
     bool issued = false;
     SL_RETURN_IF_ERROR(HandleBackwardPosition(backward_cursor_, /*demanded=*/false, &issued));
     if (!issued) {
-      ++current_.deferred_prefetches;
+      if (deferred_backward_ != backward_cursor_) ++current_.deferred_prefetches;
+      deferred_backward_ = backward_cursor_;
       return absl::OkStatus();
     }
     ++backward_cursor_;
@@ -557,6 +560,7 @@ absl::Status Scheduler::BeginStep() {
   step_sequence_.clear();
   deviated_ = false;
   forward_cursor_ = 0;
+  deferred_forward_ = deferred_backward_ = SIZE_MAX;
   backward_sequence_.clear();
   backward_cursor_ = 0;
   backward_pos_ = 0;
@@ -774,10 +778,12 @@ absl::Status Scheduler::IssueReduction(int u) {
   Unit& unit = units_[u];
   const MixedPrecisionPolicy& mp = unit.param->policy();
   const ReduceGradOptions ro{.op = unit.reduce_op};
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> start, RecordEvent(*reduce_stream_));
+  std::shared_ptr<Event> start;
+  ReduceGradOptions rs = ro;
+  rs.collective_start = &start;
   SL_ASSIGN_OR_RETURN(
       std::shared_ptr<Event> scattered,
-      unit.param->ReduceScatter(*reduce_comm_, *reduce_stream_, unit.grad_ready_event, ro));
+      unit.param->ReduceScatter(*reduce_comm_, *reduce_stream_, unit.grad_ready_event, rs));
   issue_log_.push_back(absl::StrCat("RS ", unit.name));
   unit.comm.emplace_back(std::move(start), scattered);
   const uint64_t reduced_bytes = unit.param->layout().total_elements() * DTypeSize(mp.reduce_dtype);

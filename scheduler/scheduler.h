@@ -192,8 +192,8 @@ struct StepMetrics {
   int budget_units = 0;
   uint64_t peak_inflight_bytes = 0;
   int peak_inflight_units = 0;
-  int budget_overshoots = 0;  // demanded gathers issued although they did not fit
-  int deferred_prefetches = 0;
+  int budget_overshoots = 0;    // demanded gathers issued although they did not fit
+  int deferred_prefetches = 0;  // prefetches that did not fit when first due (each counted once)
   // Unsharded gradients kept across micro-batches (outside the budget), at the end of the step.
   uint64_t accumulated_grad_bytes = 0;
   // Physical peaks of the pools this step (includes size-class rounding).
@@ -440,6 +440,9 @@ class Scheduler {
   std::vector<int> step_sequence_;
   bool deviated_ = false;
   size_t forward_cursor_ = 0;  // positions of order_ before it were prefetched or skipped
+  // The cursor positions whose prefetch was last deferred (a deferral is counted once).
+  size_t deferred_forward_ = SIZE_MAX;
+  size_t deferred_backward_ = SIZE_MAX;
 
   // Backward: the reverse of step_sequence_, its gather cursor, the next expected use, and the
   // reduction order.
