@@ -13,7 +13,7 @@
 // Flags: --steps N (10)  --strategy full_shard|shard_grad_op|no_shard|hybrid_shard
 //        --shard-size S (hybrid)  --micro M (1)  --accumulation sync|no_sync|defer_all_reduce
 //        --param-dtype f32|bf16  --budget-kib K (0: unlimited)  --prefetch D (1)
-//        --backward-prefetch off|before|after  --recompute  --blocks B (10)
+//        --backward-prefetch off|before|after  --recompute  --cpu-offload  --blocks B (10)
 //        --trace PATH (train_fsdp_trace.json; "" for none)  --tolerance T (1e-5; bf16: 2e-2)
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +45,7 @@ struct Flags {
   int prefetch = 1;
   std::string backward_prefetch = "before";
   bool recompute = false;
+  bool cpu_offload = false;
   bool verbose = false;
   int blocks = 10;
   std::string trace = "train_fsdp_trace.json";
@@ -89,6 +90,8 @@ absl::Status Parse(int argc, char** argv, Flags& f) {
       SL_RETURN_IF_ERROR(integer(f.blocks));
     } else if (flag == "--recompute") {
       f.recompute = true;
+    } else if (flag == "--cpu-offload") {
+      f.cpu_offload = true;
     } else if (flag == "--verbose") {
       f.verbose = true;
     } else if (flag == "--trace") {
@@ -115,6 +118,7 @@ absl::StatusOr<ex::ShardedRunOptions> MakeOptions(const Flags& f, sl::TraceWrite
   o.scheduler.forward_prefetch = f.prefetch;
   o.scheduler.budget_bytes = static_cast<size_t>(f.budget_kib) * 1024;
   o.train.step.recompute = f.recompute;
+  o.scheduler.cpu_offload = f.cpu_offload;
   if (f.strategy == "full_shard") {
     o.scheduler.strategy = sl::ShardingStrategy::kFullShard;
   } else if (f.strategy == "shard_grad_op") {

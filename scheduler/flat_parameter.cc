@@ -61,6 +61,7 @@ FlatParameter::FlatParameter(FlatLayout layout, int shard_rank, const MixedPreci
       pool_(options.unsharded_pool),
       grad_pool_(options.grad_pool != nullptr ? options.grad_pool : options.unsharded_pool),
       stream_ordered_grad_(options.stream_ordered_grad),
+      offload_(options.offload_allocator != nullptr),
       shard_allocator_(options.shard_allocator),
       name_(std::move(options.name)) {}
 
@@ -91,6 +92,14 @@ absl::StatusOr<std::unique_ptr<FlatParameter>> FlatParameter::Create(
   if (options.unsharded_pool == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": unsharded_pool is null"));
   }
+  if (options.offload_allocator != nullptr) {
+    if (!options.offload_allocator->device().is_host()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": offload_allocator '", options.offload_allocator->name(), "' is on ",
+          options.offload_allocator->device().ToString(), "; CPU offload needs host memory"));
+    }
+    options.shard_allocator = options.offload_allocator;
+  }
   if (options.shard_allocator == nullptr) options.shard_allocator = options.unsharded_pool;
   if (options.grad_pool != nullptr &&
       options.grad_pool->device() != options.unsharded_pool->device()) {
@@ -99,7 +108,8 @@ absl::StatusOr<std::unique_ptr<FlatParameter>> FlatParameter::Create(
         options.grad_pool->device().ToString(), " but unsharded_pool '",
         options.unsharded_pool->name(), "' is on ", options.unsharded_pool->device().ToString()));
   }
-  if (options.shard_allocator->device() != options.unsharded_pool->device()) {
+  if (options.offload_allocator == nullptr &&
+      options.shard_allocator->device() != options.unsharded_pool->device()) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": shard_allocator '", options.shard_allocator->name(), "' is on ",
         options.shard_allocator->device().ToString(), " but unsharded_pool '",
@@ -114,11 +124,16 @@ absl::StatusOr<std::unique_ptr<FlatParameter>> FlatParameter::Create(
           what, ": master_shard has ", external.size(), " bytes but the layout's shard needs ",
           bytes, " (", layout.shard_elements(), " x ", DTypeName(policy.master_dtype), ")"));
     }
-    if (external.device() != options.unsharded_pool->device()) {
+    const Device master_device = options.offload_allocator != nullptr
+                                     ? options.offload_allocator->device()
+                                     : options.unsharded_pool->device();
+    if (external.device() != master_device) {
       return absl::InvalidArgumentError(absl::StrCat(
-          what, ": master_shard is on ", external.device().ToString(), " but unsharded_pool '",
-          options.unsharded_pool->name(), "' is on ", options.unsharded_pool->device().ToString(),
-          " (a host master shard with a device pool, CPU offload, is not supported yet)"));
+          what, ": master_shard is on ", external.device().ToString(), " but the master shard ",
+          "belongs on ", master_device.ToString(),
+          options.offload_allocator != nullptr ? " (CPU offload)"
+                                               : " (for a host master shard with a device pool, "
+                                                 "set offload_allocator: CPU offload)"));
     }
   }
   if (options.init_stream != nullptr &&
@@ -335,6 +350,15 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   // The gather stream is the buffer's first user: it may wait for the block's previous users.
   absl::StatusOr<Buffer> buffer = pool_->Allocate(layout_.total_elements() * psize, gather_stream);
   if (!buffer.ok()) return Annotate(buffer.status(), context);
+  // CPU offload: the master shard is in host memory; it is copied to the device first (a
+  // shard-sized staging buffer from the pool), and cast into place from there.
+  Buffer staging;
+  if (offload_) {
+    absl::StatusOr<Buffer> copy =
+        pool_->Allocate(count * DTypeSize(policy_.master_dtype), gather_stream);
+    if (!copy.ok()) return Annotate(copy.status(), absl::StrCat(context, ": offload staging"));
+    staging = *std::move(copy);
+  }
   void* slice = ElementAt(buffer->data(), layout_.ShardBegin(shard_rank_), psize);
 
   // Waits enqueue no reader of the new buffer: on failure it goes back unguarded.
@@ -347,9 +371,19 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   const std::shared_ptr<Event>& previous =
       gather_work_.event() != nullptr ? gather_work_.event() : master_ready_;
   SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(gather_stream, previous), context));
-  SL_RETURN_IF_ERROR(Annotate(
-      EnqueueCast(gather_stream, master_.data(), policy_.master_dtype, slice, param, count),
-      context));
+  const void* master = master_.data();
+  if (offload_) {
+    SL_RETURN_IF_ERROR(
+        Annotate(EnqueueCopy(gather_stream, staging.data(), master_.data(), staging.size()),
+                 absl::StrCat(context, ": copying the offloaded master shard to the device")));
+    master = staging.data();
+  }
+  absl::Status cast = EnqueueCast(gather_stream, master, policy_.master_dtype, slice, param, count);
+  if (offload_) {
+    absl::StatusOr<std::shared_ptr<Event>> cast_done = RecordEvent(gather_stream);
+    if (cast_done.ok()) staging.ReleaseAfter(*cast_done);
+  }
+  SL_RETURN_IF_ERROR(Annotate(cast, context));
   if (options.collective_start != nullptr) {
     absl::StatusOr<std::shared_ptr<Event>> start = RecordEvent(gather_stream);
     *options.collective_start = start.ok() ? *std::move(start) : nullptr;
@@ -645,8 +679,19 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
     if (!buffer.ok()) return Annotate(buffer.status(), absl::StrCat(context, ": sharded gradient"));
     new_shard_grad = *std::move(buffer);
   }
+  // CPU offload: the reduced shard comes back to host memory, where the sharded gradient is.
+  Buffer host_slice;
+  if (offload_) {
+    absl::StatusOr<Buffer> buffer = shard_allocator_->Allocate(count * DTypeSize(reduce));
+    if (!buffer.ok()) {
+      return Annotate(buffer.status(), absl::StrCat(context, ": reduced shard in host memory"));
+    }
+    host_slice = *std::move(buffer);
+  }
   if (accumulate && grad_dtype != reduce) {
-    absl::StatusOr<Buffer> buffer = grad_pool_->Allocate(count * DTypeSize(grad_dtype), stream);
+    absl::StatusOr<Buffer> buffer =
+        offload_ ? shard_allocator_->Allocate(count * DTypeSize(grad_dtype))
+                 : grad_pool_->Allocate(count * DTypeSize(grad_dtype), stream);
     if (!buffer.ok()) {
       return Annotate(buffer.status(),
                       absl::StrCat(context, ": reduced shard in the sharded gradient's dtype"));
@@ -661,6 +706,10 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
   void* shard_grad = fresh ? new_shard_grad.data() : shard_grad_.data();
   const void* slice = reduced_slice_;
   absl::Status status = [&]() -> absl::Status {
+    if (offload_) {
+      SL_RETURN_IF_ERROR(EnqueueCopy(stream, host_slice.data(), slice, host_slice.size()));
+      slice = host_slice.data();
+    }
     if (!accumulate) return EnqueueCast(stream, slice, reduce, shard_grad, grad_dtype, count);
     if (grad_dtype == reduce) return EnqueueReduce(stream, shard_grad, slice, count, grad_dtype);
     SL_RETURN_IF_ERROR(
@@ -670,6 +719,7 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
   // Work that writes the new buffers may be queued even on error (a cast before a failed add).
   absl::StatusOr<std::shared_ptr<Event>> done = RecordEvent(stream);
   if (done.ok()) shard_grad_temp.ReleaseAfter(*done);
+  if (done.ok()) host_slice.ReleaseAfter(*done);
   if (fresh) {
     if (done.ok()) new_shard_grad.ReleaseAfter(*done);
     shard_grad_ = std::move(new_shard_grad);

@@ -142,6 +142,15 @@ struct FlatParameterOptions {
   // The master shard and the sharded gradient. Null: unsharded_pool. Must be on the same device
   // as unsharded_pool and outlive the FlatParameter.
   Allocator* shard_allocator = nullptr;
+  // CPU offload: the master shard and the sharded gradient live here (host memory; pinned on a
+  // GPU machine, so that copies are asynchronous and device kernels can reach it), replacing
+  // shard_allocator; the unsharded buffers stay in the pools (the device). Gather copies the
+  // master shard into a shard-sized staging buffer from unsharded_pool on the gather stream and
+  // casts into place from there; Accumulate copies the reduced shard back into a host buffer on
+  // its stream and adds it into the sharded gradient there. Must be on the host and outlive the
+  // FlatParameter. (On a GPU-less machine the pools are host memory too, and the copies are
+  // memcpys: they still run.)
+  Allocator* offload_allocator = nullptr;
   // Shown in errors and logs ("block3").
   std::string name = "unit";
   // The framework's own memory for the master shard (Buffer::Adopt or Buffer::View):
@@ -357,6 +366,7 @@ class FlatParameter {
   Allocator* pool_;
   Allocator* grad_pool_;
   bool stream_ordered_grad_;
+  bool offload_;
   Allocator* shard_allocator_;
   std::string name_;
   FlatParameterState state_ = FlatParameterState::kSharded;

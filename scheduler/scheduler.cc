@@ -216,6 +216,24 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::shared_ptr<Com
     s->reduce_pool_ = s->own_reduce_pool_.get();
   }
   s->shard_allocator_ = o.shard_allocator != nullptr ? o.shard_allocator : s->backing_.get();
+  if (o.cpu_offload) {
+    s->offload_allocator_ = o.offload_allocator;
+    if (s->offload_allocator_ == nullptr) {
+      if (compute.device().is_host()) {
+        // No device here: a host allocator of its own, apart from the pools (the "device").
+        s->own_offload_ = CreateHostAllocator(64, absl::StrCat(o.name, ".offload"));
+      } else {
+        absl::StatusOr<std::unique_ptr<Allocator>> pinned =
+            CreatePinnedAllocator(absl::StrCat(o.name, ".offload"));
+        if (!pinned.ok()) return Annotate(pinned.status(), absl::StrCat(what, ": cpu_offload"));
+        s->own_offload_ = *std::move(pinned);
+      }
+      s->offload_allocator_ = s->own_offload_.get();
+    }
+  } else if (o.offload_allocator != nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": offload_allocator is set but cpu_offload is false"));
+  }
   s->order_ = o.forward_order;
   s->order_known_ = !s->order_.empty();
   return s;
@@ -262,6 +280,9 @@ absl::StatusOr<int> Scheduler::RegisterUnit(UnitSpec spec) {
       spec.policy.reshard_after_forward.value_or(strategy_reshards && id != options_.root_unit);
   const uint64_t total = layout->total_elements();
   unit.param_bytes = total * DTypeSize(mp.param_dtype);
+  if (offload_allocator_ != nullptr) {
+    unit.param_bytes += layout->shard_elements() * DTypeSize(mp.master_dtype);  // the staging
+  }
   uint64_t grad = total * DTypeSize(mp.param_dtype);
   if (mp.reduce_dtype != mp.param_dtype) grad += total * DTypeSize(mp.reduce_dtype);
   if (mp.reduce_dtype != mp.sharded_grad_dtype()) {
@@ -274,6 +295,7 @@ absl::StatusOr<int> Scheduler::RegisterUnit(UnitSpec spec) {
                              .grad_pool = reduce_pool_,
                              .stream_ordered_grad = false,
                              .shard_allocator = shard_allocator_,
+                             .offload_allocator = offload_allocator_,
                              .name = spec.name,
                              .master_shard = std::move(spec.master_shard),
                              .init_stream = gather_stream_.get()});

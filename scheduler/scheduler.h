@@ -51,6 +51,7 @@
 // decisions depend only on the sequence of hook calls, never on clocks or completions):
 //   forward gather   the unit's unsharded parameters (param_dtype), from the gather's issue until
 //                    the unit reshards;
+//   (with CPU offload, also the shard-sized staging buffer the master shard is copied into)
 //   backward gather  the parameters plus the unsharded gradient (and its reduce_dtype copy if
 //                    reduce_dtype differs), from the gather's issue until the reduction is issued
 //                    (the buffers then go back stream-ordered, after the reduction's events).
@@ -165,6 +166,13 @@ struct SchedulerOptions {
   Allocator* reduce_pool = nullptr;
   // Master shards and sharded gradients. Null: an allocator of the compute stream's device.
   Allocator* shard_allocator = nullptr;
+  // CPU offload (FSDP's CPUOffload(offload_params=True)): master shards and sharded gradients in
+  // host memory (offload_allocator; null: pinned memory on a GPU, a separate host allocator
+  // otherwise), the unsharded buffers in the pools; each gather copies the shard to the device
+  // on the gather stream, each reduction copies the reduced shard back on its stream
+  // (FlatParameterOptions::offload_allocator). The optimizer then steps on host memory.
+  bool cpu_offload = false;
+  Allocator* offload_allocator = nullptr;
 
   // Chrome-trace spans of the scheduler's streams (tracks "gather", "reduce", "all_reduce") and
   // counters of the bytes in flight. Null: none. Must outlive the scheduler.
@@ -418,6 +426,8 @@ class Scheduler {
   std::unique_ptr<Allocator> backing_;
   std::unique_ptr<Allocator> own_gather_pool_;
   std::unique_ptr<Allocator> own_reduce_pool_;
+  std::unique_ptr<Allocator> own_offload_;
+  Allocator* offload_allocator_ = nullptr;  // null unless cpu_offload
   Allocator* gather_pool_ = nullptr;
   Allocator* reduce_pool_ = nullptr;
   Allocator* shard_allocator_ = nullptr;

@@ -206,8 +206,10 @@ struct RunOptions {
   // How micro-batches before the last reduce: kSync (every one), kNoSync (accumulate unsharded,
   // SetRequiresGradientSync(false)), kDeferAllReduce (hybrid: SetRequiresAllReduce(false)).
   enum class Accumulation { kSync, kNoSync, kDeferAllReduce } accumulation = Accumulation::kNoSync;
-  bool recompute = false;               // re-run each unit's forward inside its backward
-  double clip = 0;                      // > 0: ClipGradNorm(clip) before the optimizer
+  bool recompute = false;  // re-run each unit's forward inside its backward
+  double clip = 0;         // > 0: ClipGradNorm(clip) before the optimizer
+  // CPU offload into these allocators (one per rank); empty: no offload.
+  std::vector<Allocator*> offload;
   std::pair<int, int> skip = {-1, -1};  // (world rank, unit) whose backward is skipped
   // A step (>= 1) in which the forward runs units in another order (reversed blocks).
   int deviate_step = -1;
@@ -248,6 +250,10 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
     SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute,
                         o.host_compute ? CreateHostStream(so) : CreateCallerStream(so));
     SchedulerOptions sopt = o.scheduler;
+    if (!o.offload.empty()) {
+      sopt.cpu_offload = true;
+      sopt.offload_allocator = o.offload[rank];
+    }
     SL_ASSIGN_OR_RETURN(std::unique_ptr<Scheduler> sched,
                         Scheduler::Create(comm, *compute, sopt, Deadline()));
     for (size_t u = 0; u < m.units.size(); ++u) {
@@ -734,6 +740,36 @@ TEST(SchedulerBudgetTest, TheMinimumBudgetDefersPrefetchesWithoutOvershooting) {
       }
       // Prefetch depth 3 does not fit in the minimum: prefetches were deferred, not dropped.
       if (budget == minimum) EXPECT_GT(r.metrics.back().deferred_prefetches, 0);
+    }
+  }
+}
+
+TEST(SchedulerOffloadTest, OffloadedShardsTrainLikeTheReference) {
+  // No device here: the pools (the "device") and the offload allocator are separate host
+  // allocators, so the copies between them really run; a missing copy would train on garbage.
+  ToyModel m = MakeToy(5, /*tied=*/true);
+  for (const auto& [strategy, world, shard] : {std::tuple{ShardingStrategy::kFullShard, 2, 0},
+                                               std::tuple{ShardingStrategy::kHybridShard, 4, 2}}) {
+    std::vector<std::unique_ptr<Allocator>> hosts;
+    RunOptions o;
+    o.world = world;
+    o.micro = 2;
+    o.accumulation = RunOptions::Accumulation::kSync;
+    o.scheduler.strategy = strategy;
+    o.scheduler.shard_size = shard;
+    for (int r = 0; r < world; ++r) {
+      hosts.push_back(CreateHostAllocator(64, absl::StrCat("offload", r)));
+      o.offload.push_back(hosts.back().get());
+    }
+    std::vector<RankResult> results = Train(m, o);
+    ExpectMatchesReference(m, results, Reference(m, world, o.steps, 2));
+    for (int r = 0; r < world; ++r) {
+      const MemoryStats stats = hosts[r]->stats();
+      // The offload allocator held the master shards and sharded gradients (5 units x 2), and
+      // the reduced shards copied back from the device, one per reduction (5 units x 2
+      // micro-batches x 3 steps).
+      EXPECT_GE(stats.total_allocations, 10 + 30) << "rank " << r;
+      EXPECT_GT(stats.peak_bytes, 0);
     }
   }
 }

@@ -3,7 +3,8 @@
 // backend, against the single-process unsharded run of the same global batches: every tensor's
 // ||sharded - unsharded|| / ||unsharded|| must be under 1e-5 in f32 (bf16 parameters: 2e-2), for
 // full shard, shard-grad-op and no-shard on 2 ranks and hybrid 2 x 2 on 4, with each gradient
-// accumulation mode over 2 micro-batches, with activation recomputation, and under a budget.
+// accumulation mode over 2 micro-batches, with activation recomputation, under a budget, and with
+// CPU offload.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -28,6 +29,7 @@ struct Case {
   DType param_dtype = DType::kF32;
   bool recompute = false;
   size_t budget_bytes = 0;
+  bool cpu_offload = false;
 };
 
 class TrainingEquivalenceTest : public ::testing::TestWithParam<Case> {};
@@ -49,6 +51,7 @@ TEST_P(TrainingEquivalenceTest, MatchesTheUnshardedRun) {
   options.scheduler.strategy = c.strategy;
   options.scheduler.shard_size = c.shard_size;
   options.scheduler.budget_bytes = c.budget_bytes;
+  options.scheduler.cpu_offload = c.cpu_offload;
   auto comms = CreateLocalCommunicators(c.world, {.timeout = absl::Seconds(60)});
   ASSERT_TRUE(comms.ok());
   std::vector<absl::StatusOr<ShardedRun>> runs(c.world, absl::UnknownError("not run"));
@@ -109,7 +112,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"full_shard_recompute", ShardingStrategy::kFullShard, 2, 0, 1, Accumulation::kSync,
              DType::kF32, true},
         Case{"full_shard_budget", ShardingStrategy::kFullShard, 2, 0, 1, Accumulation::kSync,
-             DType::kF32, false, 24 * 1024}),
+             DType::kF32, false, 24 * 1024},
+        Case{"hybrid_2x2_cpu_offload", ShardingStrategy::kHybridShard, 4, 2, 2,
+             Accumulation::kNoSync, DType::kF32, false, 0, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace
