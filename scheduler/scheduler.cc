@@ -1044,6 +1044,25 @@ void Scheduler::SetRequiresGradientSync(bool sync) { sync_grads_ = sync; }
 
 void Scheduler::SetRequiresAllReduce(bool all_reduce) { all_reduce_ = all_reduce; }
 
+absl::Status Scheduler::SetBudget(size_t bytes, int units) {
+  const std::string what =
+      absl::StrCat("scheduler '", options_.name, "': SetBudget(", bytes, ", ", units, ")");
+  if (phase_ != Phase::kIdle)
+    return absl::FailedPreconditionError(absl::StrCat(what, ": during a step"));
+  if (units < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": negative units"));
+  if (bytes > 0 && bytes < MinimumBudgetBytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": below the minimum of ", MinimumBudgetBytes(), " bytes"));
+  }
+  if (units > 0 && units < MinimumBudgetUnits()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": below the minimum of ", MinimumBudgetUnits(), " units"));
+  }
+  options_.budget_bytes = bytes;
+  options_.budget_units = units;
+  return absl::OkStatus();
+}
+
 absl::Status Scheduler::ZeroGrad() {
   if (phase_ != Phase::kIdle) {
     return absl::FailedPreconditionError(

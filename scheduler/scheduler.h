@@ -304,6 +304,10 @@ class Scheduler {
   // the replicate all-reduce; the next step with true all-reduces the accumulated sharded
   // gradient once.
   void SetRequiresAllReduce(bool all_reduce);
+  // Changes the budget (SchedulerOptions::budget_bytes/budget_units; 0: unlimited) between steps.
+  // InvalidArgument below MinimumBudgetBytes()/MinimumBudgetUnits(), FailedPrecondition during a
+  // step.
+  absl::Status SetBudget(size_t bytes, int units);
   // zero_grad(): zero-fills every sharded gradient on the compute stream.
   absl::Status ZeroGrad();
   // Clips the sharded gradients by their global L2 norm (over every parameter of every unit,

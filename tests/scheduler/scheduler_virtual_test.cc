@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "collectives/sim/sim_communicator.h"
 #include "runtime/check.h"
 #include "runtime/status.h"
@@ -132,21 +133,7 @@ TEST(SchedulerVirtualTest, TheBudgetHoldsOnAThousandRandomConfigurations) {
     options.backward_prefetch_depth = 1 + static_cast<int>(rng() % 3);
     options.forward_order = uses;  // explicit: no cross-rank check (it would block once)
     options.root_unit = static_cast<int>(rng() % (units + 1)) - 1;
-    // The minimum for these units: ask a scheduler without a budget.
-    uint64_t minimum = 0;
-    int minimum_units = 1;
-    {
-      std::unique_ptr<World> probe = MakeWorld(ranks, options, 1e9);
-      for (int u = 0; u < units; ++u) {
-        ASSERT_TRUE(probe->schedulers[0]
-                        ->RegisterUnit({.name = absl::StrCat("u", u), .tensors = specs[u]})
-                        .ok());
-      }
-      minimum = probe->schedulers[0]->MinimumBudgetBytes();
-      minimum_units = probe->schedulers[0]->MinimumBudgetUnits();
-    }
-    options.budget_bytes = minimum + rng() % (minimum * 2 + 1);
-    options.budget_units = rng() % 2 == 0 ? 0 : minimum_units + static_cast<int>(rng() % 3);
+    // The units' minimum, then a random budget at or above it.
     std::unique_ptr<World> w = MakeWorld(ranks, options, 1e9);
     for (int r = 0; r < ranks; ++r) {
       for (int u = 0; u < units; ++u) {
@@ -154,6 +141,14 @@ TEST(SchedulerVirtualTest, TheBudgetHoldsOnAThousandRandomConfigurations) {
                         ->RegisterUnit({.name = absl::StrCat("u", u), .tensors = specs[u]})
                         .ok());
       }
+    }
+    const uint64_t minimum = w->schedulers[0]->MinimumBudgetBytes();
+    const int minimum_units = w->schedulers[0]->MinimumBudgetUnits();
+    options.budget_bytes = minimum + rng() % (minimum * 2 + 1);
+    options.budget_units = rng() % 2 == 0 ? 0 : minimum_units + static_cast<int>(rng() % 3);
+    for (int r = 0; r < ranks; ++r) {
+      ASSERT_TRUE(w->schedulers[r]->SetBudget(options.budget_bytes, options.budget_units).ok());
+      ASSERT_FALSE(w->schedulers[r]->SetBudget(minimum - 1, 0).ok());
     }
     for (int step = 0; step < 2; ++step) {
       absl::StatusOr<bool> blocked =
@@ -176,6 +171,66 @@ TEST(SchedulerVirtualTest, TheBudgetHoldsOnAThousandRandomConfigurations) {
   }
   // The budgets were tight enough to defer prefetches (the property is not vacuous).
   EXPECT_GT(deferred_total, 100);
+}
+
+TEST(SchedulerVirtualTest, ExactIssueOrderPerPrefetchModeAndDepth) {
+  // 5 units, u0 used again at the end (tied); every unit reshards after forward. The issue log of
+  // the second step (the order is known) on both ranks.
+  const std::vector<int> uses = {0, 1, 2, 3, 4, 0};
+  struct Case {
+    int forward;
+    BackwardPrefetch backward;
+    int depth;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {0, BackwardPrefetch::kOff, 1,
+       "AG u0, AG u1, AG u2, AG u3, AG u4, AG u0, AG u0, AG u4, RS u4, AG u3, RS u3, AG u2, RS u2, "
+       "AG u1, RS u1, AG u0, RS u0"},
+      {1, BackwardPrefetch::kOff, 1,
+       "AG u0, AG u1, AG u2, AG u3, AG u4, AG u0, AG u0, AG u4, RS u4, AG u3, RS u3, AG u2, RS u2, "
+       "AG u1, RS u1, AG u0, RS u0"},
+      {3, BackwardPrefetch::kBeforeGrad, 1,
+       "AG u0, AG u1, AG u2, AG u3, AG u4, AG u0, AG u0, AG u4, AG u3, RS u4, AG u2, RS u3, AG u1, "
+       "RS u2, AG u0, RS u1, RS u0"},
+      // Depth 3 before the gradient: at u0's first backward use, u4, u3 and u2 are prefetched.
+      {1, BackwardPrefetch::kBeforeGrad, 3,
+       "AG u0, AG u1, AG u2, AG u3, AG u4, AG u0, AG u0, AG u4, AG u3, AG u2, AG u1, RS u4, AG u0, "
+       "RS u3, RS u2, RS u1, RS u0"},
+      // Depth 2 after the gradient: each prefetch follows the unit's backward, before its
+      // reduction.
+      {1, BackwardPrefetch::kAfterGrad, 2,
+       "AG u0, AG u1, AG u2, AG u3, AG u4, AG u0, AG u0, AG u4, AG u3, AG u2, RS u4, AG u1, RS u3, "
+       "AG u0, RS u2, RS u1, RS u0"},
+  };
+  for (const Case& c : cases) {
+    SchedulerOptions options;
+    options.forward_prefetch = c.forward;
+    options.backward_prefetch = c.backward;
+    options.backward_prefetch_depth = c.depth;
+    options.forward_order = uses;
+    options.root_unit = -1;
+    std::unique_ptr<World> w = MakeWorld(2, options, 1e9);
+    for (int r = 0; r < 2; ++r) {
+      for (int u = 0; u < 5; ++u) {
+        ASSERT_TRUE(w->schedulers[r]
+                        ->RegisterUnit({.name = absl::StrCat("u", u),
+                                        .tensors = {{.name = "w", .shape = {1000 + 7 * u}}}})
+                        .ok());
+      }
+    }
+    for (int step = 0; step < 2; ++step) {
+      for (int r = 0; r < 2; ++r) w->schedulers[r]->ClearIssueLog();
+      absl::StatusOr<bool> blocked =
+          Step(*w, uses, absl::Microseconds(100), absl::Microseconds(200));
+      ASSERT_TRUE(blocked.ok()) << blocked.status();
+    }
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(absl::StrJoin(w->schedulers[r]->issue_log(), ", "), c.expected)
+          << "rank " << r << " forward " << c.forward << " backward "
+          << BackwardPrefetchName(c.backward) << " depth " << c.depth;
+    }
+  }
 }
 
 TEST(SchedulerVirtualTest, PrefetchHidesEveryGatherButTheFirst) {
