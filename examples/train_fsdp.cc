@@ -4,8 +4,9 @@
 //
 //   build/bin/shardline-launch -n 2 -- build/examples/train_fsdp [flags]
 //
-// Every rank prints the loss per step (rank 0 only, unless --verbose), the step time, the exposed
-// communication, and peak communication memory against the budget; at the end the final
+// Rank 0 (every rank with --verbose) prints per step the loss, the step time, the exposed
+// communication, peak communication memory against the budget, and the host time inside the
+// hooks (the compute is this thread, so that includes its waits for gathers); at the end the final
 // parameters are checked against a single-process unsharded run of the same model and data
 // (per-tensor relative error ||sharded - unsharded|| / ||unsharded||), and each rank writes a
 // Chrome trace that rank 0 merges into one file (open it in https://ui.perfetto.dev).
@@ -185,7 +186,7 @@ absl::Status Run(int argc, char** argv) {
         m.exposed_communication ? absl::ToDoubleMilliseconds(*m.exposed_communication) : 0;
     std::printf(
         "[rank %d] step %2d  loss %.4f  step %6.2f ms  exposed comm %5.2f ms (%4.1f%%)  "
-        "peak in flight %s / %s (%d units)%s  hooks %.1f us/call\n",
+        "peak in flight %s / %s (%d units)%s  in hooks %.2f ms\n",
         rank, step, loss, absl::ToDoubleMilliseconds(wall), exposed,
         100.0 * exposed / std::max(1e-9, absl::ToDoubleMilliseconds(wall)),
         Mib(m.peak_inflight_bytes).c_str(),
