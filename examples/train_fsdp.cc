@@ -193,7 +193,7 @@ absl::Status Run(int argc, char** argv) {
         m.budget_bytes == 0 ? "unlimited" : Mib(m.budget_bytes).c_str(), m.peak_inflight_units,
         m.budget_overshoots > 0 ? absl::StrCat(" ", m.budget_overshoots, " overshoots").c_str()
                                 : "",
-        absl::ToDoubleMicroseconds(m.host_hook_time) / std::max(1, m.hook_calls));
+        absl::ToDoubleMilliseconds(m.host_hook_time));
     std::fflush(stdout);
   };
   SL_ASSIGN_OR_RETURN(ex::ShardedRun run, ex::TrainSharded(config, group.world, options));
