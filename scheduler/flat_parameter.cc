@@ -494,7 +494,9 @@ absl::Status FlatParameter::Reshard(std::shared_ptr<Event> last_use) {
 
 absl::Status FlatParameter::PrepareGrad(Stream& compute) {
   constexpr absl::string_view kCall = "PrepareGrad()";
-  if (state_ != FlatParameterState::kUnsharded) return WrongState(kCall, "unsharded");
+  if (state_ != FlatParameterState::kUnsharded && state_ != FlatParameterState::kGathering) {
+    return WrongState(kCall, "gathering, unsharded");
+  }
   if (unsharded_grad_live_) {
     if (std::find(grad_consumers_.begin(), grad_consumers_.end(), &compute) ==
         grad_consumers_.end()) {

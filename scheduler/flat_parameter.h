@@ -277,8 +277,11 @@ class FlatParameter {
   absl::Status Reshard(std::shared_ptr<Event> last_use);
 
   // --- Gradients ----------------------------------------------------------------------------
-  // State unsharded. If this step has no unsharded gradient yet, takes one from the pool and
-  // enqueues its zero-fill on `compute`; otherwise does nothing (the framework adds into it).
+  // State gathering or unsharded. If this step has no unsharded gradient yet, takes one from the
+  // pool and enqueues its zero-fill on `compute`; otherwise makes `compute` wait for that
+  // zero-fill (once per stream; the framework adds into the gradient). So a scheduler can
+  // zero-fill ahead, on a side stream, while the gather is in flight, and call it again with the
+  // compute stream when the backward starts.
   absl::Status PrepareGrad(Stream& compute);
   bool has_unsharded_grad() const { return unsharded_grad_live_; }
   // A tensor of the unsharded gradient (param dtype), for work on the compute stream after

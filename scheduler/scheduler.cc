@@ -192,6 +192,7 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::shared_ptr<Com
   SL_ASSIGN_OR_RETURN(s->reduce_stream_, make_stream("reduce"));
   SL_ASSIGN_OR_RETURN(s->all_reduce_stream_, make_stream("all_reduce"));
   SL_ASSIGN_OR_RETURN(s->control_stream_, make_stream("control"));
+  SL_ASSIGN_OR_RETURN(s->grad_stream_, make_stream("grad"));
 
   if (o.gather_pool == nullptr || o.reduce_pool == nullptr || o.shard_allocator == nullptr) {
     if (compute.device().is_host()) {
@@ -470,7 +471,8 @@ absl::Status Scheduler::HandleBackwardPosition(size_t pos, bool demanded, bool* 
       *issued = false;
       return absl::OkStatus();
     }
-    return IssueGather(u, /*backward=*/true, demanded);
+    SL_RETURN_IF_ERROR(IssueGather(u, /*backward=*/true, demanded));
+    return PrepareGradAhead(unit);
   }
   if (!unit.backward_gather) {
     // Kept unsharded since forward: room for its gradient now.
@@ -485,8 +487,16 @@ absl::Status Scheduler::HandleBackwardPosition(size_t pos, bool demanded, bool* 
     }
     Charge(unit, extra);
     unit.backward_gather = true;
+    return PrepareGradAhead(unit);
   }
   return absl::OkStatus();
+}
+
+absl::Status Scheduler::PrepareGradAhead(Unit& unit) {
+  // The unsharded gradient is zero-filled on the grad stream while the gather is in flight, off
+  // the compute stream; PreBackward makes the compute stream wait for the fill. With gradient
+  // sync off the gradient of the earlier micro-batches is kept (PrepareGrad does nothing then).
+  return unit.param->PrepareGrad(*grad_stream_);
 }
 
 absl::Status Scheduler::AdvanceBackwardCursor(size_t target, int prefetch_depth) {

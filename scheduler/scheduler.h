@@ -23,8 +23,10 @@
 // Streams. The framework's compute stream (a wrapped cudaStream_t on GPUs; a caller stream for a
 // CPU framework, whose waits block the calling thread; any Stream in tests) is given to Create.
 // The scheduler creates, through SchedulerOptions::stream_factory, a gather stream (all-gathers),
-// a reduce stream (reduce-scatters and accumulation into the sharded gradient) and an all-reduce
-// stream (the hybrid replicate all-reduce). Every hand-over is an event; buffers go back to
+// a reduce stream (reduce-scatters and accumulation into the sharded gradient), an all-reduce
+// stream (the hybrid replicate all-reduce), a grad stream (zero-fills each unsharded gradient
+// when its backward gather is issued, off the compute stream) and a control stream (the
+// cross-rank order check). Every hand-over is an event; buffers go back to
 // their pool after their last reader's event (stream-ordered reuse).
 //
 // Communicators. Create splits the world into a ProcessMesh per the sharding strategy and Dups
@@ -409,6 +411,7 @@ class Scheduler {
   // are prefetched while they fit.
   absl::Status AdvanceBackwardCursor(size_t target, int prefetch_depth);
   absl::Status HandleBackwardPosition(size_t pos, bool demanded, bool* issued);
+  absl::Status PrepareGradAhead(Unit& unit);
   absl::Status AcquireForCompute(int u);
   bool PrefetchedAgain(int u) const;
   absl::Status ReshardUnit(int u, std::shared_ptr<Event> last_use);
@@ -439,6 +442,7 @@ class Scheduler {
   std::unique_ptr<Stream> reduce_stream_;
   std::unique_ptr<Stream> all_reduce_stream_;
   std::unique_ptr<Stream> control_stream_;  // the cross-rank order check
+  std::unique_ptr<Stream> grad_stream_;     // zero-fills of unsharded gradients, ahead of use
   std::vector<Unit> units_;
 
   Phase phase_ = Phase::kIdle;

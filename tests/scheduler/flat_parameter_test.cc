@@ -714,6 +714,47 @@ void ExpectWrongState(const absl::Status& status, absl::string_view call, absl::
   EXPECT_TRUE(absl::StrContains(status.message(), absl::StrCat("state ", state))) << status;
 }
 
+// A scheduler zero-fills the gradient on a side stream while the gather is in flight; the compute
+// stream's PrepareGrad then only waits for that fill. The compute stream is asynchronous and the
+// side stream held back until the compute stream's work is queued, so a missing wait would let
+// the compute add into an unfilled (garbage) buffer.
+TEST(FlatParameterStateTest, GradientPreparedWhileGathering) {
+  auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
+  Communicator& comm = *comms[0];
+  RankRig rig;
+  auto side = *CreateHostStream({.name = "side", .wait_timeout = kTimeout});
+  auto compute = *CreateHostStream({.name = "async compute", .wait_timeout = kTimeout});
+  auto unit =
+      *FlatParameter::Create(OddLayout(1), 0, MixedPrecisionPolicy{}, rig.Options("block7"));
+  // A pool block full of garbage, so that an unfilled gradient shows.
+  {
+    std::vector<Buffer> dirty;
+    for (int i = 0; i < 3; ++i) {
+      dirty.push_back(*rig.pool->Allocate(unit->layout().total_elements() * 4));
+      std::memset(dirty.back().data(), 0x7f, dirty.back().size());
+    }
+  }
+  ASSERT_TRUE(unit->Gather(comm, *rig.gather).ok());
+  testing::Gate gate;
+  ASSERT_TRUE(side->Enqueue(testing::BlockOn(gate)).ok());
+  ASSERT_TRUE(unit->PrepareGrad(*side).ok());  // gathering: allowed, filled on `side`
+  ASSERT_TRUE(unit->WaitGathered(*compute).ok());
+  ASSERT_TRUE(unit->PrepareGrad(*compute).ok());  // waits for the fill on `side`
+  TensorView g = *unit->GradView("b");
+  std::vector<float> seen(g.numel);
+  ASSERT_TRUE(compute
+                  ->Enqueue([g, &seen] {
+                    std::memcpy(seen.data(), g.data, seen.size() * sizeof(float));
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  gate.Open();
+  ASSERT_TRUE(compute->Synchronize(Deadline()).ok());
+  for (size_t i = 0; i < seen.size(); ++i) ASSERT_EQ(seen[i], 0.0f) << i;
+  ASSERT_TRUE(unit->Reshard(nullptr).ok());
+  ASSERT_TRUE(side->Synchronize(Deadline()).ok());
+}
+
 TEST(FlatParameterStateTest, IllegalTransitionsAreFailedPrecondition) {
   auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
   Communicator& comm = *comms[0];
@@ -744,7 +785,7 @@ TEST(FlatParameterStateTest, IllegalTransitionsAreFailedPrecondition) {
   ExpectWrongState(unit->Gather(comm, *rig.gather).status(), "Gather()", "gathering");
   ExpectWrongState(unit->Reshard(none), "Reshard()", "gathering");
   ExpectWrongState(unit->View(0).status(), "View()", "gathering");
-  ExpectWrongState(unit->PrepareGrad(*rig.compute), "PrepareGrad()", "gathering");
+  // (PrepareGrad is legal while gathering: GradientPreparedWhileGathering.)
   ExpectWrongState(unit->ReduceGrad(comm, nullptr, *rig.reduce, none).status(), "ReduceGrad()",
                    "gathering");
   ExpectWrongState(unit->SetShardFromTensors({nullptr, nullptr, nullptr}), "SetShardFromTensors()",
