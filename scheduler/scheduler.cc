@@ -958,10 +958,12 @@ absl::Status Scheduler::FinishBackward() {
   }
   phase_ = Phase::kIdle;
   ++step_;
-  finished_->metrics.host_hook_time = hook_time_ + (absl::Now() - timer.start());
+  const absl::Time now = absl::Now();
+  finished_->metrics.host_hook_time = hook_time_ + (now - timer.start());
   finished_->metrics.hook_calls = hook_calls_ + 1;
-  hook_time_ = absl::ZeroDuration();
-  hook_calls_ = -1;  // the timer of this call adds one
+  // This call belongs to the finished step: the timer's addition when it returns is offset.
+  hook_time_ = timer.start() - now;
+  hook_calls_ = -1;
   return absl::OkStatus();
 }
 
