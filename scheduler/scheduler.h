@@ -248,8 +248,8 @@ class Scheduler {
 
   // Registers a unit; returns its id (0, 1, ... in registration order). Every rank registers
   // the same units in the same order (checked at the end of the first step). Only before the
-  // first step. InvalidArgument for an empty or duplicate name or bad tensors; ResourceExhausted
-  // if the budget cannot hold the units (naming the minimum).
+  // first step. InvalidArgument for an empty or duplicate name, bad tensors, or a budget below
+  // the units' minimum (naming it); ResourceExhausted if the master shard cannot be allocated.
   absl::StatusOr<int> RegisterUnit(UnitSpec spec);
   int num_units() const { return static_cast<int>(units_.size()); }
   // The unit's FlatParameter: views during the hooks' windows, the master shard and sharded
