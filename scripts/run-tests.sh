@@ -36,6 +36,7 @@ if want 2; then
     >build/consumer-configure.log 2>&1 || { cat build/consumer-configure.log; exit 1; }
   cmake --build build/consumer
   build/consumer/shardline_consumer
+  build/consumer/shardline_c_consumer
 fi
 
 sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL

@@ -619,7 +619,7 @@ TEST(SchedulerOrderTest, RanksWithDifferentOrdersFailOnEveryRank) {
 
 TEST(SchedulerBackwardTest, AUnitSkippedOnOneRankStillReducesAZeroGradient) {
   ToyModel m = MakeToy(5, /*tied=*/true);
-  for (const std::pair<int, int> skip : {std::pair{1, 2}, std::pair{0, 4}, std::pair{1, 1}}) {
+  for (const std::pair<int, int>& skip : {std::pair{1, 2}, std::pair{0, 4}, std::pair{1, 1}}) {
     RunOptions o;
     o.skip = skip;
     std::vector<RankResult> results = Train(m, o);
@@ -739,7 +739,9 @@ TEST(SchedulerBudgetTest, TheMinimumBudgetDefersPrefetchesWithoutOvershooting) {
         EXPECT_EQ(step.budget_overshoots, 0) << step.ToString();
       }
       // Prefetch depth 3 does not fit in the minimum: prefetches were deferred, not dropped.
-      if (budget == minimum) EXPECT_GT(r.metrics.back().deferred_prefetches, 0);
+      if (budget == minimum) {
+        EXPECT_GT(r.metrics.back().deferred_prefetches, 0);
+      }
     }
   }
 }

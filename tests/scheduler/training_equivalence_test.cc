@@ -84,7 +84,9 @@ TEST_P(TrainingEquivalenceTest, MatchesTheUnshardedRun) {
     }
     EXPECT_LT(runs[r]->losses.back(), runs[r]->losses.front());
     for (const StepMetrics& m : runs[r]->metrics) {
-      if (c.budget_bytes > 0) EXPECT_LE(m.peak_inflight_bytes, c.budget_bytes) << m.ToString();
+      if (c.budget_bytes > 0) {
+        EXPECT_LE(m.peak_inflight_bytes, c.budget_bytes) << m.ToString();
+      }
       EXPECT_EQ(m.order_deviations, 0) << m.ToString();
     }
   }

@@ -1,0 +1,265 @@
+/* File: bindings/c/shardline.h
+ * -----------------------------------------------------------------------------
+ * shardline's C API: a stable C11 ABI for frameworks that embed shardline from C or any language
+ * with a C FFI. It wraps the C++ layers (communicators, streams, the FSDP scheduler) behind opaque
+ * handles; no C++ type crosses it.
+ *
+ * Conventions
+ *   - Every call returns a shardlineResult_t. On anything but shardlineSuccess,
+ *     shardline_last_error() returns this thread's message for it: the full Status text, e.g.
+ *     "INVALID_ARGUMENT: all_gather #3 on world (rank 0 of 2): count ...". Outputs are written
+ *     only on success.
+ *   - Handles are created by shardline_*_create / *_init and released by the matching
+ *     *_destroy (NULL is accepted and ignored). A handle must outlive the handles made from it
+ *     (a scheduler its communicator and compute stream, a work item nothing: it holds what it
+ *     needs).
+ *   - Option structs begin with their size (`struct_size`) and the header's version, and are
+ *     initialised with their *_INIT macro, which sets every default. A library newer than the
+ *     caller's header reads only the first struct_size bytes and defaults the rest, so a program
+ *     built against an older header keeps working; an unknown size larger than the library's is
+ *     InvalidArgument.
+ *   - Timeouts are seconds (double); <= 0 means SHARDLINE_TIMEOUT_S (default 600).
+ *
+ * Thread safety: as the C++ API's (communicator.h, scheduler.h): collectives may be issued from
+ * several threads; one thread at a time calls one scheduler's hooks; the error text is
+ * per thread.
+ */
+#ifndef SHARDLINE_BINDINGS_C_SHARDLINE_H_
+#define SHARDLINE_BINDINGS_C_SHARDLINE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define SHARDLINE_API __attribute__((visibility("default")))
+#else
+#define SHARDLINE_API
+#endif
+
+/* The version this header describes: major * 10000 + minor * 100 + patch. */
+#define SHARDLINE_VERSION_MAJOR 0
+#define SHARDLINE_VERSION_MINOR 1
+#define SHARDLINE_VERSION_PATCH 0
+#define SHARDLINE_VERSION_CODE \
+  (SHARDLINE_VERSION_MAJOR * 10000 + SHARDLINE_VERSION_MINOR * 100 + SHARDLINE_VERSION_PATCH)
+
+typedef enum {
+  shardlineSuccess = 0,
+  shardlineInvalidArgument = 1,    /* bad input: nothing was done */
+  shardlineTimeout = 2,            /* a deadline passed */
+  shardlineRemoteError = 3,        /* a peer died, disagreed or aborted */
+  shardlineFailedPrecondition = 4, /* a call in the wrong state */
+  shardlineNotFound = 5,
+  shardlineResourceExhausted = 6, /* out of memory */
+  shardlineUnimplemented = 7,
+  shardlineInternalError = 8
+} shardlineResult_t;
+
+typedef enum {
+  shardlineFloat32 = 0,
+  shardlineFloat64 = 1,
+  shardlineFloat16 = 2,
+  shardlineBfloat16 = 3,
+  shardlineInt32 = 4,
+  shardlineInt64 = 5,
+  shardlineUint8 = 6,
+  shardlineInt8 = 7
+} shardlineDataType_t;
+
+typedef enum {
+  shardlineSum = 0,
+  shardlineAvg = 1,
+  shardlineMin = 2,
+  shardlineMax = 3
+} shardlineRedOp_t;
+
+typedef struct shardlineComm_s* shardlineComm_t;
+typedef struct shardlineStream_s* shardlineStream_t;
+typedef struct shardlineWork_s* shardlineWork_t;
+typedef struct shardlineScheduler_s* shardlineScheduler_t;
+
+/* ---- Version and errors ------------------------------------------------------------------- */
+SHARDLINE_API shardlineResult_t shardline_get_version(int* version);
+/* This thread's message for its last failed call ("" if none). Valid until its next call. */
+SHARDLINE_API const char* shardline_last_error(void);
+/* "shardlineSuccess", "shardlineInvalidArgument", ... */
+SHARDLINE_API const char* shardline_result_string(shardlineResult_t result);
+
+/* ---- Communicators ------------------------------------------------------------------------ */
+typedef struct {
+  size_t struct_size;
+  int version;
+  const char* backend; /* "ucx" (default, host memory, processes) or "nccl" (CUDA builds) */
+  double timeout_s;    /* <= 0: SHARDLINE_TIMEOUT_S */
+} shardlineInitConfig_t;
+#define SHARDLINE_INIT_CONFIG_INIT \
+  { sizeof(shardlineInitConfig_t), SHARDLINE_VERSION_CODE, "ucx", 0.0 }
+
+/* Joins the job the launcher started (torchrun / shardline-launch, mpirun, srun environments). */
+SHARDLINE_API shardlineResult_t shardline_comm_init(const shardlineInitConfig_t* config,
+                                                    shardlineComm_t* world);
+/* `size` communicators of one in-process group (ranks as threads; tests, experiments):
+ * comms[r] is rank r. */
+SHARDLINE_API shardlineResult_t shardline_comm_init_local(int size, double timeout_s,
+                                                          shardlineComm_t* comms);
+SHARDLINE_API shardlineResult_t shardline_comm_rank(shardlineComm_t comm, int* rank);
+SHARDLINE_API shardlineResult_t shardline_comm_size(shardlineComm_t comm, int* size);
+SHARDLINE_API shardlineResult_t shardline_comm_destroy(shardlineComm_t comm);
+
+/* ---- Streams ------------------------------------------------------------------------------ */
+/* A stream with its own worker thread (asynchronous), or one whose work runs on the calling
+ * thread (the compute stream of a CPU framework). */
+SHARDLINE_API shardlineResult_t shardline_stream_create_host(const char* name,
+                                                             shardlineStream_t* stream);
+SHARDLINE_API shardlineResult_t shardline_stream_create_caller(const char* name,
+                                                               shardlineStream_t* stream);
+SHARDLINE_API shardlineResult_t shardline_stream_synchronize(shardlineStream_t stream,
+                                                             double timeout_s);
+SHARDLINE_API shardlineResult_t shardline_stream_destroy(shardlineStream_t stream);
+
+/* ---- Collectives (counts as in NCCL; in-place forms as in communicator.h) ------------------ */
+SHARDLINE_API shardlineResult_t shardline_all_gather(shardlineComm_t comm, const void* input,
+                                                     void* output, size_t count,
+                                                     shardlineDataType_t dtype,
+                                                     shardlineStream_t stream,
+                                                     shardlineWork_t* work);
+SHARDLINE_API shardlineResult_t shardline_reduce_scatter(
+    shardlineComm_t comm, const void* input, void* output, size_t count, shardlineDataType_t dtype,
+    shardlineRedOp_t op, shardlineStream_t stream, shardlineWork_t* work);
+SHARDLINE_API shardlineResult_t shardline_all_reduce(shardlineComm_t comm, const void* input,
+                                                     void* output, size_t count,
+                                                     shardlineDataType_t dtype, shardlineRedOp_t op,
+                                                     shardlineStream_t stream,
+                                                     shardlineWork_t* work);
+SHARDLINE_API shardlineResult_t shardline_broadcast(shardlineComm_t comm, void* buffer,
+                                                    size_t count, shardlineDataType_t dtype,
+                                                    int root, shardlineStream_t stream,
+                                                    shardlineWork_t* work);
+/* Blocks until the collective finished (its error if it failed) or the timeout passed. */
+SHARDLINE_API shardlineResult_t shardline_work_wait(shardlineWork_t work, double timeout_s);
+SHARDLINE_API shardlineResult_t shardline_work_is_completed(shardlineWork_t work, int* completed);
+SHARDLINE_API shardlineResult_t shardline_work_destroy(shardlineWork_t work);
+
+/* ---- The FSDP scheduler (scheduler/scheduler.h, docs/scheduler.md) ------------------------- */
+typedef enum {
+  shardlineFullShard = 0,
+  shardlineShardGradOp = 1,
+  shardlineNoShard = 2,
+  shardlineHybridShard = 3
+} shardlineShardingStrategy_t;
+
+typedef enum {
+  shardlineBackwardPrefetchOff = 0,
+  shardlineBackwardPrefetchBeforeGrad = 1,
+  shardlineBackwardPrefetchAfterGrad = 2
+} shardlineBackwardPrefetch_t;
+
+typedef struct {
+  size_t struct_size;
+  int version;
+  const char* name;                     /* "fsdp" */
+  shardlineShardingStrategy_t strategy; /* full shard */
+  int shard_size;                       /* hybrid: the shard group's size (0: ranks per host) */
+  int forward_prefetch;                 /* 1 */
+  shardlineBackwardPrefetch_t backward_prefetch; /* before the gradient */
+  int backward_prefetch_depth;                   /* 1 */
+  size_t budget_bytes;                           /* 0: unlimited */
+  int budget_units;                              /* 0: unlimited */
+  int root_unit;                                 /* 0; -1: none */
+  int cpu_offload;                               /* 0 */
+  shardlineDataType_t param_dtype;               /* f32: every unit's mixed-precision policy */
+  shardlineDataType_t reduce_dtype;              /* f32 */
+  shardlineRedOp_t reduce_op;                    /* avg (or sum) */
+} shardlineSchedulerConfig_t;
+#define SHARDLINE_SCHEDULER_CONFIG_INIT                                                           \
+  {                                                                                               \
+    sizeof(shardlineSchedulerConfig_t), SHARDLINE_VERSION_CODE, "fsdp", shardlineFullShard, 0, 1, \
+        shardlineBackwardPrefetchBeforeGrad, 1, 0, 0, 0, 0, shardlineFloat32, shardlineFloat32,   \
+        shardlineAvg                                                                              \
+  }
+
+typedef struct {
+  const char* name;
+  const int64_t* shape; /* ndim dims */
+  int ndim;
+} shardlineTensorSpec_t;
+
+/* Collective over the communicator's group; the compute stream must outlive the scheduler. */
+SHARDLINE_API shardlineResult_t shardline_scheduler_create(shardlineComm_t world,
+                                                           shardlineStream_t compute,
+                                                           const shardlineSchedulerConfig_t* config,
+                                                           double timeout_s,
+                                                           shardlineScheduler_t* scheduler);
+SHARDLINE_API shardlineResult_t shardline_scheduler_destroy(shardlineScheduler_t scheduler);
+/* Registers a unit of f32 tensors (master dtype f32) before the first step; *unit = its id. */
+SHARDLINE_API shardlineResult_t
+shardline_scheduler_register_unit(shardlineScheduler_t scheduler, const char* name,
+                                  const shardlineTensorSpec_t* tensors, int num_tensors, int* unit);
+/* The initial values: values[t] points at tensor t's elements (f32, row-major). */
+SHARDLINE_API shardlineResult_t shardline_unit_set_values(shardlineScheduler_t scheduler, int unit,
+                                                          const void* const* values,
+                                                          int num_tensors);
+SHARDLINE_API shardlineResult_t shardline_pre_forward(shardlineScheduler_t scheduler, int unit);
+SHARDLINE_API shardlineResult_t shardline_post_forward(shardlineScheduler_t scheduler, int unit);
+SHARDLINE_API shardlineResult_t shardline_end_forward(shardlineScheduler_t scheduler);
+SHARDLINE_API shardlineResult_t shardline_pre_backward(shardlineScheduler_t scheduler, int unit);
+SHARDLINE_API shardlineResult_t shardline_post_backward(shardlineScheduler_t scheduler, int unit);
+SHARDLINE_API shardlineResult_t shardline_finish_backward(shardlineScheduler_t scheduler);
+SHARDLINE_API shardlineResult_t shardline_zero_grad(shardlineScheduler_t scheduler);
+
+/* The unsharded parameter / gradient of tensor `tensor` (param dtype), valid between the unit's
+ * Pre and Post hooks (gradients: backward only; add into them). */
+SHARDLINE_API shardlineResult_t shardline_unit_param(shardlineScheduler_t scheduler, int unit,
+                                                     int tensor, void** data, size_t* numel);
+SHARDLINE_API shardlineResult_t shardline_unit_grad(shardlineScheduler_t scheduler, int unit,
+                                                    int tensor, void** data, size_t* numel);
+/* This rank's master shard and sharded gradient (f32, the layout's shard: `elements` including
+ * padding), and the element range [*first, *first + *count) of tensor `tensor` within it and
+ * the tensor's element where that range starts (*tensor_offset); *count = 0 if the shard holds
+ * none of it. For the framework's optimizer, between steps. */
+SHARDLINE_API shardlineResult_t shardline_unit_master_shard(shardlineScheduler_t scheduler,
+                                                            int unit, void** data,
+                                                            size_t* elements);
+SHARDLINE_API shardlineResult_t shardline_unit_shard_grad(shardlineScheduler_t scheduler, int unit,
+                                                          void** data, size_t* elements);
+SHARDLINE_API shardlineResult_t shardline_unit_shard_slice(shardlineScheduler_t scheduler, int unit,
+                                                           int tensor, size_t* first, size_t* count,
+                                                           size_t* tensor_offset);
+
+typedef struct {
+  size_t struct_size;
+  int version;
+  int64_t step;
+  uint64_t bytes_gathered;
+  uint64_t bytes_reduced;
+  uint64_t budget_bytes;
+  uint64_t peak_inflight_bytes;
+  int peak_inflight_units;
+  int budget_overshoots;
+  int deferred_prefetches;
+  int order_deviations;
+  double step_time_s;             /* < 0: unknown (untimed events) */
+  double exposed_communication_s; /* < 0: unknown */
+  double overlap_fraction;        /* < 0: unknown */
+  double host_hook_time_s;
+} shardlineStepMetrics_t;
+#define SHARDLINE_STEP_METRICS_INIT                                                              \
+  {                                                                                              \
+    sizeof(shardlineStepMetrics_t), SHARDLINE_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, \
+        0.0, 0.0                                                                                 \
+  }
+
+/* The last finished step's metrics (waits for their events). */
+SHARDLINE_API shardlineResult_t shardline_scheduler_metrics(shardlineScheduler_t scheduler,
+                                                            double timeout_s,
+                                                            shardlineStepMetrics_t* metrics);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* SHARDLINE_BINDINGS_C_SHARDLINE_H_ */

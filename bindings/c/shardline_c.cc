@@ -1,0 +1,623 @@
+// File: bindings/c/shardline_c.cc
+// -----------------------------------------------------------------------------
+// The C API over the C++ layers: handles own shared pointers to the C++ objects; every entry
+// point converts its Status into a result code and this thread's error text, and catches what
+// C++ may throw (allocation failures) so that nothing unwinds into C.
+
+#include "bindings/c/shardline.h"
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "collectives/bootstrap.h"
+#include "collectives/communicator.h"
+#include "collectives/local/local_communicator.h"
+#include "runtime/config.h"
+#include "runtime/stream.h"
+#include "scheduler/scheduler.h"
+
+struct shardlineComm_s {
+  std::shared_ptr<shardline::Communicator> comm;
+};
+struct shardlineStream_s {
+  std::unique_ptr<shardline::Stream> stream;
+};
+struct shardlineWork_s {
+  shardline::Work work;
+};
+struct shardlineScheduler_s {
+  std::unique_ptr<shardline::Scheduler> scheduler;
+  shardline::UnitPolicy policy;  // of every unit it registers (from the config)
+};
+
+namespace {
+
+using shardline::DType;
+using shardline::ReduceOp;
+
+thread_local std::string last_error;
+
+shardlineResult_t Fail(shardlineResult_t code, std::string message) {
+  last_error = std::move(message);
+  return code;
+}
+
+shardlineResult_t FromStatus(const absl::Status& status) {
+  if (status.ok()) return shardlineSuccess;
+  last_error = status.ToString();
+  if (shardline::IsPeerError(status)) return shardlineRemoteError;
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      return shardlineInvalidArgument;
+    case absl::StatusCode::kDeadlineExceeded:
+      return shardlineTimeout;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kAborted:
+      return shardlineRemoteError;
+    case absl::StatusCode::kFailedPrecondition:
+      return shardlineFailedPrecondition;
+    case absl::StatusCode::kNotFound:
+      return shardlineNotFound;
+    case absl::StatusCode::kResourceExhausted:
+      return shardlineResourceExhausted;
+    case absl::StatusCode::kUnimplemented:
+      return shardlineUnimplemented;
+    default:
+      return shardlineInternalError;
+  }
+}
+
+// Runs `body` (returning a shardlineResult_t) with C++ exceptions turned into results.
+template <typename Body>
+shardlineResult_t Guard(Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return Fail(shardlineResourceExhausted, "RESOURCE_EXHAUSTED: out of host memory");
+  } catch (const std::exception& e) {
+    return Fail(shardlineInternalError, absl::StrCat("INTERNAL: ", e.what()));
+  } catch (...) {
+    return Fail(shardlineInternalError, "INTERNAL: unknown C++ exception");
+  }
+}
+
+#define SL_C_REQUIRE(cond, what)                                                                  \
+  do {                                                                                            \
+    if (!(cond)) return Fail(shardlineInvalidArgument, absl::StrCat("INVALID_ARGUMENT: ", what)); \
+  } while (false)
+
+absl::Duration Timeout(double seconds) {
+  if (seconds <= 0) {
+    absl::StatusOr<absl::Duration> d = shardline::DefaultTimeout();
+    return d.ok() ? *d : absl::Seconds(600);
+  }
+  return absl::Seconds(seconds);
+}
+
+bool ToDType(shardlineDataType_t in, DType* out) {
+  switch (in) {
+    case shardlineFloat32:
+      *out = DType::kF32;
+      return true;
+    case shardlineFloat64:
+      *out = DType::kF64;
+      return true;
+    case shardlineFloat16:
+      *out = DType::kF16;
+      return true;
+    case shardlineBfloat16:
+      *out = DType::kBF16;
+      return true;
+    case shardlineInt32:
+      *out = DType::kI32;
+      return true;
+    case shardlineInt64:
+      *out = DType::kI64;
+      return true;
+    case shardlineUint8:
+      *out = DType::kU8;
+      return true;
+    case shardlineInt8:
+      *out = DType::kI8;
+      return true;
+  }
+  return false;
+}
+
+bool ToOp(shardlineRedOp_t in, ReduceOp* out) {
+  switch (in) {
+    case shardlineSum:
+      *out = ReduceOp::kSum;
+      return true;
+    case shardlineAvg:
+      *out = ReduceOp::kAvg;
+      return true;
+    case shardlineMin:
+      *out = ReduceOp::kMin;
+      return true;
+    case shardlineMax:
+      *out = ReduceOp::kMax;
+      return true;
+  }
+  return false;
+}
+
+// Copies a caller's option struct of `caller_size` bytes over the defaults (newer fields the
+// caller does not know keep their defaults).
+template <typename T>
+shardlineResult_t ReadConfig(const T* in, T defaults, T* out, const char* what) {
+  *out = defaults;
+  if (in == nullptr) return shardlineSuccess;
+  if (in->struct_size < offsetof(T, version) + sizeof(int) || in->struct_size > sizeof(T)) {
+    return Fail(shardlineInvalidArgument,
+                absl::StrCat("INVALID_ARGUMENT: ", what, ".struct_size is ", in->struct_size,
+                             "; this library knows sizes up to ", sizeof(T),
+                             " (initialise the struct with its _INIT macro)"));
+  }
+  std::memcpy(static_cast<void*>(out), in, in->struct_size);
+  out->struct_size = sizeof(T);
+  return shardlineSuccess;
+}
+
+shardlineResult_t Issue(absl::StatusOr<shardline::Work> work, shardlineWork_t* out) {
+  if (!work.ok()) return FromStatus(work.status());
+  *out = new shardlineWork_s{*std::move(work)};
+  return shardlineSuccess;
+}
+
+double Seconds(const std::optional<absl::Duration>& d) {
+  return d.has_value() ? absl::ToDoubleSeconds(*d) : -1.0;
+}
+
+}  // namespace
+
+namespace {
+
+absl::Status CheckUnit(shardlineScheduler_t s, int unit, const char* fn) {
+  if (s == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": scheduler is NULL"));
+  if (unit < 0 || unit >= s->scheduler->num_units()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": no unit ", unit, " (", s->scheduler->num_units(), " registered)"));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Hook>
+shardlineResult_t RunHook(shardlineScheduler_t s, int unit, const char* fn, Hook&& hook) {
+  return Guard([&] {
+    absl::Status status = CheckUnit(s, unit, fn);
+    if (status.ok()) status = hook(*s->scheduler);
+    return FromStatus(status);
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+shardlineResult_t shardline_get_version(int* version) {
+  SL_C_REQUIRE(version != nullptr, "shardline_get_version: version is NULL");
+  *version = SHARDLINE_VERSION_CODE;
+  return shardlineSuccess;
+}
+
+const char* shardline_last_error(void) { return last_error.c_str(); }
+
+const char* shardline_result_string(shardlineResult_t result) {
+  switch (result) {
+    case shardlineSuccess:
+      return "shardlineSuccess";
+    case shardlineInvalidArgument:
+      return "shardlineInvalidArgument";
+    case shardlineTimeout:
+      return "shardlineTimeout";
+    case shardlineRemoteError:
+      return "shardlineRemoteError";
+    case shardlineFailedPrecondition:
+      return "shardlineFailedPrecondition";
+    case shardlineNotFound:
+      return "shardlineNotFound";
+    case shardlineResourceExhausted:
+      return "shardlineResourceExhausted";
+    case shardlineUnimplemented:
+      return "shardlineUnimplemented";
+    case shardlineInternalError:
+      return "shardlineInternalError";
+  }
+  return "unknown shardlineResult_t";
+}
+
+// ---- Communicators -------------------------------------------------------------------------
+
+shardlineResult_t shardline_comm_init(const shardlineInitConfig_t* config, shardlineComm_t* world) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(world != nullptr, "shardline_comm_init: world is NULL");
+    shardlineInitConfig_t c;
+    const shardlineInitConfig_t defaults = SHARDLINE_INIT_CONFIG_INIT;
+    if (shardlineResult_t r = ReadConfig(config, defaults, &c, "shardlineInitConfig_t");
+        r != shardlineSuccess) {
+      return r;
+    }
+    shardline::InitOptions options;
+    if (c.backend != nullptr) options.backend = c.backend;
+    if (c.timeout_s > 0) options.timeout = absl::Seconds(c.timeout_s);
+    absl::StatusOr<shardline::ProcessGroup> group = shardline::InitProcessGroup(options);
+    if (!group.ok()) return FromStatus(group.status());
+    *world = new shardlineComm_s{group->world};
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_comm_init_local(int size, double timeout_s, shardlineComm_t* comms) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(comms != nullptr, "shardline_comm_init_local: comms is NULL");
+    SL_C_REQUIRE(size >= 1, absl::StrCat("shardline_comm_init_local: size ", size, " < 1"));
+    shardline::LocalOptions options;
+    if (timeout_s > 0) options.timeout = absl::Seconds(timeout_s);
+    auto group = shardline::CreateLocalCommunicators(size, options);
+    if (!group.ok()) return FromStatus(group.status());
+    for (int r = 0; r < size; ++r) comms[r] = new shardlineComm_s{(*group)[r]};
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_comm_rank(shardlineComm_t comm, int* rank) {
+  SL_C_REQUIRE(comm != nullptr && rank != nullptr, "shardline_comm_rank: NULL argument");
+  *rank = comm->comm->rank();
+  return shardlineSuccess;
+}
+
+shardlineResult_t shardline_comm_size(shardlineComm_t comm, int* size) {
+  SL_C_REQUIRE(comm != nullptr && size != nullptr, "shardline_comm_size: NULL argument");
+  *size = comm->comm->size();
+  return shardlineSuccess;
+}
+
+shardlineResult_t shardline_comm_destroy(shardlineComm_t comm) {
+  delete comm;
+  return shardlineSuccess;
+}
+
+// ---- Streams -------------------------------------------------------------------------------
+
+shardlineResult_t shardline_stream_create_host(const char* name, shardlineStream_t* stream) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(stream != nullptr, "shardline_stream_create_host: stream is NULL");
+    auto s = shardline::CreateHostStream({.name = name != nullptr ? name : "stream"});
+    if (!s.ok()) return FromStatus(s.status());
+    *stream = new shardlineStream_s{*std::move(s)};
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_stream_create_caller(const char* name, shardlineStream_t* stream) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(stream != nullptr, "shardline_stream_create_caller: stream is NULL");
+    auto s = shardline::CreateCallerStream({.name = name != nullptr ? name : "compute"});
+    if (!s.ok()) return FromStatus(s.status());
+    *stream = new shardlineStream_s{*std::move(s)};
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_stream_synchronize(shardlineStream_t stream, double timeout_s) {
+  SL_C_REQUIRE(stream != nullptr, "shardline_stream_synchronize: stream is NULL");
+  return Guard([&] {
+    return FromStatus(
+        stream->stream->Synchronize(stream->stream->clock().Now() + Timeout(timeout_s)));
+  });
+}
+
+shardlineResult_t shardline_stream_destroy(shardlineStream_t stream) {
+  return Guard([&] {
+    delete stream;
+    return shardlineSuccess;
+  });
+}
+
+// ---- Collectives ---------------------------------------------------------------------------
+
+#define SL_C_COLLECTIVE_ARGS(fn)                                        \
+  SL_C_REQUIRE(comm != nullptr && stream != nullptr && work != nullptr, \
+               fn ": comm, stream and work must not be NULL");          \
+  DType dt;                                                             \
+  SL_C_REQUIRE(ToDType(dtype, &dt), absl::StrCat(fn ": unknown dtype ", static_cast<int>(dtype)))
+
+shardlineResult_t shardline_all_gather(shardlineComm_t comm, const void* input, void* output,
+                                       size_t count, shardlineDataType_t dtype,
+                                       shardlineStream_t stream, shardlineWork_t* work) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_COLLECTIVE_ARGS("shardline_all_gather");
+    return Issue(comm->comm->AllGather(input, output, count, dt, *stream->stream), work);
+  });
+}
+
+shardlineResult_t shardline_reduce_scatter(shardlineComm_t comm, const void* input, void* output,
+                                           size_t count, shardlineDataType_t dtype,
+                                           shardlineRedOp_t op, shardlineStream_t stream,
+                                           shardlineWork_t* work) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_COLLECTIVE_ARGS("shardline_reduce_scatter");
+    shardline::ReduceOptions options;
+    SL_C_REQUIRE(ToOp(op, &options.op), "shardline_reduce_scatter: unknown op");
+    return Issue(comm->comm->ReduceScatter(input, output, count, dt, *stream->stream, options),
+                 work);
+  });
+}
+
+shardlineResult_t shardline_all_reduce(shardlineComm_t comm, const void* input, void* output,
+                                       size_t count, shardlineDataType_t dtype, shardlineRedOp_t op,
+                                       shardlineStream_t stream, shardlineWork_t* work) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_COLLECTIVE_ARGS("shardline_all_reduce");
+    shardline::ReduceOptions options;
+    SL_C_REQUIRE(ToOp(op, &options.op), "shardline_all_reduce: unknown op");
+    return Issue(comm->comm->AllReduce(input, output, count, dt, *stream->stream, options), work);
+  });
+}
+
+shardlineResult_t shardline_broadcast(shardlineComm_t comm, void* buffer, size_t count,
+                                      shardlineDataType_t dtype, int root, shardlineStream_t stream,
+                                      shardlineWork_t* work) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_COLLECTIVE_ARGS("shardline_broadcast");
+    shardline::BroadcastOptions options;
+    options.root = root;
+    return Issue(comm->comm->Broadcast(buffer, count, dt, *stream->stream, options), work);
+  });
+}
+
+shardlineResult_t shardline_work_wait(shardlineWork_t work, double timeout_s) {
+  SL_C_REQUIRE(work != nullptr, "shardline_work_wait: work is NULL");
+  return Guard([&] { return FromStatus(work->work.Wait(absl::Now() + Timeout(timeout_s))); });
+}
+
+shardlineResult_t shardline_work_is_completed(shardlineWork_t work, int* completed) {
+  SL_C_REQUIRE(work != nullptr && completed != nullptr,
+               "shardline_work_is_completed: NULL argument");
+  *completed = work->work.IsCompleted() ? 1 : 0;
+  return FromStatus(work->work.status());
+}
+
+shardlineResult_t shardline_work_destroy(shardlineWork_t work) {
+  delete work;
+  return shardlineSuccess;
+}
+
+// ---- Scheduler -----------------------------------------------------------------------------
+
+shardlineResult_t shardline_scheduler_create(shardlineComm_t world, shardlineStream_t compute,
+                                             const shardlineSchedulerConfig_t* config,
+                                             double timeout_s, shardlineScheduler_t* scheduler) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(world != nullptr && compute != nullptr && scheduler != nullptr,
+                 "shardline_scheduler_create: world, compute and scheduler must not be NULL");
+    shardlineSchedulerConfig_t c;
+    const shardlineSchedulerConfig_t defaults = SHARDLINE_SCHEDULER_CONFIG_INIT;
+    if (shardlineResult_t r = ReadConfig(config, defaults, &c, "shardlineSchedulerConfig_t");
+        r != shardlineSuccess) {
+      return r;
+    }
+    shardline::SchedulerOptions o;
+    if (c.name != nullptr) o.name = c.name;
+    SL_C_REQUIRE(
+        c.strategy >= shardlineFullShard && c.strategy <= shardlineHybridShard,
+        absl::StrCat("shardlineSchedulerConfig_t.strategy ", static_cast<int>(c.strategy)));
+    o.strategy = static_cast<shardline::ShardingStrategy>(c.strategy);
+    o.shard_size = c.shard_size;
+    o.forward_prefetch = c.forward_prefetch;
+    SL_C_REQUIRE(c.backward_prefetch >= shardlineBackwardPrefetchOff &&
+                     c.backward_prefetch <= shardlineBackwardPrefetchAfterGrad,
+                 absl::StrCat("shardlineSchedulerConfig_t.backward_prefetch ",
+                              static_cast<int>(c.backward_prefetch)));
+    o.backward_prefetch = static_cast<shardline::BackwardPrefetch>(c.backward_prefetch);
+    o.backward_prefetch_depth = c.backward_prefetch_depth;
+    o.budget_bytes = c.budget_bytes;
+    o.budget_units = c.budget_units;
+    o.root_unit = c.root_unit;
+    o.cpu_offload = c.cpu_offload != 0;
+    auto s = std::make_unique<shardlineScheduler_s>();
+    DType param, reduce;
+    SL_C_REQUIRE(ToDType(c.param_dtype, &param) && ToDType(c.reduce_dtype, &reduce),
+                 "shardlineSchedulerConfig_t: unknown param_dtype or reduce_dtype");
+    SL_C_REQUIRE(ToOp(c.reduce_op, &s->policy.reduce_op),
+                 "shardlineSchedulerConfig_t: unknown reduce_op");
+    s->policy.precision.param_dtype = param;
+    s->policy.precision.reduce_dtype = reduce;
+    absl::StatusOr<std::unique_ptr<shardline::Scheduler>> created = shardline::Scheduler::Create(
+        world->comm, *compute->stream, std::move(o), absl::Now() + Timeout(timeout_s));
+    if (!created.ok()) return FromStatus(created.status());
+    s->scheduler = *std::move(created);
+    *scheduler = s.release();
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_scheduler_destroy(shardlineScheduler_t scheduler) {
+  return Guard([&] {
+    delete scheduler;
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_scheduler_register_unit(shardlineScheduler_t scheduler,
+                                                    const char* name,
+                                                    const shardlineTensorSpec_t* tensors,
+                                                    int num_tensors, int* unit) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(scheduler != nullptr && name != nullptr && unit != nullptr &&
+                     (tensors != nullptr || num_tensors == 0) && num_tensors >= 0,
+                 "shardline_scheduler_register_unit: NULL or negative argument");
+    shardline::UnitSpec spec{.name = name, .policy = scheduler->policy};
+    for (int t = 0; t < num_tensors; ++t) {
+      SL_C_REQUIRE(tensors[t].name != nullptr && tensors[t].ndim >= 0 &&
+                       (tensors[t].shape != nullptr || tensors[t].ndim == 0),
+                   absl::StrCat("shardline_scheduler_register_unit('", name, "'): tensor ", t,
+                                " has a NULL name or shape or a negative ndim"));
+      spec.tensors.push_back(
+          {.name = tensors[t].name,
+           .shape = std::vector<int64_t>(tensors[t].shape, tensors[t].shape + tensors[t].ndim)});
+    }
+    absl::StatusOr<int> id = scheduler->scheduler->RegisterUnit(std::move(spec));
+    if (!id.ok()) return FromStatus(id.status());
+    *unit = *id;
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_unit_set_values(shardlineScheduler_t scheduler, int unit,
+                                            const void* const* values, int num_tensors) {
+  return RunHook(scheduler, unit, "shardline_unit_set_values", [&](shardline::Scheduler& s) {
+    if (values == nullptr || num_tensors < 0) {
+      return absl::InvalidArgumentError("shardline_unit_set_values: values is NULL");
+    }
+    return s.unit(unit).SetShardFromTensors(absl::MakeConstSpan(values, num_tensors));
+  });
+}
+
+shardlineResult_t shardline_pre_forward(shardlineScheduler_t s, int unit) {
+  return RunHook(s, unit, "shardline_pre_forward",
+                 [&](shardline::Scheduler& x) { return x.PreForward(unit); });
+}
+shardlineResult_t shardline_post_forward(shardlineScheduler_t s, int unit) {
+  return RunHook(s, unit, "shardline_post_forward",
+                 [&](shardline::Scheduler& x) { return x.PostForward(unit); });
+}
+shardlineResult_t shardline_pre_backward(shardlineScheduler_t s, int unit) {
+  return RunHook(s, unit, "shardline_pre_backward",
+                 [&](shardline::Scheduler& x) { return x.PreBackward(unit); });
+}
+shardlineResult_t shardline_post_backward(shardlineScheduler_t s, int unit) {
+  return RunHook(s, unit, "shardline_post_backward",
+                 [&](shardline::Scheduler& x) { return x.PostBackward(unit); });
+}
+shardlineResult_t shardline_end_forward(shardlineScheduler_t s) {
+  SL_C_REQUIRE(s != nullptr, "shardline_end_forward: scheduler is NULL");
+  return Guard([&] { return FromStatus(s->scheduler->EndForward()); });
+}
+shardlineResult_t shardline_finish_backward(shardlineScheduler_t s) {
+  SL_C_REQUIRE(s != nullptr, "shardline_finish_backward: scheduler is NULL");
+  return Guard([&] { return FromStatus(s->scheduler->FinishBackward()); });
+}
+shardlineResult_t shardline_zero_grad(shardlineScheduler_t s) {
+  SL_C_REQUIRE(s != nullptr, "shardline_zero_grad: scheduler is NULL");
+  return Guard([&] { return FromStatus(s->scheduler->ZeroGrad()); });
+}
+
+shardlineResult_t shardline_unit_param(shardlineScheduler_t s, int unit, int tensor, void** data,
+                                       size_t* numel) {
+  return RunHook(s, unit, "shardline_unit_param", [&](shardline::Scheduler& x) -> absl::Status {
+    if (data == nullptr || numel == nullptr) {
+      return absl::InvalidArgumentError("shardline_unit_param: data and numel must not be NULL");
+    }
+    absl::StatusOr<shardline::TensorView> v = x.unit(unit).View(tensor);
+    if (!v.ok()) return v.status();
+    *data = v->data;
+    *numel = v->numel;
+    return absl::OkStatus();
+  });
+}
+
+shardlineResult_t shardline_unit_grad(shardlineScheduler_t s, int unit, int tensor, void** data,
+                                      size_t* numel) {
+  return RunHook(s, unit, "shardline_unit_grad", [&](shardline::Scheduler& x) -> absl::Status {
+    if (data == nullptr || numel == nullptr) {
+      return absl::InvalidArgumentError("shardline_unit_grad: data and numel must not be NULL");
+    }
+    absl::StatusOr<shardline::TensorView> v = x.unit(unit).GradView(tensor);
+    if (!v.ok()) return v.status();
+    *data = v->data;
+    *numel = v->numel;
+    return absl::OkStatus();
+  });
+}
+
+shardlineResult_t shardline_unit_master_shard(shardlineScheduler_t s, int unit, void** data,
+                                              size_t* elements) {
+  return RunHook(s, unit, "shardline_unit_master_shard", [&](shardline::Scheduler& x) {
+    if (data == nullptr || elements == nullptr) {
+      return absl::InvalidArgumentError("shardline_unit_master_shard: NULL output");
+    }
+    const shardline::FlatShardView v = x.unit(unit).master_shard();
+    *data = v.data;
+    *elements = v.elements;
+    return absl::OkStatus();
+  });
+}
+
+shardlineResult_t shardline_unit_shard_grad(shardlineScheduler_t s, int unit, void** data,
+                                            size_t* elements) {
+  return RunHook(s, unit, "shardline_unit_shard_grad",
+                 [&](shardline::Scheduler& x) -> absl::Status {
+                   if (data == nullptr || elements == nullptr) {
+                     return absl::InvalidArgumentError("shardline_unit_shard_grad: NULL output");
+                   }
+                   absl::StatusOr<shardline::FlatShardView> v = x.unit(unit).ShardGrad();
+                   if (!v.ok()) return v.status();
+                   *data = v->data;
+                   *elements = v->elements;
+                   return absl::OkStatus();
+                 });
+}
+
+shardlineResult_t shardline_unit_shard_slice(shardlineScheduler_t s, int unit, int tensor,
+                                             size_t* first, size_t* count, size_t* tensor_offset) {
+  return RunHook(s, unit, "shardline_unit_shard_slice",
+                 [&](shardline::Scheduler& x) -> absl::Status {
+                   if (first == nullptr || count == nullptr || tensor_offset == nullptr) {
+                     return absl::InvalidArgumentError("shardline_unit_shard_slice: NULL output");
+                   }
+                   const shardline::FlatLayout& layout = x.unit(unit).layout();
+                   if (tensor < 0 || tensor >= layout.num_tensors()) {
+                     return absl::InvalidArgumentError(
+                         absl::StrCat("shardline_unit_shard_slice: no tensor ", tensor));
+                   }
+                   std::optional<shardline::ShardSlice> slice =
+                       layout.Intersection(tensor, x.unit(unit).shard_rank());
+                   *first = slice ? slice->shard_offset : 0;
+                   *count = slice ? slice->length : 0;
+                   *tensor_offset = slice ? slice->tensor_offset : 0;
+                   return absl::OkStatus();
+                 });
+}
+
+shardlineResult_t shardline_scheduler_metrics(shardlineScheduler_t s, double timeout_s,
+                                              shardlineStepMetrics_t* metrics) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(s != nullptr && metrics != nullptr, "shardline_scheduler_metrics: NULL argument");
+    SL_C_REQUIRE(metrics->struct_size >= offsetof(shardlineStepMetrics_t, step) &&
+                     metrics->struct_size <= sizeof(shardlineStepMetrics_t),
+                 absl::StrCat("shardlineStepMetrics_t.struct_size is ", metrics->struct_size,
+                              " (initialise it with SHARDLINE_STEP_METRICS_INIT)"));
+    absl::StatusOr<shardline::StepMetrics> m =
+        s->scheduler->LastStepMetrics(absl::Now() + Timeout(timeout_s));
+    if (!m.ok()) return FromStatus(m.status());
+    shardlineStepMetrics_t out = SHARDLINE_STEP_METRICS_INIT;
+    out.step = m->step;
+    out.bytes_gathered = m->bytes_gathered;
+    out.bytes_reduced = m->bytes_reduced;
+    out.budget_bytes = m->budget_bytes;
+    out.peak_inflight_bytes = m->peak_inflight_bytes;
+    out.peak_inflight_units = m->peak_inflight_units;
+    out.budget_overshoots = m->budget_overshoots;
+    out.deferred_prefetches = m->deferred_prefetches;
+    out.order_deviations = m->order_deviations;
+    out.step_time_s = Seconds(m->step_time);
+    out.exposed_communication_s = Seconds(m->exposed_communication);
+    out.overlap_fraction = m->overlap_fraction.value_or(-1.0);
+    out.host_hook_time_s = absl::ToDoubleSeconds(m->host_hook_time);
+    // Only as many bytes as the caller's struct has.
+    const size_t size = metrics->struct_size;
+    std::memcpy(static_cast<void*>(metrics), &out, size);
+    metrics->struct_size = size;
+    return shardlineSuccess;
+  });
+}
+
+}  // extern "C"

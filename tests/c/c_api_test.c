@@ -1,0 +1,262 @@
+/* The C API from C (compiled as C11): two ranks as threads over the in-process backend.
+ *   1. an all-gather of hashed floats (odd count) checked element by element;
+ *   2. three training steps of a two-unit model under the FSDP scheduler (prefetch on, a budget):
+ *      the forward reads every gathered parameter, the backward adds gradients that depend on
+ *      them, SGD runs on the shards between steps; the final shards are compared with the same
+ *      training run unsharded in plain C loops;
+ *   3. errors: a bad dtype is shardlineInvalidArgument with a message naming it, metrics struct
+ *      sizes are checked, an option struct from a newer header is refused.
+ * Exit status 0 on success; every failure prints what differed. */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shardline.h"
+
+#define RANKS 2
+#define UNITS 2
+#define STEPS 3
+static const int64_t kSizes[UNITS][2] = {{37, 5}, {53, 7}}; /* tensor "w" and "b" per unit */
+static const float kLr = 0.05f;
+
+static int failures = 0;
+static pthread_mutex_t failures_mu = PTHREAD_MUTEX_INITIALIZER;
+
+#define CHECK(cond, ...)                              \
+  do {                                                \
+    if (!(cond)) {                                    \
+      pthread_mutex_lock(&failures_mu);               \
+      ++failures;                                     \
+      fprintf(stderr, "%s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                   \
+      fprintf(stderr, "\n");                          \
+      pthread_mutex_unlock(&failures_mu);             \
+      return 1;                                       \
+    }                                                 \
+  } while (0)
+#define CALL(expr)                                                                  \
+  do {                                                                              \
+    shardlineResult_t r_ = (expr);                                                  \
+    CHECK(r_ == shardlineSuccess, "%s: %s: %s", #expr, shardline_result_string(r_), \
+          shardline_last_error());                                                  \
+  } while (0)
+
+static float Hash(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t x = a * 0x9e3779b97f4a7c15ULL ^ (b + 0x632be59bd9b4e019ULL) * 0xbf58476d1ce4e5b9ULL ^ c;
+  x ^= x >> 31;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 29;
+  return (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static float Initial(int u, int t, size_t i) { return Hash(1 + u, t, i); }
+static float Input(int rank, int step, int u, int t, size_t i) {
+  return Hash(100 + rank, step * 16 + u, t * 100000 + i);
+}
+
+/* forward: act = sum w * x; backward: g += w * (0.5 + 0.01 act) + x. */
+static void ForwardBackward(int rank, int step, int u, float* const w[2], float* const g[2]) {
+  double act = 0;
+  for (int t = 0; t < 2; ++t) {
+    const size_t n = (size_t)kSizes[u][t];
+    for (size_t i = 0; i < n; ++i) act += w[t][i] * Input(rank, step, u, t, i);
+  }
+  const float c = 0.5f + 0.01f * (float)act;
+  for (int t = 0; t < 2; ++t) {
+    const size_t n = (size_t)kSizes[u][t];
+    for (size_t i = 0; i < n; ++i) g[t][i] += w[t][i] * c + Input(rank, step, u, t, i);
+  }
+}
+
+static float reference[UNITS][2][64];
+
+static void Reference(void) {
+  for (int u = 0; u < UNITS; ++u)
+    for (int t = 0; t < 2; ++t)
+      for (int64_t i = 0; i < kSizes[u][t]; ++i) reference[u][t][i] = Initial(u, t, (size_t)i);
+  for (int s = 0; s < STEPS; ++s) {
+    float sum[UNITS][2][64];
+    memset(sum, 0, sizeof(sum));
+    for (int r = 0; r < RANKS; ++r) {
+      float grad[UNITS][2][64];
+      memset(grad, 0, sizeof(grad));
+      for (int u = 0; u < UNITS; ++u) {
+        float* w[2] = {reference[u][0], reference[u][1]};
+        float* g[2] = {grad[u][0], grad[u][1]};
+        ForwardBackward(r, s, u, w, g);
+      }
+      for (int u = 0; u < UNITS; ++u)
+        for (int t = 0; t < 2; ++t)
+          for (int64_t i = 0; i < kSizes[u][t]; ++i) sum[u][t][i] += grad[u][t][i];
+    }
+    for (int u = 0; u < UNITS; ++u)
+      for (int t = 0; t < 2; ++t)
+        for (int64_t i = 0; i < kSizes[u][t]; ++i)
+          reference[u][t][i] -= kLr * (sum[u][t][i] / RANKS);
+  }
+}
+
+struct RankArgs {
+  shardlineComm_t comm;
+  int rank;
+};
+
+static int AllGather(shardlineComm_t comm, int rank) {
+  enum { kCount = 1001 };
+  shardlineStream_t stream;
+  CALL(shardline_stream_create_host("gather", &stream));
+  float* in = malloc(kCount * sizeof(float));
+  float* out = malloc(RANKS * kCount * sizeof(float));
+  for (size_t i = 0; i < kCount; ++i) in[i] = Hash(7, rank, i);
+  shardlineWork_t work;
+  CALL(shardline_all_gather(comm, in, out, kCount, shardlineFloat32, stream, &work));
+  CALL(shardline_work_wait(work, 30));
+  int completed = 0;
+  CALL(shardline_work_is_completed(work, &completed));
+  CHECK(completed == 1, "the all-gather is not completed after its wait");
+  for (int r = 0; r < RANKS; ++r)
+    for (size_t i = 0; i < kCount; ++i)
+      CHECK(out[r * kCount + i] == Hash(7, r, i), "all_gather: rank %d element %zu", r, i);
+  shardline_work_destroy(work);
+  /* Bad input: an unknown dtype, named in the message; nothing is issued. */
+  shardlineResult_t bad =
+      shardline_all_gather(comm, in, out, kCount, (shardlineDataType_t)99, stream, &work);
+  CHECK(bad == shardlineInvalidArgument, "bad dtype gave %s", shardline_result_string(bad));
+  CHECK(strstr(shardline_last_error(), "dtype") != NULL, "message: %s", shardline_last_error());
+  free(in);
+  free(out);
+  CALL(shardline_stream_destroy(stream));
+  return 0;
+}
+
+static int Train(shardlineComm_t comm, int rank) {
+  shardlineStream_t compute;
+  CALL(shardline_stream_create_caller("compute", &compute));
+  shardlineSchedulerConfig_t config = SHARDLINE_SCHEDULER_CONFIG_INIT;
+  config.forward_prefetch = 1;
+  config.root_unit = -1;
+  config.budget_bytes = 4096;
+  /* A struct from a newer header (larger than this library knows) is refused. */
+  shardlineSchedulerConfig_t newer = config;
+  newer.struct_size = sizeof(config) + 8;
+  shardlineScheduler_t sched;
+  CHECK(shardline_scheduler_create(comm, compute, &newer, 30, &sched) == shardlineInvalidArgument,
+        "a config of an unknown size was accepted");
+  CALL(shardline_scheduler_create(comm, compute, &config, 30, &sched));
+  for (int u = 0; u < UNITS; ++u) {
+    int64_t w_shape[1] = {kSizes[u][0]}, b_shape[1] = {kSizes[u][1]};
+    shardlineTensorSpec_t specs[2] = {{"w", w_shape, 1}, {"b", b_shape, 1}};
+    char name[16];
+    snprintf(name, sizeof(name), "unit%d", u);
+    int id = -1;
+    CALL(shardline_scheduler_register_unit(sched, name, specs, 2, &id));
+    CHECK(id == u, "unit id %d, expected %d", id, u);
+    float values[2][64];
+    for (int t = 0; t < 2; ++t)
+      for (int64_t i = 0; i < kSizes[u][t]; ++i) values[t][i] = Initial(u, t, (size_t)i);
+    const void* pointers[2] = {values[0], values[1]};
+    CALL(shardline_unit_set_values(sched, u, pointers, 2));
+  }
+  for (int s = 0; s < STEPS; ++s) {
+    for (int u = 0; u < UNITS; ++u) {
+      CALL(shardline_pre_forward(sched, u));
+      CALL(shardline_post_forward(sched, u));
+    }
+    for (int u = UNITS - 1; u >= 0; --u) {
+      CALL(shardline_pre_backward(sched, u));
+      float* w[2];
+      float* g[2];
+      for (int t = 0; t < 2; ++t) {
+        void* data;
+        size_t numel;
+        CALL(shardline_unit_param(sched, u, t, &data, &numel));
+        CHECK(numel == (size_t)kSizes[u][t], "numel %zu", numel);
+        w[t] = data;
+        CALL(shardline_unit_grad(sched, u, t, &data, &numel));
+        g[t] = data;
+      }
+      ForwardBackward(rank, s, u, w, g);
+      CALL(shardline_post_backward(sched, u));
+    }
+    CALL(shardline_finish_backward(sched));
+    for (int u = 0; u < UNITS; ++u) {
+      void* p;
+      void* g;
+      size_t n, m;
+      CALL(shardline_unit_master_shard(sched, u, &p, &n));
+      CALL(shardline_unit_shard_grad(sched, u, &g, &m));
+      CHECK(n == m, "shard %zu vs grad %zu", n, m);
+      for (size_t i = 0; i < n; ++i) ((float*)p)[i] -= kLr * ((const float*)g)[i];
+    }
+    CALL(shardline_zero_grad(sched));
+    shardlineStepMetrics_t metrics = SHARDLINE_STEP_METRICS_INIT;
+    CALL(shardline_scheduler_metrics(sched, 30, &metrics));
+    CHECK(metrics.step == s, "metrics of step %lld", (long long)metrics.step);
+    CHECK(metrics.peak_inflight_bytes <= config.budget_bytes, "peak %llu over the budget",
+          (unsigned long long)metrics.peak_inflight_bytes);
+    CHECK(metrics.bytes_gathered > 0 && metrics.bytes_reduced > 0, "no traffic in the metrics");
+  }
+  /* Every element this rank owns equals the unsharded run. */
+  for (int u = 0; u < UNITS; ++u) {
+    void* p;
+    size_t n;
+    CALL(shardline_unit_master_shard(sched, u, &p, &n));
+    for (int t = 0; t < 2; ++t) {
+      size_t first, count, offset;
+      CALL(shardline_unit_shard_slice(sched, u, t, &first, &count, &offset));
+      for (size_t i = 0; i < count; ++i) {
+        const float got = ((const float*)p)[first + i];
+        const float want = reference[u][t][offset + i];
+        CHECK(fabsf(got - want) <= 1e-5f * (1.0f + fabsf(want)),
+              "rank %d unit %d tensor %d element %zu: %g, unsharded %g", rank, u, t, offset + i,
+              got, want);
+      }
+    }
+  }
+  /* A hook on an unknown unit is an error naming it. */
+  CHECK(shardline_pre_forward(sched, 9) == shardlineInvalidArgument, "unit 9 accepted");
+  CHECK(strstr(shardline_last_error(), "9") != NULL, "message: %s", shardline_last_error());
+  CALL(shardline_scheduler_destroy(sched));
+  CALL(shardline_stream_destroy(compute));
+  return 0;
+}
+
+static void* RunRank(void* arg) {
+  const struct RankArgs* a = arg;
+  if (AllGather(a->comm, a->rank) != 0) return NULL;
+  Train(a->comm, a->rank);
+  return NULL;
+}
+
+int main(void) {
+  int version = 0;
+  if (shardline_get_version(&version) != shardlineSuccess || version != SHARDLINE_VERSION_CODE) {
+    fprintf(stderr, "version %d, header %d\n", version, SHARDLINE_VERSION_CODE);
+    return 1;
+  }
+  Reference();
+  shardlineComm_t comms[RANKS];
+  if (shardline_comm_init_local(RANKS, 30, comms) != shardlineSuccess) {
+    fprintf(stderr, "shardline_comm_init_local: %s\n", shardline_last_error());
+    return 1;
+  }
+  pthread_t threads[RANKS];
+  struct RankArgs args[RANKS];
+  for (int r = 0; r < RANKS; ++r) {
+    args[r].comm = comms[r];
+    args[r].rank = r;
+    pthread_create(&threads[r], NULL, RunRank, &args[r]);
+  }
+  for (int r = 0; r < RANKS; ++r) pthread_join(threads[r], NULL);
+  for (int r = 0; r < RANKS; ++r) shardline_comm_destroy(comms[r]);
+  if (failures != 0) {
+    fprintf(stderr, "c_api_test: %d failure(s)\n", failures);
+    return 1;
+  }
+  printf("c_api_test: all-gather and %d scheduled training steps on %d ranks match\n", STEPS,
+         RANKS);
+  return 0;
+}
