@@ -56,7 +56,8 @@ typedef enum {
   shardlineNotFound = 5,
   shardlineResourceExhausted = 6, /* out of memory */
   shardlineUnimplemented = 7,
-  shardlineInternalError = 8
+  shardlineInternalError = 8,
+  shardlineResultEnumMax = 0x7fffffff /* keeps the enum int-sized; not a result */
 } shardlineResult_t;
 
 typedef enum {
@@ -67,7 +68,10 @@ typedef enum {
   shardlineInt32 = 4,
   shardlineInt64 = 5,
   shardlineUint8 = 6,
-  shardlineInt8 = 7
+  shardlineInt8 = 7,
+  /* Makes every int a valid value of the type, so an unknown value from a newer or buggy caller
+   * is an InvalidArgument, not undefined behaviour in the library. Not a dtype. */
+  shardlineDataTypeEnumMax = 0x7fffffff
 } shardlineDataType_t;
 
 typedef enum {
@@ -149,13 +153,15 @@ typedef enum {
   shardlineFullShard = 0,
   shardlineShardGradOp = 1,
   shardlineNoShard = 2,
-  shardlineHybridShard = 3
+  shardlineHybridShard = 3,
+  shardlineShardingStrategyEnumMax = 0x7fffffff /* not a strategy */
 } shardlineShardingStrategy_t;
 
 typedef enum {
   shardlineBackwardPrefetchOff = 0,
   shardlineBackwardPrefetchBeforeGrad = 1,
-  shardlineBackwardPrefetchAfterGrad = 2
+  shardlineBackwardPrefetchAfterGrad = 2,
+  shardlineBackwardPrefetchEnumMax = 0x7fffffff /* not a mode */
 } shardlineBackwardPrefetch_t;
 
 typedef struct {

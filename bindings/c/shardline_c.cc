@@ -126,6 +126,8 @@ bool ToDType(shardlineDataType_t in, DType* out) {
     case shardlineInt8:
       *out = DType::kI8;
       return true;
+    default:
+      break;
   }
   return false;
 }
@@ -229,6 +231,8 @@ const char* shardline_result_string(shardlineResult_t result) {
       return "shardlineUnimplemented";
     case shardlineInternalError:
       return "shardlineInternalError";
+    default:
+      break;
   }
   return "unknown shardlineResult_t";
 }
