@@ -4,15 +4,22 @@
  *      the forward reads every gathered parameter, the backward adds gradients that depend on
  *      them, SGD runs on the shards between steps; the final shards are compared with the same
  *      training run unsharded in plain C loops;
- *   3. errors: a bad dtype is shardlineInvalidArgument with a message naming it, metrics struct
- *      sizes are checked, an option struct from a newer header is refused.
+ *   3. errors: a bad dtype is shardlineInvalidArgument with a message naming it, an option struct
+ *      from a newer header is refused;
+ *   4. ABI: the scheduler is created from a config as an older header laid it out (it ends before
+ *      param_dtype), placed so that its last byte is the last byte before a PROT_NONE page: a
+ *      library that read past struct_size would fault. The missing fields take their defaults.
  * Exit status 0 on success; every failure prints what differed. */
+#define _DEFAULT_SOURCE /* mmap's MAP_ANONYMOUS */
 #include <math.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "shardline.h"
 
@@ -145,7 +152,20 @@ static int Train(shardlineComm_t comm, int rank) {
   shardlineScheduler_t sched;
   CHECK(shardline_scheduler_create(comm, compute, &newer, 30, &sched) == shardlineInvalidArgument,
         "a config of an unknown size was accepted");
-  CALL(shardline_scheduler_create(comm, compute, &config, 30, &sched));
+  /* An older caller's struct, ending at a guard page. */
+  /* The old struct's size: its fields up to param_dtype, rounded up to the struct's alignment
+   * as a compiler lays it out (8: it holds size_t and pointers). */
+  const size_t old_size = (offsetof(shardlineSchedulerConfig_t, param_dtype) + 7) & ~(size_t)7;
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  unsigned char* pages =
+      mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(pages != MAP_FAILED, "mmap failed");
+  CHECK(mprotect(pages + page, page, PROT_NONE) == 0, "mprotect failed");
+  shardlineSchedulerConfig_t* older = (shardlineSchedulerConfig_t*)(pages + page - old_size);
+  memcpy(older, &config, old_size);
+  older->struct_size = old_size;
+  CALL(shardline_scheduler_create(comm, compute, older, 30, &sched));
+  munmap(pages, 2 * page);
   for (int u = 0; u < UNITS; ++u) {
     int64_t w_shape[1] = {kSizes[u][0]}, b_shape[1] = {kSizes[u][1]};
     shardlineTensorSpec_t specs[2] = {{"w", w_shape, 1}, {"b", b_shape, 1}};
