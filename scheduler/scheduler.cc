@@ -17,7 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "runtime/caching_pool.h"
-#include "runtime/half.h"
+#include "runtime/host_kernels.h"
 #include "runtime/logging.h"
 #include "runtime/shard_norms.h"
 #include "runtime/status.h"
@@ -41,36 +41,6 @@ std::string Bytes(uint64_t bytes) {
 std::string Millis(const std::optional<absl::Duration>& d) {
   if (!d.has_value()) return "n/a";
   return absl::StrFormat("%.2f ms", absl::ToDoubleMilliseconds(*d));
-}
-
-// Scales `n` elements of `dtype` at `data` by `coef` in place.
-absl::Status ScaleInPlace(void* data, size_t n, DType dtype, double coef) {
-  switch (dtype) {
-    case DType::kF32: {
-      float* p = static_cast<float*>(data);
-      const float c = static_cast<float>(coef);
-      for (size_t i = 0; i < n; ++i) p[i] *= c;
-      return absl::OkStatus();
-    }
-    case DType::kF64: {
-      double* p = static_cast<double*>(data);
-      for (size_t i = 0; i < n; ++i) p[i] *= coef;
-      return absl::OkStatus();
-    }
-    case DType::kBF16: {
-      uint16_t* p = static_cast<uint16_t*>(data);
-      for (size_t i = 0; i < n; ++i) p[i] = DoubleToBf16Bits(Bf16BitsToFloat(p[i]) * coef);
-      return absl::OkStatus();
-    }
-    case DType::kF16: {
-      uint16_t* p = static_cast<uint16_t*>(data);
-      for (size_t i = 0; i < n; ++i) p[i] = DoubleToHalfBits(HalfBitsToFloat(p[i]) * coef);
-      return absl::OkStatus();
-    }
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot scale a gradient of dtype ", DTypeName(dtype)));
-  }
 }
 
 std::optional<absl::Duration> Between(const std::shared_ptr<Event>& a,
@@ -1120,7 +1090,7 @@ absl::StatusOr<double> Scheduler::ClipGradNorm(double max_norm, absl::Time deadl
     for (const Unit& unit : units_) {
       if (!unit.param->has_shard_grad()) continue;
       SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
-      SL_RETURN_IF_ERROR(Annotate(ScaleInPlace(grad.data, grad.elements, grad.dtype, coef), what));
+      SL_RETURN_IF_ERROR(Annotate(Scale(grad.data, grad.elements, grad.dtype, coef), what));
     }
   }
   return norm;

@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/half.h"
+#include "runtime/host_kernels.h"
 #include "runtime/status.h"
 #include "runtime/trace.h"
 
@@ -17,39 +17,6 @@ namespace shardline::examples {
 namespace {
 
 absl::Time Deadline(const Communicator& world) { return absl::Now() + world.timeout(); }
-
-float ToFloat(DType dtype, const void* data, size_t i) {
-  switch (dtype) {
-    case DType::kBF16:
-      return Bf16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
-    case DType::kF16:
-      return HalfBitsToFloat(static_cast<const uint16_t*>(data)[i]);
-    case DType::kF64:
-      return static_cast<float>(static_cast<const double*>(data)[i]);
-    default:
-      return static_cast<const float*>(data)[i];
-  }
-}
-
-void AddFloat(DType dtype, void* data, size_t i, float value) {
-  switch (dtype) {
-    case DType::kBF16: {
-      uint16_t* p = static_cast<uint16_t*>(data);
-      p[i] = FloatToBf16Bits(Bf16BitsToFloat(p[i]) + value);
-      return;
-    }
-    case DType::kF16: {
-      uint16_t* p = static_cast<uint16_t*>(data);
-      p[i] = FloatToHalfBits(HalfBitsToFloat(p[i]) + value);
-      return;
-    }
-    case DType::kF64:
-      static_cast<double*>(data)[i] += value;
-      return;
-    default:
-      static_cast<float*>(data)[i] += value;
-  }
-}
 
 // UnitAccess over the scheduler, the compute being the calling thread. Traces each unit's
 // forward and backward compute on the "compute" track.
@@ -84,10 +51,15 @@ class ShardedAccess final : public UnitAccess {
     FlatParameter& p = s_.unit(unit);
     if (p.policy().param_dtype != DType::kF32) {
       // The f32 gradient of the model's kernels goes into the param-dtype unsharded gradient.
+      // g = param_dtype(f32(g) + staged): one rounding, as an f32 add into a bf16 gradient.
+      std::vector<float> sum;
       for (int t = 0; t < p.layout().num_tensors(); ++t) {
         SL_ASSIGN_OR_RETURN(TensorView g, p.GradView(t));
         const std::vector<float>& staged = staged_grad_[unit][t];
-        for (size_t i = 0; i < g.numel; ++i) AddFloat(g.dtype, g.data, i, staged[i]);
+        sum.resize(g.numel);
+        SL_RETURN_IF_ERROR(Cast(g.data, g.dtype, sum.data(), DType::kF32, g.numel));
+        for (size_t i = 0; i < g.numel; ++i) sum[i] += staged[i];
+        SL_RETURN_IF_ERROR(Cast(sum.data(), DType::kF32, g.data, g.dtype, g.numel));
       }
     }
     return s_.PostBackward(unit);
@@ -117,7 +89,7 @@ class ShardedAccess final : public UnitAccess {
       SL_ASSIGN_OR_RETURN(TensorView v, p.View(t));
       std::vector<float>& out = staged_[unit][t];
       out.resize(v.numel);
-      for (size_t i = 0; i < v.numel; ++i) out[i] = ToFloat(v.dtype, v.data, i);
+      SL_RETURN_IF_ERROR(Cast(v.data, v.dtype, out.data(), DType::kF32, v.numel));
       if (grads) staged_grad_[unit][t].assign(v.numel, 0.0f);
     }
     return absl::OkStatus();
