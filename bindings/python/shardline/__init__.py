@@ -1,0 +1,115 @@
+"""shardline: sharded parameters, gathered just in time, for FSDP / ZeRO-3 training.
+
+    import numpy as np, shardline
+    world = shardline.init()                  # torchrun / shardline-launch / mpirun / srun
+    x = shardline.empty(1024, "float32")      # registered memory: the fast path
+    out = shardline.empty(1024 * world.size, "float32")
+    world.all_gather(out, x).wait()
+
+Collectives take any DLPack tensor (numpy, torch, jax) without copying it, return a Work at once
+and run on the communicator's shardline stream; the Work keeps the tensors alive until the
+collective is done. Errors are exceptions whose class follows the Status code
+(InvalidArgumentError is a ValueError, DeadlineExceededError a TimeoutError, RemoteError a dead or
+disagreeing peer) and whose message is the Status text.
+"""
+
+import atexit as _atexit
+import ctypes as _ctypes
+import importlib.util as _importlib_util
+import os as _os
+
+
+def _preload_framework_libraries():
+    """Loads the CUDA runtime and NCCL that PyTorch's wheels ship, when they are installed.
+
+    The native module links libcudart.so.13 and libnccl.so.2 by soname. Loaded first, the
+    toolkit's copies would also serve torch (same sonames) and break its newer NCCL symbols;
+    loading torch's copies first makes both use them (NCCL and the CUDA runtime stay
+    backward-compatible within a major version).
+    """
+    spec = _importlib_util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    for root in spec.submodule_search_locations:
+        for relative in (("cu13", "lib", "libcudart.so.13"), ("nccl", "lib", "libnccl.so.2")):
+            path = _os.path.join(root, *relative)
+            if _os.path.exists(path):
+                try:
+                    _ctypes.CDLL(path, mode=_ctypes.RTLD_GLOBAL)
+                except OSError:
+                    pass
+
+
+_preload_framework_libraries()
+
+from . import _core  # noqa: E402
+from ._core import (  # noqa: E402
+    Communicator,
+    DeadlineExceededError,
+    Error,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    Mesh,
+    NotFoundError,
+    RemoteError,
+    ResourceExhaustedError,
+    Scheduler,
+    StepMetrics,
+    Stream,
+    Trace,
+    UnimplementedError,
+    UnitStepMetrics,
+    Work,
+    __version__,
+    host_stream,
+    init,
+    init_local,
+)
+
+__all__ = [
+    "Communicator", "DeadlineExceededError", "Error", "FailedPreconditionError",
+    "InvalidArgumentError", "Mesh", "NotFoundError", "RemoteError", "ResourceExhaustedError",
+    "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "UnitStepMetrics",
+    "Work", "__version__", "empty", "host_stream", "init", "init_local", "zeros",
+]
+
+
+def _dtype_name(dtype):
+    """'float32' for "float32", numpy.float32, numpy.dtype('float32') or torch.float32."""
+    if isinstance(dtype, str):
+        return dtype
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text[len("torch."):]
+    try:
+        import numpy
+        return numpy.dtype(dtype).name
+    except TypeError:
+        raise InvalidArgumentError(f"dtype {dtype!r} is not a dtype shardline knows") from None
+
+
+def _shape(shape):
+    if isinstance(shape, int):
+        return [shape]
+    return [int(d) for d in shape]
+
+
+def empty(shape, dtype="float32", framework="numpy"):
+    """An uninitialised tensor in shardline's registered host memory.
+
+    Collectives on it take the fast path: from SHARDLINE_HOST_SHAREABLE_BYTES (1 MiB) up it is
+    shareable memory that the peers on this host map once and copy from directly, where a
+    tensor of numpy's or torch's own memory costs a system call per transfer. framework:
+    "numpy" (an ndarray; no bfloat16) or "torch" (a CPU tensor).
+    """
+    return _core._empty(_shape(shape), _dtype_name(dtype), framework, False)
+
+
+def zeros(shape, dtype="float32", framework="numpy"):
+    """empty(), filled with zeros."""
+    return _core._empty(_shape(shape), _dtype_name(dtype), framework, True)
+
+
+# Collectives whose Work was dropped keep their tensors until they are done; at exit, wait for
+# them (bounded) before the interpreter frees anything.
+_atexit.register(_core._drain, 60.0)

@@ -1,0 +1,97 @@
+// File: bindings/python/src/common.h
+// -----------------------------------------------------------------------------
+// What the Python module's translation units share: Status → exception, tensors received through
+// DLPack (numpy, torch, jax — anything nanobind's ndarray accepts), and the communicator wrapper
+// the collectives and the scheduler both take.
+
+#ifndef SHARDLINE_BINDINGS_PYTHON_SRC_COMMON_H_
+#define SHARDLINE_BINDINGS_PYTHON_SRC_COMMON_H_
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+#include "collectives/store/store.h"
+#include "runtime/device.h"
+#include "runtime/dtype.h"
+#include "runtime/stream.h"
+
+namespace shardline::python {
+
+namespace nb = nanobind;
+
+// A failed Status on its way to Python: the module's exception translator raises the exception
+// class that follows its code (see RegisterErrors) with the Status text as the message.
+class StatusError : public std::exception {
+ public:
+  explicit StatusError(absl::Status status)
+      : status_(std::move(status)),
+        text_(status_.ToString(absl::StatusToStringMode::kWithNoExtraData)) {}
+  const absl::Status& status() const { return status_; }
+  const char* what() const noexcept override { return text_.c_str(); }
+
+ private:
+  absl::Status status_;
+  std::string text_;
+};
+
+inline void ThrowIfError(const absl::Status& status) {
+  if (!status.ok()) throw StatusError(status);
+}
+template <typename T>
+T Unwrap(absl::StatusOr<T> value) {
+  if (!value.ok()) throw StatusError(value.status());
+  return *std::move(value);
+}
+// InvalidArgument with `message` (raised as ValueError).
+[[noreturn]] void ThrowInvalid(std::string message);
+
+// Creates shardline.Error and its subclasses in `m` and installs the translator.
+void RegisterErrors(nb::module_& m);
+
+// A bound on a blocking wait: `timeout_s` seconds from now, or SHARDLINE_TIMEOUT_S when unset.
+absl::Time DeadlineIn(std::optional<double> timeout_s);
+
+// One tensor argument: its memory, element count and dtype, and the Python object that owns the
+// memory (kept alive by the Work until the collective is done).
+struct Tensor {
+  void* data = nullptr;
+  size_t numel = 0;
+  DType dtype = DType::kF32;
+  Device device = Device::Host();
+  nb::object owner;
+};
+
+// Reads `obj` through DLPack (zero-copy). ValueError (naming `what`) if it is not a tensor, not
+// C-contiguous, of a dtype shardline does not move, read-only while `writable`, or not on
+// `device`.
+Tensor ToTensor(nb::handle obj, const char* what, bool writable, Device device);
+
+// A communicator as Python sees it: the C++ communicator, the shardline stream its collectives
+// run on (a host stream for host memory: the calls return at once and the collective runs on
+// the stream's worker), and whatever the communicator needs kept alive (the store of a joined
+// process group).
+struct PyComm {
+  PyComm(std::shared_ptr<Communicator> comm, std::shared_ptr<Store> store);
+  // Declared in this order so that the stream (whose destructor drains it) goes before the
+  // communicator.
+  std::shared_ptr<Store> store;
+  std::shared_ptr<Communicator> comm;
+  std::unique_ptr<Stream> stream;
+};
+
+void RegisterCollectives(nb::module_& m);
+void RegisterScheduler(nb::module_& m);
+
+}  // namespace shardline::python
+
+#endif  // SHARDLINE_BINDINGS_PYTHON_SRC_COMMON_H_

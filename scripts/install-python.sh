@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Creates .venv/ (once) from the python3 on PATH and installs into it, from PyPI, only what is
+# missing: the Python module's build tools (scikit-build-core, nanobind), the test and plotting
+# tools (pytest, numpy, matplotlib, safetensors) and torch. torch is large (CUDA wheels, several
+# GB): it is installed once per machine and pip's cache serves later venvs; it is never
+# reinstalled when already importable.
+#
+#   scripts/install-python.sh          everything above
+#   scripts/install-python.sh --no-torch
+#
+# Prints nothing but one line when everything is there already.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv
+if [[ ! -x $venv/bin/python ]]; then
+  echo "install-python: creating $venv"
+  python3 -m venv "$venv"
+fi
+py=$venv/bin/python
+
+# name-as-imported=requirement
+wanted=(scikit_build_core=scikit-build-core nanobind=nanobind pytest=pytest numpy=numpy
+        matplotlib=matplotlib safetensors=safetensors)
+if [[ "${1:-}" != "--no-torch" ]]; then
+  wanted+=(torch=torch)
+fi
+missing=()
+for entry in "${wanted[@]}"; do
+  module=${entry%%=*}
+  requirement=${entry#*=}
+  # find_spec looks the module up without importing it (importing torch takes seconds).
+  if ! "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"; then
+    missing+=("$requirement")
+  fi
+done
+if ((${#missing[@]} == 0)); then
+  echo "install-python: everything is installed in $venv"
+  exit 0
+fi
+echo "install-python: installing ${missing[*]} into $venv (torch takes minutes the first time)"
+"$py" -m pip install -q --disable-pip-version-check "${missing[@]}"
+echo "install-python: done"
