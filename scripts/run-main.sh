@@ -7,7 +7,9 @@
 # the communication memory in flight against the budget, then a check of the final parameters
 # against a single-process unsharded run, and a merged Chrome trace (build/train_fsdp_trace.json;
 # open it in https://ui.perfetto.dev). Then the same under hybrid sharding on 4 ranks (2 x 2) with
-# bf16 parameters and 2 micro-batches, the scheduler tour, and a short all-gather benchmark.
+# bf16 parameters and 2 micro-batches, the scheduler tour, a two-layer numpy model trained with
+# the scheduler from Python (the module pip-installed into .venv/), and a short all-gather
+# benchmark.
 # The training runs set SHARDLINE_UCX_SPIN_US=0: on a machine with fewer cores than the ranks'
 # compute, stream and UCX threads, spinning for a peer steals the core the compute needs.
 set -euo pipefail
@@ -25,6 +27,12 @@ SHARDLINE_UCX_SPIN_US=0 build/bin/shardline-launch -n 4 -- build/examples/train_
 echo
 echo "=== the scheduler API in one page"
 build/examples/scheduler_tour
+echo
+echo "=== from Python: pip install . into .venv, then a numpy model trained with the scheduler"
+scripts/install-python.sh --no-torch
+.venv/bin/python -m pip install --no-build-isolation --disable-pip-version-check -q . \
+  >build-pip.log 2>&1 || { cat build-pip.log; exit 1; }
+SHARDLINE_UCX_SPIN_US=0 .venv/bin/shardline-launch -n 2 -- .venv/bin/python examples/python/train_scheduler.py
 echo
 echo "=== all_gather_perf: 2 ranks, ucx backend"
 build/bin/shardline-launch -n 2 -- build/bench/all_gather_perf -b 1M -e 16M -f 4 -c 1

@@ -4,15 +4,18 @@
 #   1. build/ (RelWithDebInfo; CUDA sources compile whenever nvcc is present): ctest -L unit,
 #      then ctest -L multiprocess (real processes over UCX, started by shardline-launch)
 #   2. the installed CMake package, consumed by tests/consumer through find_package(shardline)
-#   3. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer): ctest -L unit
-#   4. build-tsan/ (ThreadSanitizer): ctest -L threads (streams, pools, collectives, the store)
-#   5. clang-format of every tracked C++ file
-#   6. build-fuzz/ (clang, libFuzzer): the store's message decoder, fuzzed for 20 s
+#   3. Python: .venv/ (scripts/install-python.sh: build tools, pytest, numpy, torch from PyPI,
+#      once per machine), `pip install .` into it (build-pip/, beside build/: ccache serves the
+#      C++ layers stage 1 compiled, so only the module's own sources compile), pytest tests/python
+#   4. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer): ctest -L unit
+#   5. build-tsan/ (ThreadSanitizer): ctest -L threads (streams, pools, collectives, the store)
+#   6. clang-format of every tracked C++ file
+#   7. build-fuzz/ (clang, libFuzzer): the store's message decoder, fuzzed for 20 s
 # SHARDLINE_TEST_STAGES="1 2" runs a subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-stages=${SHARDLINE_TEST_STAGES:-1 2 3 4 5 6}
+stages=${SHARDLINE_TEST_STAGES:-1 2 3 4 5 6 7}
 jobs=${SHARDLINE_JOBS:-$(nproc)}
 ctest_args=(--output-on-failure --no-tests=error -j "$jobs")
 want() { [[ " $stages " == *" $1 "* ]]; }
@@ -39,6 +42,15 @@ if want 2; then
   build/consumer/shardline_c_consumer
 fi
 
+if want 3; then
+  stage "3. Python: pip install . and pytest"
+  scripts/install-python.sh
+  .venv/bin/python -m pip install --no-build-isolation --disable-pip-version-check -q . \
+    >build-pip.log 2>&1 || { cat build-pip.log; exit 1; }
+  # From tests/python, so that `import shardline` is the installed package.
+  (cd tests/python && "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider .)
+fi
+
 sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL
   local dir=$1 sanitize=$2 label=$3
   mkdir -p "$dir"
@@ -54,27 +66,27 @@ sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL
   ctest --test-dir "$dir" -L "$label" -LE script "${ctest_args[@]}"
 }
 
-if want 3; then
-  stage "3. AddressSanitizer + UndefinedBehaviorSanitizer"
+if want 4; then
+  stage "4. AddressSanitizer + UndefinedBehaviorSanitizer"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     sanitized_tests build-asan address,undefined unit
 fi
 
-if want 4; then
-  stage "4. ThreadSanitizer"
+if want 5; then
+  stage "5. ThreadSanitizer"
   # UCX's libucm hooks madvise, which crashes TSan-instrumented binaries at thread exit.
   UCX_MEM_MMAP_HOOK_MODE=none TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     sanitized_tests build-tsan thread threads
 fi
 
-if want 5; then
-  stage "5. clang-format"
+if want 6; then
+  stage "6. clang-format"
   mapfile -t files < <(git ls-files '*.h' '*.cc' '*.cu' '*.cuh')
   clang-format --dry-run -Werror "${files[@]}"
 fi
 
-if want 6; then
-  stage "6. fuzzing the store's decoder"
+if want 7; then
+  stage "7. fuzzing the store's decoder"
   mkdir -p build-fuzz
   CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DSHARDLINE_WITH_CUDA=OFF \
     -DSHARDLINE_BUILD_BENCH=OFF -DSHARDLINE_BUILD_EXAMPLES=OFF -DSHARDLINE_BUILD_TESTS=ON \
