@@ -58,6 +58,7 @@ from ._core import (  # noqa: E402
     Stream,
     Trace,
     UnimplementedError,
+    Unit,
     UnitStepMetrics,
     Work,
     __version__,
@@ -69,7 +70,7 @@ from ._core import (  # noqa: E402
 __all__ = [
     "Communicator", "DeadlineExceededError", "Error", "FailedPreconditionError",
     "InvalidArgumentError", "Mesh", "NotFoundError", "RemoteError", "ResourceExhaustedError",
-    "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "UnitStepMetrics",
+    "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "Unit", "UnitStepMetrics",
     "Work", "__version__", "empty", "host_stream", "init", "init_local", "zeros",
 ]
 

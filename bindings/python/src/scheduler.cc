@@ -244,6 +244,13 @@ std::optional<double> Seconds(const std::optional<absl::Duration>& d) {
   return absl::ToDoubleSeconds(*d);
 }
 
+// A unit of a scheduler, as an object: its id and name, and the per-unit calls. Converts to its
+// id (__index__), so it can be passed wherever the scheduler takes a unit.
+struct PyUnit {
+  nb::object scheduler;  // the PyScheduler
+  int id = 0;
+};
+
 }  // namespace
 
 void RegisterScheduler(nb::module_& m) {
@@ -426,7 +433,58 @@ void RegisterScheduler(nb::module_& m) {
                    [](const PyScheduler& s) { return s.scheduler->mesh().shard_rank(); })
       .def_prop_ro("shard_size",
                    [](const PyScheduler& s) { return s.scheduler->mesh().shard_size(); })
-      .def_prop_ro("issue_log", [](const PyScheduler& s) { return s.scheduler->issue_log(); });
+      .def_prop_ro("issue_log", [](const PyScheduler& s) { return s.scheduler->issue_log(); })
+      .def(
+          "unit",
+          [](nb::handle self, nb::handle unit) {
+            PyScheduler& s = nb::cast<PyScheduler&>(self);
+            int id = 0;
+            if (nb::isinstance<nb::str>(unit)) {
+              std::string name = nb::cast<std::string>(unit);
+              std::optional<int> found = s.scheduler->FindUnit(name);
+              if (!found.has_value()) {
+                throw StatusError(absl::NotFoundError(absl::StrCat("no unit named '", name, "'")));
+              }
+              id = *found;
+            } else {
+              id = nb::cast<int>(unit);
+              CheckUnit(s, id, "unit");
+            }
+            return PyUnit{nb::borrow(self), id};
+          },
+          nb::arg("unit"), "The Unit object of a unit id or name.");
+
+  // Per-unit calls on a Unit forward to the scheduler's.
+  auto forward = [](const char* method) {
+    return [method](const PyUnit& u) { return u.scheduler.attr(method)(u.id); };
+  };
+  nb::class_<PyUnit>(m, "Unit", "One registered unit of a Scheduler (Scheduler.unit(id or name)).")
+      .def_ro("id", &PyUnit::id)
+      .def_prop_ro("name",
+                   [](const PyUnit& u) {
+                     return nb::cast<PyScheduler&>(u.scheduler).scheduler->unit(u.id).name();
+                   })
+      .def_prop_ro("shard_elements",
+                   [](const PyUnit& u) {
+                     return nb::cast<PyScheduler&>(u.scheduler)
+                         .scheduler->unit(u.id)
+                         .layout()
+                         .shard_elements();
+                   })
+      .def("__index__", [](const PyUnit& u) { return u.id; })
+      .def("params", forward("params"))
+      .def("grads", forward("grads"))
+      .def("master_shard", forward("master_shard"))
+      .def("shard_grad", forward("shard_grad"))
+      .def("shard_slices", forward("shard_slices"))
+      .def("pre_forward", forward("pre_forward"))
+      .def("post_forward", forward("post_forward"))
+      .def("pre_backward", forward("pre_backward"))
+      .def("post_backward", forward("post_backward"))
+      .def("__repr__", [](const PyUnit& u) {
+        return absl::StrCat("<shardline.Unit ", u.id, " '",
+                            nb::cast<PyScheduler&>(u.scheduler).scheduler->unit(u.id).name(), "'>");
+      });
 }
 
 }  // namespace shardline::python
