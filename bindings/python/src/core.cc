@@ -193,9 +193,20 @@ Device DeviceOf(const nb::ndarray<nb::ro>& array) {
 // object goes away before the collective is done, the tensors move to `pending` and stay
 // alive until a later call finds the collective done (or the interpreter exits: _drain).
 struct PyWork {
+  PyWork(Work w, std::vector<nb::object> k) : work(std::move(w)), keep(std::move(k)) {}
+  // Movable only: nanobind moves the returned PyWork into its Python object, and the moved-from
+  // one (no tensors left) must not park the collective in PendingWorks. (With the destructor
+  // declared there would be no implicit move, and a copy would park a second entry.)
+  PyWork(PyWork&& other) noexcept : work(std::move(other.work)), keep(std::move(other.keep)) {
+    other.keep.clear();
+  }
+  PyWork& operator=(PyWork&&) = delete;
+  PyWork(const PyWork&) = delete;
+  PyWork& operator=(const PyWork&) = delete;
+  ~PyWork();
+
   Work work;
   std::vector<nb::object> keep;
-  ~PyWork();
 };
 
 struct Pending {
@@ -529,6 +540,21 @@ void RegisterErrors(nb::module_& m) {
 Tensor ToTensor(nb::handle obj, const char* what, bool writable, Device device) {
   nb::ndarray<nb::ro> array;
   if (!nb::try_cast(obj, array, /*convert=*/false)) {
+    // A tensor whose dtype DLPack cannot describe (numpy's float128, object arrays, ...).
+    if (nb::hasattr(obj, "__dlpack__") && nb::hasattr(obj, "dtype")) {
+      std::string dtype = "?";
+      if (PyObject* dtype_obj = PyObject_GetAttrString(obj.ptr(), "dtype")) {
+        if (PyObject* text = PyObject_Str(dtype_obj)) {
+          if (const char* utf8 = PyUnicode_AsUTF8(text)) dtype = utf8;
+          Py_DECREF(text);
+        }
+        Py_DECREF(dtype_obj);
+      }
+      PyErr_Clear();
+      ThrowInvalid(absl::StrCat(what, " has dtype ", dtype,
+                                ", which DLPack cannot export; shardline moves float32, float64, "
+                                "float16, bfloat16, int8, uint8, int32 and int64"));
+    }
     ThrowInvalid(absl::StrCat(what, " is a ", nb::type_name(obj.type()).c_str(),
                               ", not a tensor (numpy, torch, jax: anything with __dlpack__)"));
   }

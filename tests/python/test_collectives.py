@@ -1,0 +1,67 @@
+"""Collectives at world sizes 1, 2 and 4: every collective, op, dtype and aliasing form on numpy
+arrays and torch CPU tensors, checked element by element (workers/collective_cases.py).
+
+World 1 runs in this process (init_local(1), and init(rank=0, world_size=1) on the ucx
+backend); world 2 also in-process on the local backend (one thread per rank); worlds 2 and 4 as
+processes under shardline.launch, one launch each running every case.
+"""
+
+import importlib.util
+import re
+import threading
+
+import pytest
+
+import shardline
+from collective_cases import run_all
+
+FRAMEWORKS = ["numpy", "torch"] if importlib.util.find_spec("torch") else ["numpy"]
+
+
+def test_world1_local():
+    (world,) = shardline.init_local(1)
+    assert (world.rank, world.size, world.backend) == (0, 1, "local")
+    assert run_all(world, FRAMEWORKS) > 300
+
+
+def test_world1_init():
+    world = shardline.init(rank=0, world_size=1, timeout=60)
+    assert (world.rank, world.size, world.backend) == (0, 1, "ucx")
+    assert world.timeout == 60
+    assert run_all(world, FRAMEWORKS) > 300
+
+
+def test_world2_local_threads():
+    comms = shardline.init_local(2, timeout=60)
+    errors = []
+
+    def rank(comm):
+        try:
+            run_all(comm, FRAMEWORKS, log=lambda m: None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"rank {comm.rank}: {e!r}")
+            comm.abort()
+
+    threads = [threading.Thread(target=rank, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank's thread did not finish in 120 s"
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_processes(launch, nprocs):
+    # INFO logs of the collectives say when a rank maps a peer's shareable memory (the >= 1 MiB
+    # registered tensors): the shared-memory path must have run, or said why it could not.
+    env = {"SHARDLINE_DEBUG": "INFO", "SHARDLINE_DEBUG_SUBSYS": "COLL"}
+    result = launch(nprocs, ["collectives_worker.py", ",".join(FRAMEWORKS)], timeout=150,
+                    env=env)
+    assert result.returncode == 0, result.describe()
+    ok = result.lines("COLLECTIVES OK rank")
+    assert sorted(ok) == [f"COLLECTIVES OK rank {r}" for r in range(nprocs)], result.describe()
+    for rank in range(nprocs):
+        mapped = re.compile(rf"ucx communicator world rank {rank}: (maps the shareable memory "
+                            rf"of peer rank \d|.* for peer rank \d+ failed)")
+        assert mapped.search(result.output), f"rank {rank}: no mapping\n{result.describe()}"
