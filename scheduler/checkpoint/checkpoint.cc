@@ -316,8 +316,11 @@ absl::Status Checkpointer::WriteShardFile(const std::string& tmp,
       const CheckpointStateRecord& state = unit.states[k];
       const char* base = static_cast<const char*>(StateData(static_cast<int>(u), k));
       const size_t size = DTypeSize(state.dtype);
-      for (const CheckpointPiece& piece : state.pieces) {
-        if (piece.shard != shard) continue;
+      // The pieces of a shard are contiguous: they follow the layout's slices.
+      const absl::Span<const ShardSlice> mine = unit.layout.ShardSlices(shard);
+      const size_t first = static_cast<size_t>(mine.data() - unit.layout.slices().data());
+      for (size_t i = first; i < first + mine.size(); ++i) {
+        const CheckpointPiece& piece = state.pieces[i];
         const char* data = base + piece.shard_offset * size;
         for (uint64_t b = 0; b < piece.bytes; b += block) {
           crcs->push_back(Crc32c(data + b, std::min(block, piece.bytes - b)));
@@ -404,15 +407,14 @@ absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) 
   // world rank s: row 0, column s of the mesh) and publishes the checkpoint.
   absl::Status published;
   if (rank == 0) {
-    for (int s = 0; s < static_cast<int>(manifest.files.size()); ++s) {
-      const std::string& from = all[s];
-      size_t next = 0;
-      for (CheckpointUnitRecord& unit : manifest.units) {
-        for (CheckpointStateRecord& state : unit.states) {
-          for (CheckpointPiece& piece : state.pieces) {
-            if (piece.shard != s) continue;
-            for (uint32_t& crc : piece.crc32c)
-              crc = static_cast<uint32_t>(GetLe(&from[4 * next++], 4));
+    // One pass in manifest order: each writer appended its checksums in that order.
+    std::vector<size_t> next(manifest.files.size(), 0);
+    for (CheckpointUnitRecord& unit : manifest.units) {
+      for (CheckpointStateRecord& state : unit.states) {
+        for (CheckpointPiece& piece : state.pieces) {
+          const std::string& from = all[piece.shard];
+          for (uint32_t& crc : piece.crc32c) {
+            crc = static_cast<uint32_t>(GetLe(&from[4 * next[piece.shard]++], 4));
           }
         }
       }
@@ -555,7 +557,7 @@ absl::Status Checkpointer::PlanLoad(const std::string& dir, LoadPlan* plan) {
     }
     const uint64_t size = (*file)->size();
     if (size != record.bytes) {
-      // Name the first piece the actual size cuts (or, for a longer file, the last piece).
+      // Name the first piece the actual size cuts (none when the file is longer).
       std::string victim;
       for (const CheckpointUnitRecord& unit : m.units) {
         for (const CheckpointStateRecord& state : unit.states) {

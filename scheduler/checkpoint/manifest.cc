@@ -7,7 +7,8 @@
 #include <limits>
 #include <utility>
 
-#include "absl/strings/numbers.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -212,16 +213,17 @@ absl::StatusOr<DType> DTypeField(const JsonValue& object, absl::string_view path
 
 constexpr int64_t kMaxInt = std::numeric_limits<int64_t>::max();
 
+using NameIndex = absl::flat_hash_map<std::string, int>;
+
 absl::StatusOr<CheckpointPiece> ParsePiece(const JsonValue& v, const std::string& path,
                                            const CheckpointUnitRecord& unit,
-                                           const std::vector<CheckpointFileRecord>& files) {
+                                           const NameIndex& tensor_index,
+                                           const NameIndex& file_index) {
   SL_RETURN_IF_ERROR(ExpectKind(v, JsonValue::Kind::kObject, path));
   CheckpointPiece piece;
   SL_ASSIGN_OR_RETURN(std::string tensor, String(v, path, "tensor"));
-  piece.tensor = -1;
-  for (size_t t = 0; t < unit.tensors.size(); ++t) {
-    if (unit.tensors[t].name == tensor) piece.tensor = static_cast<int>(t);
-  }
+  const auto t = tensor_index.find(tensor);
+  piece.tensor = t == tensor_index.end() ? -1 : t->second;
   if (piece.tensor < 0) {
     return FieldError(Sub(path, "tensor"),
                       absl::StrCat("\"", tensor, "\" is not a tensor of unit '", unit.name, "'"));
@@ -232,10 +234,8 @@ absl::StatusOr<CheckpointPiece> ParsePiece(const JsonValue& v, const std::string
   SL_ASSIGN_OR_RETURN(int64_t elements, Integer(v, path, "elements", 0, kMaxInt));
   SL_ASSIGN_OR_RETURN(int64_t shard_offset, Integer(v, path, "shard_offset", 0, kMaxInt));
   SL_ASSIGN_OR_RETURN(std::string file, String(v, path, "file"));
-  piece.file = -1;
-  for (size_t f = 0; f < files.size(); ++f) {
-    if (files[f].name == file) piece.file = static_cast<int>(f);
-  }
+  const auto f = file_index.find(file);
+  piece.file = f == file_index.end() ? -1 : f->second;
   if (piece.file < 0) {
     return FieldError(Sub(path, "file"), absl::StrCat("\"", file, "\" is not in \"files\""));
   }
@@ -272,7 +272,7 @@ absl::StatusOr<CheckpointPiece> ParsePiece(const JsonValue& v, const std::string
 }
 
 absl::StatusOr<CheckpointUnitRecord> ParseUnit(const JsonValue& v, const std::string& path,
-                                               const std::vector<CheckpointFileRecord>& files) {
+                                               const NameIndex& file_index) {
   SL_RETURN_IF_ERROR(ExpectKind(v, JsonValue::Kind::kObject, path));
   CheckpointUnitRecord unit;
   SL_ASSIGN_OR_RETURN(unit.name, String(v, path, "name"));
@@ -314,6 +314,10 @@ absl::StatusOr<CheckpointUnitRecord> ParseUnit(const JsonValue& v, const std::st
     unit.tensors.push_back(std::move(spec));
     unit.tensor_offsets.push_back(static_cast<uint64_t>(offset));
   }
+  NameIndex tensor_index;
+  for (size_t t = 0; t < unit.tensors.size(); ++t) {
+    tensor_index.emplace(unit.tensors[t].name, static_cast<int>(t));  // the first of duplicates
+  }
   const std::string spath = Sub(path, "states");
   SL_ASSIGN_OR_RETURN(const JsonValue* states, Typed(v, path, "states", JsonValue::Kind::kArray));
   for (size_t k = 0; k < states->items().size(); ++k) {
@@ -331,7 +335,8 @@ absl::StatusOr<CheckpointUnitRecord> ParseUnit(const JsonValue& v, const std::st
     SL_ASSIGN_OR_RETURN(const JsonValue* pieces, Typed(sv, p, "pieces", JsonValue::Kind::kArray));
     for (size_t i = 0; i < pieces->items().size(); ++i) {
       SL_ASSIGN_OR_RETURN(CheckpointPiece piece,
-                          ParsePiece(pieces->items()[i], Index(Sub(p, "pieces"), i), unit, files));
+                          ParsePiece(pieces->items()[i], Index(Sub(p, "pieces"), i), unit,
+                                     tensor_index, file_index));
       st.pieces.push_back(std::move(piece));
     }
     unit.states.push_back(std::move(st));
@@ -391,15 +396,21 @@ absl::StatusOr<CheckpointManifest> ParseCheckpointManifest(absl::string_view jso
     file.bytes = static_cast<uint64_t>(bytes);
     m.files.push_back(std::move(file));
   }
+  NameIndex file_index;
+  for (size_t f = 0; f < m.files.size(); ++f) {
+    if (!file_index.emplace(m.files[f].name, static_cast<int>(f)).second) {
+      return FieldError(Sub(Index("files", f), "name"),
+                        absl::StrCat("file \"", m.files[f].name, "\" appears twice"));
+    }
+  }
   SL_ASSIGN_OR_RETURN(const JsonValue* units, Typed(root, "", "units", JsonValue::Kind::kArray));
+  absl::flat_hash_set<std::string> unit_names;
   for (size_t u = 0; u < units->items().size(); ++u) {
     SL_ASSIGN_OR_RETURN(CheckpointUnitRecord unit,
-                        ParseUnit(units->items()[u], Index("units", u), m.files));
-    for (const CheckpointUnitRecord& other : m.units) {
-      if (other.name == unit.name) {
-        return FieldError(Sub(Index("units", u), "name"),
-                          absl::StrCat("unit \"", unit.name, "\" appears twice"));
-      }
+                        ParseUnit(units->items()[u], Index("units", u), file_index));
+    if (!unit_names.insert(unit.name).second) {
+      return FieldError(Sub(Index("units", u), "name"),
+                        absl::StrCat("unit \"", unit.name, "\" appears twice"));
     }
     m.units.push_back(std::move(unit));
   }
