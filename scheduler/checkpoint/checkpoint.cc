@@ -384,7 +384,9 @@ absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) 
     }
   }
   std::vector<std::string> all;
-  SL_RETURN_IF_ERROR(Agree(local, what, 0, nonce, kNonceBytes, &all, deadline));
+  // The fingerprint check comes first: the next exchange's size depends on the registrations.
+  SL_RETURN_IF_ERROR(
+      Agree(local, what, RegistrationFingerprint(), nonce, kNonceBytes, &all, deadline));
   const std::string tmp = absl::StrCat(dir, ".tmp-", all[0]);
 
   // Phase 2: the first replica group writes one file per shard.

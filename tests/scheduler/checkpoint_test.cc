@@ -868,6 +868,27 @@ TEST_F(CorruptionTest, MissingStateAndOtherDTypesAreNamed) {
   }));
 }
 
+TEST_F(CorruptionTest, RanksWithOtherStatesFailTogether) {
+  auto run = [&](bool save) {
+    return RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) {
+      RunConfig config{.world = 2, .fill = save};
+      // Rank 1 does not register unit tail's "step" (which the checkpoint has).
+      if (r == 1) config.edit = [](Model& m) { m.states[2].pop_back(); };
+      SL_ASSIGN_OR_RETURN(auto rank, MakeRank(config, comm, nullptr));
+      return save ? rank->ckpt->Save(Dir("mixed"), Deadline())
+                  : rank->ckpt->Load(good_, Deadline());
+    });
+  };
+  for (bool save : {true, false}) {
+    for (const absl::Status& s : run(save)) {
+      EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 has other units or checkpoint states"))
+          << s;
+    }
+  }
+  EXPECT_FALSE(fs::exists(Dir("mixed")));
+}
+
 TEST_F(CorruptionTest, ExistingTargetAndMissingDirectory) {
   ExpectNamedError(RunRanks(2,
                             [&](int r, std::shared_ptr<Communicator> comm) {
