@@ -242,6 +242,8 @@ class FlatParameter {
   // The master shard. Written by the optimizer in state sharded, ordered before the next
   // Gather (GatherOptions::shard_ready when it runs on another stream). Any state.
   FlatShardView master_shard() const;
+  // Where the master shard lives (the host under CPU offload).
+  Device master_device() const { return master_.device(); }
 
   // --- Parameters ---------------------------------------------------------------------------
   // sharded → gathering. Takes the unsharded buffer from the pool and enqueues on

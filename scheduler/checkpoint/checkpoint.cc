@@ -1,0 +1,650 @@
+// Checkpointer: sharded save and resharding load (scheduler/checkpoint/checkpoint.h).
+//
+// Every phase of a save or a load ends with one all-gather of the ranks' outcomes (Agree), so
+// every rank issues the same collectives whatever failed where, nobody waits for a rank that
+// gave up, and all ranks return the same outcome.
+
+#include "scheduler/checkpoint/checkpoint.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "runtime/reshard_plan.h"
+#include "runtime/status.h"
+#include "scheduler/checkpoint/crc32c.h"
+
+#ifndef SHARDLINE_LIBRARY_VERSION
+#define SHARDLINE_LIBRARY_VERSION "unknown"
+#endif
+
+namespace shardline {
+namespace {
+
+// Per rank in every exchange: u32 status code, u32 message length, u64 registration
+// fingerprint, the message (truncated), then the phase's extra bytes.
+constexpr size_t kMessageBytes = 496;
+constexpr size_t kHeaderBytes = 16 + kMessageBytes;
+constexpr size_t kNonceBytes = 16;
+
+void PutLe(char* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xFF);
+}
+uint64_t GetLe(const char* in, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(in[i])) << (8 * i);
+  return v;
+}
+
+uint64_t Fnv1a(uint64_t h, absl::string_view bytes) {
+  for (const char c : bytes) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+// `dir` without trailing slashes ("ckpt/" -> "ckpt"); "" for "" or "/".
+std::string NormalizeDir(absl::string_view dir) {
+  while (!dir.empty() && dir.back() == '/') dir.remove_suffix(1);
+  return std::string(dir);
+}
+
+std::string ParentDir(const std::string& dir) {
+  const size_t slash = dir.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return dir.substr(0, slash);
+}
+
+std::string MakeNonce() {
+  std::random_device device;
+  uint64_t v = (static_cast<uint64_t>(device()) << 32) ^ device();
+  v ^= static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  return absl::StrFormat("%016x", v);
+}
+
+bool ValidStateName(absl::string_view name) {
+  if (name.empty() || name.size() > 128) return false;
+  for (const char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+std::string ShapeString(const TensorSpec& spec) {
+  return absl::StrCat("[", absl::StrJoin(spec.shape, ", "), "] ", DTypeName(spec.dtype),
+                      spec.tied_to.empty() ? "" : absl::StrCat(" tied to '", spec.tied_to, "'"));
+}
+
+// OK if the checkpoint's tensors of a unit are the current unit's; else InvalidArgument naming
+// the first tensor that differs and both descriptions.
+absl::Status CompareTensors(absl::string_view unit, const std::vector<TensorSpec>& saved,
+                            const std::vector<TensorSpec>& current) {
+  const size_t n = std::min(saved.size(), current.size());
+  for (size_t t = 0; t < n; ++t) {
+    const TensorSpec& a = saved[t];
+    const TensorSpec& b = current[t];
+    if (a.name != b.name) {
+      return absl::InvalidArgumentError(absl::StrCat("unit '", unit, "' tensor ", t,
+                                                     ": the checkpoint has '", a.name,
+                                                     "', the current unit '", b.name, "'"));
+    }
+    if (a.shape != b.shape || a.dtype != b.dtype || a.tied_to != b.tied_to) {
+      return absl::InvalidArgumentError(absl::StrCat("unit '", unit, "' tensor '", a.name,
+                                                     "': the checkpoint has shape ", ShapeString(a),
+                                                     ", the current unit ", ShapeString(b)));
+    }
+  }
+  if (saved.size() != current.size()) {
+    const bool more = saved.size() > current.size();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unit '", unit, "': the checkpoint has ", saved.size(), " tensors, the current unit ",
+        current.size(), "; tensor '", (more ? saved : current)[n].name, "' is only in ",
+        more ? "the checkpoint" : "the current unit"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---- Load plan ---------------------------------------------------------------------------
+
+struct Checkpointer::LoadPlan {
+  // One contiguous byte range [begin, end) of one piece, copied to `dst`.
+  struct Task {
+    const CheckpointUnitRecord* unit;
+    const CheckpointStateRecord* state;
+    const CheckpointPiece* piece;
+    uint64_t begin = 0;
+    uint64_t end = 0;
+    char* dst = nullptr;
+  };
+  // A destination shard whose padding a load zeroes.
+  struct Padding {
+    char* base;
+    const FlatLayout* layout;
+    size_t element_size;
+  };
+  CheckpointManifest manifest;
+  std::vector<std::unique_ptr<ReadableFile>> files;  // by saved shard; null if not needed
+  std::vector<Task> tasks;
+  std::vector<Padding> padding;
+};
+
+Checkpointer::Checkpointer(Scheduler& scheduler, CheckpointOptions options,
+                           std::shared_ptr<Communicator> world, std::unique_ptr<Stream> stream)
+    : scheduler_(scheduler),
+      options_(options),
+      fs_(options.file_system != nullptr ? options.file_system : &PosixFileSystem()),
+      world_(std::move(world)),
+      stream_(std::move(stream)) {}
+
+Checkpointer::~Checkpointer() = default;
+
+absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(Scheduler& scheduler,
+                                                                   CheckpointOptions options,
+                                                                   absl::Time deadline) {
+  if (options.checksum_block_bytes == 0) {
+    return absl::InvalidArgumentError("Checkpointer: checksum_block_bytes is 0");
+  }
+  if (options.read_chunk_bytes == 0) {
+    return absl::InvalidArgumentError("Checkpointer: read_chunk_bytes is 0");
+  }
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> world, scheduler.mesh().world()->Dup(deadline));
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, CreateCallerStream({.name = "checkpoint"}));
+  return std::unique_ptr<Checkpointer>(
+      new Checkpointer(scheduler, options, std::move(world), std::move(stream)));
+}
+
+absl::Status Checkpointer::AddState(CheckpointState state) {
+  const std::string what = absl::StrCat("Checkpointer::AddState('", state.name, "')");
+  if (state.unit < 0 || state.unit >= scheduler_.num_units()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": unit ", state.unit, " is not one of the ", scheduler_.num_units(), " units"));
+  }
+  const FlatParameter& unit = scheduler_.unit(state.unit);
+  if (!ValidStateName(state.name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": a state name is 1-128 characters of [A-Za-z0-9._-]"));
+  }
+  if (state.name == kMasterStateName) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": '", kMasterStateName, "' is the master shard's name"));
+  }
+  for (const CheckpointState& s : states_) {
+    if (s.unit == state.unit && s.name == state.name) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": unit '", unit.name(), "' has a state of that name"));
+    }
+  }
+  if (static_cast<size_t>(state.dtype) >= kAllDTypes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": invalid dtype"));
+  }
+  if (state.data == nullptr && unit.layout().shard_elements() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": data is null for unit '", unit.name(),
+                                                   "', whose shard has ",
+                                                   unit.layout().shard_elements(), " elements"));
+  }
+  states_.push_back(std::move(state));
+  return absl::OkStatus();
+}
+
+std::vector<CheckpointUnitContents> Checkpointer::Contents() const {
+  std::vector<CheckpointUnitContents> out;
+  for (int u = 0; u < scheduler_.num_units(); ++u) {
+    const FlatParameter& unit = scheduler_.unit(u);
+    CheckpointUnitContents c{.name = unit.name(), .layout = unit.layout()};
+    c.states.push_back({std::string(kMasterStateName), unit.policy().master_dtype});
+    for (const CheckpointState& s : states_) {
+      if (s.unit == u) c.states.push_back({s.name, s.dtype});
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+void* Checkpointer::StateData(int unit, size_t k) const {
+  if (k == 0) return scheduler_.unit(unit).master_shard().data;
+  for (const CheckpointState& s : states_) {
+    if (s.unit == unit && --k == 0) return s.data;
+  }
+  return nullptr;
+}
+
+uint64_t Checkpointer::RegistrationFingerprint() const {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const CheckpointUnitContents& unit : Contents()) {
+    h = Fnv1a(h, unit.name);
+    char buf[8];
+    PutLe(buf, unit.layout.Fingerprint(), 8);
+    h = Fnv1a(h, absl::string_view(buf, 8));
+    for (const CheckpointUnitContents::State& s : unit.states) {
+      h = Fnv1a(h, s.name);
+      h = Fnv1a(h, DTypeName(s.dtype));
+    }
+  }
+  return h;
+}
+
+absl::Status Checkpointer::PrepareUnits(absl::string_view what, bool for_load,
+                                        absl::Time deadline) {
+  for (int u = 0; u < scheduler_.num_units(); ++u) {
+    const FlatParameter& unit = scheduler_.unit(u);
+    if (unit.state() != FlatParameterState::kSharded) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": unit '", unit.name(), "' is ", FlatParameterStateName(unit.state()),
+                       " (save and load between steps, when every unit is sharded)"));
+    }
+    if (!unit.master_device().is_host()) {
+      return absl::UnimplementedError(absl::StrCat(
+          what, ": unit '", unit.name(), "' has its master shard on ",
+          unit.master_device().ToString(), " (checkpoints read and write host memory)"));
+    }
+  }
+  // The optimizer's writes to the shards are ordered on the compute stream; a load also must not
+  // overwrite a master shard that a gather still reads.
+  SL_RETURN_IF_ERROR(Annotate(scheduler_.compute_stream().Synchronize(deadline), what));
+  if (for_load)
+    SL_RETURN_IF_ERROR(Annotate(scheduler_.gather_stream().Synchronize(deadline), what));
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::Agree(absl::Status mine, absl::string_view what, uint64_t fingerprint,
+                                 const std::string& extra, size_t extra_bytes,
+                                 std::vector<std::string>* all, absl::Time deadline) {
+  const int n = world_->size();
+  const size_t per = kHeaderBytes + extra_bytes;
+  std::string send(per, '\0');
+  const absl::string_view message = mine.message().substr(0, kMessageBytes);
+  PutLe(&send[0], static_cast<uint32_t>(mine.code()), 4);
+  PutLe(&send[4], message.size(), 4);
+  PutLe(&send[8], fingerprint, 8);
+  std::memcpy(&send[16], message.data(), message.size());
+  std::memcpy(&send[kHeaderBytes], extra.data(), std::min(extra.size(), extra_bytes));
+  std::string recv(per * n, '\0');
+  CollectiveOptions options;
+  options.timeout = std::max(deadline - absl::Now(), absl::Milliseconds(1));
+  absl::StatusOr<Work> work =
+      world_->AllGather(send.data(), recv.data(), per, DType::kU8, *stream_, options);
+  absl::Status exchanged = work.ok() ? work->Wait(deadline) : work.status();
+  if (!mine.ok()) return mine;
+  if (!exchanged.ok()) return Annotate(exchanged, absl::StrCat(what, ": exchanging outcomes"));
+  const uint64_t fingerprint0 = GetLe(&recv[8], 8);
+  for (int r = 0; r < n; ++r) {
+    const char* p = &recv[per * r];
+    const auto code = static_cast<absl::StatusCode>(GetLe(p, 4));
+    if (code != absl::StatusCode::kOk) {
+      const size_t length = std::min<size_t>(GetLe(p + 4, 4), kMessageBytes);
+      return MarkPeerError(absl::Status(code, absl::StrCat("failed on rank ", r, ": ",
+                                                           absl::string_view(p + 16, length))),
+                           absl::StrCat(r));
+    }
+    if (GetLe(p + 8, 8) != fingerprint0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": rank ", r,
+                       " has other units or checkpoint states than rank 0 (every rank "
+                       "registers the same units and states in the same order)"));
+    }
+  }
+  if (all != nullptr) {
+    all->assign(n, std::string());
+    for (int r = 0; r < n; ++r) (*all)[r] = recv.substr(per * r + kHeaderBytes, extra_bytes);
+  }
+  return absl::OkStatus();
+}
+
+// ---- Save --------------------------------------------------------------------------------
+
+absl::Status Checkpointer::WriteShardFile(const std::string& tmp,
+                                          const CheckpointManifest& manifest,
+                                          std::vector<uint32_t>* crcs) {
+  const int shard = scheduler_.mesh().shard_rank();
+  const std::string path = absl::StrCat(tmp, "/", manifest.files[shard].name);
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs_->CreateFile(path));
+  const uint64_t block = manifest.checksum_block_bytes;
+  for (size_t u = 0; u < manifest.units.size(); ++u) {
+    const CheckpointUnitRecord& unit = manifest.units[u];
+    for (size_t k = 0; k < unit.states.size(); ++k) {
+      const CheckpointStateRecord& state = unit.states[k];
+      const char* base = static_cast<const char*>(StateData(static_cast<int>(u), k));
+      const size_t size = DTypeSize(state.dtype);
+      // The pieces of a shard are contiguous: they follow the layout's slices.
+      const absl::Span<const ShardSlice> mine = unit.layout.ShardSlices(shard);
+      const size_t first = static_cast<size_t>(mine.data() - unit.layout.slices().data());
+      for (size_t i = first; i < first + mine.size(); ++i) {
+        const CheckpointPiece& piece = state.pieces[i];
+        const char* data = base + piece.shard_offset * size;
+        for (uint64_t b = 0; b < piece.bytes; b += block) {
+          crcs->push_back(Crc32c(data + b, std::min(block, piece.bytes - b)));
+        }
+        SL_RETURN_IF_ERROR(file->Append(data, piece.bytes));
+      }
+    }
+  }
+  SL_RETURN_IF_ERROR(file->Sync());
+  return file->Close();
+}
+
+absl::Status Checkpointer::Publish(const std::string& dir, const std::string& tmp,
+                                   const CheckpointManifest& manifest) {
+  const std::string json = CheckpointManifestToJson(manifest);
+  const std::string path = absl::StrCat(tmp, "/", kCheckpointManifestName);
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs_->CreateFile(path));
+  SL_RETURN_IF_ERROR(file->Append(json.data(), json.size()));
+  SL_RETURN_IF_ERROR(file->Sync());
+  SL_RETURN_IF_ERROR(file->Close());
+  SL_RETURN_IF_ERROR(fs_->SyncDir(tmp));
+  SL_RETURN_IF_ERROR(fs_->Rename(tmp, dir));
+  return fs_->SyncDir(ParentDir(dir));
+}
+
+absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) {
+  const std::string dir = NormalizeDir(dir_arg);
+  const std::string what = absl::StrCat("checkpoint save '", dir, "'");
+  if (dir.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint save: bad directory '", dir_arg, "'"));
+  }
+  const ProcessMesh& mesh = scheduler_.mesh();
+  const int rank = world_->rank();
+
+  // Phase 1: every rank checks its units and computes the manifest (the same on every rank);
+  // rank 0 creates the temporary directory and draws its name.
+  absl::Status local = PrepareUnits(what, /*for_load=*/false, deadline);
+  CheckpointManifest manifest;
+  if (local.ok()) {
+    absl::StatusOr<CheckpointManifest> m =
+        MakeCheckpointManifest(Contents(), mesh.replicate_size(), mesh.shard_size(),
+                               options_.checksum_block_bytes, SHARDLINE_LIBRARY_VERSION);
+    if (m.ok()) {
+      manifest = *std::move(m);
+    } else {
+      local = Annotate(m.status(), what);
+    }
+  }
+  std::string nonce;
+  if (rank == 0 && local.ok()) {
+    nonce = MakeNonce();
+    absl::StatusOr<bool> exists = fs_->Exists(dir);
+    if (!exists.ok()) {
+      local = Annotate(exists.status(), what);
+    } else if (*exists) {
+      local = absl::AlreadyExistsError(absl::StrCat(
+          what, ": '", dir, "' exists (a save never replaces anything; choose a new directory)"));
+    } else {
+      local = Annotate(fs_->CreateDir(absl::StrCat(dir, ".tmp-", nonce)), what);
+    }
+  }
+  std::vector<std::string> all;
+  // The fingerprint check comes first: the next exchange's size depends on the registrations.
+  SL_RETURN_IF_ERROR(
+      Agree(local, what, RegistrationFingerprint(), nonce, kNonceBytes, &all, deadline));
+  const std::string tmp = absl::StrCat(dir, ".tmp-", all[0]);
+
+  // Phase 2: the first replica group writes one file per shard.
+  std::vector<uint32_t> crcs;
+  absl::Status written;
+  if (mesh.replicate_rank() == 0) written = Annotate(WriteShardFile(tmp, manifest, &crcs), what);
+  std::vector<uint64_t> blocks(manifest.files.size(), 0);
+  for (const CheckpointUnitRecord& unit : manifest.units) {
+    for (const CheckpointStateRecord& state : unit.states) {
+      for (const CheckpointPiece& piece : state.pieces) blocks[piece.shard] += piece.crc32c.size();
+    }
+  }
+  const uint64_t max_blocks = *std::max_element(blocks.begin(), blocks.end());
+  std::string extra(max_blocks * 4, '\0');
+  for (size_t i = 0; i < crcs.size() && i < max_blocks; ++i) PutLe(&extra[4 * i], crcs[i], 4);
+  SL_RETURN_IF_ERROR(
+      Agree(written, what, RegistrationFingerprint(), extra, extra.size(), &all, deadline));
+
+  // Phase 3: rank 0 completes the manifest with every writer's checksums (shard s's writer is
+  // world rank s: row 0, column s of the mesh) and publishes the checkpoint.
+  absl::Status published;
+  if (rank == 0) {
+    // One pass in manifest order: each writer appended its checksums in that order.
+    std::vector<size_t> next(manifest.files.size(), 0);
+    for (CheckpointUnitRecord& unit : manifest.units) {
+      for (CheckpointStateRecord& state : unit.states) {
+        for (CheckpointPiece& piece : state.pieces) {
+          const std::string& from = all[piece.shard];
+          for (uint32_t& crc : piece.crc32c) {
+            crc = static_cast<uint32_t>(GetLe(&from[4 * next[piece.shard]++], 4));
+          }
+        }
+      }
+    }
+    published = Annotate(Publish(dir, tmp, manifest), what);
+  }
+  return Agree(published, what, 0, "", 0, nullptr, deadline);
+}
+
+// ---- Load --------------------------------------------------------------------------------
+
+absl::Status Checkpointer::PlanLoad(const std::string& dir, LoadPlan* plan) {
+  // Errors from here on are prefixed with "checkpoint load '<dir>': " by Load.
+  SL_ASSIGN_OR_RETURN(std::string text, ReadCheckpointManifestText(*fs_, dir));
+  absl::StatusOr<CheckpointManifest> parsed = ParseCheckpointManifest(text);
+  if (!parsed.ok()) return Annotate(parsed.status(), kCheckpointManifestName);
+  CheckpointManifest& m = plan->manifest;
+  m = *std::move(parsed);
+
+  // The units, by name, against the scheduler's, before anything else: a model that changed is
+  // the likeliest mismatch and deserves the clearest message.
+  const int num_units = scheduler_.num_units();
+  std::vector<int> record_of(num_units, -1);
+  for (int u = 0; u < num_units; ++u) {
+    const FlatParameter& unit = scheduler_.unit(u);
+    for (size_t r = 0; r < m.units.size(); ++r) {
+      if (m.units[r].name == unit.name()) record_of[u] = static_cast<int>(r);
+    }
+    if (record_of[u] < 0) {
+      std::vector<std::string> names;
+      for (const CheckpointUnitRecord& r : m.units) names.push_back(r.name);
+      return absl::InvalidArgumentError(absl::StrCat("the checkpoint has no unit '", unit.name(),
+                                                     "' (it has: ", absl::StrJoin(names, ", "),
+                                                     ")"));
+    }
+    const CheckpointUnitRecord& record = m.units[record_of[u]];
+    SL_RETURN_IF_ERROR(CompareTensors(unit.name(), record.tensors, unit.layout().specs()));
+    if (record.options.element_dtype != unit.layout().element_dtype()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unit '", unit.name(), "': the checkpoint's master dtype is ",
+          DTypeName(record.options.element_dtype), ", the unit's ",
+          DTypeName(unit.layout().element_dtype()), " (a load copies bits, it does not cast)"));
+    }
+  }
+  for (const CheckpointUnitRecord& record : m.units) {
+    if (!scheduler_.FindUnit(record.name).has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the checkpoint's unit '", record.name, "' is not a unit of the scheduler"));
+    }
+  }
+  SL_RETURN_IF_ERROR(Annotate(ValidateCheckpointManifest(m), kCheckpointManifestName));
+
+  const int shard = scheduler_.mesh().shard_rank();
+  plan->files.resize(m.files.size());
+  for (int u = 0; u < num_units; ++u) {
+    const FlatParameter& unit = scheduler_.unit(u);
+    const FlatLayout& current = unit.layout();
+    const CheckpointUnitRecord& record = m.units[record_of[u]];
+    absl::StatusOr<ReshardPlan> reshard = PlanReshard(record.layout, current);
+    if (!reshard.ok()) {
+      return Annotate(reshard.status(),
+                      absl::StrCat("unit '", unit.name(), "': incompatible layout"));
+    }
+    const absl::Span<const ReshardCopy> copies = reshard->ForDestination(shard);
+    std::vector<std::pair<std::string, DType>> wanted = {
+        {std::string(kMasterStateName), unit.policy().master_dtype}};
+    for (const CheckpointState& s : states_) {
+      if (s.unit == u) wanted.emplace_back(s.name, s.dtype);
+    }
+    for (size_t k = 0; k < wanted.size(); ++k) {
+      const auto& [name, dtype] = wanted[k];
+      const CheckpointStateRecord* state = nullptr;
+      for (const CheckpointStateRecord& s : record.states) {
+        if (s.name == name) state = &s;
+      }
+      if (state == nullptr) {
+        std::vector<std::string> names;
+        for (const CheckpointStateRecord& s : record.states) names.push_back(s.name);
+        return absl::NotFoundError(
+            absl::StrCat("unit '", unit.name(), "' has no state '", name,
+                         "' in the checkpoint (it has: ", absl::StrJoin(names, ", "), ")"));
+      }
+      if (state->dtype != dtype) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unit '", unit.name(), "' state '", name, "': the checkpoint's dtype is ",
+                         DTypeName(state->dtype), ", the registered one ", DTypeName(dtype),
+                         " (a load copies bits, it does not cast)"));
+      }
+      const size_t size = DTypeSize(dtype);
+      char* base = static_cast<char*>(StateData(u, k));
+      plan->padding.push_back({base, &current, size});
+      const absl::Span<const ShardSlice> all_slices = record.layout.slices();
+      for (const ReshardCopy& copy : copies) {
+        // The saved slices of the copy's source shard that intersect its range.
+        const absl::Span<const ShardSlice> slices = record.layout.ShardSlices(copy.src_shard);
+        const size_t first = static_cast<size_t>(slices.data() - all_slices.data());
+        const size_t src_end = copy.src_offset + copy.length;
+        auto it = std::upper_bound(
+            slices.begin(), slices.end(), copy.src_offset,
+            [](size_t offset, const ShardSlice& s) { return offset < s.shard_offset + s.length; });
+        size_t covered = 0;
+        for (; it != slices.end() && it->shard_offset < src_end; ++it) {
+          const size_t lo = std::max<size_t>(copy.src_offset, it->shard_offset);
+          const size_t hi = std::min<size_t>(src_end, it->shard_offset + it->length);
+          const CheckpointPiece& piece = state->pieces[first + (it - slices.begin())];
+          plan->tasks.push_back({.unit = &record,
+                                 .state = state,
+                                 .piece = &piece,
+                                 .begin = (lo - it->shard_offset) * size,
+                                 .end = (hi - it->shard_offset) * size,
+                                 .dst = base + (copy.dst_offset + (lo - copy.src_offset)) * size});
+          covered += hi - lo;
+        }
+        if (covered != copy.length) {
+          return absl::InternalError(absl::StrCat(
+              "unit '", unit.name(), "': reshard copy ", copy.length, " elements from shard ",
+              copy.src_shard, " covers ", covered, " elements of saved pieces (a bug)"));
+        }
+      }
+    }
+  }
+
+  // Open every data file this rank reads, checking its size against the manifest.
+  for (const LoadPlan::Task& task : plan->tasks) {
+    const int f = task.piece->file;
+    if (plan->files[f] != nullptr) continue;
+    const CheckpointFileRecord& record = m.files[f];
+    const std::string needed =
+        absl::StrCat("unit '", task.unit->name, "' state '", task.state->name, "' tensor '",
+                     task.unit->tensors[task.piece->tensor].name, "'");
+    absl::StatusOr<std::unique_ptr<ReadableFile>> file =
+        fs_->OpenFile(absl::StrCat(dir, "/", record.name));
+    if (!file.ok()) {
+      if (absl::IsNotFound(file.status())) {
+        return absl::NotFoundError(
+            absl::StrCat("data file '", record.name, "' is missing (", needed, " is in it)"));
+      }
+      return Annotate(file.status(),
+                      absl::StrCat("data file '", record.name, "' (", needed, " is in it)"));
+    }
+    const uint64_t size = (*file)->size();
+    if (size != record.bytes) {
+      // Name the first piece the actual size cuts (none when the file is longer).
+      std::string victim;
+      for (const CheckpointUnitRecord& unit : m.units) {
+        for (const CheckpointStateRecord& state : unit.states) {
+          for (const CheckpointPiece& piece : state.pieces) {
+            if (piece.file != f || !victim.empty()) continue;
+            if (size < record.bytes && piece.file_offset + piece.bytes > size) {
+              victim =
+                  absl::StrCat("; unit '", unit.name, "' state '", state.name, "' tensor '",
+                               unit.tensors[piece.tensor].name, "' (bytes [", piece.file_offset,
+                               ", ", piece.file_offset + piece.bytes, ")) lies beyond its end");
+            }
+          }
+        }
+      }
+      return absl::DataLossError(absl::StrCat(
+          "data file '", record.name, "' is ", size, " bytes, the manifest says ", record.bytes,
+          size < record.bytes ? " (truncated)" : " (altered: bytes were added)", victim));
+    }
+    plan->files[f] = *std::move(file);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::RunLoad(LoadPlan& plan) {
+  const int shard = scheduler_.mesh().shard_rank();
+  for (const LoadPlan::Padding& p : plan.padding) {
+    const size_t begin = p.layout->ShardBegin(shard);
+    for (const PaddingRange& r : p.layout->ShardPadding(shard)) {
+      std::memset(p.base + (r.begin - begin) * p.element_size, 0,
+                  (r.end - r.begin) * p.element_size);
+    }
+  }
+  const uint64_t block = plan.manifest.checksum_block_bytes;
+  const uint64_t chunk_blocks = std::max<uint64_t>(1, options_.read_chunk_bytes / block);
+  std::vector<char> staging;
+  for (const LoadPlan::Task& task : plan.tasks) {
+    const CheckpointPiece& piece = *task.piece;
+    const std::string& file_name = plan.manifest.files[piece.file].name;
+    ReadableFile& file = *plan.files[piece.file];
+    const uint64_t last = (task.end - 1) / block;
+    char* dst = task.dst;
+    for (uint64_t b = task.begin / block; b <= last;) {
+      const uint64_t n = std::min(chunk_blocks, last - b + 1);
+      const uint64_t lo = b * block;
+      const uint64_t hi = std::min((b + n) * block, piece.bytes);
+      staging.resize(hi - lo);
+      SL_RETURN_IF_ERROR(file.ReadAt(piece.file_offset + lo, hi - lo, staging.data()));
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint64_t bl = (b + i) * block;
+        const uint64_t bh = std::min(bl + block, piece.bytes);
+        const uint32_t crc = Crc32c(staging.data() + (bl - lo), bh - bl);
+        if (crc != piece.crc32c[b + i]) {
+          const uint64_t size = DTypeSize(task.state->dtype);
+          return absl::DataLossError(absl::StrFormat(
+              "data file '%s' bytes [%d, %d) have CRC-32C %08x, the manifest says %08x: unit "
+              "'%s' state '%s' tensor '%s' elements [%d, %d) are corrupt (the shards are now "
+              "partly loaded; load a good checkpoint)",
+              file_name, piece.file_offset + bl, piece.file_offset + bh, crc, piece.crc32c[b + i],
+              task.unit->name, task.state->name, task.unit->tensors[piece.tensor].name,
+              piece.tensor_offset + bl / size, piece.tensor_offset + (bh + size - 1) / size));
+        }
+      }
+      const uint64_t from = std::max(task.begin, lo);
+      const uint64_t to = std::min(task.end, hi);
+      std::memcpy(dst, staging.data() + (from - lo), to - from);
+      dst += to - from;
+      b += n;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::Load(absl::string_view dir_arg, absl::Time deadline) {
+  const std::string dir = NormalizeDir(dir_arg);
+  const std::string what = absl::StrCat("checkpoint load '", dir, "'");
+  if (dir.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint load: bad directory '", dir_arg, "'"));
+  }
+  LoadPlan plan;
+  absl::Status local = PrepareUnits(what, /*for_load=*/true, deadline);
+  if (local.ok()) local = Annotate(PlanLoad(dir, &plan), what);
+  SL_RETURN_IF_ERROR(Agree(local, what, RegistrationFingerprint(), "", 0, nullptr, deadline));
+  local = Annotate(RunLoad(plan), what);
+  return Agree(local, what, 0, "", 0, nullptr, deadline);
+}
+
+}  // namespace shardline
