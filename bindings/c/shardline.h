@@ -85,6 +85,8 @@ typedef struct shardlineComm_s* shardlineComm_t;
 typedef struct shardlineStream_s* shardlineStream_t;
 typedef struct shardlineWork_s* shardlineWork_t;
 typedef struct shardlineScheduler_s* shardlineScheduler_t;
+typedef struct shardlineEvent_s* shardlineEvent_t;
+typedef struct shardlineTrace_s* shardlineTrace_t;
 
 /* ---- Version and errors ------------------------------------------------------------------- */
 SHARDLINE_API shardlineResult_t shardline_get_version(int* version);
@@ -148,6 +150,64 @@ SHARDLINE_API shardlineResult_t shardline_work_wait(shardlineWork_t work, double
 SHARDLINE_API shardlineResult_t shardline_work_is_completed(shardlineWork_t work, int* completed);
 SHARDLINE_API shardlineResult_t shardline_work_destroy(shardlineWork_t work);
 
+/* A framework's CUDA stream (a cudaStream_t, passed as void*) of cuda:`device`, wrapped without
+ * taking it over: shardline enqueues on it and waits with cudaStreamWaitEvent; the framework keeps
+ * it alive until the wrapping stream is destroyed. CUDA builds only: elsewhere
+ * shardlineUnimplemented. InvalidArgument for cudaStreamPerThread or a stream of another device. */
+SHARDLINE_API shardlineResult_t shardline_stream_wrap_cuda(void* cuda_stream, int device,
+                                                           const char* name,
+                                                           shardlineStream_t* stream);
+
+/* Events: a point in a stream's work. Recorded on a shardline stream, or a framework's cudaEvent_t
+ * (void*) wrapped without taking it over (CUDA builds only: elsewhere shardlineUnimplemented). */
+SHARDLINE_API shardlineResult_t shardline_event_record(shardlineStream_t stream,
+                                                       shardlineEvent_t* event);
+SHARDLINE_API shardlineResult_t shardline_event_wrap_cuda(void* cuda_event, int device,
+                                                          shardlineEvent_t* event);
+/* Work enqueued on `stream` from now on waits for `event` (the host does not block, except on a
+ * caller stream, whose waits block the calling thread). */
+SHARDLINE_API shardlineResult_t shardline_stream_wait_event(shardlineStream_t stream,
+                                                            shardlineEvent_t event);
+/* Blocks until the event's work is done: success, its stream's error, or shardlineTimeout. */
+SHARDLINE_API shardlineResult_t shardline_event_synchronize(shardlineEvent_t event,
+                                                            double timeout_s);
+/* *done = 1 once the event's work finished (successfully or not; the result says which). */
+SHARDLINE_API shardlineResult_t shardline_event_query(shardlineEvent_t event, int* done);
+SHARDLINE_API shardlineResult_t shardline_event_destroy(shardlineEvent_t event);
+
+/* ---- Traces ---------------------------------------------------------------------------------
+ * A Chrome trace (Perfetto, chrome://tracing) of one rank: give it to a scheduler through
+ * shardlineSchedulerConfig_t.trace (it then records the spans of its streams and the memory in
+ * flight) and write it after the steps. A trace must outlive the schedulers that record into it. */
+SHARDLINE_API shardlineResult_t shardline_trace_create(int rank, const char* process_name,
+                                                       shardlineTrace_t* trace);
+/* Writes the trace as JSON to `path` (atomically: a temporary file renamed into place). */
+SHARDLINE_API shardlineResult_t shardline_trace_write(shardlineTrace_t trace, const char* path);
+/* The number of events recorded so far. */
+SHARDLINE_API shardlineResult_t shardline_trace_num_events(shardlineTrace_t trace, size_t* events);
+SHARDLINE_API shardlineResult_t shardline_trace_destroy(shardlineTrace_t trace);
+
+/* ---- Memory from the framework ---------------------------------------------------------------
+ * A framework's allocator, so that the scheduler's buffers live in the framework's own pool.
+ * `alloc` returns 0 and sets *ptr (aligned to at least 64 bytes) or returns non-zero when it has
+ * no memory (the scheduler call then fails with shardlineResourceExhausted). `stream` is the
+ * native handle of the stream that will first use the memory (the cudaStream_t of a CUDA or
+ * wrapped CUDA stream) or NULL (host and caller streams, and when unknown). `free` receives
+ * memory only once every stream that used it is done with it, so `stream` is always NULL there
+ * and the memory may be reused at once. shardline keeps no cache on top: every gather allocates
+ * and every reshard frees, so the framework's allocator should cache (PyTorch's does). The
+ * callbacks may be called from any thread that calls into the scheduler, never concurrently
+ * with themselves for one scheduler unless the framework's own calls are concurrent. */
+typedef struct {
+  size_t struct_size;
+  int version;
+  void* user;
+  int (*alloc)(void* user, size_t bytes, void* stream, void** ptr);
+  void (*free)(void* user, void* ptr, size_t bytes, void* stream);
+} shardlineAllocator_t;
+#define SHARDLINE_ALLOCATOR_INIT \
+  { sizeof(shardlineAllocator_t), SHARDLINE_VERSION_CODE, NULL, NULL, NULL }
+
 /* ---- The FSDP scheduler (scheduler/scheduler.h, docs/scheduler.md) ------------------------- */
 typedef enum {
   shardlineFullShard = 0,
@@ -180,12 +240,20 @@ typedef struct {
   shardlineDataType_t param_dtype;               /* f32: every unit's mixed-precision policy */
   shardlineDataType_t reduce_dtype;              /* f32 */
   shardlineRedOp_t reduce_op;                    /* avg (or sum) */
+  /* Added after the first release; read only when struct_size covers them. */
+  /* Unsharded parameters, gradients and reduction temporaries from the framework (copied at
+   * create; the callbacks' `user` must outlive the scheduler). NULL: shardline's own pools. */
+  const shardlineAllocator_t* unsharded_allocator;
+  /* Master shards and sharded gradients (of units not registered with adopted memory) from the
+   * framework. NULL: shardline's own memory. */
+  const shardlineAllocator_t* shard_allocator;
+  shardlineTrace_t trace; /* NULL: no trace */
 } shardlineSchedulerConfig_t;
 #define SHARDLINE_SCHEDULER_CONFIG_INIT                                                           \
   {                                                                                               \
     sizeof(shardlineSchedulerConfig_t), SHARDLINE_VERSION_CODE, "fsdp", shardlineFullShard, 0, 1, \
         shardlineBackwardPrefetchBeforeGrad, 1, 0, 0, 0, 0, shardlineFloat32, shardlineFloat32,   \
-        shardlineAvg                                                                              \
+        shardlineAvg, NULL, NULL, NULL                                                            \
   }
 
 typedef struct {
@@ -205,6 +273,25 @@ SHARDLINE_API shardlineResult_t shardline_scheduler_destroy(shardlineScheduler_t
 SHARDLINE_API shardlineResult_t
 shardline_scheduler_register_unit(shardlineScheduler_t scheduler, const char* name,
                                   const shardlineTensorSpec_t* tensors, int num_tensors, int* unit);
+/* The number of f32 elements (padding included) of this rank's master shard for a unit of
+ * `tensors`: the size a framework-owned master shard must have. */
+SHARDLINE_API shardlineResult_t shardline_scheduler_shard_elements(
+    shardlineScheduler_t scheduler, const shardlineTensorSpec_t* tensors, int num_tensors,
+    size_t* elements);
+/* Registers a unit whose master shard is the framework's memory (`bytes` at `master_shard`, host
+ * memory of exactly shard_elements * 4 bytes, else InvalidArgument naming both sizes), so the
+ * framework's optimizer steps on its own tensors. Its contents are taken as this rank's shard of
+ * the initial values (or set them with shardline_unit_set_values). The scheduler never frees it:
+ * once it no longer uses it (at the latest when the scheduler is destroyed) it calls
+ * `release(user, master_shard)` if `release` is given. */
+SHARDLINE_API shardlineResult_t shardline_scheduler_register_unit_adopted(
+    shardlineScheduler_t scheduler, const char* name, const shardlineTensorSpec_t* tensors,
+    int num_tensors, void* master_shard, size_t bytes, void (*release)(void* user, void* data),
+    void* user, int* unit);
+/* The event after the optimizer's last write of the master shards: the next step's gathers wait
+ * for it instead of the compute stream (FSDP2's set_post_optim_event). */
+SHARDLINE_API shardlineResult_t shardline_scheduler_set_post_optimizer_event(
+    shardlineScheduler_t scheduler, shardlineEvent_t event);
 /* The initial values: values[t] points at tensor t's elements (f32, row-major). */
 SHARDLINE_API shardlineResult_t shardline_unit_set_values(shardlineScheduler_t scheduler, int unit,
                                                           const void* const* values,

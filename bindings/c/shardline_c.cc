@@ -17,9 +17,16 @@
 #include "collectives/bootstrap.h"
 #include "collectives/communicator.h"
 #include "collectives/local/local_communicator.h"
+#include "runtime/allocator.h"
 #include "runtime/config.h"
+#include "runtime/flat_layout.h"
 #include "runtime/stream.h"
+#include "runtime/trace.h"
 #include "scheduler/scheduler.h"
+
+#ifdef SHARDLINE_WITH_CUDA
+#include "runtime/cuda/cuda_stream.h"
+#endif
 
 struct shardlineComm_s {
   std::shared_ptr<shardline::Communicator> comm;
@@ -30,7 +37,50 @@ struct shardlineStream_s {
 struct shardlineWork_s {
   shardline::Work work;
 };
+struct shardlineEvent_s {
+  std::shared_ptr<shardline::Event> event;
+};
+struct shardlineTrace_s {
+  shardline::TraceWriter writer;
+};
+
+namespace {
+
+// A framework's allocator (shardlineAllocator_t) as a shardline Allocator. The base class holds
+// each freed block until every stream that used it is done, so `free` gets memory that is idle.
+class CallbackAllocator final : public shardline::Allocator {
+ public:
+  CallbackAllocator(const shardlineAllocator_t& callbacks, std::string name)
+      : Allocator(shardline::Device::Host(), std::move(name)), callbacks_(callbacks) {}
+  ~CallbackAllocator() override { DrainPending(); }
+
+ protected:
+  absl::StatusOr<void*> AllocateRaw(size_t bytes, shardline::Stream* first_user) override {
+    void* ptr = nullptr;
+    void* stream = first_user != nullptr ? first_user->native_handle() : nullptr;
+    const int rc = callbacks_.alloc(callbacks_.user, bytes, stream, &ptr);
+    if (rc != 0 || ptr == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the framework's allocator returned ", rc, " (pointer ",
+                       ptr == nullptr ? "NULL" : "set", ") for ", bytes, " bytes"));
+    }
+    return ptr;
+  }
+  void DeallocateRaw(void* data, size_t bytes) override {
+    callbacks_.free(callbacks_.user, data, bytes, nullptr);
+  }
+
+ private:
+  const shardlineAllocator_t callbacks_;
+};
+
+}  // namespace
+
 struct shardlineScheduler_s {
+  // The framework's allocators, destroyed after the scheduler (declared before it).
+  std::unique_ptr<CallbackAllocator> gather_pool;
+  std::unique_ptr<CallbackAllocator> reduce_pool;
+  std::unique_ptr<CallbackAllocator> shard_allocator;
   std::unique_ptr<shardline::Scheduler> scheduler;
   shardline::UnitPolicy policy;  // of every unit it registers (from the config)
 };
@@ -164,6 +214,22 @@ shardlineResult_t ReadConfig(const T* in, T defaults, T* out, const char* what) 
   }
   std::memcpy(static_cast<void*>(out), in, in->struct_size);
   out->struct_size = sizeof(T);
+  return shardlineSuccess;
+}
+
+// A framework allocator's callbacks, checked.
+shardlineResult_t ReadCallbacks(const shardlineAllocator_t* in, shardlineAllocator_t* out,
+                                const char* field) {
+  const shardlineAllocator_t defaults = SHARDLINE_ALLOCATOR_INIT;
+  if (shardlineResult_t r = ReadConfig(in, defaults, out, "shardlineAllocator_t");
+      r != shardlineSuccess) {
+    return r;
+  }
+  if (out->alloc == nullptr || out->free == nullptr) {
+    return Fail(shardlineInvalidArgument,
+                absl::StrCat("INVALID_ARGUMENT: shardlineSchedulerConfig_t.", field,
+                             ": alloc and free must both be set"));
+  }
   return shardlineSuccess;
 }
 
@@ -325,6 +391,118 @@ shardlineResult_t shardline_stream_destroy(shardlineStream_t stream) {
   });
 }
 
+shardlineResult_t shardline_stream_wrap_cuda(void* cuda_stream, int device, const char* name,
+                                             shardlineStream_t* stream) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(stream != nullptr, "shardline_stream_wrap_cuda: stream is NULL");
+#ifdef SHARDLINE_WITH_CUDA
+    auto s = shardline::WrapCudaStream(static_cast<cudaStream_t>(cuda_stream), device,
+                                       {.name = name != nullptr ? name : "framework"});
+    if (!s.ok()) return FromStatus(s.status());
+    *stream = new shardlineStream_s{*std::move(s)};
+    return shardlineSuccess;
+#else
+    return Fail(shardlineUnimplemented,
+                "UNIMPLEMENTED: shardline_stream_wrap_cuda: this library was built without CUDA");
+#endif
+  });
+}
+
+// ---- Events --------------------------------------------------------------------------------
+
+shardlineResult_t shardline_event_record(shardlineStream_t stream, shardlineEvent_t* event) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(stream != nullptr && event != nullptr, "shardline_event_record: NULL argument");
+    absl::StatusOr<std::shared_ptr<shardline::Event>> e = shardline::RecordEvent(*stream->stream);
+    if (!e.ok()) return FromStatus(e.status());
+    *event = new shardlineEvent_s{*std::move(e)};
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_event_wrap_cuda(void* cuda_event, int device, shardlineEvent_t* event) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(event != nullptr, "shardline_event_wrap_cuda: event is NULL");
+#ifdef SHARDLINE_WITH_CUDA
+    auto e = shardline::WrapCudaEvent(static_cast<cudaEvent_t>(cuda_event), device);
+    if (!e.ok()) return FromStatus(e.status());
+    *event = new shardlineEvent_s{*std::move(e)};
+    return shardlineSuccess;
+#else
+    return Fail(shardlineUnimplemented,
+                "UNIMPLEMENTED: shardline_event_wrap_cuda: this library was built without CUDA");
+#endif
+  });
+}
+
+shardlineResult_t shardline_stream_wait_event(shardlineStream_t stream, shardlineEvent_t event) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(stream != nullptr && event != nullptr,
+                 "shardline_stream_wait_event: NULL argument");
+    return FromStatus(stream->stream->WaitEvent(*event->event));
+  });
+}
+
+shardlineResult_t shardline_event_synchronize(shardlineEvent_t event, double timeout_s) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(event != nullptr, "shardline_event_synchronize: event is NULL");
+    return FromStatus(event->event->Synchronize(absl::Now() + Timeout(timeout_s)));
+  });
+}
+
+shardlineResult_t shardline_event_query(shardlineEvent_t event, int* done) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(event != nullptr && done != nullptr, "shardline_event_query: NULL argument");
+    absl::StatusOr<bool> q = event->event->Query();
+    if (!q.ok()) {
+      *done = 1;
+      return FromStatus(q.status());
+    }
+    *done = *q ? 1 : 0;
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_event_destroy(shardlineEvent_t event) {
+  return Guard([&] {
+    delete event;
+    return shardlineSuccess;
+  });
+}
+
+// ---- Traces --------------------------------------------------------------------------------
+
+shardlineResult_t shardline_trace_create(int rank, const char* process_name,
+                                         shardlineTrace_t* trace) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(trace != nullptr, "shardline_trace_create: trace is NULL");
+    SL_C_REQUIRE(rank >= 0, absl::StrCat("shardline_trace_create: rank ", rank, " < 0"));
+    *trace = new shardlineTrace_s{
+        shardline::TraceWriter(rank, process_name != nullptr ? process_name : "")};
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_trace_write(shardlineTrace_t trace, const char* path) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(trace != nullptr && path != nullptr, "shardline_trace_write: NULL argument");
+    return FromStatus(trace->writer.WriteFile(path));
+  });
+}
+
+shardlineResult_t shardline_trace_num_events(shardlineTrace_t trace, size_t* events) {
+  SL_C_REQUIRE(trace != nullptr && events != nullptr, "shardline_trace_num_events: NULL argument");
+  *events = trace->writer.num_events();
+  return shardlineSuccess;
+}
+
+shardlineResult_t shardline_trace_destroy(shardlineTrace_t trace) {
+  return Guard([&] {
+    delete trace;
+    return shardlineSuccess;
+  });
+}
+
 // ---- Collectives ---------------------------------------------------------------------------
 
 #define SL_C_COLLECTIVE_ARGS(fn)                                        \
@@ -434,6 +612,29 @@ shardlineResult_t shardline_scheduler_create(shardlineComm_t world, shardlineStr
                  "shardlineSchedulerConfig_t: unknown reduce_op");
     s->policy.precision.param_dtype = param;
     s->policy.precision.reduce_dtype = reduce;
+    if (c.unsharded_allocator != nullptr) {
+      shardlineAllocator_t a;
+      if (shardlineResult_t r = ReadCallbacks(c.unsharded_allocator, &a, "unsharded_allocator");
+          r != shardlineSuccess) {
+        return r;
+      }
+      // Two allocators over the same callbacks: the gather and reduce streams never wait for
+      // each other's blocks (SchedulerOptions::gather_pool).
+      s->gather_pool = std::make_unique<CallbackAllocator>(a, o.name + ".gather (framework)");
+      s->reduce_pool = std::make_unique<CallbackAllocator>(a, o.name + ".reduce (framework)");
+      o.gather_pool = s->gather_pool.get();
+      o.reduce_pool = s->reduce_pool.get();
+    }
+    if (c.shard_allocator != nullptr) {
+      shardlineAllocator_t a;
+      if (shardlineResult_t r = ReadCallbacks(c.shard_allocator, &a, "shard_allocator");
+          r != shardlineSuccess) {
+        return r;
+      }
+      s->shard_allocator = std::make_unique<CallbackAllocator>(a, o.name + ".shards (framework)");
+      o.shard_allocator = s->shard_allocator.get();
+    }
+    if (c.trace != nullptr) o.trace = &c.trace->writer;
     absl::StatusOr<std::unique_ptr<shardline::Scheduler>> created = shardline::Scheduler::Create(
         world->comm, *compute->stream, std::move(o), absl::Now() + Timeout(timeout_s));
     if (!created.ok()) return FromStatus(created.status());
@@ -450,27 +651,119 @@ shardlineResult_t shardline_scheduler_destroy(shardlineScheduler_t scheduler) {
   });
 }
 
+namespace {
+
+// The UnitSpec of a C tensor list (names and shapes checked), with the scheduler's policy.
+shardlineResult_t BuildSpec(shardlineScheduler_t scheduler, const char* fn, const char* name,
+                            const shardlineTensorSpec_t* tensors, int num_tensors,
+                            shardline::UnitSpec* spec) {
+  SL_C_REQUIRE(scheduler != nullptr && name != nullptr &&
+                   (tensors != nullptr || num_tensors == 0) && num_tensors >= 0,
+               absl::StrCat(fn, ": NULL or negative argument"));
+  spec->name = name;
+  spec->policy = scheduler->policy;
+  for (int t = 0; t < num_tensors; ++t) {
+    SL_C_REQUIRE(tensors[t].name != nullptr && tensors[t].ndim >= 0 &&
+                     (tensors[t].shape != nullptr || tensors[t].ndim == 0),
+                 absl::StrCat(fn, "('", name, "'): tensor ", t,
+                              " has a NULL name or shape or a negative ndim"));
+    spec->tensors.push_back(
+        {.name = tensors[t].name,
+         .shape = std::vector<int64_t>(tensors[t].shape, tensors[t].shape + tensors[t].ndim)});
+  }
+  return shardlineSuccess;
+}
+
+// This rank's master shard elements for `spec` (the layout RegisterUnit builds).
+absl::StatusOr<size_t> ShardElements(const shardline::Scheduler& scheduler,
+                                     const shardline::UnitSpec& spec) {
+  absl::StatusOr<shardline::FlatLayout> layout = shardline::FlatLayout::Create(
+      spec.tensors, {.num_shards = scheduler.mesh().shard_size(),
+                     .element_dtype = spec.policy.precision.master_dtype});
+  if (!layout.ok()) return layout.status();
+  return layout->shard_elements();
+}
+
+}  // namespace
+
 shardlineResult_t shardline_scheduler_register_unit(shardlineScheduler_t scheduler,
                                                     const char* name,
                                                     const shardlineTensorSpec_t* tensors,
                                                     int num_tensors, int* unit) {
   return Guard([&]() -> shardlineResult_t {
-    SL_C_REQUIRE(scheduler != nullptr && name != nullptr && unit != nullptr &&
-                     (tensors != nullptr || num_tensors == 0) && num_tensors >= 0,
-                 "shardline_scheduler_register_unit: NULL or negative argument");
-    shardline::UnitSpec spec{.name = name, .policy = scheduler->policy};
-    for (int t = 0; t < num_tensors; ++t) {
-      SL_C_REQUIRE(tensors[t].name != nullptr && tensors[t].ndim >= 0 &&
-                       (tensors[t].shape != nullptr || tensors[t].ndim == 0),
-                   absl::StrCat("shardline_scheduler_register_unit('", name, "'): tensor ", t,
-                                " has a NULL name or shape or a negative ndim"));
-      spec.tensors.push_back(
-          {.name = tensors[t].name,
-           .shape = std::vector<int64_t>(tensors[t].shape, tensors[t].shape + tensors[t].ndim)});
+    SL_C_REQUIRE(unit != nullptr, "shardline_scheduler_register_unit: unit is NULL");
+    shardline::UnitSpec spec;
+    if (shardlineResult_t r = BuildSpec(scheduler, "shardline_scheduler_register_unit", name,
+                                        tensors, num_tensors, &spec);
+        r != shardlineSuccess) {
+      return r;
     }
     absl::StatusOr<int> id = scheduler->scheduler->RegisterUnit(std::move(spec));
     if (!id.ok()) return FromStatus(id.status());
     *unit = *id;
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_scheduler_shard_elements(shardlineScheduler_t scheduler,
+                                                     const shardlineTensorSpec_t* tensors,
+                                                     int num_tensors, size_t* elements) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(elements != nullptr, "shardline_scheduler_shard_elements: elements is NULL");
+    shardline::UnitSpec spec;
+    if (shardlineResult_t r = BuildSpec(scheduler, "shardline_scheduler_shard_elements", "unit",
+                                        tensors, num_tensors, &spec);
+        r != shardlineSuccess) {
+      return r;
+    }
+    absl::StatusOr<size_t> n = ShardElements(*scheduler->scheduler, spec);
+    if (!n.ok()) return FromStatus(n.status());
+    *elements = *n;
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_scheduler_register_unit_adopted(
+    shardlineScheduler_t scheduler, const char* name, const shardlineTensorSpec_t* tensors,
+    int num_tensors, void* master_shard, size_t bytes, void (*release)(void* user, void* data),
+    void* user, int* unit) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(unit != nullptr, "shardline_scheduler_register_unit_adopted: unit is NULL");
+    shardline::UnitSpec spec;
+    if (shardlineResult_t r = BuildSpec(scheduler, "shardline_scheduler_register_unit_adopted",
+                                        name, tensors, num_tensors, &spec);
+        r != shardlineSuccess) {
+      return r;
+    }
+    absl::StatusOr<size_t> elements = ShardElements(*scheduler->scheduler, spec);
+    if (!elements.ok()) return FromStatus(elements.status());
+    const size_t needed = *elements * shardline::DTypeSize(spec.policy.precision.master_dtype);
+    SL_C_REQUIRE(master_shard != nullptr || needed == 0,
+                 absl::StrCat("shardline_scheduler_register_unit_adopted('", name,
+                              "'): master_shard is NULL"));
+    SL_C_REQUIRE(bytes == needed,
+                 absl::StrCat("shardline_scheduler_register_unit_adopted('", name,
+                              "'): master_shard has ", bytes, " bytes but this rank's shard needs ",
+                              needed, " (", *elements, " x f32)"));
+    if (master_shard != nullptr) {
+      spec.master_shard = shardline::Buffer::Adopt(master_shard, bytes, shardline::Device::Host(),
+                                                   [release, user](void* data) {
+                                                     if (release != nullptr) release(user, data);
+                                                   });
+    }
+    absl::StatusOr<int> id = scheduler->scheduler->RegisterUnit(std::move(spec));
+    if (!id.ok()) return FromStatus(id.status());
+    *unit = *id;
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_scheduler_set_post_optimizer_event(shardlineScheduler_t scheduler,
+                                                               shardlineEvent_t event) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(scheduler != nullptr && event != nullptr,
+                 "shardline_scheduler_set_post_optimizer_event: NULL argument");
+    scheduler->scheduler->SetPostOptimizerEvent(event->event);
     return shardlineSuccess;
   });
 }

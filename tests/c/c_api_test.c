@@ -6,7 +6,11 @@
  *      training run unsharded in plain C loops;
  *   3. errors: a bad dtype is shardlineInvalidArgument with a message naming it, an option struct
  *      from a newer header is refused;
- *   4. ABI: the scheduler is created from a config as an older header laid it out (it ends before
+ *   4. the same training with the framework's memory: unsharded buffers and sharded gradients
+ *      from its allocator callbacks (every allocation freed by destroy), master shards in its
+ *      own arrays (adopted: the optimizer steps on them; a wrong size names both sizes), the
+ *      post-optimizer event, and a trace (its collectives' spans) written and read back;
+ *   5. ABI: the scheduler is created from a config as an older header laid it out (it ends before
  *      param_dtype), placed so that its last byte is the last byte before a PROT_NONE page: a
  *      library that read past struct_size would fault. The missing fields take their defaults.
  * Exit status 0 on success; every failure prints what differed. */
@@ -139,6 +143,85 @@ static int AllGather(shardlineComm_t comm, int rank) {
   return 0;
 }
 
+/* The initial values of unit u's tensors. */
+static void InitialValues(int u, float values[2][64]) {
+  for (int t = 0; t < 2; ++t)
+    for (int64_t i = 0; i < kSizes[u][t]; ++i) values[t][i] = Initial(u, t, (size_t)i);
+}
+
+/* STEPS training steps (SGD on the master shards between steps; given `compute`, the next
+ * step's gathers wait for an event recorded after the optimizer), then every element this rank
+ * owns is compared with the unsharded run. */
+static int TrainAndCheck(shardlineScheduler_t sched, int rank, size_t budget_bytes,
+                         shardlineStream_t compute) {
+  for (int s = 0; s < STEPS; ++s) {
+    for (int u = 0; u < UNITS; ++u) {
+      CALL(shardline_pre_forward(sched, u));
+      CALL(shardline_post_forward(sched, u));
+    }
+    for (int u = UNITS - 1; u >= 0; --u) {
+      CALL(shardline_pre_backward(sched, u));
+      float* w[2];
+      float* g[2];
+      for (int t = 0; t < 2; ++t) {
+        void* data;
+        size_t numel;
+        CALL(shardline_unit_param(sched, u, t, &data, &numel));
+        CHECK(numel == (size_t)kSizes[u][t], "numel %zu", numel);
+        w[t] = data;
+        CALL(shardline_unit_grad(sched, u, t, &data, &numel));
+        g[t] = data;
+      }
+      ForwardBackward(rank, s, u, w, g);
+      CALL(shardline_post_backward(sched, u));
+    }
+    CALL(shardline_finish_backward(sched));
+    for (int u = 0; u < UNITS; ++u) {
+      void* p;
+      void* g;
+      size_t n, m;
+      CALL(shardline_unit_master_shard(sched, u, &p, &n));
+      CALL(shardline_unit_shard_grad(sched, u, &g, &m));
+      CHECK(n == m, "shard %zu vs grad %zu", n, m);
+      for (size_t i = 0; i < n; ++i) ((float*)p)[i] -= kLr * ((const float*)g)[i];
+    }
+    if (compute != NULL) { /* the next gathers wait for the optimizer through an event */
+      shardlineEvent_t after_optimizer;
+      CALL(shardline_event_record(compute, &after_optimizer));
+      int done = 0;
+      CALL(shardline_event_query(after_optimizer, &done));
+      CHECK(done == 1, "an event on a caller stream is complete once recorded");
+      CALL(shardline_scheduler_set_post_optimizer_event(sched, after_optimizer));
+      CALL(shardline_event_destroy(after_optimizer)); /* the scheduler keeps its own reference */
+    }
+    CALL(shardline_zero_grad(sched));
+    shardlineStepMetrics_t metrics = SHARDLINE_STEP_METRICS_INIT;
+    CALL(shardline_scheduler_metrics(sched, 30, &metrics));
+    CHECK(metrics.step == s, "metrics of step %lld", (long long)metrics.step);
+    CHECK(budget_bytes == 0 || metrics.peak_inflight_bytes <= budget_bytes,
+          "peak %llu over the budget", (unsigned long long)metrics.peak_inflight_bytes);
+    CHECK(metrics.bytes_gathered > 0 && metrics.bytes_reduced > 0, "no traffic in the metrics");
+  }
+  /* Every element this rank owns equals the unsharded run. */
+  for (int u = 0; u < UNITS; ++u) {
+    void* p;
+    size_t n;
+    CALL(shardline_unit_master_shard(sched, u, &p, &n));
+    for (int t = 0; t < 2; ++t) {
+      size_t first, count, offset;
+      CALL(shardline_unit_shard_slice(sched, u, t, &first, &count, &offset));
+      for (size_t i = 0; i < count; ++i) {
+        const float got = ((const float*)p)[first + i];
+        const float want = reference[u][t][offset + i];
+        CHECK(fabsf(got - want) <= 1e-5f * (1.0f + fabsf(want)),
+              "rank %d unit %d tensor %d element %zu: %g, unsharded %g", rank, u, t, offset + i,
+              got, want);
+      }
+    }
+  }
+  return 0;
+}
+
 static int Train(shardlineComm_t comm, int rank) {
   shardlineStream_t compute;
   CALL(shardline_stream_create_caller("compute", &compute));
@@ -175,67 +258,11 @@ static int Train(shardlineComm_t comm, int rank) {
     CALL(shardline_scheduler_register_unit(sched, name, specs, 2, &id));
     CHECK(id == u, "unit id %d, expected %d", id, u);
     float values[2][64];
-    for (int t = 0; t < 2; ++t)
-      for (int64_t i = 0; i < kSizes[u][t]; ++i) values[t][i] = Initial(u, t, (size_t)i);
+    InitialValues(u, values);
     const void* pointers[2] = {values[0], values[1]};
     CALL(shardline_unit_set_values(sched, u, pointers, 2));
   }
-  for (int s = 0; s < STEPS; ++s) {
-    for (int u = 0; u < UNITS; ++u) {
-      CALL(shardline_pre_forward(sched, u));
-      CALL(shardline_post_forward(sched, u));
-    }
-    for (int u = UNITS - 1; u >= 0; --u) {
-      CALL(shardline_pre_backward(sched, u));
-      float* w[2];
-      float* g[2];
-      for (int t = 0; t < 2; ++t) {
-        void* data;
-        size_t numel;
-        CALL(shardline_unit_param(sched, u, t, &data, &numel));
-        CHECK(numel == (size_t)kSizes[u][t], "numel %zu", numel);
-        w[t] = data;
-        CALL(shardline_unit_grad(sched, u, t, &data, &numel));
-        g[t] = data;
-      }
-      ForwardBackward(rank, s, u, w, g);
-      CALL(shardline_post_backward(sched, u));
-    }
-    CALL(shardline_finish_backward(sched));
-    for (int u = 0; u < UNITS; ++u) {
-      void* p;
-      void* g;
-      size_t n, m;
-      CALL(shardline_unit_master_shard(sched, u, &p, &n));
-      CALL(shardline_unit_shard_grad(sched, u, &g, &m));
-      CHECK(n == m, "shard %zu vs grad %zu", n, m);
-      for (size_t i = 0; i < n; ++i) ((float*)p)[i] -= kLr * ((const float*)g)[i];
-    }
-    CALL(shardline_zero_grad(sched));
-    shardlineStepMetrics_t metrics = SHARDLINE_STEP_METRICS_INIT;
-    CALL(shardline_scheduler_metrics(sched, 30, &metrics));
-    CHECK(metrics.step == s, "metrics of step %lld", (long long)metrics.step);
-    CHECK(metrics.peak_inflight_bytes <= config.budget_bytes, "peak %llu over the budget",
-          (unsigned long long)metrics.peak_inflight_bytes);
-    CHECK(metrics.bytes_gathered > 0 && metrics.bytes_reduced > 0, "no traffic in the metrics");
-  }
-  /* Every element this rank owns equals the unsharded run. */
-  for (int u = 0; u < UNITS; ++u) {
-    void* p;
-    size_t n;
-    CALL(shardline_unit_master_shard(sched, u, &p, &n));
-    for (int t = 0; t < 2; ++t) {
-      size_t first, count, offset;
-      CALL(shardline_unit_shard_slice(sched, u, t, &first, &count, &offset));
-      for (size_t i = 0; i < count; ++i) {
-        const float got = ((const float*)p)[first + i];
-        const float want = reference[u][t][offset + i];
-        CHECK(fabsf(got - want) <= 1e-5f * (1.0f + fabsf(want)),
-              "rank %d unit %d tensor %d element %zu: %g, unsharded %g", rank, u, t, offset + i,
-              got, want);
-      }
-    }
-  }
+  if (TrainAndCheck(sched, rank, config.budget_bytes, NULL) != 0) return 1;
   /* A hook on an unknown unit is an error naming it. */
   CHECK(shardline_pre_forward(sched, 9) == shardlineInvalidArgument, "unit 9 accepted");
   CHECK(strstr(shardline_last_error(), "9") != NULL, "message: %s", shardline_last_error());
@@ -244,10 +271,143 @@ static int Train(shardlineComm_t comm, int rank) {
   return 0;
 }
 
+/* The framework's allocator: counts what it hands out and gets back. */
+struct CountingAllocator {
+  pthread_mutex_t mu;
+  long allocs, frees;
+  long long live_bytes;
+};
+static int CountingAlloc(void* user, size_t bytes, void* stream, void** ptr) {
+  struct CountingAllocator* a = user;
+  (void)stream;
+  *ptr = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+  if (*ptr == NULL) return 1;
+  pthread_mutex_lock(&a->mu);
+  ++a->allocs;
+  a->live_bytes += (long long)bytes;
+  pthread_mutex_unlock(&a->mu);
+  return 0;
+}
+static void CountingFree(void* user, void* ptr, size_t bytes, void* stream) {
+  struct CountingAllocator* a = user;
+  (void)stream;
+  free(ptr);
+  pthread_mutex_lock(&a->mu);
+  ++a->frees;
+  a->live_bytes -= (long long)bytes;
+  pthread_mutex_unlock(&a->mu);
+}
+static int released[RANKS];
+static void ReleaseShard(void* user, void* data) {
+  ++released[*(int*)user];
+  free(data);
+}
+
+/* The same training with everything the framework owns: the unsharded buffers and sharded
+ * gradients from its allocator, master shards in its own arrays (adopted), the post-optimizer
+ * event, a trace. */
+static int TrainWithFrameworkMemory(shardlineComm_t comm, int rank) {
+  static int ranks[RANKS] = {0, 1};
+  shardlineStream_t compute;
+  CALL(shardline_stream_create_caller("compute", &compute));
+  struct CountingAllocator counts = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0};
+  shardlineAllocator_t allocator = SHARDLINE_ALLOCATOR_INIT;
+  allocator.user = &counts;
+  allocator.alloc = CountingAlloc;
+  allocator.free = CountingFree;
+  shardlineTrace_t trace;
+  CALL(shardline_trace_create(rank, "c_api_test", &trace));
+  shardlineSchedulerConfig_t config = SHARDLINE_SCHEDULER_CONFIG_INIT;
+  config.root_unit = -1;
+  config.budget_bytes = 4096;
+  config.unsharded_allocator = &allocator;
+  config.shard_allocator = &allocator;
+  config.trace = trace;
+  shardlineAllocator_t incomplete = allocator;
+  incomplete.free = NULL;
+  config.unsharded_allocator = &incomplete;
+  shardlineScheduler_t sched;
+  CHECK(shardline_scheduler_create(comm, compute, &config, 30, &sched) == shardlineInvalidArgument,
+        "an allocator without free was accepted");
+  CHECK(strstr(shardline_last_error(), "unsharded_allocator") != NULL, "message: %s",
+        shardline_last_error());
+  config.unsharded_allocator = &allocator;
+  CALL(shardline_scheduler_create(comm, compute, &config, 30, &sched));
+  float* shards[UNITS];
+  for (int u = 0; u < UNITS; ++u) {
+    int64_t w_shape[1] = {kSizes[u][0]}, b_shape[1] = {kSizes[u][1]};
+    shardlineTensorSpec_t specs[2] = {{"w", w_shape, 1}, {"b", b_shape, 1}};
+    size_t elements = 0;
+    CALL(shardline_scheduler_shard_elements(sched, specs, 2, &elements));
+    CHECK(elements * RANKS >= (size_t)(kSizes[u][0] + kSizes[u][1]), "shard of %zu elements",
+          elements);
+    shards[u] = malloc(elements * sizeof(float));
+    CHECK(shards[u] != NULL, "malloc");
+    char name[16];
+    snprintf(name, sizeof(name), "unit%d", u);
+    int id = -1;
+    /* The wrong size is refused, naming both sizes. */
+    CHECK(shardline_scheduler_register_unit_adopted(sched, name, specs, 2, shards[u],
+                                                    elements * sizeof(float) - 4, ReleaseShard,
+                                                    &ranks[rank], &id) == shardlineInvalidArgument,
+          "a master shard of the wrong size was accepted");
+    char sizes[64];
+    snprintf(sizes, sizeof(sizes), "%zu bytes but this rank's shard needs %zu",
+             elements * sizeof(float) - 4, elements * sizeof(float));
+    CHECK(strstr(shardline_last_error(), sizes) != NULL, "message: %s", shardline_last_error());
+    CALL(shardline_scheduler_register_unit_adopted(sched, name, specs, 2, shards[u],
+                                                   elements * sizeof(float), ReleaseShard,
+                                                   &ranks[rank], &id));
+    CHECK(id == u, "unit id %d, expected %d", id, u);
+    float values[2][64];
+    InitialValues(u, values);
+    const void* pointers[2] = {values[0], values[1]};
+    CALL(shardline_unit_set_values(sched, u, pointers, 2));
+    void* master;
+    size_t n;
+    CALL(shardline_unit_master_shard(sched, u, &master, &n));
+    CHECK(master == shards[u] && n == elements, "the master shard is not the framework's array");
+  }
+  if (TrainAndCheck(sched, rank, config.budget_bytes, compute) != 0) return 1;
+  CHECK(counts.allocs > 0, "the framework's allocator was never called");
+  CALL(shardline_scheduler_destroy(sched));
+  CHECK(counts.allocs == counts.frees && counts.live_bytes == 0,
+        "framework allocator: %ld allocations, %ld frees, %lld bytes live after destroy",
+        counts.allocs, counts.frees, counts.live_bytes);
+  CHECK(released[rank] == UNITS, "%d adopted shards released, expected %d", released[rank], UNITS);
+  /* The trace holds the scheduler's spans. */
+  size_t events = 0;
+  CALL(shardline_trace_num_events(trace, &events));
+  CHECK(events > 0, "empty trace");
+  char path[128];
+  snprintf(path, sizeof(path), "/tmp/shardline_c_api_test_%ld_%d.json", (long)getpid(), rank);
+  CALL(shardline_trace_write(trace, path));
+  FILE* file = fopen(path, "r");
+  CHECK(file != NULL, "%s was not written", path);
+  static char text[RANKS][1 << 20];
+  const size_t length = fread(text[rank], 1, sizeof(text[rank]) - 1, file);
+  fclose(file);
+  remove(path);
+  text[rank][length] = '\0';
+  CHECK(text[rank][0] == '{' && strstr(text[rank], "\"all_gather\"") != NULL &&
+            strstr(text[rank], "\"reduce_scatter\"") != NULL,
+        "the trace has no all_gather and reduce_scatter spans: %.80s", text[rank]);
+  CALL(shardline_trace_destroy(trace));
+  /* A framework's CUDA stream: unsupported without CUDA, an error without a GPU; never a crash. */
+  shardlineStream_t wrapped = NULL;
+  const shardlineResult_t r = shardline_stream_wrap_cuda(NULL, 0, "framework", &wrapped);
+  CHECK(r != shardlineSuccess || wrapped != NULL, "success without a stream");
+  if (r == shardlineSuccess) shardline_stream_destroy(wrapped);
+  CHECK(r == shardlineSuccess || strlen(shardline_last_error()) > 0, "no message");
+  CALL(shardline_stream_destroy(compute));
+  return 0;
+}
+
 static void* RunRank(void* arg) {
   const struct RankArgs* a = arg;
   if (AllGather(a->comm, a->rank) != 0) return NULL;
-  Train(a->comm, a->rank);
+  if (Train(a->comm, a->rank) != 0) return NULL;
+  TrainWithFrameworkMemory(a->comm, a->rank);
   return NULL;
 }
 
@@ -276,7 +436,9 @@ int main(void) {
     fprintf(stderr, "c_api_test: %d failure(s)\n", failures);
     return 1;
   }
-  printf("c_api_test: all-gather and %d scheduled training steps on %d ranks match\n", STEPS,
-         RANKS);
+  printf(
+      "c_api_test: all-gather and 2 x %d scheduled training steps (shardline's memory, the "
+      "framework's) on %d ranks match\n",
+      STEPS, RANKS);
   return 0;
 }
