@@ -174,6 +174,30 @@ SHARDLINE_API shardlineResult_t shardline_event_synchronize(shardlineEvent_t eve
 /* *done = 1 once the event's work finished (successfully or not; the result says which). */
 SHARDLINE_API shardlineResult_t shardline_event_query(shardlineEvent_t event, int* done);
 SHARDLINE_API shardlineResult_t shardline_event_destroy(shardlineEvent_t event);
+/* A framework's own event (of any device), through callbacks, so that shardline streams can wait
+ * for the framework's work: `query(user)` returns 1 once the event's work is done, 0 while it
+ * runs, and a negative value if it failed; `notify(user, done, ctx)` must arrange for
+ * `done(ctx, failed)` to be called exactly once when the work completes (at once if it already
+ * has), from any thread, without blocking; `release(user)` (optional) is called when shardline
+ * no longer needs the event. Such an event cannot be recorded on a shardline stream. */
+typedef struct {
+  size_t struct_size;
+  int version;
+  void* user;
+  int (*query)(void* user);
+  void (*notify)(void* user, void (*done)(void* ctx, int failed), void* ctx);
+  void (*release)(void* user);
+} shardlineEventCallbacks_t;
+#define SHARDLINE_EVENT_CALLBACKS_INIT \
+  { sizeof(shardlineEventCallbacks_t), SHARDLINE_VERSION_CODE, NULL, NULL, NULL, NULL }
+SHARDLINE_API shardlineResult_t
+shardline_event_from_callbacks(const shardlineEventCallbacks_t* callbacks, shardlineEvent_t* event);
+/* The other direction: `callback(user, result)` runs once the work captured by `event` completes
+ * (result shardlineSuccess or the failure's code; shardline_last_error is not set for it), at
+ * once on this thread if it already has, else on the thread that completes it: it must be short
+ * and must not block (enqueue the framework's own signal). */
+SHARDLINE_API shardlineResult_t shardline_event_on_complete(
+    shardlineEvent_t event, void (*callback)(void* user, shardlineResult_t result), void* user);
 
 /* ---- Traces ---------------------------------------------------------------------------------
  * A Chrome trace (Perfetto, chrome://tracing) of one rank: give it to a scheduler through

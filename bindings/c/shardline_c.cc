@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "collectives/bootstrap.h"
 #include "collectives/communicator.h"
 #include "collectives/local/local_communicator.h"
@@ -72,6 +73,65 @@ class CallbackAllocator final : public shardline::Allocator {
 
  private:
   const shardlineAllocator_t callbacks_;
+};
+
+// A framework's event (shardlineEventCallbacks_t) as a shardline Event: waits go through its
+// notify callback (no polling), Query through its query callback.
+class CallbackEvent final : public shardline::Event {
+ public:
+  explicit CallbackEvent(const shardlineEventCallbacks_t& callbacks) : callbacks_(callbacks) {}
+  ~CallbackEvent() override {
+    if (callbacks_.release != nullptr) callbacks_.release(callbacks_.user);
+  }
+
+  shardline::Device device() const override { return shardline::Device::Host(); }
+  absl::Status Record(shardline::Stream& stream) override {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a framework's event (shardline_event_from_callbacks) cannot be recorded on stream '",
+        stream.name(), "': the framework records it"));
+  }
+  absl::StatusOr<bool> Query() override {
+    const int q = callbacks_.query(callbacks_.user);
+    if (q < 0) return Failed(q);
+    return q > 0;
+  }
+  absl::Status Synchronize(absl::Time deadline) override {
+    struct Waiter {
+      absl::Mutex mu;
+      bool done = false;
+      absl::Status status;
+    };
+    auto waiter = std::make_shared<Waiter>();
+    OnComplete([waiter](absl::Status status) {
+      absl::MutexLock lock(&waiter->mu);
+      waiter->done = true;
+      waiter->status = std::move(status);
+    });
+    absl::MutexLock lock(&waiter->mu);
+    if (!waiter->mu.AwaitWithDeadline(absl::Condition(&waiter->done), deadline)) {
+      return absl::DeadlineExceededError(
+          "a framework's event (shardline_event_from_callbacks) "
+          "did not complete by the deadline");
+    }
+    return waiter->status;
+  }
+  void OnComplete(shardline::EventCallback callback) override {
+    auto* ctx = new shardline::EventCallback(std::move(callback));
+    callbacks_.notify(
+        callbacks_.user,
+        [](void* c, int failed) {
+          std::unique_ptr<shardline::EventCallback> cb(static_cast<shardline::EventCallback*>(c));
+          std::move (*cb)(failed != 0 ? Failed(failed) : absl::OkStatus());
+        },
+        ctx);
+  }
+
+ private:
+  static absl::Status Failed(int code) {
+    return absl::InternalError(absl::StrCat(
+        "a framework's event (shardline_event_from_callbacks) reported failure ", code));
+  }
+  const shardlineEventCallbacks_t callbacks_;
 };
 
 }  // namespace
@@ -459,6 +519,41 @@ shardlineResult_t shardline_event_query(shardlineEvent_t event, int* done) {
       return FromStatus(q.status());
     }
     *done = *q ? 1 : 0;
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_event_from_callbacks(const shardlineEventCallbacks_t* callbacks,
+                                                 shardlineEvent_t* event) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(callbacks != nullptr && event != nullptr,
+                 "shardline_event_from_callbacks: NULL argument");
+    shardlineEventCallbacks_t c;
+    const shardlineEventCallbacks_t defaults = SHARDLINE_EVENT_CALLBACKS_INIT;
+    if (shardlineResult_t r = ReadConfig(callbacks, defaults, &c, "shardlineEventCallbacks_t");
+        r != shardlineSuccess) {
+      return r;
+    }
+    SL_C_REQUIRE(c.query != nullptr && c.notify != nullptr,
+                 "shardline_event_from_callbacks: query and notify must both be set");
+    *event = new shardlineEvent_s{std::make_shared<CallbackEvent>(c)};
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_event_on_complete(shardlineEvent_t event,
+                                              void (*callback)(void* user, shardlineResult_t),
+                                              void* user) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(event != nullptr && callback != nullptr,
+                 "shardline_event_on_complete: NULL argument");
+    event->event->OnComplete([callback, user](absl::Status status) {
+      // The code only: the error text is per thread, and this may run on any thread.
+      const std::string saved = last_error;
+      const shardlineResult_t result = FromStatus(status);
+      last_error = saved;
+      callback(user, result);
+    });
     return shardlineSuccess;
   });
 }

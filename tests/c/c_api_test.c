@@ -10,7 +10,9 @@
  *      from its allocator callbacks (every allocation freed by destroy), master shards in its
  *      own arrays (adopted: the optimizer steps on them; a wrong size names both sizes), the
  *      post-optimizer event, and a trace (its collectives' spans) written and read back;
- *   5. ABI: the scheduler is created from a config as an older header laid it out (it ends before
+ *   5. a framework's own event through callbacks: a host stream waits for it (notified, not
+ *      polled), a failed one fails the stream, and the framework hears of shardline's events;
+ *   6. ABI: the scheduler is created from a config as an older header laid it out (it ends before
  *      param_dtype), placed so that its last byte is the last byte before a PROT_NONE page: a
  *      library that read past struct_size would fault. The missing fields take their defaults.
  * Exit status 0 on success; every failure prints what differed. */
@@ -403,6 +405,84 @@ static int TrainWithFrameworkMemory(shardlineComm_t comm, int rank) {
   return 0;
 }
 
+/* A framework's own event, in C: pending until FwSignal; waiters are notified, never polled. */
+struct FwEvent {
+  pthread_mutex_t mu;
+  int state; /* 0 pending, 1 done, -1 failed */
+  void (*done[8])(void*, int);
+  void* ctx[8];
+  int waiters, released;
+};
+static int FwQuery(void* user) {
+  struct FwEvent* e = user;
+  pthread_mutex_lock(&e->mu);
+  const int state = e->state;
+  pthread_mutex_unlock(&e->mu);
+  return state;
+}
+static void FwNotify(void* user, void (*done)(void*, int), void* ctx) {
+  struct FwEvent* e = user;
+  pthread_mutex_lock(&e->mu);
+  if (e->state != 0 || e->waiters == 8) {
+    const int failed = e->state < 0;
+    pthread_mutex_unlock(&e->mu);
+    done(ctx, failed); /* (a ninth waiter is told at once: never happens here) */
+    return;
+  }
+  e->done[e->waiters] = done;
+  e->ctx[e->waiters++] = ctx;
+  pthread_mutex_unlock(&e->mu);
+}
+static void FwSignal(struct FwEvent* e, int state) {
+  pthread_mutex_lock(&e->mu);
+  e->state = state;
+  const int n = e->waiters;
+  e->waiters = 0;
+  pthread_mutex_unlock(&e->mu);
+  for (int i = 0; i < n; ++i) e->done[i](e->ctx[i], state < 0);
+}
+static void FwRelease(void* user) { ++((struct FwEvent*)user)->released; }
+static void SetResult(void* user, shardlineResult_t result) { *(shardlineResult_t*)user = result; }
+
+/* A host stream waits for a framework event; the framework hears of shardline's event. */
+static int FrameworkEvents(void) {
+  for (int fail = 0; fail <= 1; ++fail) {
+    struct FwEvent fw = {PTHREAD_MUTEX_INITIALIZER, 0, {0}, {0}, 0, 0};
+    shardlineEventCallbacks_t callbacks = SHARDLINE_EVENT_CALLBACKS_INIT;
+    callbacks.user = &fw;
+    callbacks.query = FwQuery;
+    callbacks.notify = FwNotify;
+    callbacks.release = FwRelease;
+    shardlineEvent_t framework, after;
+    shardlineStream_t stream;
+    CALL(shardline_event_from_callbacks(&callbacks, &framework));
+    CALL(shardline_stream_create_host("waits for the framework", &stream));
+    CALL(shardline_stream_wait_event(stream, framework));
+    CALL(shardline_event_record(stream, &after));
+    shardlineResult_t heard = shardlineInternalError;
+    CALL(shardline_event_on_complete(after, SetResult, &heard));
+    int done = 1;
+    CALL(shardline_event_query(after, &done));
+    CHECK(done == 0, "the stream did not wait for the framework's event");
+    CHECK(shardline_event_synchronize(after, 0.05) == shardlineTimeout,
+          "synchronize returned before the framework's event completed");
+    FwSignal(&fw, fail ? -1 : 1);
+    const shardlineResult_t r = shardline_event_synchronize(after, 30);
+    if (fail) {
+      CHECK(r != shardlineSuccess, "a failed framework event did not fail the stream");
+    } else {
+      CHECK(r == shardlineSuccess, "%s", shardline_last_error());
+    }
+    CHECK(heard == r, "on_complete heard %s, synchronize %s", shardline_result_string(heard),
+          shardline_result_string(r));
+    CALL(shardline_event_destroy(after));
+    CALL(shardline_event_destroy(framework));
+    CALL(shardline_stream_destroy(stream));
+    CHECK(fw.released == 1, "the framework's event was released %d times", fw.released);
+  }
+  return 0;
+}
+
 static void* RunRank(void* arg) {
   const struct RankArgs* a = arg;
   if (AllGather(a->comm, a->rank) != 0) return NULL;
@@ -432,6 +512,7 @@ int main(void) {
   }
   for (int r = 0; r < RANKS; ++r) pthread_join(threads[r], NULL);
   for (int r = 0; r < RANKS; ++r) shardline_comm_destroy(comms[r]);
+  FrameworkEvents();
   if (failures != 0) {
     fprintf(stderr, "c_api_test: %d failure(s)\n", failures);
     return 1;
