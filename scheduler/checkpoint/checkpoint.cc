@@ -267,7 +267,7 @@ absl::Status Checkpointer::Agree(absl::Status mine, absl::string_view what, uint
   PutLe(&send[0], static_cast<uint32_t>(mine.code()), 4);
   PutLe(&send[4], message.size(), 4);
   PutLe(&send[8], fingerprint, 8);
-  std::memcpy(&send[16], message.data(), message.size());
+  if (!message.empty()) std::memcpy(&send[16], message.data(), message.size());
   std::memcpy(&send[kHeaderBytes], extra.data(), std::min(extra.size(), extra_bytes));
   std::string recv(per * n, '\0');
   CollectiveOptions options;
