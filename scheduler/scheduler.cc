@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "runtime/caching_pool.h"
+#include "runtime/config.h"
 #include "runtime/host_kernels.h"
 #include "runtime/logging.h"
 #include "runtime/shard_norms.h"
@@ -271,6 +272,11 @@ absl::StatusOr<int> Scheduler::RegisterUnit(UnitSpec spec) {
                              .master_shard = std::move(spec.master_shard),
                              .init_stream = gather_stream_.get()});
   if (!param.ok()) return Annotate(param.status(), what);
+  // The master shard's zero-fill runs on the gather stream: wait for it, so that the framework
+  // may write the shard (SetShardFromTensors, or its own optimizer state copy) at once.
+  if (absl::Status filled = gather_stream_->Synchronize(DefaultDeadline()); !filled.ok()) {
+    return Annotate(filled, absl::StrCat(what, ": initialising the master shard"));
+  }
   unit.param = *std::move(param);
   unit.metrics.name = unit.name;
   units_.push_back(std::move(unit));

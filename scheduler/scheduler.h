@@ -250,6 +250,8 @@ class Scheduler {
   // the same units in the same order (checked at the end of the first step). Only before the
   // first step. InvalidArgument for an empty or duplicate name, bad tensors, or a budget below
   // the units' minimum (naming it); ResourceExhausted if the master shard cannot be allocated.
+  // Returns once the master shard is initialised (zero-filled, or the framework's memory as it
+  // is), so the framework may write it at once.
   absl::StatusOr<int> RegisterUnit(UnitSpec spec);
   int num_units() const { return static_cast<int>(units_.size()); }
   // The unit's FlatParameter: views during the hooks' windows, the master shard and sharded
