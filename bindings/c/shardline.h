@@ -9,15 +9,17 @@
  *     shardline_last_error() returns this thread's message for it: the full Status text, e.g.
  *     "INVALID_ARGUMENT: all_gather #3 on world (rank 0 of 2): count ...". Outputs are written
  *     only on success.
- *   - Handles are created by shardline_*_create / *_init and released by the matching
- *     *_destroy (NULL is accepted and ignored). A handle must outlive the handles made from it
- *     (a scheduler its communicator and compute stream, a work item nothing: it holds what it
- *     needs).
+ *   - Handles are created by shardline_*_create / *_init (and *_wrap_cuda, *_from_callbacks,
+ *     shardline_event_record) and released by the matching *_destroy (NULL is accepted and
+ *     ignored). A handle must outlive the handles made from it (a scheduler its communicator
+ *     and compute stream, a work item nothing: it holds what it needs).
  *   - Option structs begin with their size (`struct_size`) and the header's version, and are
  *     initialised with their *_INIT macro, which sets every default. A library newer than the
  *     caller's header reads only the first struct_size bytes and defaults the rest, so a program
  *     built against an older header keeps working; an unknown size larger than the library's is
- *     InvalidArgument.
+ *     InvalidArgument. Fields are only ever appended, each at an offset at or past the sizeof of
+ *     every older layout of its struct (the library checks this at compile time), so no older
+ *     struct_size covers a newer field, not even through an older struct's trailing padding.
  *   - Timeouts are seconds (double); <= 0 means SHARDLINE_TIMEOUT_S (default 600).
  *
  * Thread safety: as the C++ API's (communicator.h, scheduler.h): collectives may be issued from
@@ -55,8 +57,9 @@ typedef enum {
   shardlineFailedPrecondition = 4, /* a call in the wrong state */
   shardlineNotFound = 5,
   shardlineResourceExhausted = 6, /* out of memory */
-  shardlineUnimplemented = 7,
+  shardlineUnimplemented = 7,     /* not supported here (e.g. CUDA calls in a build without CUDA) */
   shardlineInternalError = 8,
+  shardlineDeviceUnavailable = 9, /* the device cannot be used: no GPU, no driver, a bad index */
   shardlineResultEnumMax = 0x7fffffff /* keeps the enum int-sized; not a result */
 } shardlineResult_t;
 
@@ -123,6 +126,35 @@ SHARDLINE_API shardlineResult_t shardline_stream_create_host(const char* name,
                                                              shardlineStream_t* stream);
 SHARDLINE_API shardlineResult_t shardline_stream_create_caller(const char* name,
                                                                shardlineStream_t* stream);
+/* A framework's own stream of host work (a CPU framework's in-order executor queue), through
+ * callbacks, so that shardline orders its work on it:
+ *   enqueue  appends `fn(ctx)` to the framework's stream and returns 0 (non-zero: it cannot;
+ *            the shardline call fails with shardlineInternalError and the stream stays failed).
+ *            The framework must call every fn it accepted exactly once, in the order enqueued,
+ *            one at a time, after the work enqueued on its stream before it, on any thread
+ *            (also inside enqueue itself: the stream then behaves as a caller stream). A fn
+ *            runs shardline's host work (casts, copies, fills of host memory), completes
+ *            events, or blocks the thread until an event of another stream completes (at most
+ *            SHARDLINE_TIMEOUT_S; then the stream fails with shardlineTimeout).
+ *   release  (optional) called by shardline_stream_destroy, which first waits until every
+ *            accepted fn has run (at most SHARDLINE_TIMEOUT_S; fns still pending then are
+ *            logged, and may still run later). Not called if this call fails.
+ * Its device is the host, as for host and caller streams. Events recorded on it are shardline's
+ * (shardline_event_record); other streams wait for them without polling. Work that fails fails
+ * the stream: later fns skip their work, and events recorded after it report the error. As a
+ * scheduler's compute stream, the hooks return without waiting for it: the framework enqueues
+ * its compute on its stream after each hook, and the views stay valid for that work. */
+typedef struct {
+  size_t struct_size;
+  int version;
+  void* user;
+  int (*enqueue)(void* user, void (*fn)(void* ctx), void* ctx);
+  void (*release)(void* user);
+} shardlineStreamCallbacks_t;
+#define SHARDLINE_STREAM_CALLBACKS_INIT \
+  { sizeof(shardlineStreamCallbacks_t), SHARDLINE_VERSION_CODE, NULL, NULL, NULL }
+SHARDLINE_API shardlineResult_t shardline_stream_from_callbacks(
+    const char* name, const shardlineStreamCallbacks_t* callbacks, shardlineStream_t* stream);
 SHARDLINE_API shardlineResult_t shardline_stream_synchronize(shardlineStream_t stream,
                                                              double timeout_s);
 SHARDLINE_API shardlineResult_t shardline_stream_destroy(shardlineStream_t stream);
@@ -152,20 +184,25 @@ SHARDLINE_API shardlineResult_t shardline_work_destroy(shardlineWork_t work);
 
 /* A framework's CUDA stream (a cudaStream_t, passed as void*) of cuda:`device`, wrapped without
  * taking it over: shardline enqueues on it and waits with cudaStreamWaitEvent; the framework keeps
- * it alive until the wrapping stream is destroyed. CUDA builds only: elsewhere
- * shardlineUnimplemented. InvalidArgument for cudaStreamPerThread or a stream of another device. */
+ * it alive until the wrapping stream is destroyed. NULL is the device's legacy default stream.
+ * CUDA builds only: elsewhere shardlineUnimplemented. shardlineDeviceUnavailable if cuda:`device`
+ * cannot be used (no GPU or driver, an index out of range); InvalidArgument for
+ * cudaStreamPerThread or a stream of another device. */
 SHARDLINE_API shardlineResult_t shardline_stream_wrap_cuda(void* cuda_stream, int device,
                                                            const char* name,
                                                            shardlineStream_t* stream);
 
 /* Events: a point in a stream's work. Recorded on a shardline stream, or a framework's cudaEvent_t
- * (void*) wrapped without taking it over (CUDA builds only: elsewhere shardlineUnimplemented). */
+ * (void*) wrapped without taking it over (CUDA builds only: elsewhere shardlineUnimplemented;
+ * shardlineDeviceUnavailable and InvalidArgument as for shardline_stream_wrap_cuda, and
+ * InvalidArgument for a NULL or unusable event). */
 SHARDLINE_API shardlineResult_t shardline_event_record(shardlineStream_t stream,
                                                        shardlineEvent_t* event);
 SHARDLINE_API shardlineResult_t shardline_event_wrap_cuda(void* cuda_event, int device,
                                                           shardlineEvent_t* event);
 /* Work enqueued on `stream` from now on waits for `event` (the host does not block, except on a
- * caller stream, whose waits block the calling thread). */
+ * caller stream, whose waits block the calling thread, and on a callback stream whose enqueue
+ * runs its fn at once). */
 SHARDLINE_API shardlineResult_t shardline_stream_wait_event(shardlineStream_t stream,
                                                             shardlineEvent_t event);
 /* Blocks until the event's work is done: success, its stream's error, or shardlineTimeout. */
@@ -212,16 +249,27 @@ SHARDLINE_API shardlineResult_t shardline_trace_num_events(shardlineTrace_t trac
 SHARDLINE_API shardlineResult_t shardline_trace_destroy(shardlineTrace_t trace);
 
 /* ---- Memory from the framework ---------------------------------------------------------------
- * A framework's allocator, so that the scheduler's buffers live in the framework's own pool.
- * `alloc` returns 0 and sets *ptr (aligned to at least 64 bytes) or returns non-zero when it has
- * no memory (the scheduler call then fails with shardlineResourceExhausted). `stream` is the
- * native handle of the stream that will first use the memory (the cudaStream_t of a CUDA or
- * wrapped CUDA stream) or NULL (host and caller streams, and when unknown). `free` receives
- * memory only once every stream that used it is done with it, so `stream` is always NULL there
- * and the memory may be reused at once. shardline keeps no cache on top: every gather allocates
- * and every reshard frees, so the framework's allocator should cache (PyTorch's does). The
- * callbacks may be called from any thread that calls into the scheduler, never concurrently
- * with themselves for one scheduler unless the framework's own calls are concurrent. */
+ * A framework's allocator, so that the scheduler's buffers live in the framework's own pool
+ * (shardlineSchedulerConfig_t.unsharded_allocator and .shard_allocator). The memory is of the
+ * compute stream's device: host memory for host, caller and callback streams, memory of cuda:N
+ * for a (wrapped) CUDA stream; with cpu_offload the shards are host memory (see the config).
+ *   alloc   returns 0 and sets *ptr, aligned to at least 64 bytes (a misaligned pointer is
+ *           given back to `free` and the call fails with InvalidArgument), or returns non-zero
+ *           when it has no memory (the scheduler call then fails with
+ *           shardlineResourceExhausted). `stream` is the cudaStream_t of the CUDA stream that
+ *           will first use the memory (for the unsharded buffers, one of the scheduler's own
+ *           gather and reduce streams), or NULL: on the host, and for the shards and sharded
+ *           gradients, which are allocated with no stream.
+ *   free    receives memory only once every stream that used it is done with it, so its
+ *           `stream` is always NULL and the memory may be reused at once.
+ * shardline keeps no cache on top: every gather allocates and every reshard frees, so the
+ * framework's allocator should cache, as PyTorch's caching allocator does (a second cache on
+ * top would hold memory the framework can neither see nor release). alloc and free run only
+ * during calls on the scheduler (registering units, the hooks, destroy, ...), on the calling
+ * thread, so for one scheduler never concurrently with each other; a `user` shared by several
+ * schedulers (ranks as threads) needs its own lock. Every block is back at `free` when
+ * shardline_scheduler_destroy returns (unless work on a stream never finished: its blocks are
+ * then leaked, and logged, after SHARDLINE_TIMEOUT_S rather than freed under a reader). */
 typedef struct {
   size_t struct_size;
   int version;
@@ -264,14 +312,19 @@ typedef struct {
   shardlineDataType_t param_dtype;               /* f32: every unit's mixed-precision policy */
   shardlineDataType_t reduce_dtype;              /* f32 */
   shardlineRedOp_t reduce_op;                    /* avg (or sum) */
-  /* Added after the first release; read only when struct_size covers them. */
-  /* Unsharded parameters, gradients and reduction temporaries from the framework (copied at
-   * create; the callbacks' `user` must outlive the scheduler). NULL: shardline's own pools. */
+  /* Added after the first release (whose struct ended here, sizeof 80 on LP64); read only
+   * when struct_size covers them. */
+  /* Unsharded parameters, gradients and reduction temporaries from the framework (the struct is
+   * copied at create; the callbacks' `user` must outlive the scheduler): memory of the compute
+   * stream's device. NULL: shardline's own caching pools. */
   const shardlineAllocator_t* unsharded_allocator;
   /* Master shards and sharded gradients (of units not registered with adopted memory) from the
-   * framework. NULL: shardline's own memory. */
+   * framework: memory of the compute stream's device, or host memory with cpu_offload (it then
+   * replaces the pinned or host memory shardline would take for the offloaded shards). NULL:
+   * shardline's own memory. */
   const shardlineAllocator_t* shard_allocator;
-  shardlineTrace_t trace; /* NULL: no trace */
+  /* The trace the scheduler's streams record into (see Traces); NULL: none. */
+  shardlineTrace_t trace;
 } shardlineSchedulerConfig_t;
 #define SHARDLINE_SCHEDULER_CONFIG_INIT                                                           \
   {                                                                                               \
@@ -302,12 +355,17 @@ shardline_scheduler_register_unit(shardlineScheduler_t scheduler, const char* na
 SHARDLINE_API shardlineResult_t shardline_scheduler_shard_elements(
     shardlineScheduler_t scheduler, const shardlineTensorSpec_t* tensors, int num_tensors,
     size_t* elements);
-/* Registers a unit whose master shard is the framework's memory (`bytes` at `master_shard`, host
- * memory of exactly shard_elements * 4 bytes, else InvalidArgument naming both sizes), so the
- * framework's optimizer steps on its own tensors. Its contents are taken as this rank's shard of
- * the initial values (or set them with shardline_unit_set_values). The scheduler never frees it:
- * once it no longer uses it (at the latest when the scheduler is destroyed) it calls
- * `release(user, master_shard)` if `release` is given. */
+/* Registers a unit whose master shard is the framework's memory, so the framework's optimizer
+ * steps on its own tensors: `bytes` at `master_shard`, exactly shard_elements * 4 bytes (else
+ * InvalidArgument naming both sizes; NULL only when that is 0), of the compute stream's device
+ * (host memory for host and caller streams and with cpu_offload, else memory of cuda:N). Its
+ * contents are taken as this rank's shard of the initial values; shardline_unit_set_values writes
+ * them into it (and zeroes the padding), shardline_unit_shard_slice tells where each tensor's
+ * elements lie. The scheduler never frees it. On success it calls `release(user, master_shard)`
+ * (if `release` is given) once it no longer uses the memory: during shardline_scheduler_destroy,
+ * or after it, once device work still reading the shard has finished; `release` may run on any
+ * thread (a stream's worker, a CUDA callback thread) and must be short, must not block and must
+ * not call CUDA. On failure `release` is not called: the memory stays the caller's. */
 SHARDLINE_API shardlineResult_t shardline_scheduler_register_unit_adopted(
     shardlineScheduler_t scheduler, const char* name, const shardlineTensorSpec_t* tensors,
     int num_tensors, void* master_shard, size_t bytes, void (*release)(void* user, void* data),

@@ -6,9 +6,13 @@
 
 #include "bindings/c/shardline.h"
 
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +25,9 @@
 #include "runtime/allocator.h"
 #include "runtime/config.h"
 #include "runtime/flat_layout.h"
+#include "runtime/internal/stream_internal.h"
+#include "runtime/logging.h"
+#include "runtime/status.h"
 #include "runtime/stream.h"
 #include "runtime/trace.h"
 #include "scheduler/scheduler.h"
@@ -47,12 +54,16 @@ struct shardlineTrace_s {
 
 namespace {
 
-// A framework's allocator (shardlineAllocator_t) as a shardline Allocator. The base class holds
-// each freed block until every stream that used it is done, so `free` gets memory that is idle.
+// A framework's allocator (shardlineAllocator_t) as a shardline Allocator of `device` (the
+// memory the callbacks return must be of that device). The base class holds each freed block
+// until every stream that used it is done, so `free` gets memory that is idle.
 class CallbackAllocator final : public shardline::Allocator {
  public:
-  CallbackAllocator(const shardlineAllocator_t& callbacks, std::string name)
-      : Allocator(shardline::Device::Host(), std::move(name)), callbacks_(callbacks) {}
+  static constexpr uintptr_t kAlignment = 64;
+
+  CallbackAllocator(const shardlineAllocator_t& callbacks, shardline::Device device,
+                    std::string name)
+      : Allocator(device, std::move(name)), callbacks_(callbacks) {}
   ~CallbackAllocator() override { DrainPending(); }
 
  protected:
@@ -64,6 +75,12 @@ class CallbackAllocator final : public shardline::Allocator {
       return absl::ResourceExhaustedError(
           absl::StrCat("the framework's allocator returned ", rc, " (pointer ",
                        ptr == nullptr ? "NULL" : "set", ") for ", bytes, " bytes"));
+    }
+    if (reinterpret_cast<uintptr_t>(ptr) % kAlignment != 0) {
+      callbacks_.free(callbacks_.user, ptr, bytes, nullptr);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the framework's allocator returned 0x", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+          " for ", bytes, " bytes: not aligned to ", kAlignment, " bytes (shardlineAllocator_t)"));
     }
     return ptr;
   }
@@ -134,16 +151,216 @@ class CallbackEvent final : public shardline::Event {
   const shardlineEventCallbacks_t callbacks_;
 };
 
+// The CallbackStream whose fn this thread is running, if any (Synchronize from inside one would
+// wait for itself).
+thread_local const void* running_callback_stream = nullptr;
+
+// A framework's stream of host work (shardlineStreamCallbacks_t) as a shardline Stream: every
+// op, event record and wait becomes one fn(ctx) that the framework runs in its stream's order.
+// What the fns touch is shared with them, so one that runs after the stream is gone frees
+// nothing twice and touches nothing freed.
+class CallbackStream final : public shardline::Stream,
+                             public shardline::stream_internal::HostCaptureRecorder {
+ public:
+  CallbackStream(std::string name, const shardlineStreamCallbacks_t& callbacks,
+                 absl::Duration wait_timeout)
+      : callbacks_(callbacks), state_(std::make_shared<State>()) {
+    state_->name = std::move(name);
+    state_->wait_timeout = wait_timeout;
+  }
+
+  // Lets the enqueued fns run (at most wait_timeout), then hands the stream back.
+  ~CallbackStream() override {
+    {
+      std::unique_lock<std::mutex> lock(state_->mu);
+      const uint64_t target = state_->enqueued;
+      if (!shardline::WallClock().WaitUntil(state_->cv, lock, absl::Now() + state_->wait_timeout,
+                                            [&] { return state_->finished >= target; })) {
+        SL_LOG(WARN, STREAM) << "stream '" << state_->name << "': destroyed with "
+                             << target - state_->finished
+                             << " enqueued fn(s) the framework has not run";
+      }
+    }
+    if (callbacks_.release != nullptr) callbacks_.release(callbacks_.user);
+  }
+
+  shardline::Device device() const override { return shardline::Device::Host(); }
+  const std::string& name() const override { return state_->name; }
+
+  absl::Status Submit(shardline::StreamOp op) override {
+    Item item;
+    item.op = std::move(op);
+    return Push(std::move(item));
+  }
+
+  absl::Status WaitEvent(shardline::Event& event) override {
+    // Stream order covers this stream's own events.
+    if (event.recorded_stream_id() == id()) return status();
+    // The wait is for the capture of the event's latest Record() as of now.
+    auto latch = std::make_shared<shardline::stream_internal::HostCapture>(*this);
+    event.OnComplete([latch](absl::Status status) { latch->Complete(std::move(status)); });
+    absl::Status done;
+    if (latch->done(&done) && done.ok()) return status();
+    Item item;
+    item.wait = std::move(latch);
+    auto* host = dynamic_cast<shardline::stream_internal::HostEvent*>(&event);
+    const std::shared_ptr<shardline::stream_internal::HostCapture> capture =
+        host != nullptr ? host->current() : nullptr;
+    item.source = capture != nullptr
+                      ? absl::StrCat("an event of stream '", capture->stream_name(), "'")
+                      : absl::StrCat("an event of ", event.device().ToString());
+    return Push(std::move(item));
+  }
+
+  absl::Status Synchronize(absl::Time deadline) override {
+    if (running_callback_stream == state_.get()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("stream '", state_->name,
+                       "': Synchronize called from the stream's own work would "
+                       "wait forever"));
+    }
+    std::unique_lock<std::mutex> lock(state_->mu);
+    const uint64_t target = state_->enqueued;
+    if (!shardline::WallClock().WaitUntil(state_->cv, lock, deadline,
+                                          [&] { return state_->finished >= target; })) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "stream '", state_->name, "': Synchronize timed out with ", target - state_->finished,
+          " enqueued fn(s) the framework has not run (shardline_stream_from_callbacks)"));
+    }
+    return state_->status;
+  }
+
+  absl::Status status() const override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->status;
+  }
+
+  std::shared_ptr<shardline::Event> CreateEvent() override { return shardline::CreateHostEvent(); }
+
+  absl::Status RecordHostCapture(
+      std::shared_ptr<shardline::stream_internal::HostCapture> capture) override {
+    Item item;
+    item.record = std::move(capture);
+    return Push(std::move(item));
+  }
+
+ private:
+  struct State {
+    std::string name;
+    absl::Duration wait_timeout;
+    std::mutex mu;
+    std::condition_variable cv;  // Synchronize and the destructor wait for `finished`
+    absl::Status status;         // the poison
+    uint64_t enqueued = 0;
+    uint64_t finished = 0;
+  };
+  // One fn's work: an op, an event's capture to complete, or a capture to wait for.
+  struct Item {
+    shardline::StreamOp op;
+    std::shared_ptr<shardline::stream_internal::HostCapture> record;
+    std::shared_ptr<shardline::stream_internal::HostCapture> wait;
+    std::string source;  // of `wait`, for its error
+  };
+  struct Task {
+    std::shared_ptr<State> state;
+    Item item;
+  };
+
+  absl::Status Push(Item item) {
+    {
+      std::unique_lock<std::mutex> lock(state_->mu);
+      if (!state_->status.ok()) {
+        absl::Status poison = state_->status;
+        lock.unlock();
+        if (item.record != nullptr) item.record->Complete(poison);
+        return poison;
+      }
+      ++state_->enqueued;
+    }
+    auto task = std::make_unique<Task>(Task{state_, std::move(item)});
+    const int rc = callbacks_.enqueue(callbacks_.user, &RunTask, task.get());
+    if (rc == 0) {
+      task.release();  // the framework's fn owns it now
+      return absl::OkStatus();
+    }
+    // Refused: nothing of it runs (an op's run and cancel neither), and the stream fails.
+    absl::Status error = absl::InternalError(
+        absl::StrCat("stream '", state_->name, "': the framework's enqueue returned ", rc));
+    if (task->item.record != nullptr) task->item.record->Complete(error);
+    task.reset();
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->status.ok()) state_->status = error;
+    ++state_->finished;
+    state_->cv.notify_all();
+    return error;
+  }
+
+  // The fn the framework runs: the item, or (on a poisoned stream) its cancellation.
+  static void RunTask(void* ctx) {
+    std::unique_ptr<Task> task(static_cast<Task*>(ctx));
+    State& state = *task->state;
+    absl::Status poison;
+    {
+      std::lock_guard<std::mutex> lock(state.mu);
+      poison = state.status;
+    }
+    const void* const outer = running_callback_stream;
+    running_callback_stream = &state;
+    Item& item = task->item;
+    absl::Status result;
+    if (item.record != nullptr) {
+      item.record->Complete(poison);
+    } else if (item.wait != nullptr) {
+      if (poison.ok()) {
+        result = item.wait->Wait(absl::Now() + state.wait_timeout, "");
+        if (absl::IsDeadlineExceeded(result)) {
+          result = absl::DeadlineExceededError(
+              absl::StrCat("stream '", state.name, "': waited its wait_timeout (",
+                           absl::FormatDuration(state.wait_timeout), ") for ", item.source,
+                           ", which did not complete (shardline_stream_from_callbacks)"));
+        }
+      }
+    } else if (poison.ok()) {
+      result = std::move(item.op.run)();
+      if (!result.ok()) {
+        result = shardline::Annotate(result, absl::StrCat("stream '", state.name, "'"));
+      }
+    } else if (item.op.cancel != nullptr) {
+      std::move(item.op.cancel)(poison);
+    }
+    item = Item();  // its closures go before Synchronize can report the fn done
+    running_callback_stream = outer;
+    std::lock_guard<std::mutex> lock(state.mu);
+    if (!result.ok() && state.status.ok()) state.status = std::move(result);
+    ++state.finished;
+    state.cv.notify_all();
+  }
+
+  const shardlineStreamCallbacks_t callbacks_;
+  const std::shared_ptr<State> state_;
+};
+
 }  // namespace
 
 struct shardlineScheduler_s {
   // The framework's allocators, destroyed after the scheduler (declared before it).
   std::unique_ptr<CallbackAllocator> gather_pool;
   std::unique_ptr<CallbackAllocator> reduce_pool;
-  std::unique_ptr<CallbackAllocator> shard_allocator;
+  std::unique_ptr<CallbackAllocator> shard_allocator;  // as the shard or the offload allocator
   std::unique_ptr<shardline::Scheduler> scheduler;
   shardline::UnitPolicy policy;  // of every unit it registers (from the config)
+  // Where master shards live: the compute stream's device, the host with CPU offload.
+  shardline::Device master_device = shardline::Device::Host();
 };
+
+// The ABI rule of the header: a field added to an option struct lies at or past the sizeof of
+// every older layout, so that an older struct_size (trailing padding included) never covers it.
+// The first release's shardlineSchedulerConfig_t ended with reduce_op.
+static_assert(offsetof(shardlineSchedulerConfig_t, unsharded_allocator) >=
+                  ((offsetof(shardlineSchedulerConfig_t, reduce_op) + sizeof(shardlineRedOp_t) +
+                    alignof(shardlineSchedulerConfig_t) - 1) /
+                   alignof(shardlineSchedulerConfig_t) * alignof(shardlineSchedulerConfig_t)),
+              "a field added to shardlineSchedulerConfig_t overlaps the first layout's padding");
 
 namespace {
 
@@ -182,6 +399,15 @@ shardlineResult_t FromStatus(const absl::Status& status) {
       return shardlineInternalError;
   }
 }
+
+#ifdef SHARDLINE_WITH_CUDA
+// FromStatus for calls that open a device (wrapping a framework's CUDA stream or event): there,
+// Unavailable means the device cannot be used (no GPU or driver, a bad index), not a peer.
+shardlineResult_t FromDeviceStatus(const absl::Status& status) {
+  const shardlineResult_t result = FromStatus(status);
+  return status.code() == absl::StatusCode::kUnavailable ? shardlineDeviceUnavailable : result;
+}
+#endif
 
 // Runs `body` (returning a shardlineResult_t) with C++ exceptions turned into results.
 template <typename Body>
@@ -357,6 +583,8 @@ const char* shardline_result_string(shardlineResult_t result) {
       return "shardlineUnimplemented";
     case shardlineInternalError:
       return "shardlineInternalError";
+    case shardlineDeviceUnavailable:
+      return "shardlineDeviceUnavailable";
     default:
       break;
   }
@@ -436,6 +664,29 @@ shardlineResult_t shardline_stream_create_caller(const char* name, shardlineStre
   });
 }
 
+shardlineResult_t shardline_stream_from_callbacks(const char* name,
+                                                  const shardlineStreamCallbacks_t* callbacks,
+                                                  shardlineStream_t* stream) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(callbacks != nullptr && stream != nullptr,
+                 "shardline_stream_from_callbacks: NULL argument");
+    shardlineStreamCallbacks_t c;
+    const shardlineStreamCallbacks_t defaults = SHARDLINE_STREAM_CALLBACKS_INIT;
+    if (shardlineResult_t r = ReadConfig(callbacks, defaults, &c, "shardlineStreamCallbacks_t");
+        r != shardlineSuccess) {
+      return r;
+    }
+    SL_C_REQUIRE(c.enqueue != nullptr, "shardline_stream_from_callbacks: enqueue is NULL");
+    shardline::StreamOptions options{.name = name != nullptr ? name : "framework"};
+    absl::StatusOr<absl::Duration> wait_timeout =
+        shardline::stream_internal::ResolveWaitTimeout(options);
+    if (!wait_timeout.ok()) return FromStatus(wait_timeout.status());
+    *stream = new shardlineStream_s{
+        std::make_unique<CallbackStream>(std::move(options.name), c, *wait_timeout)};
+    return shardlineSuccess;
+  });
+}
+
 shardlineResult_t shardline_stream_synchronize(shardlineStream_t stream, double timeout_s) {
   SL_C_REQUIRE(stream != nullptr, "shardline_stream_synchronize: stream is NULL");
   return Guard([&] {
@@ -458,7 +709,7 @@ shardlineResult_t shardline_stream_wrap_cuda(void* cuda_stream, int device, cons
 #ifdef SHARDLINE_WITH_CUDA
     auto s = shardline::WrapCudaStream(static_cast<cudaStream_t>(cuda_stream), device,
                                        {.name = name != nullptr ? name : "framework"});
-    if (!s.ok()) return FromStatus(s.status());
+    if (!s.ok()) return FromDeviceStatus(s.status());
     *stream = new shardlineStream_s{*std::move(s)};
     return shardlineSuccess;
 #else
@@ -485,7 +736,7 @@ shardlineResult_t shardline_event_wrap_cuda(void* cuda_event, int device, shardl
     SL_C_REQUIRE(event != nullptr, "shardline_event_wrap_cuda: event is NULL");
 #ifdef SHARDLINE_WITH_CUDA
     auto e = shardline::WrapCudaEvent(static_cast<cudaEvent_t>(cuda_event), device);
-    if (!e.ok()) return FromStatus(e.status());
+    if (!e.ok()) return FromDeviceStatus(e.status());
     *event = new shardlineEvent_s{*std::move(e)};
     return shardlineSuccess;
 #else
@@ -707,16 +958,22 @@ shardlineResult_t shardline_scheduler_create(shardlineComm_t world, shardlineStr
                  "shardlineSchedulerConfig_t: unknown reduce_op");
     s->policy.precision.param_dtype = param;
     s->policy.precision.reduce_dtype = reduce;
+    const shardline::Device device = compute->stream->device();
+    s->master_device = o.cpu_offload ? shardline::Device::Host() : device;
     if (c.unsharded_allocator != nullptr) {
       shardlineAllocator_t a;
       if (shardlineResult_t r = ReadCallbacks(c.unsharded_allocator, &a, "unsharded_allocator");
           r != shardlineSuccess) {
         return r;
       }
-      // Two allocators over the same callbacks: the gather and reduce streams never wait for
-      // each other's blocks (SchedulerOptions::gather_pool).
-      s->gather_pool = std::make_unique<CallbackAllocator>(a, o.name + ".gather (framework)");
-      s->reduce_pool = std::make_unique<CallbackAllocator>(a, o.name + ".reduce (framework)");
+      // Two allocators over the same callbacks, each with its own accounting (the pools' peaks
+      // in the metrics). Neither hands out a block before every stream that used it is done,
+      // so sharing the framework's pool never makes the gather stream wait for a reduction
+      // (the hazard SchedulerOptions::gather_pool warns of for shared caching pools).
+      s->gather_pool =
+          std::make_unique<CallbackAllocator>(a, device, o.name + ".gather (framework)");
+      s->reduce_pool =
+          std::make_unique<CallbackAllocator>(a, device, o.name + ".reduce (framework)");
       o.gather_pool = s->gather_pool.get();
       o.reduce_pool = s->reduce_pool.get();
     }
@@ -726,8 +983,11 @@ shardlineResult_t shardline_scheduler_create(shardlineComm_t world, shardlineStr
           r != shardlineSuccess) {
         return r;
       }
-      s->shard_allocator = std::make_unique<CallbackAllocator>(a, o.name + ".shards (framework)");
-      o.shard_allocator = s->shard_allocator.get();
+      // With CPU offload the shards are host memory: the framework's allocator replaces the
+      // offload allocator (which replaces the shard allocator there).
+      s->shard_allocator =
+          std::make_unique<CallbackAllocator>(a, s->master_device, o.name + ".shards (framework)");
+      (o.cpu_offload ? o.offload_allocator : o.shard_allocator) = s->shard_allocator.get();
     }
     if (c.trace != nullptr) o.trace = &c.trace->writer;
     absl::StatusOr<std::unique_ptr<shardline::Scheduler>> created = shardline::Scheduler::Create(
@@ -840,14 +1100,20 @@ shardlineResult_t shardline_scheduler_register_unit_adopted(
                  absl::StrCat("shardline_scheduler_register_unit_adopted('", name,
                               "'): master_shard has ", bytes, " bytes but this rank's shard needs ",
                               needed, " (", *elements, " x f32)"));
+    // `release` runs only for a registered unit: a RegisterUnit that fails drops the buffer, and
+    // the memory then stays the caller's (the header's promise).
+    auto registered = std::make_shared<std::atomic<bool>>(false);
     if (master_shard != nullptr) {
-      spec.master_shard = shardline::Buffer::Adopt(master_shard, bytes, shardline::Device::Host(),
-                                                   [release, user](void* data) {
-                                                     if (release != nullptr) release(user, data);
-                                                   });
+      spec.master_shard = shardline::Buffer::Adopt(
+          master_shard, bytes, scheduler->master_device, [release, user, registered](void* data) {
+            if (release != nullptr && registered->load(std::memory_order_acquire)) {
+              release(user, data);
+            }
+          });
     }
     absl::StatusOr<int> id = scheduler->scheduler->RegisterUnit(std::move(spec));
     if (!id.ok()) return FromStatus(id.status());
+    registered->store(true, std::memory_order_release);
     *unit = *id;
     return shardlineSuccess;
   });
