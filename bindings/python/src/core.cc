@@ -11,7 +11,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -213,20 +215,38 @@ struct Pending {
   Work work;
   std::vector<nb::object> keep;
 };
-// Touched only with the GIL held.
-std::vector<Pending>& PendingWorks() {
-  static auto* pending = new std::vector<Pending>();
+
+// The dropped Works not yet seen done, oldest first. Touched only with the GIL held.
+struct PendingWorks {
+  std::deque<Pending> works;
+  // A full sweep runs when `works` reaches this size (twice what the last sweep left, at least
+  // kMinSweep).
+  size_t sweep_at = kMinSweep;
+  static constexpr size_t kMinSweep = 64;
+};
+PendingWorks& Pendings() {
+  static auto* pending = new PendingWorks();
   return *pending;
 }
 
-void CollectPending() {
-  std::vector<Pending>& pending = PendingWorks();
-  std::erase_if(pending, [](const Pending& p) { return p.work.IsCompleted(); });
+// Releases the tensors of dropped Works that are done. Every issue calls it, so it must not cost
+// a pass over all of them: a loop issuing collectives back to back drops each Work while it is
+// still queued, and checking a Work takes two locks its stream's worker also takes. It drops the
+// done ones from the front (collectives on one stream finish in issue order) and sweeps the whole
+// list only when it has doubled since the last sweep: amortised O(1) per call. A done Work behind
+// one still running (another stream) keeps its tensors until then — longer, never shorter.
+void CollectPending(bool full = false) {
+  PendingWorks& p = Pendings();
+  while (!p.works.empty() && p.works.front().work.IsCompleted()) p.works.pop_front();
+  if (full || p.works.size() >= p.sweep_at) {
+    std::erase_if(p.works, [](const Pending& w) { return w.work.IsCompleted(); });
+    p.sweep_at = std::max(PendingWorks::kMinSweep, 2 * p.works.size());
+  }
 }
 
 PyWork::~PyWork() {
   if (!keep.empty() && !work.IsCompleted()) {
-    PendingWorks().push_back({std::move(work), std::move(keep)});
+    Pendings().works.push_back({std::move(work), std::move(keep)});
   }
 }
 
@@ -234,8 +254,9 @@ PyWork::~PyWork() {
 // it before the tensors go. Returns how many did not finish by the deadline.
 int DrainPending(std::optional<double> timeout_s) {
   const absl::Time deadline = DeadlineIn(timeout_s);
-  std::vector<Pending> pending = std::move(PendingWorks());
-  PendingWorks().clear();
+  std::deque<Pending> pending = std::move(Pendings().works);
+  Pendings().works.clear();
+  Pendings().sweep_at = PendingWorks::kMinSweep;
   int unfinished = 0;
   {
     nb::gil_scoped_release release;
@@ -538,8 +559,17 @@ void RegisterErrors(nb::module_& m) {
 }
 
 Tensor ToTensor(nb::handle obj, const char* what, bool writable, Device device) {
+  // One DLPack import per tensor (each is a __dlpack__ call: about 3 us for a torch tensor): a
+  // writable ndarray<> refuses read-only memory by itself; only when it fails does a read-only
+  // import tell "read-only" from "not a tensor".
   nb::ndarray<nb::ro> array;
-  if (!nb::try_cast(obj, array, /*convert=*/false)) {
+  bool imported = false;
+  if (writable) {
+    nb::ndarray<> rw;
+    imported = nb::try_cast(obj, rw, /*convert=*/false);
+    if (imported) array = nb::ndarray<nb::ro>(rw);
+  }
+  if (!imported && !nb::try_cast(obj, array, /*convert=*/false)) {
     // A tensor whose dtype DLPack cannot describe (numpy's float128, object arrays, ...).
     if (nb::hasattr(obj, "__dlpack__") && nb::hasattr(obj, "dtype")) {
       std::string dtype = "?";
@@ -558,11 +588,8 @@ Tensor ToTensor(nb::handle obj, const char* what, bool writable, Device device) 
     ThrowInvalid(absl::StrCat(what, " is a ", nb::type_name(obj.type()).c_str(),
                               ", not a tensor (numpy, torch, jax: anything with __dlpack__)"));
   }
-  if (writable) {
-    nb::ndarray<> rw;
-    if (!nb::try_cast(obj, rw, /*convert=*/false)) {
-      ThrowInvalid(absl::StrCat(what, " is read-only; the collective writes it"));
-    }
+  if (writable && !imported) {
+    ThrowInvalid(absl::StrCat(what, " is read-only; the collective writes it"));
   }
   std::optional<DType> dtype = FromDlpack(array.dtype());
   if (!dtype.has_value()) {
@@ -718,8 +745,8 @@ void RegisterCollectives(nb::module_& m) {
   m.def("init_local", &InitLocal, nb::arg("size"), nb::arg("timeout") = nb::none());
   m.def("_drain", &DrainPending, nb::arg("timeout") = nb::none());
   m.def("_pending_works", [] {
-    CollectPending();
-    return PendingWorks().size();
+    CollectPending(/*full=*/true);
+    return Pendings().works.size();
   });
   m.def("_empty", &Empty, nb::arg("shape"), nb::arg("dtype"), nb::arg("framework"),
         nb::arg("zero"));
