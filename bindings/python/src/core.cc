@@ -755,4 +755,5 @@ NB_MODULE(_core, m) {
   sp::RegisterErrors(m);
   sp::RegisterCollectives(m);
   sp::RegisterScheduler(m);
+  sp::RegisterStore(m);
 }
