@@ -63,16 +63,45 @@ from ._core import (  # noqa: E402
     Work,
     __version__,
     host_stream,
-    init,
     init_local,
+    init_with_store,
 )
 
 __all__ = [
     "Communicator", "DeadlineExceededError", "Error", "FailedPreconditionError",
     "InvalidArgumentError", "Mesh", "NotFoundError", "RemoteError", "ResourceExhaustedError",
     "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "Unit", "UnitStepMetrics",
-    "Work", "__version__", "empty", "host_stream", "init", "init_local", "zeros",
+    "Work", "__version__", "empty", "host_stream", "init", "init_local", "init_with_store",
+    "zeros",
 ]
+
+
+def init(backend="ucx", rank=None, world_size=None, address=None, timeout=None, name="world"):
+    """Joins the job and returns the world Communicator (collective over every rank).
+
+    rank, world_size, address ("host:port" of the rendezvous store): explicit values, or (all
+    None) the launcher's environment (torchrun / shardline-launch, mpirun, srun). Under an
+    initialised torch.distributed (and no explicit values) the rendezvous goes through torch's
+    store instead, under the prefix "shardline/<name>": torch already holds MASTER_PORT.
+    timeout: seconds bounding the join and every collective (default SHARDLINE_TIMEOUT_S).
+    """
+    dist = _initialized_torch_distributed()
+    if dist is not None and rank is None and world_size is None and address is None:
+        store = dist.PrefixStore(f"shardline/{name}", dist.distributed_c10d._get_default_store())
+        return _core.init_with_store(store, dist.get_rank(), dist.get_world_size(),
+                                     backend=backend, timeout=timeout, name=name)
+    return _core.init(backend=backend, rank=rank, world_size=world_size, address=address,
+                      timeout=timeout, name=name)
+
+
+def _initialized_torch_distributed():
+    """torch.distributed if the program imported it and initialised it, else None (the package
+    never imports torch itself)."""
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
 
 
 def _dtype_name(dtype):

@@ -91,6 +91,8 @@ struct PyComm {
 
 void RegisterCollectives(nb::module_& m);
 void RegisterScheduler(nb::module_& m);
+// init_with_store: communicators whose rendezvous goes through a Python (torch) store.
+void RegisterStore(nb::module_& m);
 
 }  // namespace shardline::python
 

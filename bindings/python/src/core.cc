@@ -808,4 +808,5 @@ NB_MODULE(_core, m) {
   sp::RegisterErrors(m);
   sp::RegisterCollectives(m);
   sp::RegisterScheduler(m);
+  sp::RegisterStore(m);
 }

@@ -1,0 +1,21 @@
+"""shardline.torch: shardline under PyTorch.
+
+    import shardline.torch                    # registers the torch.distributed backend
+    import torch.distributed as dist
+    dist.init_process_group("shardline")      # torchrun / shardline-launch environment
+    # torch's own FSDP2 (fully_shard), DDP and dist.* collectives now run on shardline
+
+The backend moves CPU tensors. A group where shardline is the only backend is a
+ProcessGroupShardline; in a device map that gives other devices other backends
+("cpu:shardline,cuda:nccl") shardline is the CPU Backend of torch's group (BackendShardline; see
+its note on Work). The rendezvous goes through the store torch creates for the group (shardline
+opens no port of its own). `pip install` also registers it as the entry point
+`torch.distributed.backends: shardline`, so init_process_group("shardline") finds it without the
+import. The base `shardline` package never imports torch; only this subpackage does.
+"""
+
+from ._backend import BACKEND_NAME, BackendShardline, ProcessGroupShardline, register
+
+__all__ = ["BACKEND_NAME", "BackendShardline", "ProcessGroupShardline", "register"]
+
+register()
