@@ -387,22 +387,26 @@ class _Collectives:
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         return self._allgather_lists("allgather_coalesced", output_lists, inputs)
 
+    def _check_rank_list(self, collective, tensors, kind, like, like_kind, i):
+        """One tensor per rank in list i, each with the dtype and size of `like`."""
+        if len(tensors) != self.size():
+            raise ValueError(f"shardline backend: {collective}: {kind} list {i} has "
+                             f"{len(tensors)} tensors for {self.size()} ranks")
+        for j, t in enumerate(tensors):
+            _check_tensor(t, f"{kind} {i}[{j}]")
+            if t.numel() != like.numel() or t.dtype != like.dtype:
+                raise ValueError(
+                    f"shardline backend: {collective}: {kind} {i}[{j}] is {t.dtype} with "
+                    f"{t.numel()} elements but {like_kind} {i} is {like.dtype} with "
+                    f"{like.numel()} (every rank's tensors must match)")
+
     def _allgather_lists(self, collective, output_lists, inputs):
         call = _Call(collective)
         if len(output_lists) != len(inputs):
             raise ValueError(f"shardline backend: {collective}: {len(output_lists)} output "
                              f"lists for {len(inputs)} inputs")
         for i, (outputs, input) in enumerate(zip(output_lists, inputs)):
-            if len(outputs) != self.size():
-                raise ValueError(f"shardline backend: {collective}: output list {i} has "
-                                 f"{len(outputs)} tensors for {self.size()} ranks")
-            for j, out in enumerate(outputs):
-                _check_tensor(out, f"output {i}[{j}]")
-                if out.numel() != input.numel() or out.dtype != input.dtype:
-                    raise ValueError(
-                        f"shardline backend: {collective}: output {i}[{j}] is {out.dtype} "
-                        f"with {out.numel()} elements but input {i} is {input.dtype} with "
-                        f"{input.numel()} (every rank's input must match)")
+            self._check_rank_list(collective, outputs, "output", input, "input", i)
             src = call.source(input, f"input {i}", reduce=False)
             flat = torch.empty(input.numel() * self.size(), dtype=input.dtype)
             dst = call.target(flat, f"output list {i}", reduce=False)
@@ -455,16 +459,7 @@ class _Collectives:
             raise ValueError(f"shardline backend: reduce_scatter: {len(outputs)} outputs for "
                              f"{len(input_lists)} input lists")
         for i, (output, inputs) in enumerate(zip(outputs, input_lists)):
-            if len(inputs) != self.size():
-                raise ValueError(f"shardline backend: reduce_scatter: input list {i} has "
-                                 f"{len(inputs)} tensors for {self.size()} ranks")
-            for j, t in enumerate(inputs):
-                _check_tensor(t, f"input {i}[{j}]")
-                if t.numel() != output.numel() or t.dtype != output.dtype:
-                    raise ValueError(
-                        f"shardline backend: reduce_scatter: input {i}[{j}] is {t.dtype} with "
-                        f"{t.numel()} elements but output {i} is {output.dtype} with "
-                        f"{output.numel()}")
+            self._check_rank_list("reduce_scatter", inputs, "input", output, "output", i)
             flat = torch.cat([t.detach().reshape(-1) for t in inputs])
             if factor is not None:
                 flat.mul_(factor)
