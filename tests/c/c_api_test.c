@@ -250,6 +250,24 @@ static void InitialValues(int u, float values[2][64]) {
     for (int64_t i = 0; i < kSizes[u][t]; ++i) values[t][i] = Initial(u, t, (size_t)i);
 }
 
+/* Registers the model's units (ids 0, 1, ...) with their initial values. */
+static int RegisterUnits(shardlineScheduler_t sched) {
+  for (int u = 0; u < UNITS; ++u) {
+    int64_t w_shape[1] = {kSizes[u][0]}, b_shape[1] = {kSizes[u][1]};
+    shardlineTensorSpec_t specs[2] = {{"w", w_shape, 1}, {"b", b_shape, 1}};
+    char name[16];
+    snprintf(name, sizeof(name), "unit%d", u);
+    int id = -1;
+    CALL(shardline_scheduler_register_unit(sched, name, specs, 2, &id));
+    CHECK(id == u, "unit id %d, expected %d", id, u);
+    float values[2][64];
+    InitialValues(u, values);
+    const void* pointers[2] = {values[0], values[1]};
+    CALL(shardline_unit_set_values(sched, u, pointers, 2));
+  }
+  return 0;
+}
+
 /* STEPS training steps (SGD on the master shards between steps; given `compute`, the next
  * step's gathers wait for an event recorded after the optimizer), then every element this rank
  * owns is compared with the unsharded run. Given `executor` (the framework's stream behind
@@ -387,19 +405,7 @@ static int Train(shardlineComm_t comm, int rank) {
   CALL(shardline_scheduler_destroy(sched));
   const size_t old_size = (offsetof(shardlineSchedulerConfig_t, param_dtype) + 7) & ~(size_t)7;
   if (CreateFromOlder(comm, compute, &config, old_size, &sched) != 0) return 1;
-  for (int u = 0; u < UNITS; ++u) {
-    int64_t w_shape[1] = {kSizes[u][0]}, b_shape[1] = {kSizes[u][1]};
-    shardlineTensorSpec_t specs[2] = {{"w", w_shape, 1}, {"b", b_shape, 1}};
-    char name[16];
-    snprintf(name, sizeof(name), "unit%d", u);
-    int id = -1;
-    CALL(shardline_scheduler_register_unit(sched, name, specs, 2, &id));
-    CHECK(id == u, "unit id %d, expected %d", id, u);
-    float values[2][64];
-    InitialValues(u, values);
-    const void* pointers[2] = {values[0], values[1]};
-    CALL(shardline_unit_set_values(sched, u, pointers, 2));
-  }
+  if (RegisterUnits(sched) != 0) return 1;
   if (TrainAndCheck(sched, rank, config.budget_bytes, NULL, NULL) != 0) return 1;
   /* A hook on an unknown unit is an error naming it. */
   CHECK(shardline_pre_forward(sched, 9) == shardlineInvalidArgument, "unit 9 accepted");
@@ -630,18 +636,7 @@ static int TrainOnFrameworkStream(shardlineComm_t comm, int rank) {
   config.budget_bytes = 4096;
   shardlineScheduler_t sched;
   CALL(shardline_scheduler_create(comm, compute, &config, 30, &sched));
-  for (int u = 0; u < UNITS; ++u) {
-    int64_t w_shape[1] = {kSizes[u][0]}, b_shape[1] = {kSizes[u][1]};
-    shardlineTensorSpec_t specs[2] = {{"w", w_shape, 1}, {"b", b_shape, 1}};
-    char name[16];
-    snprintf(name, sizeof(name), "unit%d", u);
-    int id = -1;
-    CALL(shardline_scheduler_register_unit(sched, name, specs, 2, &id));
-    float values[2][64];
-    InitialValues(u, values);
-    const void* pointers[2] = {values[0], values[1]};
-    CALL(shardline_unit_set_values(sched, u, pointers, 2));
-  }
+  if (RegisterUnits(sched) != 0) return 1;
   if (TrainAndCheck(sched, rank, config.budget_bytes, compute, &executor) != 0) return 1;
   CALL(shardline_scheduler_destroy(sched));
   CALL(shardline_stream_destroy(compute));
