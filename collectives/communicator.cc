@@ -303,6 +303,9 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
     }
   }
   SL_RETURN_IF_ERROR(CheckStream(stream));
+  SL_RETURN_IF_ERROR(
+      CheckBuffers(absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_, ")"), input,
+                   in_bytes, output, out_bytes));
   if (&stream.clock() != &WallClock() && !AcceptsAnyClock()) {
     return invalid("stream '", stream.name(), "' runs on a ", stream.clock().name(),
                    " clock, but the ", backend(), " backend moves data in wall-clock time");

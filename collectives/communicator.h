@@ -252,6 +252,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // The stream kinds this backend can run on (default: host memory on host/caller streams).
   virtual absl::Status CheckStream(const Stream& stream) const;
+  // The memory this backend can move (default: any). Called before anything is enqueued, so a
+  // wrong buffer is InvalidArgument and leaves the communicator intact; `where` names the call
+  // ("all_reduce on world (rank 0 of 2)") for the message.
+  virtual absl::Status CheckBuffers(absl::string_view where, const void* input, size_t input_bytes,
+                                    const void* output, size_t output_bytes) const {
+    return absl::OkStatus();
+  }
   // Whether this backend's waits follow any stream clock (the local backend: its ranks are
   // threads that wait on one another) or need the wall clock (default: backends that move data
   // over real transports).
