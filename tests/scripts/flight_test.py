@@ -10,9 +10,10 @@ diagnosis against what the scenario did:
 
   straggler  rank 2 stops itself (SIGSTOP) before iteration K; ranks 0 and 1 wait in K's
              all-gather. SIGUSR1 makes them dump while they wait, and the tool must name rank 2
-             from those dumps alone. At their deadline (8 s) they fail and dump again; the test then resumes rank 2
-             (SIGCONT), which learns of the abort and dumps too. The tool must name rank 2 as
-             behind, with its last completed collective, and ranks 0-1 waiting in the next one.
+             from those dumps alone. At their deadline (8 s) they fail and dump again; the test
+             then resumes rank 2 (SIGCONT), which learns of the abort and dumps too. The tool
+             must name rank 2 as behind, with its last completed collective, and ranks 0-1
+             waiting in the next one.
   diverge    at iteration K rank 1 calls all_gather where ranks 0 and 2 call reduce_scatter:
              the tool must say where the ranks diverged and what each called.
 """
