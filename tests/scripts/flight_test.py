@@ -242,6 +242,54 @@ class FlightRecorderTest(unittest.TestCase):
         self.assertTrue(findings[0]["problem"])
         self.assertEqual(findings[0]["ranks"], [0, 1, 2])
 
+    # --- The tool on hand-written dumps: the cases the processes above do not produce -------
+
+    def write_dump(self, comm, rank, size, entries):
+        dump = {"format": "shardline-flight-recorder", "version": 1, "communicator": comm,
+                "backend": "ucx", "rank": rank, "size": size, "pid": 100 + rank, "host": "h",
+                "reason": "test", "dumped_at_ns": 1, "capacity": 2048, "recorded": len(entries),
+                "next_seq": 0, "entries": []}
+        for seq, kind, state, tag, waiting in entries:
+            e = {"seq": seq, "call": f"{kind}(count=4, f32)", "kind": kind, "count": 4,
+                 "dtype": "f32", "op": "sum", "root": 0, "stream": "s", "tag": tag,
+                 "state": state, "enqueued_ns": 1, "started_ns": 2, "ended_ns": 0, "error": ""}
+            if waiting is not None:
+                e["waiting_on"] = waiting
+            if state == "failed":
+                e["error"] = "INTERNAL: boom"
+            dump["entries"].append(e)
+        name = comm.replace("/", "_")
+        with open(os.path.join(self.dir, f"flight.{name}.rank{rank}.json"), "w") as fh:
+            json.dump(dump, fh)
+
+    def test_diagnoses_hand_written_dumps(self):
+        ag, rs = "all_gather", "reduce_scatter"
+        # "a": everyone entered #5; ranks 0, 1, 3 wait on rank 2, which waits on nobody.
+        for r in range(4):
+            self.write_dump("a", r, 4, [(4, ag, "done", "u4", None),
+                                        (5, rs, "running", "u5", [] if r == 2 else [2])])
+        # "b": all done, nothing pending.
+        for r in range(2):
+            self.write_dump("b", r, 2, [(0, ag, "done", "", None), (1, ag, "done", "", None)])
+        # "c": every rank failed in #1 without waiting on anyone.
+        for r in range(2):
+            self.write_dump("c", r, 2, [(0, ag, "done", "", None), (1, ag, "failed", "", [])])
+        # "d/x": rank 1's #6 is still queued on its stream (it completed #5); ranks 0 and 2
+        # finished #6 and wait in #7 for rank 1.
+        self.write_dump("d/x", 0, 3, [(6, rs, "done", "u6", None), (7, ag, "failed", "u7", [1])])
+        self.write_dump("d/x", 1, 3, [(5, ag, "done", "u5", None), (6, rs, "queued", "u6", None)])
+        self.write_dump("d/x", 2, 3, [(6, rs, "done", "u6", None), (7, ag, "running", "u7", [1])])
+        code, stdout, stderr = self.flight()
+        self.assertEqual(code, 1, stdout + stderr)
+        self.assertEqual(stdout.splitlines(), [
+            "[a] rank 2 is behind: it last completed all_gather #4 (unit u4), ranks 0-1, 3 wait in "
+            "reduce_scatter #5 (unit u5)",
+            "[c] ranks 0-1 failed in all_gather #1: rank 0: INTERNAL: boom",
+            "[d/x] rank 1 is behind: it last completed all_gather #5 (unit u5), ranks 0, 2 wait "
+            "in all_gather #7 (unit u7)",
+            "[b] nothing pending: all 2 ranks completed up to #1",
+        ])
+
     def test_bad_input(self):
         code, _, stderr = self.flight()
         self.assertEqual(code, 2)
