@@ -290,6 +290,10 @@ absl::Status NcclCommunicator::Launch(Op op, Stream& stream) {
                                                                  : Annotate(launched, Describe(op));
     }
     Track(op, start, done);
+  } else {
+    // Nothing to launch: for the flight recorder it ran and ended here.
+    RecordStarted(op);
+    RecordEnded(op, absl::OkStatus());
   }
   if (settings_.stream_status) {
     // Fails the stream (and so the Work's event, and streams that wait on it) if the
