@@ -1,0 +1,376 @@
+// Fitting a link level to collective benchmark results (collectives/sim/calibration.h).
+
+#include "collectives/sim/calibration.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "runtime/json.h"
+#include "runtime/status.h"
+
+namespace shardline {
+namespace {
+
+absl::Status Bad(const PerfParseOptions& o, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(o.source, ": ", what));
+}
+
+// "all_reduce_perf", ".../all_reduce_perf", "all_reduce", "alltoall" -> the kind.
+absl::StatusOr<CollectiveKind> KindFromName(absl::string_view name) {
+  absl::string_view base = name.substr(name.find_last_of('/') + 1);
+  absl::ConsumeSuffix(&base, "_perf");
+  if (base == "alltoall") return CollectiveKind::kAllToAll;
+  for (const CollectiveKind kind :
+       {CollectiveKind::kAllGather, CollectiveKind::kReduceScatter, CollectiveKind::kAllReduce,
+        CollectiveKind::kBroadcast, CollectiveKind::kAllToAll}) {
+    if (CollectiveName(kind) == base) return kind;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", name,
+                   "' is not a collective the calibration knows (all_gather, reduce_scatter, "
+                   "all_reduce, broadcast, all_to_all / alltoall, optionally with _perf)"));
+}
+
+// A cell's time in seconds: ours {"time_us": t}, nccl-tests {"time": t} or {"cpu_time": t} (us).
+absl::StatusOr<double> CellTime(const PerfParseOptions& o, const JsonValue* cell,
+                                const std::string& path) {
+  if (cell == nullptr || cell->kind() == JsonValue::Kind::kNull) return -1.0;
+  if (cell->kind() != JsonValue::Kind::kObject) {
+    return Bad(o, absl::StrCat(path, " must be an object or null"));
+  }
+  for (const char* key : {"time_us", "time", "cpu_time"}) {
+    const JsonValue* t = cell->Find(key);
+    if (t == nullptr) continue;
+    if (!t->is_number()) return Bad(o, absl::StrCat(path, ".", key, " must be a number"));
+    return t->number() * 1e-6;
+  }
+  return Bad(o, absl::StrCat(path, " has no time_us / time / cpu_time"));
+}
+
+int64_t IntOr(const JsonValue* v, int64_t fallback) {
+  return v != nullptr && v->kind() == JsonValue::Kind::kInteger ? v->integer() : fallback;
+}
+
+struct Model {
+  double steps, bus, message;
+};
+
+Model RingModel(CollectiveKind kind, int nranks, double size) {
+  const double n = nranks;
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      return {2 * (n - 1), 2 * (n - 1) * size / n, size / n};
+    case CollectiveKind::kBroadcast:
+      return {n - 1, size, size};
+    default:
+      return {n - 1, (n - 1) * size / n, size / n};
+  }
+}
+
+struct Fit {
+  double alpha = 0, beta = 0;  // beta = 1/B
+};
+
+// Least squares of t = s alpha + b beta on the relative error (weights 1/t^2).
+Fit LeastSquares(const std::vector<CalibrationSample>& samples, const std::vector<size_t>& set) {
+  double ss = 0, sb = 0, bb = 0, st = 0, bt = 0;
+  for (const size_t i : set) {
+    const CalibrationSample* x = &samples[i];
+    const double w = 1.0 / (x->measured_s * x->measured_s);
+    ss += w * x->steps * x->steps;
+    sb += w * x->steps * x->bus_bytes;
+    bb += w * x->bus_bytes * x->bus_bytes;
+    st += w * x->steps * x->measured_s;
+    bt += w * x->bus_bytes * x->measured_s;
+  }
+  Fit f;
+  const double det = ss * bb - sb * sb;
+  if (det > 1e-12 * ss * bb) {
+    f.alpha = (st * bb - sb * bt) / det;
+    f.beta = (ss * bt - sb * st) / det;
+  }
+  if (!(det > 1e-12 * ss * bb) || f.alpha < 0) {
+    f.alpha = 0;
+    f.beta = bb > 0 ? bt / bb : 0;
+  }
+  return f;
+}
+
+double MaxRelativeError(const std::vector<CalibrationSample>& samples,
+                        const std::vector<size_t>& set, const Fit& f) {
+  double worst = 0;
+  for (const size_t i : set) {
+    const CalibrationSample* x = &samples[i];
+    const double model = x->steps * f.alpha + x->bus_bytes * f.beta;
+    worst = std::max(worst, std::fabs(model - x->measured_s) / x->measured_s);
+  }
+  return worst;
+}
+
+}  // namespace
+
+absl::StatusOr<PerfRun> ParsePerfJson(absl::string_view json, const PerfParseOptions& o) {
+  absl::StatusOr<JsonValue> parsed = ParseJson(json);
+  if (!parsed.ok()) return Bad(o, parsed.status().message());
+  const JsonValue& root = *parsed;
+  if (root.kind() != JsonValue::Kind::kObject) return Bad(o, "the top level must be an object");
+  PerfRun run;
+  run.source = o.source;
+
+  // The collective.
+  std::string name = o.collective;
+  if (name.empty()) {
+    if (const JsonValue* test = root.Find("test");
+        test != nullptr && test->kind() == JsonValue::Kind::kString) {
+      name = test->string();
+    } else if (const JsonValue* args = root.Find("args");
+               args != nullptr && args->kind() == JsonValue::Kind::kArray &&
+               !args->items().empty() && args->items()[0].kind() == JsonValue::Kind::kString) {
+      name = args->items()[0].string();
+    } else {
+      return Bad(o,
+                 "no \"test\" (perf binaries) or \"args\" (nccl-tests) names the collective; "
+                 "give it explicitly");
+    }
+  }
+  absl::StatusOr<CollectiveKind> kind = KindFromName(name);
+  if (!kind.ok()) return Bad(o, kind.status().message());
+  run.kind = *kind;
+
+  // The rank count.
+  run.nranks = o.nranks;
+  if (run.nranks == 0) {
+    if (const JsonValue* n = root.Find("nranks"); n != nullptr) {
+      run.nranks = static_cast<int>(IntOr(n, 0));
+    } else if (const JsonValue* config = root.Find("config");
+               config != nullptr && config->kind() == JsonValue::Kind::kObject) {
+      // nccl-tests lists one device line per process (the first of its threads x GPUs).
+      const JsonValue* devices = config->Find("devices");
+      if (devices != nullptr && devices->kind() == JsonValue::Kind::kArray) {
+        run.nranks = static_cast<int>(devices->items().size() * IntOr(config->Find("nthreads"), 1) *
+                                      IntOr(config->Find("ngpus"), 1));
+      }
+    }
+  }
+  if (run.nranks < 2) {
+    return Bad(o, absl::StrCat("the rank count must be at least 2 (found ", run.nranks,
+                               "); give it explicitly if the file does not say"));
+  }
+
+  const JsonValue* results = root.Find("results");
+  if (results == nullptr || results->kind() != JsonValue::Kind::kArray) {
+    return Bad(o, "\"results\" must be an array");
+  }
+  for (size_t i = 0; i < results->items().size(); ++i) {
+    const JsonValue& row = results->items()[i];
+    const std::string path = absl::StrCat("results[", i, "]");
+    if (row.kind() != JsonValue::Kind::kObject)
+      return Bad(o, absl::StrCat(path, " must be an object"));
+    const JsonValue* size = row.Find("size");
+    if (size == nullptr || !size->is_number() || size->number() < 0) {
+      return Bad(o, absl::StrCat(path, ".size must be a number >= 0"));
+    }
+    PerfRun::Row r;
+    r.size_bytes = size->number();
+    SL_ASSIGN_OR_RETURN(r.out_of_place_s,
+                        CellTime(o, row.Find("out_of_place"), path + ".out_of_place"));
+    SL_ASSIGN_OR_RETURN(r.in_place_s, CellTime(o, row.Find("in_place"), path + ".in_place"));
+    run.rows.push_back(r);
+  }
+  return run;
+}
+
+absl::StatusOr<PerfRun> LoadPerfJson(const std::string& path, PerfParseOptions options) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open perf JSON '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  options.source = path;
+  return ParsePerfJson(text.str(), options);
+}
+
+absl::StatusOr<CalibrationResult> FitLink(const std::vector<PerfRun>& runs,
+                                          const CalibrationOptions& options) {
+  CalibrationResult result;
+  for (const PerfRun& run : runs) {
+    for (const PerfRun::Row& row : run.rows) {
+      double t = -1;
+      switch (options.cell) {
+        case CalibrationOptions::Cell::kOutOfPlace:
+          t = row.out_of_place_s;
+          break;
+        case CalibrationOptions::Cell::kInPlace:
+          t = row.in_place_s;
+          break;
+        case CalibrationOptions::Cell::kMin:
+          t = row.out_of_place_s > 0 && row.in_place_s > 0
+                  ? std::min(row.out_of_place_s, row.in_place_s)
+                  : std::max(row.out_of_place_s, row.in_place_s);
+          break;
+      }
+      if (!(t > 0) || row.size_bytes <= 0 || run.nranks < 2) continue;
+      const Model m = RingModel(run.kind, run.nranks, row.size_bytes);
+      CalibrationSample x;
+      x.source = run.source;
+      x.kind = run.kind;
+      x.nranks = run.nranks;
+      x.size_bytes = row.size_bytes;
+      x.steps = m.steps;
+      x.bus_bytes = m.bus;
+      x.message_bytes = m.message;
+      x.measured_s = t;
+      result.samples.push_back(x);
+    }
+  }
+  const int min_set = std::max(2, options.min_linear_samples);
+  if (static_cast<int>(result.samples.size()) < min_set) {
+    return absl::InvalidArgumentError(absl::StrCat("calibration needs at least ", min_set,
+                                                   " samples with a positive size and time on >= 2 "
+                                                   "ranks, got ",
+                                                   result.samples.size()));
+  }
+
+  // 1. The linear set: the largest messages, extended downwards while the fit holds.
+  std::vector<CalibrationSample>& samples = result.samples;
+  std::vector<size_t> by_size(samples.size());
+  for (size_t i = 0; i < by_size.size(); ++i) by_size[i] = i;
+  std::stable_sort(by_size.begin(), by_size.end(), [&](size_t a, size_t b) {
+    return samples[a].message_bytes > samples[b].message_bytes;
+  });
+  std::vector<size_t> set(by_size.begin(), by_size.begin() + min_set);
+  Fit fit = LeastSquares(samples, set);
+  for (size_t i = min_set; i < by_size.size(); ++i) {
+    std::vector<size_t> wider(by_size.begin(), by_size.begin() + i + 1);
+    const Fit candidate = LeastSquares(samples, wider);
+    const CalibrationSample& added = samples[by_size[i]];
+    // The added sample must be predicted by the fit of the larger ones (refitting with it could
+    // bend the intercept around a curve), and, where the latency dominates, a curve hides inside
+    // the tolerance: only samples whose transfer is most of their time can show that eff = 1.
+    const double predicted = added.steps * fit.alpha + added.bus_bytes * fit.beta;
+    if (!(candidate.beta > 0) ||
+        std::fabs(predicted - added.measured_s) > options.linear_tolerance * added.measured_s ||
+        added.bus_bytes * candidate.beta < options.min_transfer_share * added.measured_s ||
+        MaxRelativeError(samples, wider, candidate) > options.linear_tolerance) {
+      break;
+    }
+    set = std::move(wider);
+    fit = candidate;
+  }
+  if (!(fit.beta > 0)) {
+    return absl::InvalidArgumentError(
+        "calibration: the times do not grow with the size at the largest messages (no positive "
+        "bandwidth fits); measure larger sizes");
+  }
+  result.linear_samples = static_cast<int>(set.size());
+  const double smallest_linear = samples[set.back()].message_bytes;
+  for (const size_t i : set) samples[i].linear = true;
+  // 2. The latency: from each run's smallest message, where the bytes cost (almost) nothing; the
+  // linear set's intercept is too weakly determined by large messages to be the latency.
+  std::vector<double> latencies;
+  {
+    std::map<std::string, size_t> smallest;  // run (source) -> its sample with the smallest m
+    for (size_t i = 0; i < samples.size(); ++i) {
+      auto [it, inserted] = smallest.emplace(samples[i].source, i);
+      if (!inserted && samples[i].message_bytes < samples[it->second].message_bytes) {
+        it->second = i;
+      }
+    }
+    for (const auto& [source, i] : smallest) {
+      const CalibrationSample& x = samples[i];
+      latencies.push_back(std::max(0.0, (x.measured_s - x.bus_bytes * fit.beta) / x.steps));
+    }
+    std::sort(latencies.begin(), latencies.end());
+    const size_t mid = latencies.size() / 2;
+    fit.alpha =
+        latencies.size() % 2 == 1 ? latencies[mid] : (latencies[mid - 1] + latencies[mid]) / 2;
+  }
+
+  // 3. The efficiency below the linear set: geometric mean per message size.
+  std::map<double, std::pair<double, int>> log_eff;  // m -> (sum of log eff, samples)
+  for (const CalibrationSample& x : result.samples) {
+    if (x.linear || x.message_bytes >= smallest_linear) continue;
+    const double transfer = x.measured_s - x.steps * fit.alpha;
+    double eff = transfer > 0 ? x.bus_bytes * fit.beta / transfer : 1.0;
+    eff = std::clamp(eff, 0.001, 1.0);
+    auto& [sum, count] = log_eff[x.message_bytes];
+    sum += std::log(eff);
+    ++count;
+  }
+  result.link.bandwidth_bytes_per_s = 1.0 / fit.beta;
+  result.link.latency_s = fit.alpha;
+  for (const auto& [m, entry] : log_eff) {
+    result.link.efficiency.push_back({m, std::exp(entry.first / entry.second)});
+  }
+  if (!result.link.efficiency.empty()) result.link.efficiency.push_back({smallest_linear, 1.0});
+
+  for (CalibrationSample& x : result.samples) {
+    x.plain_s = x.steps * fit.alpha + x.bus_bytes * fit.beta;
+    x.curve_s =
+        x.steps * fit.alpha + x.bus_bytes * fit.beta / result.link.Efficiency(x.message_bytes);
+    result.max_plain_error =
+        std::max(result.max_plain_error, std::fabs(x.plain_s - x.measured_s) / x.measured_s);
+    result.max_curve_error =
+        std::max(result.max_curve_error, std::fabs(x.curve_s - x.measured_s) / x.measured_s);
+  }
+  return result;
+}
+
+std::string FormatCalibration(const CalibrationResult& r) {
+  std::string out =
+      absl::StrFormat("# %-14s %4s %12s %12s %12s %8s %12s %8s %s\n", "collective", "n", "size(B)",
+                      "measured(us)", "alpha-beta", "error", "with-curve", "error", "source");
+  for (const CalibrationSample& x : r.samples) {
+    absl::StrAppendFormat(&out, "  %-14s %4d %12.0f %12.2f %12.2f %+7.1f%% %12.2f %+7.1f%% %s%s\n",
+                          CollectiveName(x.kind), x.nranks, x.size_bytes, x.measured_s * 1e6,
+                          x.plain_s * 1e6, 100 * (x.plain_s - x.measured_s) / x.measured_s,
+                          x.curve_s * 1e6, 100 * (x.curve_s - x.measured_s) / x.measured_s,
+                          x.source, x.linear ? " (linear set)" : "");
+  }
+  absl::StrAppendFormat(&out,
+                        "# latency %.3f us per step, bus bandwidth %.4g GB/s, fitted on %d "
+                        "samples; max error: alpha-beta %.1f%%, with the curve %.1f%%\n",
+                        r.link.latency_s * 1e6, r.link.bandwidth_bytes_per_s / 1e9,
+                        r.linear_samples, 100 * r.max_plain_error, 100 * r.max_curve_error);
+  absl::StrAppend(&out, "# efficiency curve:");
+  if (r.link.efficiency.empty()) absl::StrAppend(&out, " none (1 at every size)");
+  for (const EfficiencyPoint& p : r.link.efficiency) {
+    absl::StrAppendFormat(&out, " %.0fB:%.3f", p.bytes, p.efficiency);
+  }
+  absl::StrAppend(&out, "\n");
+  return out;
+}
+
+absl::StatusOr<Topology> ApplyCalibration(Topology base, const CalibrationResult& result,
+                                          LinkLevel level, int ranks_per_node) {
+  if (level == LinkLevel::kIntraNode) {
+    base.intra_node = result.link;
+  } else {
+    if (ranks_per_node < 1 || ranks_per_node > base.devices_per_node) {
+      return absl::InvalidArgumentError(absl::StrCat("calibration: ranks per node must be in 1..",
+                                                     base.devices_per_node, ", got ",
+                                                     ranks_per_node));
+    }
+    if (base.nics_per_node < 1) {
+      return absl::InvalidArgumentError(
+          "calibration of the inter-node level needs the base topology's nics_per_node");
+    }
+    base.inter_node = result.link;
+    base.inter_node.bandwidth_bytes_per_s = result.link.bandwidth_bytes_per_s *
+                                            base.devices_per_node /
+                                            (ranks_per_node * base.nics_per_node);
+  }
+  SL_RETURN_IF_ERROR(ValidateTopology(base));
+  return base;
+}
+
+}  // namespace shardline
