@@ -199,6 +199,43 @@ absl::StatusOr<PerfRun> LoadPerfJson(const std::string& path, PerfParseOptions o
   return ParsePerfJson(text.str(), options);
 }
 
+std::vector<PerfRun> MinOverRepeats(const std::vector<PerfRun>& runs) {
+  std::vector<PerfRun> out;
+  std::vector<int> repeats;
+  auto smaller = [](double a, double b) {
+    if (a < 0) return b;
+    if (b < 0) return a;
+    return std::min(a, b);
+  };
+  for (const PerfRun& run : runs) {
+    size_t i = 0;
+    while (i < out.size() && !(out[i].kind == run.kind && out[i].nranks == run.nranks)) ++i;
+    if (i == out.size()) {
+      out.push_back(run);
+      out.back().rows.clear();
+      repeats.push_back(0);
+    }
+    ++repeats[i];
+    for (const PerfRun::Row& row : run.rows) {
+      auto it = std::find_if(out[i].rows.begin(), out[i].rows.end(),
+                             [&](const PerfRun::Row& r) { return r.size_bytes == row.size_bytes; });
+      if (it == out[i].rows.end()) {
+        out[i].rows.push_back(row);
+      } else {
+        it->out_of_place_s = smaller(it->out_of_place_s, row.out_of_place_s);
+        it->in_place_s = smaller(it->in_place_s, row.in_place_s);
+      }
+    }
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    std::sort(
+        out[i].rows.begin(), out[i].rows.end(),
+        [](const PerfRun::Row& a, const PerfRun::Row& b) { return a.size_bytes < b.size_bytes; });
+    if (repeats[i] > 1) absl::StrAppend(&out[i].source, " +", repeats[i] - 1, " repeats");
+  }
+  return out;
+}
+
 absl::StatusOr<CalibrationResult> FitLink(const std::vector<PerfRun>& runs,
                                           const CalibrationOptions& options) {
   CalibrationResult result;

@@ -71,6 +71,13 @@ absl::StatusOr<PerfRun> ParsePerfJson(absl::string_view json, const PerfParseOpt
 // ParsePerfJson of a file (source = the path).
 absl::StatusOr<PerfRun> LoadPerfJson(const std::string& path, PerfParseOptions options);
 
+// Repeats merged: runs of the same collective on the same rank count become one run (the first
+// one's source, "+N repeats" appended) whose time at each size is the smallest any repeat
+// measured (out-of-place and in-place separately). On a shared machine, interference only adds
+// time, so the minimum over repeats is the least disturbed estimate. Runs appear in the order
+// of their first repeat; sizes in ascending order.
+std::vector<PerfRun> MinOverRepeats(const std::vector<PerfRun>& runs);
+
 struct CalibrationOptions {
   enum class Cell { kMin, kOutOfPlace, kInPlace };
   Cell cell = Cell::kMin;

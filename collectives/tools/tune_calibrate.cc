@@ -13,6 +13,8 @@
 //     --nranks N  --collective NAME   override what the files say (every file)
 //     --cell min|out|in      which time of each row (min of out-of-place and in-place)
 //     --tolerance X          relative tolerance of the linear set (0.05)
+//     --keep-repeats         fit every run as it is (default: repeats of one collective on one
+//                            rank count merge into their minimum time per size, MinOverRepeats)
 //     -o FILE                write the topology JSON there ("-": standard output)
 
 #include <algorithm>
@@ -35,11 +37,12 @@ constexpr char kUsage[] =
     "usage: shardline-tune-calibrate [--base FILE | --name NAME [--description TEXT]\n"
     "         [--devices-per-node D] --memory-GiB G --compute-TFLOPs C]\n"
     "         [--level intra|inter] [--ranks-per-node K] [--nranks N] [--collective NAME]\n"
-    "         [--cell min|out|in] [--tolerance X] [-o FILE] perf.json...\n";
+    "         [--cell min|out|in] [--tolerance X] [--keep-repeats] [-o FILE] perf.json...\n";
 
 struct Flags {
   std::string base, name, description, level = "intra", collective, cell = "min", output;
   int devices_per_node = 0, ranks_per_node = 1, nranks = 0;
+  bool keep_repeats = false;
   double memory_gib = 0, compute_tflops = 0, tolerance = 0.05;
   std::vector<std::string> inputs;
 };
@@ -51,6 +54,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     if (arg == "-h" || arg == "--help") {
       std::fputs(kUsage, stdout);
       std::exit(0);
+    }
+    if (arg == "--keep-repeats") {
+      f.keep_repeats = true;
+      continue;
     }
     if (arg.empty() || arg[0] != '-') {
       f.inputs.push_back(arg);
@@ -131,6 +138,7 @@ absl::Status Main(int argc, char** argv) {
   options.cell = f.cell == "out"  ? CalibrationOptions::Cell::kOutOfPlace
                  : f.cell == "in" ? CalibrationOptions::Cell::kInPlace
                                   : CalibrationOptions::Cell::kMin;
+  if (!f.keep_repeats) runs = MinOverRepeats(runs);
   SL_ASSIGN_OR_RETURN(const CalibrationResult result, FitLink(runs, options));
   std::fputs(FormatCalibration(result).c_str(), stdout);
 

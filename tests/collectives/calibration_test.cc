@@ -254,6 +254,29 @@ TEST(CalibrationTest, RecoversKnownParameters) {
               HasSubstr("ranks per node must be in 1..8"));
 }
 
+TEST(CalibrationTest, MinOverRepeats) {
+  PerfRun a{.source = "a", .kind = CollectiveKind::kAllGather, .nranks = 2};
+  a.rows = {{1024, 3e-6, 5e-6}, {4096, 9e-6, -1}};
+  PerfRun b = a;
+  b.source = "b";
+  b.rows = {{4096, 7e-6, 8e-6}, {1024, 4e-6, 2e-6}, {16384, 1e-5, -1}};
+  PerfRun other = a;  // another rank count: not a repeat
+  other.source = "c";
+  other.nranks = 3;
+  const std::vector<PerfRun> merged = MinOverRepeats({a, other, b});
+  ASSERT_EQ(merged.size(), 2u);
+  EXPECT_EQ(merged[0].source, "a +1 repeats");
+  EXPECT_EQ(merged[1].source, "c");
+  ASSERT_EQ(merged[0].rows.size(), 3u);
+  auto row = [](const PerfRun::Row& r) {
+    return std::vector<double>{r.size_bytes, r.out_of_place_s, r.in_place_s};
+  };
+  EXPECT_EQ(row(merged[0].rows[0]), (std::vector<double>{1024, 3e-6, 2e-6}));
+  EXPECT_EQ(row(merged[0].rows[1]), (std::vector<double>{4096, 7e-6, 8e-6}));
+  EXPECT_EQ(row(merged[0].rows[2]), (std::vector<double>{16384, 1e-5, -1}));
+  EXPECT_EQ(merged[1].rows.size(), 2u);
+}
+
 TEST(CalibrationTest, RecoversParametersFromNoisyData) {
   const LinkModel truth = Truth();
   absl::StatusOr<CalibrationResult> fit = FitLink(Runs(truth, 0.02));
