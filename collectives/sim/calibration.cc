@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -75,46 +76,6 @@ Model RingModel(CollectiveKind kind, int nranks, double size) {
     default:
       return {n - 1, (n - 1) * size / n, size / n};
   }
-}
-
-struct Fit {
-  double alpha = 0, beta = 0;  // beta = 1/B
-};
-
-// Least squares of t = s alpha + b beta on the relative error (weights 1/t^2).
-Fit LeastSquares(const std::vector<CalibrationSample>& samples, const std::vector<size_t>& set) {
-  double ss = 0, sb = 0, bb = 0, st = 0, bt = 0;
-  for (const size_t i : set) {
-    const CalibrationSample* x = &samples[i];
-    const double w = 1.0 / (x->measured_s * x->measured_s);
-    ss += w * x->steps * x->steps;
-    sb += w * x->steps * x->bus_bytes;
-    bb += w * x->bus_bytes * x->bus_bytes;
-    st += w * x->steps * x->measured_s;
-    bt += w * x->bus_bytes * x->measured_s;
-  }
-  Fit f;
-  const double det = ss * bb - sb * sb;
-  if (det > 1e-12 * ss * bb) {
-    f.alpha = (st * bb - sb * bt) / det;
-    f.beta = (ss * bt - sb * st) / det;
-  }
-  if (!(det > 1e-12 * ss * bb) || f.alpha < 0) {
-    f.alpha = 0;
-    f.beta = bb > 0 ? bt / bb : 0;
-  }
-  return f;
-}
-
-double MaxRelativeError(const std::vector<CalibrationSample>& samples,
-                        const std::vector<size_t>& set, const Fit& f) {
-  double worst = 0;
-  for (const size_t i : set) {
-    const CalibrationSample* x = &samples[i];
-    const double model = x->steps * f.alpha + x->bus_bytes * f.beta;
-    worst = std::max(worst, std::fabs(model - x->measured_s) / x->measured_s);
-  }
-  return worst;
 }
 
 }  // namespace
@@ -236,9 +197,11 @@ std::vector<PerfRun> MinOverRepeats(const std::vector<PerfRun>& runs) {
   return out;
 }
 
-absl::StatusOr<CalibrationResult> FitLink(const std::vector<PerfRun>& runs,
-                                          const CalibrationOptions& options) {
-  CalibrationResult result;
+namespace {
+
+std::vector<CalibrationSample> MakeSamples(const std::vector<PerfRun>& runs,
+                                           const CalibrationOptions& options) {
+  std::vector<CalibrationSample> samples;
   for (const PerfRun& run : runs) {
     for (const PerfRun::Row& row : run.rows) {
       double t = -1;
@@ -266,118 +229,140 @@ absl::StatusOr<CalibrationResult> FitLink(const std::vector<PerfRun>& runs,
       x.bus_bytes = m.bus;
       x.message_bytes = m.message;
       x.measured_s = t;
-      result.samples.push_back(x);
+      samples.push_back(x);
     }
   }
-  const int min_set = std::max(2, options.min_linear_samples);
-  if (static_cast<int>(result.samples.size()) < min_set) {
-    return absl::InvalidArgumentError(absl::StrCat("calibration needs at least ", min_set,
-                                                   " samples with a positive size and time on >= 2 "
-                                                   "ranks, got ",
-                                                   result.samples.size()));
-  }
+  return samples;
+}
 
-  // 1. The linear set: the largest messages, extended downwards while the fit holds.
+// Fills the predictions; returns the largest relative errors (plain, curve).
+std::pair<double, double> Predict(const LinkModel& link, std::vector<CalibrationSample>& samples) {
+  double plain = 0, curve = 0;
+  for (CalibrationSample& x : samples) {
+    x.plain_s = x.steps * link.latency_s + x.bus_bytes / link.bandwidth_bytes_per_s;
+    x.curve_s = x.steps * link.latency_s +
+                x.bus_bytes / (link.bandwidth_bytes_per_s * link.Efficiency(x.message_bytes));
+    plain = std::max(plain, std::fabs(x.plain_s - x.measured_s) / x.measured_s);
+    curve = std::max(curve, std::fabs(x.curve_s - x.measured_s) / x.measured_s);
+  }
+  return {plain, curve};
+}
+
+}  // namespace
+
+std::vector<CalibrationSample> EvaluateLink(const LinkModel& link, const std::vector<PerfRun>& runs,
+                                            const CalibrationOptions& options) {
+  std::vector<CalibrationSample> samples = MakeSamples(runs, options);
+  Predict(link, samples);
+  return samples;
+}
+
+absl::StatusOr<CalibrationResult> FitLink(const std::vector<PerfRun>& runs,
+                                          const CalibrationOptions& options) {
+  CalibrationResult result;
+  result.samples = MakeSamples(runs, options);
   std::vector<CalibrationSample>& samples = result.samples;
-  std::vector<size_t> by_size(samples.size());
-  for (size_t i = 0; i < by_size.size(); ++i) by_size[i] = i;
-  std::stable_sort(by_size.begin(), by_size.end(), [&](size_t a, size_t b) {
-    return samples[a].message_bytes > samples[b].message_bytes;
-  });
-  std::vector<size_t> set(by_size.begin(), by_size.begin() + min_set);
-  Fit fit = LeastSquares(samples, set);
-  for (size_t i = min_set; i < by_size.size(); ++i) {
-    std::vector<size_t> wider(by_size.begin(), by_size.begin() + i + 1);
-    const Fit candidate = LeastSquares(samples, wider);
-    const CalibrationSample& added = samples[by_size[i]];
-    // The added sample must be predicted by the fit of the larger ones (refitting with it could
-    // bend the intercept around a curve), and, where the latency dominates, a curve hides inside
-    // the tolerance: only samples whose transfer is most of their time can show that eff = 1.
-    const double predicted = added.steps * fit.alpha + added.bus_bytes * fit.beta;
-    if (!(candidate.beta > 0) ||
-        std::fabs(predicted - added.measured_s) > options.linear_tolerance * added.measured_s ||
-        added.bus_bytes * candidate.beta < options.min_transfer_share * added.measured_s ||
-        MaxRelativeError(samples, wider, candidate) > options.linear_tolerance) {
-      break;
-    }
-    set = std::move(wider);
-    fit = candidate;
+  if (samples.size() < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "calibration needs at least 2 samples with a positive size and time on >= 2 ranks, got ",
+        samples.size()));
   }
-  if (!(fit.beta > 0)) {
-    return absl::InvalidArgumentError(
-        "calibration: the times do not grow with the size at the largest messages (no positive "
-        "bandwidth fits); measure larger sizes");
-  }
-  result.linear_samples = static_cast<int>(set.size());
-  const double smallest_linear = samples[set.back()].message_bytes;
-  for (const size_t i : set) samples[i].linear = true;
-  // 2. The latency: from each run's smallest message, where the bytes cost (almost) nothing; the
-  // linear set's intercept is too weakly determined by large messages to be the latency.
-  std::vector<double> latencies;
+  // Each run's sample with the smallest message: its time is (almost) all latency.
+  std::vector<size_t> smallest;
   {
-    std::map<std::string, size_t> smallest;  // run (source) -> its sample with the smallest m
+    std::map<std::string, size_t> by_run;
     for (size_t i = 0; i < samples.size(); ++i) {
-      auto [it, inserted] = smallest.emplace(samples[i].source, i);
+      auto [it, inserted] = by_run.emplace(samples[i].source, i);
       if (!inserted && samples[i].message_bytes < samples[it->second].message_bytes) {
         it->second = i;
       }
     }
-    for (const auto& [source, i] : smallest) {
-      const CalibrationSample& x = samples[i];
-      latencies.push_back(std::max(0.0, (x.measured_s - x.bus_bytes * fit.beta) / x.steps));
-    }
-    std::sort(latencies.begin(), latencies.end());
-    const size_t mid = latencies.size() / 2;
-    fit.alpha =
-        latencies.size() % 2 == 1 ? latencies[mid] : (latencies[mid - 1] + latencies[mid]) / 2;
+    for (const auto& [source, i] : by_run) smallest.push_back(i);
   }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const size_t mid = v.size() / 2;
+    return v.size() % 2 == 1 ? v[mid] : (v[mid - 1] + v[mid]) / 2;
+  };
+  // alpha and B depend on each other only through the small transfer at the smallest messages:
+  // a few rounds settle them (the same number every time: deterministic).
+  double alpha = 0, bandwidth = 0;
+  size_t peak = samples.size();
+  for (int round = 0; round < 4; ++round) {
+    std::vector<double> latencies;
+    for (const size_t i : smallest) {
+      const CalibrationSample& x = samples[i];
+      const double transfer = bandwidth > 0 ? x.bus_bytes / bandwidth : 0;
+      latencies.push_back(std::max(0.0, (x.measured_s - transfer) / x.steps));
+    }
+    alpha = median(latencies);
+    bandwidth = 0;
+    peak = samples.size();
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const CalibrationSample& x = samples[i];
+      const double transfer = x.measured_s - x.steps * alpha;
+      // Where the latency is most of the time, the difference is noise, not a bandwidth.
+      if (x.bus_bytes <= 0 || transfer < options.min_transfer_share * x.measured_s) continue;
+      if (x.bus_bytes / transfer > bandwidth) {
+        bandwidth = x.bus_bytes / transfer;
+        peak = i;
+      }
+    }
+    if (!(bandwidth > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration: no sample spends at least ", options.min_transfer_share,
+                       " of its time beyond the latency (", alpha * 1e6,
+                       " us per step), so no bandwidth can be fitted; measure larger sizes"));
+    }
+  }
+  samples[peak].peak = true;
+  result.link.bandwidth_bytes_per_s = bandwidth;
+  result.link.latency_s = alpha;
 
-  // 3. The efficiency below the linear set: geometric mean per message size.
+  // The efficiency of every message size: geometric mean over its samples.
   std::map<double, std::pair<double, int>> log_eff;  // m -> (sum of log eff, samples)
-  for (const CalibrationSample& x : result.samples) {
-    if (x.linear || x.message_bytes >= smallest_linear) continue;
-    const double transfer = x.measured_s - x.steps * fit.alpha;
-    double eff = transfer > 0 ? x.bus_bytes * fit.beta / transfer : 1.0;
+  for (const CalibrationSample& x : samples) {
+    const double transfer = x.measured_s - x.steps * alpha;
+    double eff = transfer > 0 ? x.bus_bytes / (bandwidth * transfer) : 1.0;
     eff = std::clamp(eff, 0.001, 1.0);
     auto& [sum, count] = log_eff[x.message_bytes];
     sum += std::log(eff);
     ++count;
   }
-  result.link.bandwidth_bytes_per_s = 1.0 / fit.beta;
-  result.link.latency_s = fit.alpha;
   for (const auto& [m, entry] : log_eff) {
     result.link.efficiency.push_back({m, std::exp(entry.first / entry.second)});
   }
-  if (!result.link.efficiency.empty()) result.link.efficiency.push_back({smallest_linear, 1.0});
-
-  for (CalibrationSample& x : result.samples) {
-    x.plain_s = x.steps * fit.alpha + x.bus_bytes * fit.beta;
-    x.curve_s =
-        x.steps * fit.alpha + x.bus_bytes * fit.beta / result.link.Efficiency(x.message_bytes);
-    result.max_plain_error =
-        std::max(result.max_plain_error, std::fabs(x.plain_s - x.measured_s) / x.measured_s);
-    result.max_curve_error =
-        std::max(result.max_curve_error, std::fabs(x.curve_s - x.measured_s) / x.measured_s);
+  // A curve of ones is no curve.
+  if (std::all_of(result.link.efficiency.begin(), result.link.efficiency.end(),
+                  [](const EfficiencyPoint& p) { return p.efficiency == 1.0; })) {
+    result.link.efficiency.clear();
   }
+
+  std::tie(result.max_plain_error, result.max_curve_error) = Predict(result.link, samples);
   return result;
 }
 
-std::string FormatCalibration(const CalibrationResult& r) {
+std::string FormatSamples(const std::vector<CalibrationSample>& samples) {
   std::string out =
       absl::StrFormat("# %-14s %4s %12s %12s %12s %8s %12s %8s %s\n", "collective", "n", "size(B)",
                       "measured(us)", "alpha-beta", "error", "with-curve", "error", "source");
-  for (const CalibrationSample& x : r.samples) {
+  for (const CalibrationSample& x : samples) {
     absl::StrAppendFormat(&out, "  %-14s %4d %12.0f %12.2f %12.2f %+7.1f%% %12.2f %+7.1f%% %s%s\n",
                           CollectiveName(x.kind), x.nranks, x.size_bytes, x.measured_s * 1e6,
                           x.plain_s * 1e6, 100 * (x.plain_s - x.measured_s) / x.measured_s,
                           x.curve_s * 1e6, 100 * (x.curve_s - x.measured_s) / x.measured_s,
-                          x.source, x.linear ? " (linear set)" : "");
+                          x.source, x.peak ? " (peak bandwidth)" : "");
   }
+  return out;
+}
+
+std::string FormatCalibration(const CalibrationResult& r) {
+  std::string out = FormatSamples(r.samples);
   absl::StrAppendFormat(&out,
-                        "# latency %.3f us per step, bus bandwidth %.4g GB/s, fitted on %d "
-                        "samples; max error: alpha-beta %.1f%%, with the curve %.1f%%\n",
+                        "# latency %.3f us per step, peak bus bandwidth %.4g GB/s; max error: "
+                        "alpha-beta %.1f%%, with the curve %.1f%%\n",
                         r.link.latency_s * 1e6, r.link.bandwidth_bytes_per_s / 1e9,
-                        r.linear_samples, 100 * r.max_plain_error, 100 * r.max_curve_error);
+                        100 * r.max_plain_error, 100 * r.max_curve_error);
   absl::StrAppend(&out, "# efficiency curve:");
   if (r.link.efficiency.empty()) absl::StrAppend(&out, " none (1 at every size)");
   for (const EfficiencyPoint& p : r.link.efficiency) {

@@ -11,24 +11,21 @@
 //   all_reduce                               s = 2(n-1), b = 2(n-1) S / n,  m = S / n
 //   broadcast                                s = n-1,    b = S,             m = S
 // and its time t (the row's out-of-place or in-place time, or the smaller: CalibrationOptions).
-// The model is t = s * alpha + b / (B * eff(m)). The fit:
-//   1. B by least squares of t = s * a + b / B on the relative error, over the samples with the
-//      largest m: starting with the `min_linear_samples` largest, extended to smaller m while
-//      the fit so far predicts the next sample within `linear_tolerance`, every sample of the
-//      set stays within it after the refit, and the added sample's
-//      transfer b / B is at least `min_transfer_share` of its time (there eff = 1; where the
-//      latency dominates, a curve would hide inside the tolerance). (A negative intercept a is
-//      set to 0 and B refitted alone.)
-//   2. alpha = the median over the runs of (t - b / B) / s at each run's smallest message,
-//      where the bytes cost almost nothing (a, fixed by large messages, is too uncertain to be
-//      the latency); 0 if negative.
-//   3. Each m below the linear set gets eff(m) = (b / B) / (t - s * alpha), clamped to
-//      [0.001, 1] (1 where the time is no more than the latency), the geometric mean over the
-//      samples of one m; the curve is those points and (the smallest m of the linear set, 1).
-// So the curve reproduces every sample below the linear set (up to the mean over samples of
-// the same m); the printed table shows, per size, the error of the plain alpha-beta model and of
-// the model with the curve. Where several runs (collectives, rank counts) are given, they are
-// fitted together: they must have run on the same link level.
+// The model is t = s * alpha + b / (B * eff(m)), B the peak bus bandwidth and eff <= 1. The fit:
+//   1. alpha = the median over the runs of (t - b / B) / s at each run's smallest message, where
+//      the bytes cost almost nothing (0 if negative);
+//   2. B = the largest b / (t - s * alpha) over the samples whose transfer t - s * alpha is at
+//      least `min_transfer_share` of their time (below that the difference is noise);
+//      1 and 2 depend on each other only through the tiny transfers of the smallest messages:
+//      four rounds, starting from B = infinity, settle them;
+//   3. every m gets eff(m) = (b / B) / (t - s * alpha), clamped to [0.001, 1] (1 where the time
+//      is no more than the latency), the geometric mean over the samples of one m; the curve is
+//      those points (none if they are all 1).
+// So the model with the curve reproduces every sample (up to the mean over samples of one m and
+// the clamp); the curve is flat beyond the largest size measured. The printed table shows, per
+// size, the error of the plain alpha-beta model and of the model with the curve. Runs given
+// together (collectives, rank counts) must have run on the same link level; runs are told apart
+// by their source.
 
 #ifndef SHARDLINE_COLLECTIVES_SIM_CALIBRATION_H_
 #define SHARDLINE_COLLECTIVES_SIM_CALIBRATION_H_
@@ -81,9 +78,8 @@ std::vector<PerfRun> MinOverRepeats(const std::vector<PerfRun>& runs);
 struct CalibrationOptions {
   enum class Cell { kMin, kOutOfPlace, kInPlace };
   Cell cell = Cell::kMin;
-  double linear_tolerance = 0.05;   // relative
-  double min_transfer_share = 0.5;  // of a sample's time, to join the linear set
-  int min_linear_samples = 3;
+  // Of a sample's time, for it to count towards the peak bandwidth.
+  double min_transfer_share = 0.5;
 };
 
 // One sample with the fitted models' predictions.
@@ -94,27 +90,33 @@ struct CalibrationSample {
   double size_bytes = 0;
   double steps = 0, bus_bytes = 0, message_bytes = 0;
   double measured_s = 0;
-  double plain_s = 0;   // alpha-beta, eff = 1
-  double curve_s = 0;   // with the fitted curve
-  bool linear = false;  // in the set that fixed alpha and B
+  double plain_s = 0;  // alpha-beta, eff = 1
+  double curve_s = 0;  // with the fitted curve
+  bool peak = false;   // the sample that set B
 };
 
 struct CalibrationResult {
   LinkModel link;                          // bandwidth: the bus bandwidth B of the ring model
   std::vector<CalibrationSample> samples;  // by run, then size
-  int linear_samples = 0;
-  double max_plain_error = 0;  // max |model - measured| / measured
+  double max_plain_error = 0;              // max |model - measured| / measured
   double max_curve_error = 0;
 };
 
 // Fits one link level's alpha, B and curve to the runs (together). InvalidArgument if there are
-// fewer usable samples (a time > 0, n >= 2) than min_linear_samples, or the data does not give a
-// positive bandwidth.
+// fewer than 2 usable samples (a time > 0, n >= 2) or none spends min_transfer_share of its time
+// beyond the latency.
 absl::StatusOr<CalibrationResult> FitLink(const std::vector<PerfRun>& runs,
                                           const CalibrationOptions& options = {});
 
-// The per-size table: source, collective, n, size, measured, alpha-beta model and its error,
-// the model with the curve and its error; then the fitted parameters.
+// The samples of `runs` (as FitLink makes them) with `link`'s predictions: to check a calibrated
+// link against runs it was not fitted to.
+std::vector<CalibrationSample> EvaluateLink(const LinkModel& link, const std::vector<PerfRun>& runs,
+                                            const CalibrationOptions& options = {});
+
+// The per-size table: collective, n, size, measured, alpha-beta model and its error, the model
+// with the curve and its error, source.
+std::string FormatSamples(const std::vector<CalibrationSample>& samples);
+// FormatSamples of the fit, then the fitted parameters.
 std::string FormatCalibration(const CalibrationResult& result);
 
 // `base` with the fitted link on one level. Intra-node: intra_node = the link. Inter-node (the

@@ -35,6 +35,7 @@ class SimCommunicator final : public Communicator {
                   absl::Duration timeout);
 
   absl::string_view backend() const override { return "sim"; }
+  const std::shared_ptr<SimGroup>& group() const { return group_; }
   bool AcceptsAnyClock() const override { return true; }
 
  protected:
@@ -131,6 +132,7 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
   }
 
   VirtualTimeline& timeline() const { return timeline_; }
+  const std::shared_ptr<sim_internal::LinkArbiter>& arbiter() const { return arbiter_; }
 
  private:
   struct Arrival {
@@ -265,6 +267,7 @@ void SimGroup::Complete(std::vector<Arrival> ranks) {
   SL_CHECK_OK(cost.status());
   std::vector<int64_t> ports;
   for (const int device : options_.devices) {
+    if (size_ > 1) arbiter_->Count(device, cost->intra_bytes, cost->inter_bytes);
     if (cost->uses_intra()) ports.push_back(sim_internal::LinkArbiter::Port(device, 0));
     if (cost->uses_inter()) ports.push_back(sim_internal::LinkArbiter::Port(device, 1));
   }
@@ -563,6 +566,12 @@ absl::StatusOr<std::shared_ptr<Communicator>> SimCommunicator::CreateSubgroup(
 }
 
 }  // namespace
+
+std::vector<SimLinkTraffic> SimTrafficByDevice(const Communicator& comm) {
+  const auto* sim = dynamic_cast<const SimCommunicator*>(&comm);
+  if (sim == nullptr || sim->group()->arbiter() == nullptr) return {};
+  return sim->group()->arbiter()->Traffic();
+}
 
 absl::Duration SimCollectiveCost(CollectiveKind kind, size_t count, DType dtype, int size,
                                  const SimOptions& options) {

@@ -109,6 +109,18 @@ struct SimOptions {
 absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateSimCommunicators(
     VirtualTimeline& timeline, int size, const SimOptions& options = {});
 
+// With a topology: what each device has sent on each link level so far, in the collectives that
+// completed their rendezvous (CollectiveCost::intra_bytes / inter_bytes per rank), over every
+// group of the simulation that `comm` belongs to (its CreateSimCommunicators call, splits and
+// dups included). Indexed by device id, up to the highest device that sent anything.
+struct SimLinkTraffic {
+  double intra_node_bytes = 0;
+  double inter_node_bytes = 0;
+  int64_t collectives = 0;  // collectives of more than one rank this device took part in
+};
+// Empty if `comm` is not a sim communicator or its simulation has no topology.
+std::vector<SimLinkTraffic> SimTrafficByDevice(const Communicator& comm);
+
 // The modelled duration of one collective (the table above): `count` as the Communicator API
 // defines it for `kind`, on `size` ranks.
 absl::Duration SimCollectiveCost(CollectiveKind kind, size_t count, DType dtype, int size,

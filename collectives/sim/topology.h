@@ -51,8 +51,7 @@
 //       T / (B_intra eff_intra(T))
 // A group of one rank costs nothing. Among the algorithms a topology lists for a collective
 // (Topology::collectives; "ring" always among them), the one with the shortest duration that
-// applies to the group is chosen (ties: the first listed). With one rank per node and no tree
-// or hierarchy listed, a ring over N nodes is what NCCL runs between rails.
+// applies to the group is chosen (ties: the first listed).
 //
 // With a Topology, the ring inside one node is exactly the flat model of SimOptions (latency,
 // bandwidth) in sim_communicator.h, with alpha = latency and B = bandwidth.

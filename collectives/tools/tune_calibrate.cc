@@ -12,9 +12,12 @@
 //     --ranks-per-node K     with --level inter: ranks of the runs on each node (1)
 //     --nranks N  --collective NAME   override what the files say (every file)
 //     --cell min|out|in      which time of each row (min of out-of-place and in-place)
-//     --tolerance X          relative tolerance of the linear set (0.05)
+//     --min-transfer-share X a sample counts towards the peak bandwidth if its time beyond
+//                            the latency is at least this share of it (0.5)
 //     --keep-repeats         fit every run as it is (default: repeats of one collective on one
 //                            rank count merge into their minimum time per size, MinOverRepeats)
+//     --check FILE           (repeatable) also print the fitted model's error on this run,
+//                            which the fit does not use
 //     -o FILE                write the topology JSON there ("-": standard output)
 
 #include <algorithm>
@@ -37,14 +40,15 @@ constexpr char kUsage[] =
     "usage: shardline-tune-calibrate [--base FILE | --name NAME [--description TEXT]\n"
     "         [--devices-per-node D] --memory-GiB G --compute-TFLOPs C]\n"
     "         [--level intra|inter] [--ranks-per-node K] [--nranks N] [--collective NAME]\n"
-    "         [--cell min|out|in] [--tolerance X] [--keep-repeats] [-o FILE] perf.json...\n";
+    "         [--cell min|out|in] [--min-transfer-share X] [--keep-repeats]\n"
+    "         [--check FILE]... [-o FILE] perf.json...\n";
 
 struct Flags {
   std::string base, name, description, level = "intra", collective, cell = "min", output;
   int devices_per_node = 0, ranks_per_node = 1, nranks = 0;
   bool keep_repeats = false;
-  double memory_gib = 0, compute_tflops = 0, tolerance = 0.05;
-  std::vector<std::string> inputs;
+  double memory_gib = 0, compute_tflops = 0, min_transfer_share = 0.5;
+  std::vector<std::string> inputs, checks;
 };
 
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
@@ -80,6 +84,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     };
     if (arg == "--base") {
       f.base = value;
+    } else if (arg == "--check") {
+      f.checks.push_back(value);
     } else if (arg == "--name") {
       f.name = value;
     } else if (arg == "--description") {
@@ -102,8 +108,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       SL_RETURN_IF_ERROR(number(&f.memory_gib));
     } else if (arg == "--compute-TFLOPs") {
       SL_RETURN_IF_ERROR(number(&f.compute_tflops));
-    } else if (arg == "--tolerance") {
-      SL_RETURN_IF_ERROR(number(&f.tolerance));
+    } else if (arg == "--min-transfer-share") {
+      SL_RETURN_IF_ERROR(number(&f.min_transfer_share));
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", arg, "\n", kUsage));
     }
@@ -119,7 +125,9 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     return absl::InvalidArgumentError(
         absl::StrCat("--cell must be min, out or in, got '", f.cell, "'"));
   }
-  if (!(f.tolerance > 0)) return absl::InvalidArgumentError("--tolerance must be positive");
+  if (!(f.min_transfer_share > 0 && f.min_transfer_share < 1)) {
+    return absl::InvalidArgumentError("--min-transfer-share must be in (0, 1)");
+  }
   return f;
 }
 
@@ -134,13 +142,24 @@ absl::Status Main(int argc, char** argv) {
     runs.push_back(std::move(run));
   }
   CalibrationOptions options;
-  options.linear_tolerance = f.tolerance;
+  options.min_transfer_share = f.min_transfer_share;
   options.cell = f.cell == "out"  ? CalibrationOptions::Cell::kOutOfPlace
                  : f.cell == "in" ? CalibrationOptions::Cell::kInPlace
                                   : CalibrationOptions::Cell::kMin;
   if (!f.keep_repeats) runs = MinOverRepeats(runs);
   SL_ASSIGN_OR_RETURN(const CalibrationResult result, FitLink(runs, options));
   std::fputs(FormatCalibration(result).c_str(), stdout);
+  if (!f.checks.empty()) {
+    std::vector<PerfRun> checks;
+    for (const std::string& path : f.checks) {
+      SL_ASSIGN_OR_RETURN(PerfRun run,
+                          LoadPerfJson(path, {.nranks = f.nranks, .collective = f.collective}));
+      checks.push_back(std::move(run));
+    }
+    if (!f.keep_repeats) checks = MinOverRepeats(checks);
+    std::printf("# check (not fitted):\n%s",
+                FormatSamples(EvaluateLink(result.link, checks, options)).c_str());
+  }
 
   Topology base;
   if (!f.base.empty()) {

@@ -125,6 +125,12 @@ TEST(SimTopologyTest, OptionErrors) {
               HasSubstr("already occupies"));
   EXPECT_THAT(CreateSimCommunicators(timeline, 9, On(topo)).status().message(),
               HasSubstr("device 8"));
+  {  // No topology: no traffic accounting.
+    absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> plain =
+        CreateSimCommunicators(timeline, 2, SimOptions{});
+    ASSERT_TRUE(plain.ok());
+    EXPECT_TRUE(SimTrafficByDevice(*(*plain)[0]).empty());
+  }
   SimOptions flat;
   flat.devices = {0, 1};
   EXPECT_THAT(CreateSimCommunicators(timeline, 2, flat).status().message(),
@@ -171,6 +177,16 @@ TEST(SimTopologyTest, WorldCollectivesTakeTheModelsTime) {
     ExpectUs(DoneUs(gathers[r]), ag.seconds() * 1e6);
     ExpectUs(DoneUs(reduces[r]), (ag.seconds() + ar.seconds()) * 1e6);
   }
+  // Traffic per device: both collectives' bytes per rank on each level.
+  const std::vector<SimLinkTraffic> traffic = SimTrafficByDevice(*sim.comms[3]);
+  ASSERT_EQ(traffic.size(), 8u);
+  for (const SimLinkTraffic& t : traffic) {
+    EXPECT_EQ(t.collectives, 2);
+    EXPECT_DOUBLE_EQ(t.intra_node_bytes, ag.intra_bytes + ar.intra_bytes);
+    EXPECT_DOUBLE_EQ(t.inter_node_bytes, ag.inter_bytes + ar.inter_bytes);
+  }
+  EXPECT_GT(ag.inter_bytes, 0);
+  EXPECT_GT(ar.intra_bytes, 0);
   // Slice s of every rank's gather is rank s's input; the all-reduce is the rank-order sum.
   for (int r = 0; r < 8; ++r) {
     for (int s = 0; s < 8; ++s) {
@@ -297,6 +313,15 @@ TEST(SimTopologyTest, DisjointPortsDoNotShare) {
     ExpectUs(DoneUs(ag[r]), shard_ag.seconds() * 1e6);
     ExpectUs(DoneUs(ar[r]), rep_ar.seconds() * 1e6);
   }
+  // Traffic: the shard group's bytes stay inside the nodes, the replicate group's cross them;
+  // devices 2, 3 (unused) sent nothing.
+  const std::vector<SimLinkTraffic> traffic = SimTrafficByDevice(*meshes[0]->shard());
+  ASSERT_EQ(traffic.size(), 6u);
+  for (int d : {0, 1, 4, 5}) {
+    EXPECT_DOUBLE_EQ(traffic[d].intra_node_bytes, shard_ag.intra_bytes) << d;
+    EXPECT_DOUBLE_EQ(traffic[d].inter_node_bytes, rep_ar.inter_bytes) << d;
+  }
+  for (int d : {2, 3}) EXPECT_EQ(traffic[d].collectives, 0);
   // The replicate all-reduce: a ring of 2 over the network, 2 * 1 * 2 MB at 25 GB/s + 2 * 10us.
   ExpectUs(rep_ar.seconds() * 1e6, 20 + 2 * 2e6 / 25e3);
 

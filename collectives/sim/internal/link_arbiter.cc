@@ -65,6 +65,20 @@ void LinkArbiter::End(uint64_t id) {
   std::move(done)();
 }
 
+void LinkArbiter::Count(int device, double intra_bytes, double inter_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (traffic_.size() <= static_cast<size_t>(device)) traffic_.resize(device + 1);
+  SimLinkTraffic& t = traffic_[device];
+  t.intra_node_bytes += intra_bytes;
+  t.inter_node_bytes += inter_bytes;
+  ++t.collectives;
+}
+
+std::vector<SimLinkTraffic> LinkArbiter::Traffic() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return traffic_;
+}
+
 int LinkArbiter::active() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int>(flows_.size());

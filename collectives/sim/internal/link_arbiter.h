@@ -4,7 +4,8 @@
 // occupy ports (a device's port on one link level), each port is split equally among the flows
 // on it, and a flow progresses at the smallest share it gets on any of its ports. Rates change
 // only when a flow starts or ends; then the flows whose rate changed get a new end time. The
-// engine's event order (time, then scheduling order) makes it deterministic.
+// engine's event order (time, then scheduling order) makes it deterministic. It also counts the
+// bytes each device sent on each level.
 
 #ifndef SHARDLINE_COLLECTIVES_SIM_INTERNAL_LINK_ARBITER_H_
 #define SHARDLINE_COLLECTIVES_SIM_INTERNAL_LINK_ARBITER_H_
@@ -18,6 +19,7 @@
 
 #include "absl/functional/any_invocable.h"
 #include "absl/time/time.h"
+#include "collectives/sim/sim_communicator.h"
 #include "runtime/virtual_time.h"
 
 namespace shardline::sim_internal {
@@ -35,6 +37,10 @@ class LinkArbiter : public std::enable_shared_from_this<LinkArbiter> {
 
   // Flows in progress (tests).
   int active() const;
+
+  // Traffic accounting (SimTrafficByDevice): `device` sent these bytes in one collective.
+  void Count(int device, double intra_bytes, double inter_bytes);
+  std::vector<SimLinkTraffic> Traffic() const;
 
  private:
   struct Flow {
@@ -56,7 +62,8 @@ class LinkArbiter : public std::enable_shared_from_this<LinkArbiter> {
   absl::Time last_ = absl::UnixEpoch();
   uint64_t next_id_ = 0;
   std::map<uint64_t, Flow> flows_;
-  std::map<int64_t, int> users_;  // port -> flows on it
+  std::map<int64_t, int> users_;         // port -> flows on it
+  std::vector<SimLinkTraffic> traffic_;  // by device
 };
 
 }  // namespace shardline::sim_internal
