@@ -12,6 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/sim/internal/link_arbiter.h"
+#include "runtime/check.h"
 #include "runtime/config.h"
 #include "runtime/host_kernels.h"
 #include "runtime/status.h"
@@ -33,6 +35,7 @@ class SimCommunicator final : public Communicator {
                   absl::Duration timeout);
 
   absl::string_view backend() const override { return "sim"; }
+  const std::shared_ptr<SimGroup>& group() const { return group_; }
   bool AcceptsAnyClock() const override { return true; }
 
  protected:
@@ -58,8 +61,21 @@ class SimCommunicator final : public Communicator {
 // The state the ranks of one group share: the collectives in flight, keyed by sequence number.
 class SimGroup : public std::enable_shared_from_this<SimGroup> {
  public:
-  SimGroup(VirtualTimeline& timeline, int size, const SimOptions& options)
-      : timeline_(timeline), size_(size), options_(options), issued_(size, 0) {}
+  // With options.topology: `arbiter` shares the links of every group of the simulation, and
+  // options.devices holds one device per rank (validated).
+  SimGroup(VirtualTimeline& timeline, int size, const SimOptions& options,
+           std::shared_ptr<sim_internal::LinkArbiter> arbiter)
+      : timeline_(timeline),
+        size_(size),
+        options_(options),
+        arbiter_(std::move(arbiter)),
+        issued_(size, 0) {
+    if (options_.topology != nullptr) {
+      absl::StatusOr<GroupShape> shape = GroupShapeOf(*options_.topology, options_.devices);
+      SL_CHECK_OK(shape.status());
+      shape_ = *shape;
+    }
+  }
 
   int size() const { return size_; }
   const std::string& name() const { return options_.name; }
@@ -95,14 +111,20 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
   absl::StatusOr<SplitResult> Split(uint64_t split, int rank, int color, int key,
                                     absl::Time deadline);
 
-  // The group that the members of a split called `name` share; created by the first of them.
-  std::shared_ptr<SimGroup> Child(const std::string& name, int size) {
+  // The group that the members of a split called `name` share (`members`: their ranks in this
+  // group, in their new order); created by the first of them.
+  std::shared_ptr<SimGroup> Child(const std::string& name, const std::vector<int>& members) {
+    const int size = static_cast<int>(members.size());
     std::lock_guard<std::mutex> lock(mu_);
     ChildEntry& entry = children_[name];
     if (entry.group == nullptr) {
       SimOptions options = options_;
       options.name = name;
-      entry.group = std::make_shared<SimGroup>(timeline_, size, options);
+      if (options.topology != nullptr) {
+        options.devices.clear();
+        for (const int member : members) options.devices.push_back(options_.devices[member]);
+      }
+      entry.group = std::make_shared<SimGroup>(timeline_, size, options, arbiter_);
     }
     std::shared_ptr<SimGroup> group = entry.group;
     if (++entry.joined == size) children_.erase(name);
@@ -110,6 +132,7 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
   }
 
   VirtualTimeline& timeline() const { return timeline_; }
+  const std::shared_ptr<sim_internal::LinkArbiter>& arbiter() const { return arbiter_; }
 
  private:
   struct Arrival {
@@ -146,6 +169,8 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
   VirtualTimeline& timeline_;
   const int size_;
   const SimOptions options_;
+  const std::shared_ptr<sim_internal::LinkArbiter> arbiter_;  // with a topology
+  GroupShape shape_;                                          // with a topology
   std::mutex mu_;
   std::condition_variable split_cv_;
   absl::Status status_;
@@ -227,11 +252,37 @@ void SimGroup::Complete(std::vector<Arrival> ranks) {
     }
     return;
   }
-  const absl::Duration cost =
-      SimCollectiveCost(first.kind, first.count, first.dtype, size_, options_);
-  timeline_.ScheduleAt(last + cost,
-                       [self = shared_from_this(), ranks = std::move(ranks)]() mutable {
-                         self->Finish(std::move(ranks));
+  if (options_.topology == nullptr) {
+    const absl::Duration cost =
+        SimCollectiveCost(first.kind, first.count, first.dtype, size_, options_);
+    timeline_.ScheduleAt(last + cost,
+                         [self = shared_from_this(), ranks = std::move(ranks)]() mutable {
+                           self->Finish(std::move(ranks));
+                         });
+    return;
+  }
+  // The shape fits the topology (checked when the group was made), so the estimate cannot fail.
+  absl::StatusOr<CollectiveCost> cost =
+      EstimateCollective(*options_.topology, first.kind, first.count, first.dtype, shape_);
+  SL_CHECK_OK(cost.status());
+  std::vector<int64_t> ports;
+  for (const int device : options_.devices) {
+    if (size_ > 1) arbiter_->Count(device, cost->intra_bytes, cost->inter_bytes);
+    if (cost->uses_intra()) ports.push_back(sim_internal::LinkArbiter::Port(device, 0));
+    if (cost->uses_inter()) ports.push_back(sim_internal::LinkArbiter::Port(device, 1));
+  }
+  // The latency phase shares nothing; the transfer phase shares the ports.
+  timeline_.ScheduleAt(last + absl::Seconds(cost->latency_s),
+                       [self = shared_from_this(), ranks = std::move(ranks),
+                        ports = std::move(ports), transfer = cost->transfer_s]() mutable {
+                         if (transfer <= 0) {
+                           self->Finish(std::move(ranks));
+                           return;
+                         }
+                         self->arbiter_->Start(std::move(ports), transfer,
+                                               [self, ranks = std::move(ranks)]() mutable {
+                                                 self->Finish(std::move(ranks));
+                                               });
                        });
 }
 
@@ -512,12 +563,18 @@ absl::StatusOr<std::shared_ptr<Communicator>> SimCommunicator::SplitImpl(int col
 
 absl::StatusOr<std::shared_ptr<Communicator>> SimCommunicator::CreateSubgroup(
     const std::vector<int>& ranks, int index, const std::string& name, absl::Time deadline) {
-  std::shared_ptr<SimGroup> child = group_->Child(name, static_cast<int>(ranks.size()));
+  std::shared_ptr<SimGroup> child = group_->Child(name, ranks);
   return std::shared_ptr<Communicator>(
       std::make_shared<SimCommunicator>(index, std::move(child), name, timeout()));
 }
 
 }  // namespace
+
+std::vector<SimLinkTraffic> SimTrafficByDevice(const Communicator& comm) {
+  const auto* sim = dynamic_cast<const SimCommunicator*>(&comm);
+  if (sim == nullptr || sim->group()->arbiter() == nullptr) return {};
+  return sim->group()->arbiter()->Traffic();
+}
 
 absl::Duration SimCollectiveCost(CollectiveKind kind, size_t count, DType dtype, int size,
                                  const SimOptions& options) {
@@ -565,7 +622,28 @@ absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateSimCommunicator
   if (timeout == absl::ZeroDuration()) {
     SL_ASSIGN_OR_RETURN(timeout, DefaultTimeout());
   }
-  auto group = std::make_shared<SimGroup>(timeline, size, options);
+  SimOptions resolved = options;
+  std::shared_ptr<sim_internal::LinkArbiter> arbiter;
+  if (options.topology != nullptr) {
+    SL_RETURN_IF_ERROR(ValidateTopology(*options.topology));
+    if (resolved.devices.empty()) {
+      for (int r = 0; r < size; ++r) resolved.devices.push_back(r);
+    }
+    if (static_cast<int>(resolved.devices.size()) != size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SimOptions.devices has ", resolved.devices.size(),
+                       " entries for a group of ", size, " ranks (one device per rank)"));
+    }
+    absl::StatusOr<GroupShape> shape = GroupShapeOf(*options.topology, resolved.devices);
+    if (!shape.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SimOptions.devices: ", shape.status().message()));
+    }
+    arbiter = std::make_shared<sim_internal::LinkArbiter>(timeline);
+  } else if (!options.devices.empty()) {
+    return absl::InvalidArgumentError("SimOptions.devices is set but SimOptions.topology is not");
+  }
+  auto group = std::make_shared<SimGroup>(timeline, size, resolved, std::move(arbiter));
   std::vector<std::shared_ptr<Communicator>> comms;
   for (int r = 0; r < size; ++r) {
     comms.push_back(std::make_shared<SimCommunicator>(r, group, options.name, timeout));

@@ -23,7 +23,25 @@
 //   barrier (an all_reduce of nothing)       2(n-1) * L
 //   any collective on one rank               0
 //
-// (SimCollectiveCost computes it.) With SimOptions::move_data and the timeline's run_ops, the
+// (SimCollectiveCost computes it.)
+//
+// With a topology (SimOptions::topology, collectives/sim/topology.h) the cost is the topology's
+// instead: rank r of the group runs on device SimOptions::devices[r], the group's shape (nodes
+// spanned, ranks per node) picks the algorithm and EstimateCollective gives its latency L and
+// transfer time X; the collective completes at max(arrival) + L + (X stretched by contention).
+// Splits and Dups keep their members' devices (a ProcessMesh's shard group inside a node and its
+// replicate group across nodes get the shapes they have). Contention: each device has one port
+// per link level (intra_node, inter_node); a collective occupies, during its transfer phase, the
+// ports of its ranks' devices on the levels it sends bytes on. All groups created from one
+// CreateSimCommunicators call (their splits and dups included) share the ports. The fair-share
+// rule: at every start or end of a transfer phase, each port's bandwidth is split equally among
+// the collectives occupying it, and a collective progresses at the smallest share it gets on any
+// of its ports (1 / the most collectives on one of them); X is the time at share 1. So two
+// identical collectives on the same ports that start their transfers together both end after
+// L + 2X, and one that starts when another is half done gets share 1/2 until it ends. Without a
+// topology there is no contention (the flat model above).
+//
+// With SimOptions::move_data and the timeline's run_ops, the
 // data is moved, at the completion time, in host memory: reductions combine the ranks' inputs
 // in rank order with ReduceMany (avg: then Scale by 1/n), exactly as the local backend does, so
 // the results are bit-identical to it. Without them no memory is touched (phantom memory).
@@ -55,6 +73,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
+#include "collectives/sim/topology.h"
 #include "runtime/virtual_time.h"
 
 namespace shardline {
@@ -76,12 +95,31 @@ struct SimOptions {
   // call where its peers' were taken for Dup gets InvalidArgument saying so, and the
   // communicator those peers got fails its collectives with that error.
   bool dup_without_rendezvous = true;
+  // Optional: the simulated machine. Collectives then take its cost model's time (latency and
+  // bandwidth_bytes_per_s above are not used) and share links (the header comment).
+  std::shared_ptr<const Topology> topology;
+  // With a topology: the device of each rank (node * devices_per_node + local index), one per
+  // rank, distinct; empty: rank r on device r.
+  std::vector<int> devices;
 };
 
 // `size` communicators forming one group on `timeline`; element r is rank r. InvalidArgument if
-// size < 1, an option is out of range, or the timeout knob is invalid.
+// size < 1, an option is out of range (with a topology: it is invalid, devices has another size
+// than `size`, or a device is out of range or repeated), or the timeout knob is invalid.
 absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateSimCommunicators(
     VirtualTimeline& timeline, int size, const SimOptions& options = {});
+
+// With a topology: what each device has sent on each link level so far, in the collectives that
+// completed their rendezvous (CollectiveCost::intra_bytes / inter_bytes per rank), over every
+// group of the simulation that `comm` belongs to (its CreateSimCommunicators call, splits and
+// dups included). Indexed by device id, up to the highest device that sent anything.
+struct SimLinkTraffic {
+  double intra_node_bytes = 0;
+  double inter_node_bytes = 0;
+  int64_t collectives = 0;  // collectives of more than one rank this device took part in
+};
+// Empty if `comm` is not a sim communicator or its simulation has no topology.
+std::vector<SimLinkTraffic> SimTrafficByDevice(const Communicator& comm);
 
 // The modelled duration of one collective (the table above): `count` as the Communicator API
 // defines it for `kind`, on `size` ranks.

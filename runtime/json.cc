@@ -1,13 +1,17 @@
-// A recursive-descent JSON reader (scheduler/checkpoint/internal/json.h). Recursion is bounded by
+// A recursive-descent JSON reader (runtime/json.h). Recursion is bounded by
 // kMaxJsonDepth, so hostile input cannot exhaust the stack; every read checks the end first.
 
-#include "scheduler/checkpoint/internal/json.h"
+#include "runtime/json.h"
 
+#include <charconv>
+#include <cmath>
 #include <limits>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/check.h"
 
-namespace shardline::checkpoint_internal {
+namespace shardline {
 
 JsonValue JsonValue::Bool(bool b) {
   JsonValue v;
@@ -19,6 +23,12 @@ JsonValue JsonValue::Integer(int64_t i) {
   JsonValue v;
   v.kind_ = Kind::kInteger;
   v.integer_ = i;
+  return v;
+}
+JsonValue JsonValue::Number(double d) {
+  JsonValue v;
+  v.kind_ = Kind::kNumber;
+  v.number_ = d;
   return v;
 }
 JsonValue JsonValue::String(std::string s) {
@@ -55,6 +65,8 @@ absl::string_view JsonKindName(JsonValue::Kind kind) {
       return "bool";
     case JsonValue::Kind::kInteger:
       return "integer";
+    case JsonValue::Kind::kNumber:
+      return "number";
     case JsonValue::Kind::kString:
       return "string";
     case JsonValue::Kind::kArray:
@@ -219,6 +231,12 @@ class Parser {
         text_[pos_ + 1] <= '9') {
       return Error("a number must not have leading zeros");
     }
+    size_t end = pos_;
+    while (end < text_.size() && text_[end] >= '0' && text_[end] <= '9') ++end;
+    if (end < text_.size() && (text_[end] == '.' || text_[end] == 'e' || text_[end] == 'E')) {
+      pos_ = end;
+      return Fraction(start, out);
+    }
     // Accumulate negatively: INT64_MIN has no positive counterpart.
     int64_t value = 0;
     while (pos_ < text_.size() && text_[pos_] >= '0' && text_[pos_] <= '9') {
@@ -230,9 +248,6 @@ class Parser {
       value = value * 10 - digit;
       ++pos_;
     }
-    if (pos_ < text_.size() && (text_[pos_] == '.' || text_[pos_] == 'e' || text_[pos_] == 'E')) {
-      return Error("only integers are accepted (no fraction or exponent)");
-    }
     if (!negative) {
       if (value == std::numeric_limits<int64_t>::min()) {
         pos_ = start;
@@ -242,6 +257,45 @@ class Parser {
     }
     *out = JsonValue::Integer(value);
     return absl::OkStatus();
+  }
+
+  // The rest of a number that has a fraction or an exponent; `start` is its first character.
+  absl::Status Fraction(size_t start, JsonValue* out) {
+    auto digits = [&] {
+      const size_t from = pos_;
+      while (pos_ < text_.size() && text_[pos_] >= '0' && text_[pos_] <= '9') ++pos_;
+      return pos_ > from;
+    };
+    if (text_[pos_] == '.') {
+      ++pos_;
+      if (!digits()) return Error("expected a digit after the decimal point");
+    }
+    if (pos_ < text_.size() && (text_[pos_] == 'e' || text_[pos_] == 'E')) {
+      ++pos_;
+      if (pos_ < text_.size() && (text_[pos_] == '+' || text_[pos_] == '-')) ++pos_;
+      if (!digits()) return Error("expected a digit in the exponent");
+    }
+    double value = 0;
+    const char* first = text_.data() + start;
+    const char* last = text_.data() + pos_;
+    const std::from_chars_result r = std::from_chars(first, last, value);
+    if (r.ec == std::errc::result_out_of_range && Underflows(text_.substr(start, pos_ - start))) {
+      value = text_[start] == '-' ? -0.0 : 0.0;  // the nearest double is (signed) zero
+    } else if (r.ec != std::errc() || r.ptr != last || !std::isfinite(value)) {
+      pos_ = start;
+      return Error("number out of the double range");
+    }
+    *out = JsonValue::Number(value);
+    return absl::OkStatus();
+  }
+
+  // Whether a number that from_chars found out of range is too small (not too large): it has a
+  // negative exponent, or no exponent and only zeros before the point.
+  static bool Underflows(absl::string_view number) {
+    const size_t e = number.find_first_of("eE");
+    if (e != absl::string_view::npos) return number.substr(e + 1, 1) == "-";
+    const size_t digit = number.find_first_of("123456789");
+    return digit != absl::string_view::npos && digit > number.find('.');
   }
 
   absl::Status Hex4(uint32_t* out) {
@@ -374,4 +428,16 @@ std::string JsonQuote(absl::string_view s) {
   return out;
 }
 
-}  // namespace shardline::checkpoint_internal
+std::string JsonNumber(double v) {
+  SL_CHECK(std::isfinite(v)) << "JsonNumber of a non-finite value";
+  char buf[64];
+  // The shortest form reads back as the same double. A form without a point or an exponent reads
+  // back as an integer (number() accepts it), so beyond int64 the exponent form is taken.
+  const std::to_chars_result r =
+      std::fabs(v) < 9e18 ? std::to_chars(buf, buf + sizeof(buf), v)
+                          : std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::scientific);
+  SL_CHECK(r.ec == std::errc());
+  return std::string(buf, r.ptr);
+}
+
+}  // namespace shardline

@@ -1,0 +1,630 @@
+// The sim backend's topology: validation, the JSON form and the cost formulas
+// (collectives/sim/topology.h).
+
+#include "collectives/sim/topology.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "runtime/json.h"
+#include "runtime/status.h"
+
+namespace shardline {
+namespace {
+
+constexpr double kGB = 1e9;
+constexpr double kUs = 1e-6;
+constexpr double kTera = 1e12;
+constexpr double kGiB = 1073741824.0;
+
+constexpr std::array<CollectiveKind, kNumCollectiveKinds> kKinds = {
+    CollectiveKind::kAllGather, CollectiveKind::kReduceScatter, CollectiveKind::kAllReduce,
+    CollectiveKind::kBroadcast, CollectiveKind::kAllToAll,      CollectiveKind::kBarrier};
+constexpr std::array<CollectiveAlgorithm, 3> kAlgorithms = {
+    CollectiveAlgorithm::kRing, CollectiveAlgorithm::kTree, CollectiveAlgorithm::kHierarchical};
+
+std::string Where(const Topology& t) {
+  return t.name.empty() ? std::string("topology") : absl::StrCat("topology '", t.name, "'");
+}
+
+absl::Status FieldError(const Topology& t, absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(Where(t), ": field '", field, "' ", what));
+}
+
+absl::Status ValidateLink(const Topology& t, const LinkModel& link, const std::string& prefix,
+                          absl::string_view bandwidth_field) {
+  if (!(link.bandwidth_bytes_per_s > 0) || std::isinf(link.bandwidth_bytes_per_s)) {
+    return FieldError(t, absl::StrCat(prefix, ".", bandwidth_field),
+                      absl::StrCat("must be positive and finite, got ",
+                                   link.bandwidth_bytes_per_s / kGB, " GB/s"));
+  }
+  if (!(link.latency_s >= 0) || std::isinf(link.latency_s)) {
+    return FieldError(t, absl::StrCat(prefix, ".latency_us"),
+                      absl::StrCat("must be >= 0 and finite, got ", link.latency_s / kUs, " us"));
+  }
+  for (size_t i = 0; i < link.efficiency.size(); ++i) {
+    const EfficiencyPoint& p = link.efficiency[i];
+    const std::string field = absl::StrCat(prefix, ".efficiency[", i, "]");
+    if (!(p.bytes > 0) || std::isinf(p.bytes)) {
+      return FieldError(t, absl::StrCat(field, ".bytes"),
+                        absl::StrCat("must be positive and finite, got ", p.bytes));
+    }
+    if (!(p.efficiency > 0 && p.efficiency <= 1)) {
+      return FieldError(t, absl::StrCat(field, ".efficiency"),
+                        absl::StrCat("must be in (0, 1], got ", p.efficiency));
+    }
+    if (i > 0 && !(p.bytes > link.efficiency[i - 1].bytes)) {
+      return FieldError(t, absl::StrCat(field, ".bytes"),
+                        absl::StrCat("must be larger than the previous point's (",
+                                     link.efficiency[i - 1].bytes, "), got ", p.bytes));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- JSON reading ----------------------------------------------------------------------------
+
+// The members of one JSON object, read by name; Finish() rejects those nobody read.
+class Fields {
+ public:
+  Fields(const Topology& t, const JsonValue& object, std::string path)
+      : t_(t), object_(object), path_(std::move(path)) {}
+
+  static absl::StatusOr<Fields> Of(const Topology& t, const JsonValue& v, std::string path) {
+    if (v.kind() != JsonValue::Kind::kObject) {
+      return FieldError(t, path.empty() ? "(top level)" : path,
+                        absl::StrCat("must be an object, got ", JsonKindName(v.kind())));
+    }
+    return Fields(t, v, std::move(path));
+  }
+
+  std::string Path(absl::string_view key) const {
+    return path_.empty() ? std::string(key) : absl::StrCat(path_, ".", key);
+  }
+  const JsonValue* Find(absl::string_view key) {
+    used_.insert(std::string(key));
+    return object_.Find(key);
+  }
+  absl::StatusOr<const JsonValue*> Required(absl::string_view key) {
+    const JsonValue* v = Find(key);
+    if (v == nullptr) return FieldError(t_, Path(key), "is missing");
+    return v;
+  }
+  absl::StatusOr<double> Number(absl::string_view key) {
+    SL_ASSIGN_OR_RETURN(const JsonValue* v, Required(key));
+    return NumberOf(*v, Path(key));
+  }
+  absl::StatusOr<double> NumberOf(const JsonValue& v, const std::string& path) const {
+    if (!v.is_number()) {
+      return FieldError(t_, path, absl::StrCat("must be a number, got ", JsonKindName(v.kind())));
+    }
+    return v.number();
+  }
+  absl::StatusOr<double> OptionalNumber(absl::string_view key, double fallback) {
+    const JsonValue* v = Find(key);
+    if (v == nullptr) return fallback;
+    return NumberOf(*v, Path(key));
+  }
+  absl::StatusOr<int> Int(absl::string_view key) {
+    SL_ASSIGN_OR_RETURN(const JsonValue* v, Required(key));
+    if (v->kind() != JsonValue::Kind::kInteger || v->integer() < 0 || v->integer() > (1 << 30)) {
+      return FieldError(t_, Path(key),
+                        v->kind() == JsonValue::Kind::kInteger
+                            ? absl::StrCat("must be in [0, 2^30], got ", v->integer())
+                            : absl::StrCat("must be an integer, got ", JsonKindName(v->kind())));
+    }
+    return static_cast<int>(v->integer());
+  }
+  absl::StatusOr<std::string> String(absl::string_view key, bool required) {
+    const JsonValue* v = Find(key);
+    if (v == nullptr) {
+      if (required) return FieldError(t_, Path(key), "is missing");
+      return std::string();
+    }
+    if (v->kind() != JsonValue::Kind::kString) {
+      return FieldError(t_, Path(key),
+                        absl::StrCat("must be a string, got ", JsonKindName(v->kind())));
+    }
+    return v->string();
+  }
+  absl::Status Finish() const {
+    for (const JsonValue::Member& m : object_.members()) {
+      if (used_.count(m.first) == 0) {
+        return FieldError(t_, Path(m.first), "is not a topology field (misspelt?)");
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const Topology& t_;
+  const JsonValue& object_;
+  std::string path_;
+  std::set<std::string> used_;
+};
+
+absl::StatusOr<std::vector<EfficiencyPoint>> ParseEfficiency(const Topology& t, Fields& parent,
+                                                             absl::string_view key) {
+  std::vector<EfficiencyPoint> points;
+  const JsonValue* v = parent.Find(key);
+  if (v == nullptr) return points;
+  const std::string path = parent.Path(key);
+  if (v->kind() != JsonValue::Kind::kArray) {
+    return FieldError(t, path, absl::StrCat("must be an array, got ", JsonKindName(v->kind())));
+  }
+  for (size_t i = 0; i < v->items().size(); ++i) {
+    SL_ASSIGN_OR_RETURN(Fields f, Fields::Of(t, v->items()[i], absl::StrCat(path, "[", i, "]")));
+    EfficiencyPoint p;
+    SL_ASSIGN_OR_RETURN(p.bytes, f.Number("bytes"));
+    SL_ASSIGN_OR_RETURN(p.efficiency, f.Number("efficiency"));
+    SL_RETURN_IF_ERROR(f.Finish());
+    points.push_back(p);
+  }
+  return points;
+}
+
+absl::Status ParseCollectives(Topology& t, const JsonValue& v) {
+  SL_ASSIGN_OR_RETURN(Fields kinds, Fields::Of(t, v, "collectives"));
+  for (const CollectiveKind kind : kKinds) {
+    const std::string kind_name(CollectiveName(kind));
+    const JsonValue* entry = kinds.Find(kind_name);
+    if (entry == nullptr) continue;
+    SL_ASSIGN_OR_RETURN(Fields algos, Fields::Of(t, *entry, kinds.Path(kind_name)));
+    std::vector<AlgorithmModel> models;
+    // Listed order is the JSON order: ties between algorithms go to the first listed.
+    for (const JsonValue::Member& m : entry->members()) {
+      const CollectiveAlgorithm* found = nullptr;
+      for (const CollectiveAlgorithm& a : kAlgorithms) {
+        if (CollectiveAlgorithmName(a) == m.first) found = &a;
+      }
+      const std::string path = algos.Path(m.first);
+      if (found == nullptr) {
+        return FieldError(t, path, "is not an algorithm (ring, tree, hierarchical)");
+      }
+      if (!AlgorithmSupports(*found, kind)) {
+        return FieldError(t, path, absl::StrCat("does not exist for ", kind_name));
+      }
+      algos.Find(m.first);
+      SL_ASSIGN_OR_RETURN(Fields f, Fields::Of(t, m.second, path));
+      AlgorithmModel model;
+      model.algorithm = *found;
+      SL_ASSIGN_OR_RETURN(model.bandwidth_factor, f.OptionalNumber("bandwidth_factor", 1.0));
+      SL_ASSIGN_OR_RETURN(const double latency_us, f.OptionalNumber("latency_us", 0.0));
+      model.latency_s = latency_us * kUs;
+      SL_RETURN_IF_ERROR(f.Finish());
+      models.push_back(model);
+    }
+    t.collectives[static_cast<int>(kind)] = std::move(models);
+  }
+  return kinds.Finish();
+}
+
+// ---- cost formulas ---------------------------------------------------------------------------
+
+int CeilLog2(int n) {
+  int h = 0;
+  while ((1 << h) < n) ++h;
+  return h;
+}
+
+// Transfer time of `bytes` at bandwidth*eff(m) (0 bytes: 0).
+double Transfer(double bytes, double bandwidth, const LinkModel& link, double m) {
+  if (bytes <= 0) return 0;
+  return bytes / (bandwidth * link.Efficiency(m));
+}
+
+absl::StatusOr<CollectiveCost> Formula(const Topology& t, CollectiveAlgorithm algorithm,
+                                       CollectiveKind kind, size_t count, DType dtype,
+                                       const GroupShape& g) {
+  CollectiveCost c;
+  c.algorithm = algorithm;
+  if (g.ranks <= 1) return c;
+  const double n = g.ranks;
+  const double N = g.nodes;
+  const double k = g.ranks_per_node;
+  const double bytes = static_cast<double>(count) * static_cast<double>(DTypeSize(dtype));
+  const LinkModel& in = t.intra_node;
+  const LinkModel& net = t.inter_node;
+  const double b_in = in.bandwidth_bytes_per_s;
+  const double b_rail = g.nodes > 1 ? t.rail_bandwidth_bytes_per_s() : 0;
+  auto not_applicable = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(t), ": algorithm ", CollectiveAlgorithmName(algorithm), " does not apply to ",
+        CollectiveName(kind), " on ", g.ranks, " ranks over ", g.nodes, " node(s) (", why, ")"));
+  };
+  if (!AlgorithmSupports(algorithm, kind)) return not_applicable("no such variant");
+
+  switch (algorithm) {
+    case CollectiveAlgorithm::kRing: {
+      double steps = n - 1, m = bytes, bus = 0;
+      switch (kind) {
+        case CollectiveKind::kAllGather:
+        case CollectiveKind::kReduceScatter:
+        case CollectiveKind::kAllToAll:
+          bus = (n - 1) * bytes;
+          break;
+        case CollectiveKind::kAllReduce:
+          steps = 2 * (n - 1);
+          m = bytes / n;
+          bus = 2 * (n - 1) * bytes / n;
+          break;
+        case CollectiveKind::kBroadcast:
+          bus = bytes;
+          break;
+        case CollectiveKind::kBarrier:
+          steps = 2 * (n - 1);
+          m = 0;
+          break;
+      }
+      if (g.nodes == 1) {
+        c.latency_s = steps * in.latency_s;
+        c.intra_bytes = bus;
+        c.transfer_s = Transfer(bus, b_in, in, m);
+      } else {
+        c.latency_s = steps * net.latency_s;
+        c.intra_bytes = bus * (k - 1) / k;
+        c.inter_bytes = bus / k;
+        c.transfer_s =
+            std::max(Transfer(c.intra_bytes, b_in, in, m), Transfer(c.inter_bytes, b_rail, net, m));
+      }
+      return c;
+    }
+    case CollectiveAlgorithm::kTree: {
+      if (g.nodes < 2) return not_applicable("a tree spans at least 2 nodes");
+      const double h = CeilLog2(g.nodes);
+      const double factor = kind == CollectiveKind::kAllReduce ? 2 : 1;
+      c.latency_s = factor * ((k - 1) * in.latency_s + h * net.latency_s);
+      c.intra_bytes = factor * bytes * (k - 1) / k;
+      c.inter_bytes = factor * bytes / k;
+      c.transfer_s = std::max(Transfer(c.intra_bytes, b_in, in, bytes),
+                              Transfer(c.inter_bytes, b_rail, net, bytes));
+      return c;
+    }
+    case CollectiveAlgorithm::kHierarchical: {
+      if (g.nodes < 2 || g.ranks_per_node < 2) {
+        return not_applicable("a hierarchy needs at least 2 nodes and 2 ranks per node");
+      }
+      switch (kind) {
+        case CollectiveKind::kAllGather:
+        case CollectiveKind::kReduceScatter:
+          c.latency_s = (N - 1) * net.latency_s + (k - 1) * in.latency_s;
+          c.inter_bytes = (N - 1) * bytes;
+          c.intra_bytes = (k - 1) * N * bytes;
+          c.transfer_s = Transfer(c.inter_bytes, b_rail, net, bytes) +
+                         Transfer(c.intra_bytes, b_in, in, N * bytes);
+          return c;
+        case CollectiveKind::kAllReduce:
+          c.latency_s = 2 * (k - 1) * in.latency_s + 2 * (N - 1) * net.latency_s;
+          c.intra_bytes = 2 * (k - 1) * bytes / k;
+          c.inter_bytes = 2 * (N - 1) * bytes / (k * N);
+          c.transfer_s = Transfer(c.intra_bytes, b_in, in, bytes / k) +
+                         Transfer(c.inter_bytes, b_rail, net, bytes / (k * N));
+          return c;
+        case CollectiveKind::kBroadcast:
+          c.latency_s = (N - 1) * net.latency_s + (k - 1) * in.latency_s;
+          c.inter_bytes = bytes;
+          c.intra_bytes = bytes;
+          c.transfer_s = Transfer(bytes, b_rail, net, bytes) + Transfer(bytes, b_in, in, bytes);
+          return c;
+        default:
+          return not_applicable("no such variant");
+      }
+    }
+  }
+  return absl::InternalError("unknown collective algorithm");
+}
+
+absl::Status CheckShape(const Topology& t, const GroupShape& g) {
+  if (g.ranks < 1 || g.nodes < 1 || g.ranks_per_node < 1 || g.nodes > t.nodes ||
+      g.ranks_per_node > t.devices_per_node || g.ranks > g.nodes * g.ranks_per_node ||
+      g.ranks < g.nodes + g.ranks_per_node - 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(t), ": a group of ", g.ranks, " ranks over ", g.nodes,
+                     " node(s) with at most ", g.ranks_per_node, " per node does not fit ", t.nodes,
+                     " node(s) of ", t.devices_per_node, " device(s)"));
+  }
+  return absl::OkStatus();
+}
+
+CollectiveCost Corrected(CollectiveCost c, const AlgorithmModel& model) {
+  c.transfer_s /= model.bandwidth_factor;
+  c.latency_s += model.latency_s;
+  return c;
+}
+
+}  // namespace
+
+double LinkModel::Efficiency(double m) const {
+  if (efficiency.empty()) return 1.0;
+  if (!(m > efficiency.front().bytes)) return efficiency.front().efficiency;
+  if (!(m < efficiency.back().bytes)) return efficiency.back().efficiency;
+  // The first point above m (there is one: m < the last point's size).
+  const auto hi =
+      std::upper_bound(efficiency.begin(), efficiency.end(), m,
+                       [](double size, const EfficiencyPoint& p) { return size < p.bytes; });
+  const auto lo = hi - 1;
+  const double x =
+      (std::log2(m) - std::log2(lo->bytes)) / (std::log2(hi->bytes) - std::log2(lo->bytes));
+  return lo->efficiency + x * (hi->efficiency - lo->efficiency);
+}
+
+absl::string_view CollectiveAlgorithmName(CollectiveAlgorithm algorithm) {
+  switch (algorithm) {
+    case CollectiveAlgorithm::kRing:
+      return "ring";
+    case CollectiveAlgorithm::kTree:
+      return "tree";
+    case CollectiveAlgorithm::kHierarchical:
+      return "hierarchical";
+  }
+  return "?";
+}
+
+bool AlgorithmSupports(CollectiveAlgorithm algorithm, CollectiveKind kind) {
+  switch (algorithm) {
+    case CollectiveAlgorithm::kRing:
+      return true;
+    case CollectiveAlgorithm::kTree:
+      return kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kBroadcast;
+    case CollectiveAlgorithm::kHierarchical:
+      return kind == CollectiveKind::kAllGather || kind == CollectiveKind::kReduceScatter ||
+             kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kBroadcast;
+  }
+  return false;
+}
+
+double Topology::rail_bandwidth_bytes_per_s() const {
+  return inter_node.bandwidth_bytes_per_s * nics_per_node / devices_per_node;
+}
+
+std::array<std::vector<AlgorithmModel>, kNumCollectiveKinds> DefaultCollectiveAlgorithms() {
+  std::array<std::vector<AlgorithmModel>, kNumCollectiveKinds> out;
+  for (const CollectiveKind kind : kKinds) {
+    for (const CollectiveAlgorithm a : kAlgorithms) {
+      if (AlgorithmSupports(a, kind)) out[static_cast<int>(kind)].push_back({.algorithm = a});
+    }
+  }
+  return out;
+}
+
+absl::Status ValidateTopology(const Topology& t) {
+  if (t.name.empty()) return FieldError(t, "name", "must not be empty");
+  if (t.nodes < 1) return FieldError(t, "nodes", absl::StrCat("must be >= 1, got ", t.nodes));
+  if (t.devices_per_node < 1) {
+    return FieldError(t, "devices_per_node",
+                      absl::StrCat("must be >= 1, got ", t.devices_per_node));
+  }
+  if (static_cast<int64_t>(t.nodes) * t.devices_per_node > (int64_t{1} << 30)) {
+    return FieldError(t, "nodes", "times devices_per_node must be at most 2^30");
+  }
+  if (t.device_memory_bytes == 0) return FieldError(t, "device_memory_GiB", "must be positive");
+  if (!(t.compute_flops_per_s > 0) || std::isinf(t.compute_flops_per_s)) {
+    return FieldError(
+        t, "compute_TFLOPs",
+        absl::StrCat("must be positive and finite, got ", t.compute_flops_per_s / kTera));
+  }
+  SL_RETURN_IF_ERROR(ValidateLink(t, t.intra_node, "intra_node", "bandwidth_GBps"));
+  // A one-node topology may still describe its NICs (nics_per_node > 0): then they must be
+  // valid too.
+  if (t.nics_per_node < (t.nodes > 1 ? 1 : 0)) {
+    return FieldError(t, "inter_node.nics_per_node",
+                      absl::StrCat("must be >= ", t.nodes > 1 ? "1 when nodes > 1" : "0", ", got ",
+                                   t.nics_per_node));
+  }
+  if (t.nodes > 1 || t.nics_per_node > 0) {
+    SL_RETURN_IF_ERROR(ValidateLink(t, t.inter_node, "inter_node", "nic_bandwidth_GBps"));
+  }
+  for (const CollectiveKind kind : kKinds) {
+    const std::vector<AlgorithmModel>& models = t.algorithms(kind);
+    const std::string field = absl::StrCat("collectives.", CollectiveName(kind));
+    bool ring = false;
+    std::set<CollectiveAlgorithm> seen;
+    for (const AlgorithmModel& m : models) {
+      const std::string path = absl::StrCat(field, ".", CollectiveAlgorithmName(m.algorithm));
+      if (!AlgorithmSupports(m.algorithm, kind)) {
+        return FieldError(t, path, absl::StrCat("does not exist for ", CollectiveName(kind)));
+      }
+      if (!seen.insert(m.algorithm).second) return FieldError(t, path, "is listed twice");
+      if (!(m.bandwidth_factor > 0 && m.bandwidth_factor <= 1)) {
+        return FieldError(t, absl::StrCat(path, ".bandwidth_factor"),
+                          absl::StrCat("must be in (0, 1], got ", m.bandwidth_factor));
+      }
+      if (!(m.latency_s >= 0) || std::isinf(m.latency_s)) {
+        return FieldError(t, absl::StrCat(path, ".latency_us"),
+                          absl::StrCat("must be >= 0 and finite, got ", m.latency_s / kUs));
+      }
+      ring |= m.algorithm == CollectiveAlgorithm::kRing;
+    }
+    if (!ring) {
+      return FieldError(t, field,
+                        "must list \"ring\" (the algorithm of every group inside one node)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Topology> ParseTopology(absl::string_view json) {
+  absl::StatusOr<JsonValue> parsed = ParseJson(json);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("topology: ", parsed.status().message()));
+  }
+  const JsonValue& root = *parsed;
+  Topology t;
+  t.collectives = DefaultCollectiveAlgorithms();
+  SL_ASSIGN_OR_RETURN(Fields top, Fields::Of(t, root, ""));
+  SL_ASSIGN_OR_RETURN(t.name, top.String("name", /*required=*/true));
+  SL_ASSIGN_OR_RETURN(t.description, top.String("description", /*required=*/false));
+  SL_ASSIGN_OR_RETURN(t.nodes, top.Int("nodes"));
+  SL_ASSIGN_OR_RETURN(t.devices_per_node, top.Int("devices_per_node"));
+  SL_ASSIGN_OR_RETURN(const double gib, top.Number("device_memory_GiB"));
+  if (!(gib > 0) || gib * kGiB >= 1.8e19) {
+    return FieldError(t, "device_memory_GiB", absl::StrCat("must be positive, got ", gib));
+  }
+  t.device_memory_bytes = static_cast<uint64_t>(std::llround(gib * kGiB));
+  SL_ASSIGN_OR_RETURN(const double tflops, top.Number("compute_TFLOPs"));
+  t.compute_flops_per_s = tflops * kTera;
+
+  SL_ASSIGN_OR_RETURN(const JsonValue* intra, top.Required("intra_node"));
+  SL_ASSIGN_OR_RETURN(Fields in, Fields::Of(t, *intra, "intra_node"));
+  SL_ASSIGN_OR_RETURN(const double in_bw, in.Number("bandwidth_GBps"));
+  t.intra_node.bandwidth_bytes_per_s = in_bw * kGB;
+  SL_ASSIGN_OR_RETURN(const double in_lat, in.Number("latency_us"));
+  t.intra_node.latency_s = in_lat * kUs;
+  SL_ASSIGN_OR_RETURN(t.intra_node.efficiency, ParseEfficiency(t, in, "efficiency"));
+  SL_RETURN_IF_ERROR(in.Finish());
+
+  const JsonValue* inter = top.Find("inter_node");
+  if (inter == nullptr && t.nodes > 1) return FieldError(t, "inter_node", "is missing (nodes > 1)");
+  if (inter != nullptr) {
+    SL_ASSIGN_OR_RETURN(Fields net, Fields::Of(t, *inter, "inter_node"));
+    SL_ASSIGN_OR_RETURN(t.nics_per_node, net.Int("nics_per_node"));
+    SL_ASSIGN_OR_RETURN(const double bw, net.Number("nic_bandwidth_GBps"));
+    t.inter_node.bandwidth_bytes_per_s = bw * kGB;
+    SL_ASSIGN_OR_RETURN(const double lat, net.Number("latency_us"));
+    t.inter_node.latency_s = lat * kUs;
+    SL_ASSIGN_OR_RETURN(t.inter_node.efficiency, ParseEfficiency(t, net, "efficiency"));
+    SL_RETURN_IF_ERROR(net.Finish());
+  }
+  if (const JsonValue* coll = top.Find("collectives"); coll != nullptr) {
+    SL_RETURN_IF_ERROR(ParseCollectives(t, *coll));
+  }
+  SL_RETURN_IF_ERROR(top.Finish());
+  SL_RETURN_IF_ERROR(ValidateTopology(t));
+  return t;
+}
+
+absl::StatusOr<Topology> LoadTopology(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open topology file '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return absl::UnavailableError(absl::StrCat("cannot read '", path, "'"));
+  absl::StatusOr<Topology> t = ParseTopology(text.str());
+  if (!t.ok()) {
+    return absl::Status(t.status().code(), absl::StrCat(path, ": ", t.status().message()));
+  }
+  return t;
+}
+
+std::string TopologyToJson(const Topology& t) {
+  auto link = [](const LinkModel& l, std::string head, absl::string_view bw_key) {
+    std::string out =
+        absl::StrCat("{", head, "\"", bw_key, "\": ", JsonNumber(l.bandwidth_bytes_per_s / kGB),
+                     ", \"latency_us\": ", JsonNumber(l.latency_s / kUs));
+    if (!l.efficiency.empty()) {
+      absl::StrAppend(&out, ",\n    \"efficiency\": [");
+      for (size_t i = 0; i < l.efficiency.size(); ++i) {
+        absl::StrAppend(&out, i == 0 ? "\n" : ",\n",
+                        "      {\"bytes\": ", JsonNumber(l.efficiency[i].bytes),
+                        ", \"efficiency\": ", JsonNumber(l.efficiency[i].efficiency), "}");
+      }
+      absl::StrAppend(&out, "\n    ]");
+    }
+    return absl::StrCat(out, "}");
+  };
+  std::string out = absl::StrCat(
+      "{\n  \"name\": ", JsonQuote(t.name), ",\n  \"description\": ", JsonQuote(t.description),
+      ",\n  \"nodes\": ", t.nodes, ",\n  \"devices_per_node\": ", t.devices_per_node,
+      ",\n  \"device_memory_GiB\": ", JsonNumber(static_cast<double>(t.device_memory_bytes) / kGiB),
+      ",\n  \"compute_TFLOPs\": ", JsonNumber(t.compute_flops_per_s / kTera),
+      ",\n  \"intra_node\": ", link(t.intra_node, "", "bandwidth_GBps"));
+  if (t.nodes > 1 || t.nics_per_node > 0) {
+    absl::StrAppend(&out, ",\n  \"inter_node\": ",
+                    link(t.inter_node, absl::StrCat("\"nics_per_node\": ", t.nics_per_node, ", "),
+                         "nic_bandwidth_GBps"));
+  }
+  absl::StrAppend(&out, ",\n  \"collectives\": {");
+  for (size_t i = 0; i < kKinds.size(); ++i) {
+    absl::StrAppend(&out, i == 0 ? "\n" : ",\n", "    \"", CollectiveName(kKinds[i]), "\": {");
+    const std::vector<AlgorithmModel>& models = t.algorithms(kKinds[i]);
+    for (size_t j = 0; j < models.size(); ++j) {
+      const AlgorithmModel& m = models[j];
+      std::vector<std::string> params;
+      if (m.bandwidth_factor != 1) {
+        params.push_back(absl::StrCat("\"bandwidth_factor\": ", JsonNumber(m.bandwidth_factor)));
+      }
+      if (m.latency_s != 0) {
+        params.push_back(absl::StrCat("\"latency_us\": ", JsonNumber(m.latency_s / kUs)));
+      }
+      absl::StrAppend(&out, j == 0 ? "" : ", ", "\"", CollectiveAlgorithmName(m.algorithm), "\": {",
+                      absl::StrJoin(params, ", "), "}");
+    }
+    absl::StrAppend(&out, "}");
+  }
+  absl::StrAppend(&out, "\n  }\n}\n");
+  return out;
+}
+
+absl::StatusOr<GroupShape> GroupShapeOf(const Topology& t, absl::Span<const int> devices) {
+  if (devices.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(Where(t), ": a group needs at least 1 rank"));
+  }
+  std::vector<int> per_node;
+  std::set<int> seen;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const int d = devices[i];
+    if (d < 0 || d >= t.devices()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(t), ": rank ", i, " is placed on device ", d,
+                       ", outside the topology's devices 0..", t.devices() - 1));
+    }
+    if (!seen.insert(d).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(t), ": rank ", i, " is placed on device ", d,
+                       ", which an earlier rank of the group already occupies"));
+    }
+    const int node = d / t.devices_per_node;
+    if (per_node.size() <= static_cast<size_t>(node)) per_node.resize(node + 1, 0);
+    ++per_node[node];
+  }
+  GroupShape g;
+  g.ranks = static_cast<int>(devices.size());
+  g.nodes = static_cast<int>(
+      std::count_if(per_node.begin(), per_node.end(), [](int c) { return c > 0; }));
+  g.ranks_per_node = *std::max_element(per_node.begin(), per_node.end());
+  return g;
+}
+
+absl::StatusOr<CollectiveCost> EstimateCollectiveWith(const Topology& t,
+                                                      CollectiveAlgorithm algorithm,
+                                                      CollectiveKind kind, size_t count,
+                                                      DType dtype, const GroupShape& shape) {
+  SL_RETURN_IF_ERROR(CheckShape(t, shape));
+  SL_ASSIGN_OR_RETURN(CollectiveCost c, Formula(t, algorithm, kind, count, dtype, shape));
+  for (const AlgorithmModel& m : t.algorithms(kind)) {
+    if (m.algorithm == algorithm) return Corrected(c, m);
+  }
+  return c;
+}
+
+absl::StatusOr<CollectiveCost> EstimateCollective(const Topology& t, CollectiveKind kind,
+                                                  size_t count, DType dtype,
+                                                  const GroupShape& shape) {
+  SL_RETURN_IF_ERROR(CheckShape(t, shape));
+  std::optional<CollectiveCost> best;
+  for (const AlgorithmModel& m : t.algorithms(kind)) {
+    absl::StatusOr<CollectiveCost> c = Formula(t, m.algorithm, kind, count, dtype, shape);
+    if (!c.ok()) continue;  // does not apply to this group
+    const CollectiveCost corrected = Corrected(*c, m);
+    if (!best.has_value() || corrected.seconds() < best->seconds()) best = corrected;
+  }
+  if (!best.has_value()) {
+    // Validation guarantees a ring, which applies to every group.
+    return absl::InternalError(absl::StrCat(Where(t), ": no algorithm for ", CollectiveName(kind)));
+  }
+  return *best;
+}
+
+absl::Duration ComputeDuration(const Topology& t, double flops) {
+  if (!(flops > 0)) return absl::ZeroDuration();
+  return absl::Seconds(flops / t.compute_flops_per_s);
+}
+
+}  // namespace shardline
