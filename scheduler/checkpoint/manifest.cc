@@ -13,13 +13,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "runtime/status.h"
-#include "scheduler/checkpoint/internal/json.h"
+#include "scheduler/internal/json.h"
 
 namespace shardline {
 
-using checkpoint_internal::JsonKindName;
-using checkpoint_internal::JsonQuote;
-using checkpoint_internal::JsonValue;
+using scheduler_internal::JsonKindName;
+using scheduler_internal::JsonQuote;
+using scheduler_internal::JsonValue;
 
 std::string CheckpointShardFileName(int shard, int num_shards) {
   return absl::StrFormat("shard-%05d-of-%05d.bin", shard, num_shards);
@@ -351,7 +351,7 @@ absl::StatusOr<CheckpointManifest> ParseCheckpointManifest(absl::string_view jso
     return absl::InvalidArgumentError(
         absl::StrCat("manifest of ", json.size(), " bytes exceeds ", kMaxCheckpointManifestBytes));
   }
-  SL_ASSIGN_OR_RETURN(JsonValue root, checkpoint_internal::ParseJson(json));
+  SL_ASSIGN_OR_RETURN(JsonValue root, scheduler_internal::ParseJson(json));
   SL_RETURN_IF_ERROR(ExpectKind(root, JsonValue::Kind::kObject, "the manifest"));
   CheckpointManifest m;
   SL_ASSIGN_OR_RETURN(std::string format, String(root, "", "format"));

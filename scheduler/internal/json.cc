@@ -1,13 +1,13 @@
-// A recursive-descent JSON reader (scheduler/checkpoint/internal/json.h). Recursion is bounded by
+// A recursive-descent JSON reader (scheduler/internal/json.h). Recursion is bounded by
 // kMaxJsonDepth, so hostile input cannot exhaust the stack; every read checks the end first.
 
-#include "scheduler/checkpoint/internal/json.h"
+#include "scheduler/internal/json.h"
 
 #include <limits>
 
 #include "absl/strings/str_cat.h"
 
-namespace shardline::checkpoint_internal {
+namespace shardline::scheduler_internal {
 
 JsonValue JsonValue::Bool(bool b) {
   JsonValue v;
@@ -374,4 +374,4 @@ std::string JsonQuote(absl::string_view s) {
   return out;
 }
 
-}  // namespace shardline::checkpoint_internal
+}  // namespace shardline::scheduler_internal

@@ -1,13 +1,13 @@
-// File: scheduler/checkpoint/internal/json.h
+// File: scheduler/internal/json.h
 // -----------------------------------------------------------------------------
-// The small JSON reader and string quoting behind the checkpoint manifest (a private header of
-// scheduler/checkpoint/). RFC 8259 with two restrictions that the manifest never needs: numbers
-// are integers (a fraction or an exponent is an error, not a rounding) within int64, and nesting
-// is at most kMaxJsonDepth deep. Duplicate object keys are an error. Errors are InvalidArgument
-// with the line and column.
+// The small JSON reader and string quoting of the scheduler layer (a private header of
+// scheduler/: the checkpoint manifest, the tuner's model descriptions). RFC 8259 with two
+// restrictions that neither needs: numbers are integers (a fraction or an exponent is an error,
+// not a rounding) within int64, and nesting is at most kMaxJsonDepth deep. Duplicate object keys
+// are an error. Errors are InvalidArgument with the line and column.
 
-#ifndef SHARDLINE_SCHEDULER_CHECKPOINT_INTERNAL_JSON_H_
-#define SHARDLINE_SCHEDULER_CHECKPOINT_INTERNAL_JSON_H_
+#ifndef SHARDLINE_SCHEDULER_INTERNAL_JSON_H_
+#define SHARDLINE_SCHEDULER_INTERNAL_JSON_H_
 
 #include <cstdint>
 #include <memory>
@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace shardline::checkpoint_internal {
+namespace shardline::scheduler_internal {
 
 inline constexpr int kMaxJsonDepth = 64;
 
@@ -62,6 +62,6 @@ absl::StatusOr<JsonValue> ParseJson(absl::string_view text);
 // other bytes (UTF-8) as they are.
 std::string JsonQuote(absl::string_view s);
 
-}  // namespace shardline::checkpoint_internal
+}  // namespace shardline::scheduler_internal
 
-#endif  // SHARDLINE_SCHEDULER_CHECKPOINT_INTERNAL_JSON_H_
+#endif  // SHARDLINE_SCHEDULER_INTERNAL_JSON_H_
