@@ -378,7 +378,7 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
   // Layers.
   const uint64_t dropout_mask = c.dropout ? h : 0;
   uint64_t attention = p * (4 * h + 2 * kvd) + dropout_mask;
-  attention += c.fused_attention ? 4 * a : a * s * (2 * p + (c.dropout ? 1 + 2 * p : 0));
+  attention += c.fused_attention ? 4 * a : a * s * (p + (c.dropout ? 1 + p : 0));
   const uint64_t mlp = p * (2 * h + (c.gated_ffn ? 3 : 2) * f) + dropout_mask;
   const uint64_t layer_activations = (attention + mlp) * t;
   for (int l = 0; l < c.layers; ++l) {

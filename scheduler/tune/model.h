@@ -26,7 +26,7 @@
 //   generalised to grouped KV heads, gated FFNs, dropout on or off and fused attention):
 //     attention  p*(h [norm input] + h [QKV input] + h [Q] + 2*k*d [K, V] + h [output-projection
 //                input]) + (dropout ? h : 0)
-//                + unfused: a*s*(2p [softmax output] + (dropout ? 1 + 2p : 0) [mask, output])
+//                + unfused: a*s*(p [softmax output] + (dropout ? 1 + p : 0) [mask, output])
 //                + fused (FlashAttention): 4*a [the softmax's log-sum-exp, f32]
 //     FFN        p*(h [norm input] + h [FFN input] + (gated ? 3f : 2f)) + (dropout ? h : 0)
 //   For GPT-3's layer (p = 2, k = a, f = 4h, dropout, unfused) this is Korthikanti's
@@ -77,8 +77,10 @@ struct UnitUse {
   uint64_t forward_flops = 0;
   uint64_t backward_flops = 0;
   // Bytes kept from this use's forward to its backward, per micro-batch, without and with
-  // activation checkpointing. With checkpointing, the use's backward recomputes its forward
-  // (forward_flops again) and holds activation_bytes during its own backward.
+  // activation checkpointing. With checkpointing, a use whose checkpointed_activation_bytes is
+  // below its activation_bytes recomputes its forward in its backward (forward_flops again) and
+  // holds activation_bytes during its own backward; a use that keeps as much either way (the
+  // presets' embedding and head) is not checkpointed.
   uint64_t activation_bytes = 0;
   uint64_t checkpointed_activation_bytes = 0;
 };

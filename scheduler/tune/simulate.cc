@@ -80,8 +80,8 @@ class Backend {
   virtual absl::Status Compute(Stream& stream, std::string name, uint64_t flops) = 0;
   // Runs everything enqueued so far to completion.
   virtual absl::Status Drain(std::vector<Rank>& ranks) = 0;
-  // For LastStepMetrics.
-  virtual absl::Time MetricsDeadline() = 0;
+  // For LastStepMetrics and the host's waits for its compute.
+  virtual absl::Time Deadline() = 0;
 };
 
 class VirtualBackend final : public Backend {
@@ -111,7 +111,7 @@ class VirtualBackend final : public Backend {
                           .run = [] { return absl::OkStatus(); }});
   }
   absl::Status Drain(std::vector<Rank>&) override { return timeline_->RunUntilIdle(); }
-  absl::Time MetricsDeadline() override { return absl::InfiniteFuture(); }
+  absl::Time Deadline() override { return absl::InfiniteFuture(); }
 
  private:
   const SimCluster& cluster_;
@@ -142,7 +142,7 @@ class HostBackend final : public Backend {
     for (Rank& r : ranks) SL_RETURN_IF_ERROR(r.compute->Synchronize(DefaultDeadline()));
     return absl::OkStatus();
   }
-  absl::Time MetricsDeadline() override { return DefaultDeadline(); }
+  absl::Time Deadline() override { return DefaultDeadline(); }
 };
 
 // The ranks, torn down in dependency order (schedulers return buffers to the pools, the pools
@@ -188,12 +188,28 @@ absl::Status CheckConfig(const ModelDescription& model, const SimulationConfig& 
   return absl::OkStatus();
 }
 
+// Whether the use's backward recomputes its forward: checkpointing is on and the use keeps less
+// with it than without (model.h).
+bool Recomputes(const SimulationConfig& c, const UnitUse& use) {
+  return c.activation_checkpointing && use.checkpointed_activation_bytes < use.activation_bytes;
+}
+
 // Appends the rank's issue-log entries made since the last call to its current step's log.
 void TakeIssues(Rank& r) {
   const std::vector<std::string>& issued = r.scheduler->issue_log();
   for (; r.issues_seen < issued.size(); ++r.issues_seen) {
     r.logs.back().push_back(issued[r.issues_seen]);
   }
+}
+
+// HostLead::kOneUse: every rank's host waits for the compute it has enqueued so far.
+absl::Status WaitForCompute(Backend& backend, std::vector<Rank>& ranks, const SimulationConfig& c) {
+  if (c.host_lead != HostLead::kOneUse) return absl::OkStatus();
+  for (Rank& r : ranks) {
+    SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, RecordEvent(*r.compute));
+    SL_RETURN_IF_ERROR(done->Synchronize(backend.Deadline()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDescription& model,
@@ -206,13 +222,14 @@ absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDesc
       SL_RETURN_IF_ERROR(r.scheduler->PreForward(use.unit));
       TakeIssues(r);
       const uint64_t kept =
-          c.activation_checkpointing ? use.checkpointed_activation_bytes : use.activation_bytes;
+          Recomputes(c, use) ? use.checkpointed_activation_bytes : use.activation_bytes;
       SL_ASSIGN_OR_RETURN(r.activations_held[k], r.activations->Allocate(kept));
       SL_RETURN_IF_ERROR(backend.Compute(*r.compute, absl::StrCat("f ", name), use.forward_flops));
       r.logs.back().push_back(absl::StrCat("f ", name));
       SL_RETURN_IF_ERROR(r.scheduler->PostForward(use.unit));
       TakeIssues(r);
     }
+    SL_RETURN_IF_ERROR(WaitForCompute(backend, ranks, c));
   }
   for (size_t k = model.forward.size(); k-- > 0;) {
     const UnitUse& use = model.forward[k];
@@ -226,7 +243,7 @@ absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDesc
       // reuses it stream-ordered).
       Buffer recomputed;
       uint64_t flops = use.backward_flops;
-      if (c.activation_checkpointing) {
+      if (Recomputes(c, use)) {
         SL_ASSIGN_OR_RETURN(recomputed, r.activations->Allocate(use.activation_bytes));
         flops += use.forward_flops;
       }
@@ -236,6 +253,7 @@ absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDesc
       TakeIssues(r);
       r.activations_held[k].Reset();
     }
+    SL_RETURN_IF_ERROR(WaitForCompute(backend, ranks, c));
   }
   for (Rank& r : ranks) {
     SL_RETURN_IF_ERROR(r.scheduler->FinishBackward());
@@ -355,8 +373,8 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
   report.ranks_simulated = c.world_size;
   report.cluster = cluster != nullptr ? cluster->Describe() : "local backend (host memory)";
   for (const UnitUse& use : model.forward) {
-    report.step_flops += use.forward_flops + use.backward_flops +
-                         (c.activation_checkpointing ? use.forward_flops : 0);
+    report.step_flops +=
+        use.forward_flops + use.backward_flops + (Recomputes(c, use) ? use.forward_flops : 0);
   }
   if (cluster != nullptr) {
     report.compute_time =
@@ -364,7 +382,7 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
   }
   for (int i = 0; i < c.world_size; ++i) {
     Rank& r = ranks[i];
-    SL_ASSIGN_OR_RETURN(StepMetrics m, r.scheduler->LastStepMetrics(backend.MetricsDeadline()));
+    SL_ASSIGN_OR_RETURN(StepMetrics m, r.scheduler->LastStepMetrics(backend.Deadline()));
     if (m.step_time.has_value() && cluster != nullptr) {
       report.step_time = std::max(report.step_time.value_or(absl::ZeroDuration()), *m.step_time);
     }
@@ -427,6 +445,16 @@ class FlatCluster final : public SimCluster {
 };
 
 }  // namespace
+
+absl::string_view HostLeadName(HostLead lead) {
+  switch (lead) {
+    case HostLead::kOneUse:
+      return "one_use";
+    case HostLead::kWholeStep:
+      return "whole_step";
+  }
+  return "?";
+}
 
 absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions options) {
   if (!(options.compute_flops_per_s > 0)) {

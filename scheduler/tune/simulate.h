@@ -22,7 +22,8 @@
 // op of declared duration FLOPs / the cluster's achieved throughput. It runs two steps: a
 // warm-up that records the forward order (as a framework's first iteration does) and the
 // measured step, which prefetches along it. The step is PreForward of the first use to the end
-// of FinishBackward's waits; the optimizer's own compute is not simulated.
+// of FinishBackward's waits; the optimizer's own compute is not simulated. How far the host
+// runs ahead of the device is SimulationConfig::host_lead.
 //
 // Memory per device is the peak, over the measured step, of everything allocated on it in
 // host-issue order (a GPU framework's host runs ahead of the device, and the scheduler's pools
@@ -33,8 +34,8 @@
 // shard, padding included, allocated before the step) and the activations (each use's
 // activation_bytes, or checkpointed_activation_bytes with checkpointing, from its forward to
 // its backward; with checkpointing the full activation_bytes also during the use's own
-// backward). Ranks of one simulation are symmetric in these figures; the report takes the
-// maximum over ranks.
+// backward, for the uses that recompute, model.h). Ranks of one simulation are symmetric in these
+// figures; the report takes the maximum over ranks.
 //
 // Every rank is simulated (world sizes of a few hundred run in seconds; a representative rank
 // per role for larger worlds does not exist yet). Schedulers are created from one thread per
@@ -98,6 +99,20 @@ struct FlatClusterOptions {
 // InvalidArgument for a non-positive throughput or SimOptions' own errors (at CreateWorld).
 absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions options);
 
+// How far the framework's host runs ahead of its compute stream. The scheduler takes unsharded
+// gradients only from blocks that nothing uses any more (a compute stream must never wait for a
+// reduction, scheduler.h), so the further the host runs ahead, the more gradient buffers the
+// reduce pool holds at once; gathers and their budget are unaffected (stream-ordered reuse), and
+// so is the issue order (decided by the hook sequence alone).
+enum class HostLead : uint8_t {
+  kOneUse,     // after each use's hooks the host waits for that use's compute (as a framework
+               // whose host blocks once per layer)
+  kWholeStep,  // the host issues the whole step before the device runs any of it (the most a
+               // host can run ahead: the reduce pool's worst case)
+};
+// "one_use", "whole_step".
+absl::string_view HostLeadName(HostLead lead);
+
 struct SimulationConfig {
   int world_size = 8;
   // Full shard is the mesh 1 x N, hybrid R x k with k = shard_size, shard-grad-op 1 x N with the
@@ -117,6 +132,7 @@ struct SimulationConfig {
   std::optional<bool> reshard_after_forward;
   int root_unit = 0;  // -1: no root
   bool activation_checkpointing = false;
+  HostLead host_lead = HostLead::kOneUse;
   // Rank 0's streams and the scheduler's spans, on virtual time. Null: none. Must outlive the
   // call.
   TraceWriter* trace = nullptr;
