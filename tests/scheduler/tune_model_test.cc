@@ -141,7 +141,9 @@ void ExpectSameModel(const ModelDescription& a, const ModelDescription& b) {
     EXPECT_EQ(a.units[u].name, b.units[u].name);
     EXPECT_EQ(a.units[u].tensors, b.units[u].tensors);
     EXPECT_EQ(a.units[u].has_precision, b.units[u].has_precision);
-    if (a.units[u].has_precision) EXPECT_EQ(a.units[u].precision, b.units[u].precision);
+    if (a.units[u].has_precision) {
+      EXPECT_EQ(a.units[u].precision, b.units[u].precision);
+    }
   }
   ASSERT_EQ(a.forward.size(), b.forward.size());
   for (size_t k = 0; k < a.forward.size(); ++k) {
