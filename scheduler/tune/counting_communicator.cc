@@ -106,8 +106,6 @@ class CountingCommunicator final : public Communicator {
 
   absl::Status Launch(Op op, Stream& stream) override {
     const CollectiveFingerprint& fp = op.fingerprint;
-    counter_->Record(name(), size(), fp.kind,
-                     CollectivePayloadBytes(fp.kind, fp.count, op.element_size, size()));
     const CollectiveOptions options{.timeout = op.timeout};
     ReduceOptions reduce;
     reduce.timeout = op.timeout;
@@ -136,6 +134,11 @@ class CountingCommunicator final : public Communicator {
       case CollectiveKind::kBarrier:
         work = inner_->Barrier(stream, options);
         break;
+    }
+    // Counted once the wrapped communicator has taken it.
+    if (work.ok()) {
+      counter_->Record(name(), size(), fp.kind,
+                       CollectivePayloadBytes(fp.kind, fp.count, op.element_size, size()));
     }
     return work.status();
   }

@@ -20,7 +20,8 @@
 // chain), 0 for barrier; RingSentBytesTimesSize returns n times that, an exact integer.
 //
 // The wrapper accepts the streams the wrapped backend accepts (errors come from the wrapped
-// communicator's own checks); aborting it aborts the wrapped one. Thread safety: as any
+// communicator's own checks); a call either of them refuses is not counted. Aborting the
+// wrapper aborts the wrapped communicator. Thread safety: as any
 // Communicator; the counter has its own lock.
 
 #ifndef SHARDLINE_SCHEDULER_TUNE_COUNTING_COMMUNICATOR_H_

@@ -12,6 +12,7 @@
 //     warm-up and the measured step, across strategies, prefetch modes, depths and budgets; and
 //     equals the documented example;
 //   * activation and optimizer memory against plain sums; step time and the compute time;
+//   * rank 0's Chrome trace holds the compute and the collectives at virtual times;
 //   * bad configurations are errors naming the field;
 //   * Llama 3 8B on 8 simulated ranks runs (and its figures are what the model says).
 #include "scheduler/tune/simulate.h"
@@ -19,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -374,6 +376,30 @@ TEST(TuneSimulateTest, ActivationOptimizerAndComputeFigures) {
     EXPECT_GE(mem.total_peak, mem.master_shards + mem.optimizer_state + mem.activations_peak);
     EXPECT_TRUE(r.fits);
   }
+}
+
+TEST(TuneSimulateTest, TraceShowsRankZerosStreamsOnVirtualTime) {
+  const ModelDescription m = TestModel(3, /*tied=*/false, /*uniform=*/false);
+  TraceWriter trace(0);
+  const SimulationReport r = MustSimulate(m, {.world_size = 2, .trace = &trace});
+  const std::string json = trace.ToJson();
+  // Both steps' compute (one op per use and direction) and gathers, on their own tracks.
+  for (const char* name : {"\"f u0\"", "\"b u2\"", "all_gather", "reduce_scatter", "\"compute\"",
+                           "\"gather\"", "\"reduce\""}) {
+    EXPECT_TRUE(absl::StrContains(json, name)) << name;
+  }
+  // Virtual time: every span lies within the two steps after the Unix epoch (the virtual
+  // clock's start), not at wall-clock time.
+  ASSERT_TRUE(r.step_time.has_value());
+  int spans = 0;
+  for (size_t at = json.find("\"ts\":"); at != std::string::npos;
+       at = json.find("\"ts\":", at + 1)) {
+    const double ts = std::strtod(json.c_str() + at + 5, nullptr);
+    EXPECT_GE(ts, 0);
+    EXPECT_LE(ts, 2 * absl::ToDoubleMicroseconds(*r.step_time) + 1000);
+    ++spans;
+  }
+  EXPECT_GT(spans, 20);
 }
 
 TEST(TuneSimulateTest, BadConfigurationsAreErrors) {
