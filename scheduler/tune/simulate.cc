@@ -1,0 +1,482 @@
+// The simulation driver (scheduler/tune/simulate.h). One driver plays the framework for every
+// rank; a Backend says where the ranks' streams, communicators and memory come from (virtual
+// time and phantom memory, or the local backend and host memory), so that both runs call the
+// same hooks in the same order.
+
+#include "scheduler/tune/simulate.h"
+
+#include <algorithm>
+#include <thread>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "collectives/local/local_communicator.h"
+#include "runtime/caching_pool.h"
+#include "runtime/config.h"
+#include "runtime/phantom_allocator.h"
+#include "runtime/status.h"
+
+namespace shardline {
+namespace {
+
+constexpr absl::Duration kCreateTimeout = absl::Seconds(60);
+
+// An allocator over `backing` with its own accounting: the driver's categories of device memory
+// (shards, pools, optimizer state, activations) each keep their own peak while the backing
+// allocator keeps the device's.
+class SubAllocator final : public Allocator {
+ public:
+  SubAllocator(Allocator& backing, std::string name)
+      : Allocator(backing.device(), std::move(name)), backing_(backing) {}
+  ~SubAllocator() override { DrainPending(); }
+
+ protected:
+  absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream* /*first_user*/) override {
+    SL_ASSIGN_OR_RETURN(Buffer block, backing_.Allocate(bytes));
+    void* data = block.data();
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.emplace(data, std::move(block));
+    return data;
+  }
+  void DeallocateRaw(void* data, size_t /*bytes*/) override {
+    Buffer block;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.find(data);
+    block = std::move(it->second);
+    live_.erase(it);
+  }
+
+ private:
+  Allocator& backing_;
+  std::mutex mu_;
+  absl::flat_hash_map<void*, Buffer> live_;
+};
+
+struct Rank {
+  std::unique_ptr<Allocator> device;
+  std::unique_ptr<SubAllocator> shards, gather_blocks, reduce_blocks, optimizer, activations;
+  std::unique_ptr<CachingPool> gather_pool, reduce_pool;
+  std::unique_ptr<Stream> compute;
+  std::shared_ptr<CollectiveCounter> counter;
+  std::unique_ptr<Scheduler> scheduler;
+  Buffer optimizer_state;
+  std::vector<Buffer> activations_held;  // per forward use
+  uint64_t master_shard_bytes = 0;
+  size_t issues_seen = 0;
+  std::vector<std::vector<std::string>> logs;  // per step
+};
+
+// Where ranks live. Subclasses own the timeline (if any) and must outlive the ranks.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) = 0;
+  virtual std::unique_ptr<Allocator> DeviceMemory(int rank) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) = 0;
+  // SchedulerOptions::stream_factory (null: the scheduler's default).
+  virtual std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory() = 0;
+  virtual absl::Status Compute(Stream& stream, std::string name, uint64_t flops) = 0;
+  // Runs everything enqueued so far to completion.
+  virtual absl::Status Drain(std::vector<Rank>& ranks) = 0;
+  // For LastStepMetrics and the host's waits for its compute.
+  virtual absl::Time Deadline() = 0;
+};
+
+class VirtualBackend final : public Backend {
+ public:
+  VirtualBackend(const SimCluster& cluster, std::unique_ptr<VirtualTimeline> timeline)
+      : cluster_(cluster), timeline_(std::move(timeline)) {}
+
+  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) override {
+    return cluster_.CreateWorld(*timeline_, size);
+  }
+  std::unique_ptr<Allocator> DeviceMemory(int rank) override {
+    return CreatePhantomAllocator(Device::Host(), absl::StrCat("rank", rank, ".device"));
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) override {
+    return CreateVirtualStream(*timeline_, std::move(options));
+  }
+  std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory() override {
+    VirtualTimeline* tl = timeline_.get();
+    return [tl](StreamOptions so) { return CreateVirtualStream(*tl, std::move(so)); };
+  }
+  absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
+    const double seconds = static_cast<double>(flops) / cluster_.compute_flops_per_s();
+    return stream.Submit({.name = std::move(name),
+                          .kind = StreamOpKind::kCompute,
+                          .flops = flops,
+                          .duration = absl::Seconds(seconds),
+                          .run = [] { return absl::OkStatus(); }});
+  }
+  absl::Status Drain(std::vector<Rank>&) override { return timeline_->RunUntilIdle(); }
+  absl::Time Deadline() override { return absl::InfiniteFuture(); }
+
+ private:
+  const SimCluster& cluster_;
+  std::unique_ptr<VirtualTimeline> timeline_;
+};
+
+class HostBackend final : public Backend {
+ public:
+  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) override {
+    return CreateLocalCommunicators(size);
+  }
+  std::unique_ptr<Allocator> DeviceMemory(int rank) override {
+    return CreateHostAllocator(64, absl::StrCat("rank", rank, ".host"));
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) override {
+    return CreateHostStream(std::move(options));
+  }
+  std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory() override {
+    return nullptr;
+  }
+  absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
+    return stream.Submit(
+        {.name = std::move(name), .kind = StreamOpKind::kCompute, .flops = flops, .run = [] {
+           return absl::OkStatus();
+         }});
+  }
+  absl::Status Drain(std::vector<Rank>& ranks) override {
+    for (Rank& r : ranks) SL_RETURN_IF_ERROR(r.compute->Synchronize(DefaultDeadline()));
+    return absl::OkStatus();
+  }
+  absl::Time Deadline() override { return DefaultDeadline(); }
+};
+
+// The ranks, torn down in dependency order (schedulers return buffers to the pools, the pools
+// to their sub-allocators, those to the device; compute streams outlive the schedulers).
+struct Ranks {
+  std::vector<Rank> ranks;
+  ~Ranks() {
+    for (Rank& r : ranks) {
+      r.scheduler.reset();
+      r.activations_held.clear();
+      r.optimizer_state.Reset();
+      r.gather_pool.reset();
+      r.reduce_pool.reset();
+      r.shards.reset();
+      r.gather_blocks.reset();
+      r.reduce_blocks.reset();
+      r.optimizer.reset();
+      r.activations.reset();
+      r.compute.reset();
+      r.device.reset();
+    }
+  }
+};
+
+absl::Status CheckConfig(const ModelDescription& model, const SimulationConfig& c) {
+  SL_RETURN_IF_ERROR(model.Validate());
+  auto bad = [](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("simulation config: ", parts...));
+  };
+  if (c.world_size < 1) return bad("world_size must be at least 1, got ", c.world_size);
+  if (c.strategy == ShardingStrategy::kHybridShard &&
+      (c.shard_size < 1 || c.world_size % c.shard_size != 0)) {
+    return bad("hybrid shard_size ", c.shard_size, " must be positive and divide world_size ",
+               c.world_size);
+  }
+  if (c.forward_prefetch < 0 || c.backward_prefetch_depth < 0) {
+    return bad("prefetch depths must not be negative (forward ", c.forward_prefetch, ", backward ",
+               c.backward_prefetch_depth, ")");
+  }
+  if (c.root_unit < -1 || c.root_unit >= static_cast<int>(model.units.size())) {
+    return bad("root_unit ", c.root_unit, " is not -1 or a unit (", model.units.size(), " units)");
+  }
+  return absl::OkStatus();
+}
+
+// Whether the use's backward recomputes its forward: checkpointing is on and the use keeps less
+// with it than without (model.h).
+bool Recomputes(const SimulationConfig& c, const UnitUse& use) {
+  return c.activation_checkpointing && use.checkpointed_activation_bytes < use.activation_bytes;
+}
+
+// Appends the rank's issue-log entries made since the last call to its current step's log.
+void TakeIssues(Rank& r) {
+  const std::vector<std::string>& issued = r.scheduler->issue_log();
+  for (; r.issues_seen < issued.size(); ++r.issues_seen) {
+    r.logs.back().push_back(issued[r.issues_seen]);
+  }
+}
+
+// HostLead::kOneUse: every rank's host waits for the compute it has enqueued so far.
+absl::Status WaitForCompute(Backend& backend, std::vector<Rank>& ranks, const SimulationConfig& c) {
+  if (c.host_lead != HostLead::kOneUse) return absl::OkStatus();
+  for (Rank& r : ranks) {
+    SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, RecordEvent(*r.compute));
+    SL_RETURN_IF_ERROR(done->Synchronize(backend.Deadline()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDescription& model,
+                     const SimulationConfig& c) {
+  for (Rank& r : ranks) r.logs.emplace_back();
+  for (size_t k = 0; k < model.forward.size(); ++k) {
+    const UnitUse& use = model.forward[k];
+    const std::string& name = model.units[use.unit].name;
+    for (Rank& r : ranks) {
+      SL_RETURN_IF_ERROR(r.scheduler->PreForward(use.unit));
+      TakeIssues(r);
+      const uint64_t kept =
+          Recomputes(c, use) ? use.checkpointed_activation_bytes : use.activation_bytes;
+      SL_ASSIGN_OR_RETURN(r.activations_held[k], r.activations->Allocate(kept));
+      SL_RETURN_IF_ERROR(backend.Compute(*r.compute, absl::StrCat("f ", name), use.forward_flops));
+      r.logs.back().push_back(absl::StrCat("f ", name));
+      SL_RETURN_IF_ERROR(r.scheduler->PostForward(use.unit));
+      TakeIssues(r);
+    }
+    SL_RETURN_IF_ERROR(WaitForCompute(backend, ranks, c));
+  }
+  for (size_t k = model.forward.size(); k-- > 0;) {
+    const UnitUse& use = model.forward[k];
+    const std::string& name = model.units[use.unit].name;
+    for (Rank& r : ranks) {
+      SL_RETURN_IF_ERROR(r.scheduler->PreBackward(use.unit));
+      TakeIssues(r);
+      // Checkpointing: the use's forward is recomputed, its activations live during its
+      // backward. The memory is the framework's and the compute ops never touch it, so it is
+      // released on the host at once (issue order, as the framework's own caching allocator
+      // reuses it stream-ordered).
+      Buffer recomputed;
+      uint64_t flops = use.backward_flops;
+      if (Recomputes(c, use)) {
+        SL_ASSIGN_OR_RETURN(recomputed, r.activations->Allocate(use.activation_bytes));
+        flops += use.forward_flops;
+      }
+      SL_RETURN_IF_ERROR(backend.Compute(*r.compute, absl::StrCat("b ", name), flops));
+      r.logs.back().push_back(absl::StrCat("b ", name));
+      SL_RETURN_IF_ERROR(r.scheduler->PostBackward(use.unit));
+      TakeIssues(r);
+      r.activations_held[k].Reset();
+    }
+    SL_RETURN_IF_ERROR(WaitForCompute(backend, ranks, c));
+  }
+  for (Rank& r : ranks) {
+    SL_RETURN_IF_ERROR(r.scheduler->FinishBackward());
+    TakeIssues(r);
+  }
+  return backend.Drain(ranks);
+}
+
+absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& model,
+                                     const SimulationConfig& c, const SimCluster* cluster) {
+  SL_RETURN_IF_ERROR(CheckConfig(model, c));
+  SL_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Communicator>> world,
+                      backend.World(c.world_size));
+  Ranks owner;
+  std::vector<Rank>& ranks = owner.ranks;
+  ranks.resize(c.world_size);
+  std::vector<SchedulerOptions> options(c.world_size);
+  for (int i = 0; i < c.world_size; ++i) {
+    Rank& r = ranks[i];
+    r.device = backend.DeviceMemory(i);
+    r.shards = std::make_unique<SubAllocator>(*r.device, absl::StrCat("rank", i, ".shards"));
+    r.gather_blocks = std::make_unique<SubAllocator>(*r.device, absl::StrCat("rank", i, ".gather"));
+    r.reduce_blocks = std::make_unique<SubAllocator>(*r.device, absl::StrCat("rank", i, ".reduce"));
+    r.optimizer = std::make_unique<SubAllocator>(*r.device, absl::StrCat("rank", i, ".optimizer"));
+    r.activations =
+        std::make_unique<SubAllocator>(*r.device, absl::StrCat("rank", i, ".activations"));
+    r.gather_pool = std::make_unique<CachingPool>(
+        *r.gather_blocks, CachingPoolOptions{.name = absl::StrCat("rank", i, ".gather pool")});
+    r.reduce_pool = std::make_unique<CachingPool>(
+        *r.reduce_blocks, CachingPoolOptions{.name = absl::StrCat("rank", i, ".reduce pool")});
+    TraceWriter* trace = i == 0 ? c.trace : nullptr;
+    SL_ASSIGN_OR_RETURN(
+        r.compute,
+        backend.ComputeStream(
+            {.name = absl::StrCat("rank", i, ".compute"), .trace = trace, .track = "compute"}));
+    r.counter = std::make_shared<CollectiveCounter>();
+    r.activations_held.resize(model.forward.size());
+    SchedulerOptions& o = options[i];
+    o.name = absl::StrCat("rank", i);
+    o.strategy = c.strategy;
+    o.shard_size = c.strategy == ShardingStrategy::kHybridShard ? c.shard_size : 0;
+    o.forward_prefetch = c.forward_prefetch;
+    o.backward_prefetch = c.backward_prefetch;
+    o.backward_prefetch_depth = c.backward_prefetch_depth;
+    o.budget_bytes = c.budget_bytes;
+    o.budget_units = c.budget_units;
+    o.root_unit = c.root_unit;
+    o.stream_factory = backend.Factory();
+    o.gather_pool = r.gather_pool.get();
+    o.reduce_pool = r.reduce_pool.get();
+    o.shard_allocator = r.shards.get();
+    o.trace = trace;
+  }
+
+  // Creating the mesh splits the world: a rendezvous, one thread per rank.
+  {
+    std::vector<absl::Status> created(c.world_size);
+    std::vector<std::thread> threads;
+    threads.reserve(c.world_size);
+    const absl::Time deadline = absl::Now() + kCreateTimeout;
+    for (int i = 0; i < c.world_size; ++i) {
+      threads.emplace_back([&, i] {
+        absl::StatusOr<std::unique_ptr<Scheduler>> s = Scheduler::Create(
+            WrapCounting(world[i], ranks[i].counter), *ranks[i].compute, options[i], deadline);
+        if (s.ok()) {
+          ranks[i].scheduler = *std::move(s);
+        } else {
+          created[i] = s.status();
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (const absl::Status& s : created) SL_RETURN_IF_ERROR(s);
+  }
+
+  for (int i = 0; i < c.world_size; ++i) {
+    Rank& r = ranks[i];
+    for (size_t u = 0; u < model.units.size(); ++u) {
+      UnitSpec spec{.name = model.units[u].name, .tensors = model.units[u].tensors};
+      spec.policy.precision = model.PrecisionOf(static_cast<int>(u));
+      if (c.param_dtype.has_value()) spec.policy.precision.param_dtype = *c.param_dtype;
+      if (c.reduce_dtype.has_value()) spec.policy.precision.reduce_dtype = *c.reduce_dtype;
+      spec.policy.reshard_after_forward = c.reshard_after_forward;
+      SL_RETURN_IF_ERROR(r.scheduler->RegisterUnit(std::move(spec)).status());
+    }
+    uint64_t shard_elements = 0;
+    for (int u = 0; u < r.scheduler->num_units(); ++u) {
+      shard_elements += r.scheduler->unit(u).layout().shard_elements();
+    }
+    SL_ASSIGN_OR_RETURN(
+        r.optimizer_state,
+        r.optimizer->Allocate(shard_elements * model.optimizer_state_bytes_per_param));
+    r.master_shard_bytes = static_cast<uint64_t>(r.shards->stats().current_bytes);
+  }
+
+  // Warm-up: records the forward order.
+  SL_RETURN_IF_ERROR(RunStep(backend, ranks, model, c));
+  for (Rank& r : ranks) {
+    SL_RETURN_IF_ERROR(r.scheduler->ZeroGrad());
+    r.counter->Reset();
+  }
+  SL_RETURN_IF_ERROR(backend.Drain(ranks));
+  for (Rank& r : ranks) {
+    for (Allocator* a : std::initializer_list<Allocator*>{
+             r.gather_pool.get(), r.reduce_pool.get(), r.shards.get(), r.gather_blocks.get(),
+             r.reduce_blocks.get(), r.optimizer.get(), r.activations.get(), r.device.get()}) {
+      a->Collect();
+      a->ResetPeak();
+    }
+  }
+
+  // The measured step.
+  SL_RETURN_IF_ERROR(RunStep(backend, ranks, model, c));
+
+  SimulationReport report;
+  report.world_size = c.world_size;
+  report.ranks_simulated = c.world_size;
+  report.cluster = cluster != nullptr ? cluster->Describe() : "local backend (host memory)";
+  for (const UnitUse& use : model.forward) {
+    report.step_flops +=
+        use.forward_flops + use.backward_flops + (Recomputes(c, use) ? use.forward_flops : 0);
+  }
+  if (cluster != nullptr) {
+    report.compute_time =
+        absl::Seconds(static_cast<double>(report.step_flops) / cluster->compute_flops_per_s());
+  }
+  for (int i = 0; i < c.world_size; ++i) {
+    Rank& r = ranks[i];
+    SL_ASSIGN_OR_RETURN(StepMetrics m, r.scheduler->LastStepMetrics(backend.Deadline()));
+    if (m.step_time.has_value() && cluster != nullptr) {
+      report.step_time = std::max(report.step_time.value_or(absl::ZeroDuration()), *m.step_time);
+    }
+    MemoryReport& mem = report.memory;
+    auto peak = [](const Allocator& a) { return static_cast<uint64_t>(a.stats().peak_bytes); };
+    mem.master_shards = std::max(mem.master_shards, r.master_shard_bytes);
+    mem.sharded_grads =
+        std::max(mem.sharded_grads,
+                 static_cast<uint64_t>(r.shards->stats().current_bytes) - r.master_shard_bytes);
+    mem.optimizer_state = std::max(mem.optimizer_state, peak(*r.optimizer));
+    mem.unsharded_params_peak = std::max(mem.unsharded_params_peak, peak(*r.gather_blocks));
+    mem.grad_buffers_peak = std::max(mem.grad_buffers_peak, peak(*r.reduce_blocks));
+    mem.activations_peak = std::max(mem.activations_peak, peak(*r.activations));
+    mem.total_peak = std::max(mem.total_peak, peak(*r.device));
+    mem.unsharded_params_requested_peak =
+        std::max(mem.unsharded_params_requested_peak, peak(*r.gather_pool));
+    if (i == 0) {
+      report.metrics = m;
+      if (cluster != nullptr) {
+        report.exposed_communication = m.exposed_communication;
+        report.communication_time = m.communication_time;
+      }
+      report.collectives = r.counter->Totals();
+      report.ring_sent_bytes_per_rank = r.counter->RingSentBytes();
+    }
+    report.event_logs.push_back(std::move(r.logs));
+  }
+  if (report.step_time.has_value() && model.tokens_per_micro_batch > 0) {
+    report.tokens_per_s_per_device = static_cast<double>(model.tokens_per_micro_batch) /
+                                     absl::ToDoubleSeconds(*report.step_time);
+  }
+  if (cluster != nullptr && cluster->device_memory_bytes() > 0) {
+    report.fits = report.memory.total_peak <= cluster->device_memory_bytes();
+  }
+  return report;
+}
+
+class FlatCluster final : public SimCluster {
+ public:
+  explicit FlatCluster(FlatClusterOptions options) : options_(std::move(options)) {
+    options_.network.move_data = false;
+    options_.network.dup_without_rendezvous = false;
+  }
+  std::string Describe() const override {
+    return absl::StrFormat("flat: %g us, %g GB/s per link, %g TFLOP/s, %g GiB",
+                           absl::ToDoubleMicroseconds(options_.network.latency),
+                           options_.network.bandwidth_bytes_per_s / 1e9,
+                           options_.compute_flops_per_s / 1e12,
+                           static_cast<double>(options_.device_memory_bytes) / (1ull << 30));
+  }
+  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateWorld(
+      VirtualTimeline& timeline, int world_size) const override {
+    return CreateSimCommunicators(timeline, world_size, options_.network);
+  }
+  double compute_flops_per_s() const override { return options_.compute_flops_per_s; }
+  uint64_t device_memory_bytes() const override { return options_.device_memory_bytes; }
+
+ private:
+  FlatClusterOptions options_;
+};
+
+}  // namespace
+
+absl::string_view HostLeadName(HostLead lead) {
+  switch (lead) {
+    case HostLead::kOneUse:
+      return "one_use";
+    case HostLead::kWholeStep:
+      return "whole_step";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions options) {
+  if (!(options.compute_flops_per_s > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flat cluster: compute_flops_per_s must be positive, got ", options.compute_flops_per_s));
+  }
+  return std::make_unique<FlatCluster>(std::move(options));
+}
+
+absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
+                                          const SimulationConfig& config,
+                                          const SimCluster& cluster) {
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<VirtualTimeline> timeline,
+                      VirtualTimeline::Create({.run_ops = false}));
+  VirtualBackend backend(cluster, std::move(timeline));
+  return Run(backend, model, config, &cluster);
+}
+
+absl::StatusOr<SimulationReport> RunOnHostBackend(const ModelDescription& model,
+                                                  const SimulationConfig& config) {
+  HostBackend backend;
+  return Run(backend, model, config, nullptr);
+}
+
+}  // namespace shardline
