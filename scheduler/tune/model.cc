@@ -9,12 +9,11 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "runtime/status.h"
 #include "runtime/json.h"
+#include "runtime/status.h"
 
 namespace shardline {
 namespace {
-
 
 uint64_t Numel(const TensorSpec& spec) {
   uint64_t n = 1;

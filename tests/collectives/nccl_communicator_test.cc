@@ -42,6 +42,8 @@ TEST(NcclCommunicatorTest, BootstrapSaysTheBackendIsMissing) {
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "collectives/flight_recorder.h"
 #include "collectives/nccl/nccl_communicator.h"
 #include "runtime/config.h"
 #include "runtime/stream.h"
@@ -338,6 +340,42 @@ void CheckEveryCollective(int r, int n, Communicator& comm, Stream& stream) {
 TEST(NcclCommunicatorTest, EveryCollectiveOnOneGpu) {
   SKIP_UNLESS_GPUS(1);
   RunRanks(1, CheckEveryCollective);
+}
+
+// The watchdog records when each collective started and ended on the device (as it sees the
+// CUDA events, up to one polling interval late), with the caller's tag.
+TEST(NcclCommunicatorTest, FlightRecorderSeesCollectivesEnd) {
+  SKIP_UNLESS_GPUS(1);
+  RunRanks(1, [](int, int, Communicator& comm, Stream& stream) {
+    DeviceBuffer buf(4097 * sizeof(float));
+    for (int i = 0; i < 3; ++i) {
+      ReduceOptions options;
+      options.tag = absl::StrCat("unit.", i);
+      ASSERT_TRUE(
+          WaitFor(comm.AllReduce(buf.get(), buf.get(), 4097, DType::kF32, stream, options)).ok());
+    }
+    // The work is done; the watchdog's next sweeps record it (bounded poll: no event for them).
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    std::vector<FlightRecord> records = comm.FlightRecords();
+    while (absl::Now() < deadline &&
+           !std::all_of(records.begin(), records.end(),
+                        [](const FlightRecord& r) { return r.state == FlightState::kDone; })) {
+      absl::SleepFor(absl::Milliseconds(1));
+      records = comm.FlightRecords();
+    }
+    ASSERT_EQ(records.size(), 3u);
+    for (int i = 0; i < 3; ++i) {
+      const FlightRecord& r = records[i];
+      EXPECT_EQ(r.seq, static_cast<uint64_t>(i));
+      EXPECT_EQ(r.kind, CollectiveKind::kAllReduce);
+      EXPECT_EQ(r.count, 4097u);
+      EXPECT_EQ(r.tag, absl::StrCat("unit.", i));
+      EXPECT_EQ(r.state, FlightState::kDone) << FlightStateName(r.state);
+      EXPECT_GT(r.enqueued_ns, 0);
+      EXPECT_LE(r.enqueued_ns, r.started_ns);
+      EXPECT_LE(r.started_ns, r.ended_ns);
+    }
+  });
 }
 
 TEST(NcclCommunicatorTest, EveryCollectiveAcrossGpus) {
