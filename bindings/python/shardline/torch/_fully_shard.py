@@ -337,6 +337,10 @@ class _Root:
         self.saved_hooks = None
         self.anchor = torch.empty(0, requires_grad=True)
         self.sync = True
+        # Saved forward views unpacked in backward, and of them those whose backward gather
+        # lies at another address (for tests).
+        self.saved_unpacked = 0
+        self.saved_moved = 0
 
     # -- lazy initialisation
     def initialize(self):
@@ -364,8 +368,18 @@ class _Root:
         mp = first.mp_policy
         self.param_dtype = mp.param_dtype or torch.float32
         reduce_dtype = mp.reduce_dtype or self.param_dtype
+        # A parent's use is split around its children ([root, block0, root, block1, ...]), so
+        # prefetching the next block needs depth 2 (the parent's next use is already gathered:
+        # the root is kept, and a kept parent costs nothing to prefetch again).
+        interleaved = any(
+            st.params and any(getattr(m, "_shardline_state", None) not in (None, st)
+                              for m in st.module.modules())
+            for st in self.states if st is not self.root_state) or (
+            self.root_state.params and len(self.states) > 1)
+        depth = 2 if interleaved else 1
         self.scheduler = shardline.Scheduler(
-            world, strategy=strategy, shard_size=shard_size,
+            world, strategy=strategy, shard_size=shard_size, forward_prefetch=depth,
+            backward_prefetch_depth=depth,
             param_dtype=_DTYPE_NAMES[self.param_dtype], reduce_dtype=_DTYPE_NAMES[reduce_dtype],
             cpu_offload=isinstance(first.offload_policy, CPUOffloadPolicy), name="fully_shard",
             framework="torch", root_unit=0)
@@ -528,13 +542,13 @@ class _Root:
             key = self.pack_map.get(t.untyped_storage().data_ptr())
             if key is not None:
                 return ("shardline", self.step_id, key, tuple(t.shape), t.stride(),
-                        t.storage_offset(), t.dtype)
+                        t.storage_offset(), t.data_ptr())
         return t
 
     def _unpack(self, packed):
         if not (isinstance(packed, tuple) and packed and packed[0] == "shardline"):
             return packed
-        _, step, (unit, index), shape, stride, offset, dtype = packed
+        _, step, (unit, index), shape, stride, offset, address = packed
         if step != self.step_id:
             raise RuntimeError("fully_shard: a backward through a graph of an earlier step")
         views = self.views.get(unit)
@@ -542,7 +556,10 @@ class _Root:
             raise RuntimeError(
                 f"fully_shard: autograd needs a saved parameter of unit {unit} outside its "
                 "backward use")
-        return views[index].as_strided(shape, stride, offset)
+        t = views[index].as_strided(shape, stride, offset)
+        self.saved_unpacked += 1
+        self.saved_moved += t.data_ptr() != address
+        return t
 
     # -- backward
     def _open(self, st):
