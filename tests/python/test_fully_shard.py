@@ -132,8 +132,9 @@ class Block(nn.Module):
 class Tied(nn.Module):
     """Embedding and output head share one weight; four blocks of the same size in between."""
 
-    def __init__(self, vocab=23, d=9, h=17, blocks=4):
+    def __init__(self, vocab=23, d=9, h=17, blocks=4, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint
         self.embed = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList([Block(d, h) for _ in range(blocks)])
         self.head = nn.Linear(d, vocab, bias=False)
@@ -142,11 +143,14 @@ class Tied(nn.Module):
     def forward(self, tokens):
         h = self.embed(tokens)
         for b in self.blocks:
-            h = b(h)
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+            else:
+                h = b(h)
         return self.head(h)
 
 
-def train_pair(world, make, steps=3, freeze=None, reshard=True):
+def train_pair(world, make, steps=3, freeze=None, reshard=True, **policies):
     """The same model plain and fully_shard'ed on one rank: (reference, sharded, losses)."""
     torch.manual_seed(7)
     ref = make()
@@ -156,8 +160,8 @@ def train_pair(world, make, steps=3, freeze=None, reshard=True):
         for m in (ref, model):
             freeze(m)
     for b in model.blocks:
-        slt.fully_shard(b, mesh=world, reshard_after_forward=reshard)
-    slt.fully_shard(model, mesh=world)
+        slt.fully_shard(b, mesh=world, reshard_after_forward=reshard, **policies)
+    slt.fully_shard(model, mesh=world, **policies)
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
             for m in (ref, model)]
     losses = []
@@ -167,7 +171,7 @@ def train_pair(world, make, steps=3, freeze=None, reshard=True):
         target = torch.randint(0, 23, (3, 5), generator=g)
         pair = []
         for m, opt in zip((ref, model), opts):
-            loss = F.cross_entropy(m(tokens).reshape(-1, 23), target.reshape(-1))
+            loss = F.cross_entropy(m(tokens).float().reshape(-1, 23), target.reshape(-1))
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -205,6 +209,71 @@ def test_saved_weights_without_the_hooks_go_wrong(world, monkeypatch):
     worst = max(((p.detach() - params[n].detach().reshape(-1)).norm() / params[n].norm()).item()
                 for n, p in model.named_parameters())
     assert worst > 1e-3, worst
+
+
+def test_activation_checkpointing_recomputes_from_the_backward_gather(world):
+    ref, model, losses = train_pair(world, lambda: Tied(checkpoint=True))
+    for a, b in losses:
+        assert abs(a - b) <= TOLERANCE * a
+    assert_same_parameters(ref, model)
+    metrics = model.shardline_scheduler.metrics()
+    # The recomputations were served by the backward gathers: one forward and one backward
+    # gather per block, as without checkpointing.
+    for unit in metrics.units[1:]:
+        assert unit.gathers == 2, str(metrics)
+
+
+class Stack(nn.Module):
+    """A root with no parameters of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(6, 11), Block(6, 5), Block(6, 11)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_root_without_parameters(world):
+    torch.manual_seed(5)
+    ref = Stack()
+    torch.manual_seed(5)
+    model = Stack()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, model), opts):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+    assert model.shardline_scheduler.num_units == 3
+
+
+def test_bf16_param_policy_within_bf16_tolerance(world):
+    policy = slt.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    ref, model, losses = train_pair(world, Tied, mp_policy=policy)
+    for a, b in losses:
+        assert abs(a - b) <= 1e-2 * a, losses
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32  # the master shard stays float32
+        want = ref_params[name].detach().reshape(-1)
+        worst = max(worst, ((p.detach() - want).norm() / want.norm()).item())
+    assert 1e-6 < worst <= 1e-2, worst  # it computed in bfloat16, and closely
+    with torch.no_grad():
+        assert model(torch.zeros(1, 2, dtype=torch.long)).dtype == torch.bfloat16
+
+
+def test_cpu_offload_policy(world):
+    ref, model, losses = train_pair(world, Tied, offload_policy=slt.CPUOffloadPolicy())
+    assert_same_parameters(ref, model)
 
 
 def test_frozen_parameters_get_no_gradient(world):

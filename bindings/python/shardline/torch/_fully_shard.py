@@ -130,6 +130,8 @@ class _UnitState:
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
+        self.recompute_open = False
+        self.descendants = set()  # the states of fully_shard'ed modules under this one
         self.params = []  # the nn.Parameter objects, in registration order
         self.names = []   # their names relative to the module (the first slot's)
         self.slots = []   # per parameter, every (submodule, attribute name) that holds it
@@ -336,6 +338,7 @@ class _Root:
         self.pack_map = {}        # storage address -> (unit, tensor) of the open forward views
         self.saved_hooks = None
         self.anchor = torch.empty(0, requires_grad=True)
+        self.recomputing = False  # inside a recomputed forward (activation checkpointing)
         self.sync = True
         # Saved forward views unpacked in backward, and of them those whose backward gather
         # lies at another address (for tests).
@@ -389,11 +392,17 @@ class _Root:
         for i, st in enumerate(self.states):
             st.root = self
             st.name = names.get(id(st.module), "") or "<root>"
+            if not st.params:
+                continue  # a module with no parameters of its own: no unit, no hooks' work
             reshard = False if st is self.root_state else st.reshard_after_forward
             st.unit = s.register_unit(
                 f"{i}:{st.name}", [(n, tuple(p.shape)) for n, p in zip(st.names, st.params)],
                 reshard_after_forward=reshard, reduce_op="avg")
+        self.units = [st for st in self.states if st.params]
         for st in self.states:
+            st.descendants = {m._shardline_state for m in st.module.modules()
+                              if isinstance(m, FSDPModule) and m is not st.module}
+        for st in self.units:
             with torch.no_grad():
                 s.set_values(st.unit, [p.detach().contiguous() for p in st.params])
             master = s.master_shard(st.unit)
@@ -411,7 +420,29 @@ class _Root:
 
     # -- forward
     def _begin_use(self, st):
+        if not st.params:
+            return
         s = self.scheduler
+        if self.recomputing:
+            # Activation recomputation inside the backward: the unit's open backward use has
+            # its parameters; otherwise the scheduler serves the recomputation from the gather
+            # of the unit's coming backward use (PreForward in its backward phase).
+            top = self.backward_stack[-1] if self.backward_stack else None
+            if top is not None and top[0] is st and top[1]:
+                views = self.views[st.unit]
+                st.recompute_open = False
+            else:
+                s.pre_forward(st.unit)
+                views = s.params(st.unit)
+                st.recompute_open = True
+            # As in the forward, the views require gradients (so autograd saves the same
+            # tensors, which checkpoint checks); this graph is only used to unpack.
+            views = [v.detach().requires_grad_(p.requires_grad and torch.is_grad_enabled())
+                     for v, p in zip(views, st.params)]
+            for v, slots in zip(views, st.slots):
+                for mod, name in slots:
+                    mod._parameters[name] = v
+            return
         s.pre_forward(st.unit)
         views = s.params(st.unit)
         for i, v in enumerate(views):
@@ -425,9 +456,13 @@ class _Root:
                 mod._parameters[name] = v
 
     def _end_use(self, st):
+        if not st.params:
+            return
         for p, slots in zip(st.params, st.slots):
             for mod, name in slots:
                 mod._parameters[name] = p
+        if self.recomputing and not st.recompute_open:
+            return
         self.scheduler.post_forward(st.unit)
 
     def begin_step(self, st):
@@ -469,10 +504,16 @@ class _Root:
         self.pending.clear()
 
     def pre_forward(self, st, args, kwargs):
-        if self.backward_started and not self.forward_stack:
-            raise NotImplementedError(
-                "fully_shard: a forward inside the backward (activation recomputation) is not "
-                "supported yet by shardline.torch.fully_shard")
+        if self.backward_started and (self.recomputing or not self.forward_stack):
+            # A forward inside the backward: torch.utils.checkpoint recomputing activations.
+            if self.forward_stack:
+                raise NotImplementedError(
+                    "fully_shard: a recomputed region (torch.utils.checkpoint) that contains "
+                    "nested fully_shard'ed modules; checkpoint each of them separately")
+            self.recomputing = True
+            self.forward_stack.append(st)
+            self._begin_use(st)
+            return args, kwargs
         if not self.forward_stack:
             self.begin_step(st)
             self.in_forward = True
@@ -504,6 +545,9 @@ class _Root:
             return output  # an exception unwound the forward; the step ends below
         self.forward_stack.pop()
         self._end_use(st)
+        if self.recomputing:
+            self.recomputing = False
+            return output
         if self.forward_stack:
             self._begin_use(self.forward_stack[-1])
         else:
@@ -563,12 +607,16 @@ class _Root:
 
     # -- backward
     def _open(self, st):
+        if not st.params:
+            return
         self.scheduler.pre_backward(st.unit)
         self.views[st.unit] = self.scheduler.params(st.unit)
         for grads in self.pending.pop(st.unit, []):
             self._add_grads(st, grads)
 
     def _close(self, st):
+        if not st.params:
+            return
         self.views.pop(st.unit, None)
         self.scheduler.post_backward(st.unit)
 
@@ -578,6 +626,14 @@ class _Root:
         if not self.backward_started:
             self.backward_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_step)
+        # A module that returns its child's output directly: the child's hook may fire first.
+        # The parent's backward use then comes after the child's (below it on the stack).
+        below = len(self.backward_stack)
+        while below > 0 and self.backward_stack[below - 1][0] in st.descendants:
+            below -= 1
+        if below < len(self.backward_stack):
+            self.backward_stack.insert(below, [st, False])
+            return
         if self.backward_stack and self.backward_stack[-1][1]:
             self._close(self.backward_stack[-1][0])
             self.backward_stack[-1][1] = False
@@ -636,7 +692,7 @@ class _Root:
             self.step_id += 1
         if self.sync and backward_ran:
             s = self.scheduler
-            for st in self.states:
+            for st in self.units:
                 grad = s.shard_grad(st.unit)
                 for p, (offset, length) in zip(st.params, st.slices):
                     if p.requires_grad:
