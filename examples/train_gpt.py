@@ -76,7 +76,7 @@ def main():
     p.add_argument("--impl", choices=["shardline", "fsdp2", "ddp", "single"], default="shardline")
     p.add_argument("--backend", default="gloo", help="torch.distributed backend (fsdp2, ddp)")
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--d", type=int, default=512)
+    p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
@@ -101,7 +101,7 @@ def main():
         dist.init_process_group(args.backend)
 
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.d, args.layers, args.heads, args.seq)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
     all_reduce_mean = None
     if args.impl == "shardline":
         import shardline

@@ -34,6 +34,7 @@ How it maps onto the scheduler (scheduler/scheduler.h):
 import atexit
 import dataclasses
 import gc
+import os
 import weakref
 from typing import Any, Optional
 
@@ -81,9 +82,18 @@ _world = None  # the default world communicator, made once per process
 def _default_world():
     global _world
     if _world is None:
-        # Under an initialised torch.distributed, shardline.init() rendezvouses through torch's
-        # store; otherwise through the launcher's environment.
-        _world = shardline.init(name="fully_shard")
+        dist = torch.distributed
+        if (dist.is_available() and not dist.is_initialized()
+                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+            # torchrun: its agent already serves the store at MASTER_PORT; join it as a client
+            # (torch's env:// rendezvous), never binding that port a second time.
+            store, rank, size = next(dist.rendezvous("env://"))
+            _world = shardline.init_with_store(dist.PrefixStore("shardline/fully_shard", store),
+                                               rank, size, name="fully_shard")
+        else:
+            # Under an initialised torch.distributed, shardline.init() rendezvouses through
+            # torch's store; otherwise through the launcher's environment.
+            _world = shardline.init(name="fully_shard")
     return _world
 
 
