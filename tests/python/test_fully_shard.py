@@ -348,3 +348,34 @@ def test_errors_name_what_is_wrong(world):
     m.set_post_optim_event(None)
     assert isinstance(m, slt.FSDPModule) and isinstance(m, nn.Linear)
     assert type(m).__name__ == "FSDPLinear"
+
+
+def test_train_gpt_example_matches_one_process(launch):
+    """examples/train_gpt.py (a GPT with tied embeddings) on 2 ranks with --impl shardline
+    prints the losses of --impl single on the same global batches."""
+    import pathlib
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+    small = ["--vocab", "97", "--dim", "24", "--layers", "2", "--heads", "4", "--seq", "9",
+             "--batch", "3", "--steps", "4", "--warmup", "1"]
+
+    def losses(output):
+        out = []
+        for line in output.splitlines():
+            if line.startswith("[") and ">: " in line:
+                line = line.split(">: ", 1)[1]
+            if line.startswith("step "):
+                out.append(float(line.split("loss ")[1].split()[0]))
+        return out
+
+    sharded = launch(2, [script, "--impl", "shardline", *small], timeout=150)
+    assert sharded.returncode == 0, sharded.describe()
+    single = subprocess.run([sys.executable, str(script), "--impl", "single", *small],
+                            capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stdout + single.stderr
+    got, want = losses(sharded.output), losses(single.stdout)
+    assert len(got) == len(want) == 4, (sharded.output, single.stdout)
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 1e-5 * w + 2e-6, (got, want)
+    assert len(sharded.lines("rank ")) == 2, sharded.output
