@@ -1,6 +1,6 @@
 """A small GPT (tied embeddings) trained on synthetic tokens, four ways:
 
-    torchrun --nproc-per-node 2 examples/train_gpt.py --impl shardline   # shardline.torch.fully_shard
+    torchrun --nproc-per-node 2 examples/train_gpt.py --impl shardline  # fully_shard (shardline)
     torchrun --nproc-per-node 2 examples/train_gpt.py --impl fsdp2       # torch's fully_shard
     torchrun --nproc-per-node 2 examples/train_gpt.py --impl ddp
     python examples/train_gpt.py --impl single --global-ranks 2          # one process, same batch
@@ -104,7 +104,6 @@ def main():
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
     all_reduce_mean = None
     if args.impl == "shardline":
-        import shardline
         import shardline.torch as slt
         for block in model.blocks:
             slt.fully_shard(block)

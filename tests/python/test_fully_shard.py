@@ -33,6 +33,7 @@ TOLERANCE = 1e-5
 def run_worker(launch, tmp_path, nprocs, *args):
     result = launch(nprocs, ["fully_shard_worker.py", tmp_path, *args], timeout=150)
     assert result.returncode == 0, result.describe()
+    assert "leaked" not in result.output, result.describe()  # nanobind's exit check
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)]
     assert [r["rank"] for r in ranks] == list(range(nprocs))
     return ranks
@@ -371,6 +372,7 @@ def test_train_gpt_example_matches_one_process(launch):
 
     sharded = launch(2, [script, "--impl", "shardline", *small], timeout=150)
     assert sharded.returncode == 0, sharded.describe()
+    assert "leaked" not in sharded.output, sharded.describe()
     single = subprocess.run([sys.executable, str(script), "--impl", "single", *small],
                             capture_output=True, text=True, timeout=120)
     assert single.returncode == 0, single.stdout + single.stderr

@@ -24,7 +24,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import shardline
 import shardline.torch as slt
 from shardline.torch import _fully_shard
 

@@ -36,7 +36,7 @@ import dataclasses
 import gc
 import os
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
