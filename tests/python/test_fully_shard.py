@@ -55,6 +55,15 @@ def check_parity(ranks, *, replicas=1):
             assert abs(got - want) <= TOLERANCE * abs(want), (r["rank"], got, want)
 
 
+def check_unshard(ranks):
+    for r in ranks:
+        u = r["unshard"]
+        for name in ("fc1.weight", "fc2.bias", "norm.weight"):
+            same_shape, rel = u[name]
+            assert same_shape and rel <= TOLERANCE, (r["rank"], name, u[name])
+        assert u["resharded"] and u["written_back"] and u["others_kept"], u
+
+
 def check_sharded(ranks):
     """The optimizer saw 1/N of the parameters on each rank (full shard: no replicas)."""
     total = sum(ranks[0]["full_numel"].values())
@@ -66,6 +75,7 @@ def test_full_shard_two_ranks_with_clip(launch, tmp_path):
     ranks = run_worker(launch, tmp_path, 2, "--clip", "0.5")
     check_parity(ranks)
     check_sharded(ranks)
+    check_unshard(ranks)
     for r in ranks:
         assert r["num_units"] == 4 and r["mesh"] == "1 x 2 (replicate x shard)"
         assert r["steps"] == 4
@@ -79,6 +89,7 @@ def test_shard_grad_op_with_gradient_accumulation(launch, tmp_path):
     ranks = run_worker(launch, tmp_path, 2, "--reshard-after-forward", "0", "--micro", "2")
     check_parity(ranks)
     check_sharded(ranks)
+    check_unshard(ranks)
     for r in ranks:
         # set_requires_gradient_sync(False): no reduction, so .grad stayed None after the
         # first micro-batch of each step.
@@ -90,6 +101,7 @@ def test_full_shard_four_ranks_accumulation_and_clip(launch, tmp_path):
     ranks = run_worker(launch, tmp_path, 4, "--micro", "2", "--clip", "0.3", "--steps", "3")
     check_parity(ranks)
     check_sharded(ranks)
+    check_unshard(ranks)
     for r in ranks:
         assert r["mesh"] == "1 x 4 (replicate x shard)"
         for got, want in zip(r["norms"], r["reference_norms"]):
@@ -99,6 +111,7 @@ def test_full_shard_four_ranks_accumulation_and_clip(launch, tmp_path):
 def test_no_shard_on_a_2d_device_mesh(launch, tmp_path):
     ranks = run_worker(launch, tmp_path, 2, "--mesh", "no_shard", "--steps", "3")
     check_parity(ranks, replicas=2)
+    check_unshard(ranks)
     for r in ranks:
         assert r["mesh"] == "2 x 1 (replicate x shard)"
         assert r["sharded_numel"] == sum(r["full_numel"].values())
@@ -107,6 +120,7 @@ def test_no_shard_on_a_2d_device_mesh(launch, tmp_path):
 def test_hybrid_2x2_on_a_device_mesh_with_clip(launch, tmp_path):
     ranks = run_worker(launch, tmp_path, 4, "--mesh", "hybrid", "--clip", "0.3", "--steps", "3")
     check_parity(ranks, replicas=2)
+    check_unshard(ranks)
     for r in ranks:
         assert r["mesh"] == "2 x 2 (replicate x shard)"
         for got, want in zip(r["norms"], r["reference_norms"]):
@@ -339,8 +353,7 @@ def test_errors_name_what_is_wrong(world):
     slt.fully_shard(model.embed, mesh=world)
     with pytest.raises(NotImplementedError, match="shared with a parameter managed"):
         slt.fully_shard(model.head, mesh=world)
-    for call in (lambda: m.unshard(), lambda: m.reshard(),
-                 lambda: m.set_modules_to_forward_prefetch([]),
+    for call in (lambda: m.set_modules_to_forward_prefetch([]),
                  lambda: m.set_modules_to_backward_prefetch([]),
                  lambda: m.set_reshard_after_backward(False)):
         with pytest.raises(NotImplementedError):

@@ -140,6 +140,29 @@ def compare(model_slices, reference_tensors):
     return out
 
 
+def unshard_checks(model, ref_params):
+    """unshard() puts the full trained tensors on the module (checked against the reference);
+    reshard() writes a change of them back into this rank's shard slices."""
+    out = {}
+    block = model.blocks[1]
+    sharded = {n: p for n, p in block.named_parameters()}
+    before = {n: p.detach().clone() for n, p in sharded.items()}
+    block.unshard()
+    for name in ("fc1.weight", "fc2.bias", "norm.weight"):
+        full = getattr(getattr(block, name.split(".")[0]), name.split(".")[1])
+        want = ref_params[f"blocks.1.{name}"].detach()
+        out[name] = [list(full.shape) == list(want.shape),
+                     ((full - want).norm() / want.norm()).item()]
+    with torch.no_grad():
+        block.fc1.weight.add_(1.0)
+    block.reshard()
+    out["resharded"] = block.fc1.weight is sharded["fc1.weight"]
+    out["written_back"] = bool(torch.equal(sharded["fc1.weight"], before["fc1.weight"] + 1.0))
+    out["others_kept"] = all(torch.equal(sharded[n], before[n]) for n in before
+                             if n != "fc1.weight")
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
@@ -197,8 +220,9 @@ def main():
         "num_units": scheduler.num_units, "mesh": scheduler.mesh,
         "shard_size": scheduler.shard_size, "steps": scheduler.steps,
         "metrics": str(scheduler.metrics()),
-        "seconds": time.monotonic() - t0,
     }
+    result["unshard"] = unshard_checks(model, ref_params)
+    result["seconds"] = time.monotonic() - t0
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
     if args.mesh != "world":

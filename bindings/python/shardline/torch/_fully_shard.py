@@ -142,6 +142,8 @@ class _UnitState:
         self.offload_policy = offload_policy
         self.recompute_open = False
         self.descendants = set()  # the states of fully_shard'ed modules under this one
+        self.full = None  # the full tensors while unshard()'ed
+        self.shapes = []  # the parameters' original shapes
         self.params = []  # the nn.Parameter objects, in registration order
         self.names = []   # their names relative to the module (the first slot's)
         self.slots = []   # per parameter, every (submodule, attribute name) that holds it
@@ -192,6 +194,7 @@ def _collect_parameters(state, module):
                 visit(child, f"{prefix}{child_name}.", False)
 
     visit(module, "", True)
+    state.shapes = [tuple(p.shape) for p in state.params]
     for name, p in zip(state.names, state.params):
         if p.dtype != torch.float32:
             raise NotImplementedError(f"fully_shard: parameter '{name}' is {p.dtype}; shardline's "
@@ -486,6 +489,8 @@ class _Root:
         if self.scheduler is not None and self.step_open:
             # The last forward's backward never ran: end that step (zero gradients).
             self.finish_step()
+        for unit in self.units:
+            self.write_back(unit)  # the forward reshards what unshard() left unsharded
         s = self.scheduler
         params = [(st, p, sl) for st in self.states for p, sl in zip(st.params, st.slices)
                   if p.requires_grad]
@@ -577,6 +582,39 @@ class _Root:
             # Nothing to differentiate: the step ends with the forward.
             self.finish_step()
         return output
+
+    def gather_full(self, st):
+        """The unit's full tensors, from every rank's master shard and slice table."""
+        s = self.scheduler
+        master = s.master_shard(st.unit)
+        size = self.world.size
+        shards = torch.empty(size * master.numel(), dtype=master.dtype)
+        self.world.all_gather(shards, master.contiguous()).wait()
+        table = torch.tensor([[t, o, n] for t, (o, n) in zip(st.tensor_offsets, st.slices)],
+                             dtype=torch.int64).reshape(-1)
+        tables = torch.empty(size * table.numel(), dtype=torch.int64)
+        self.world.all_gather(tables, table).wait()
+        tables = tables.reshape(size, len(st.params), 3)
+        shards = shards.reshape(size, master.numel())
+        full = [torch.empty(tuple(shape), dtype=torch.float32) for shape in st.shapes]
+        for r in range(size):
+            for i, (t, o, n) in enumerate(tables[r].tolist()):
+                if n:
+                    full[i].view(-1)[t:t + n] = shards[r, o:o + n]
+        return full
+
+    def write_back(self, st):
+        """Ends an unshard() of `st`: this rank's slices of its full tensors into the shard."""
+        if st.full is None:
+            return
+        with torch.no_grad():
+            for p, full, t, (_, n) in zip(st.params, st.full, st.tensor_offsets, st.slices):
+                if n:
+                    p.copy_(full.reshape(-1)[t:t + n])
+        for p, slots in zip(st.params, st.slots):
+            for mod, name in slots:
+                mod._parameters[name] = p
+        st.full = None
 
     def forward_failed(self):
         """An exception left the forward: close the open uses and end the step."""
@@ -737,6 +775,13 @@ def _post_forward(module, args, kwargs, output):
     return output
 
 
+class _UnshardHandle:
+    """FSDP2's UnshardHandle: the unshard is already done."""
+
+    def wait(self):
+        return None
+
+
 class FSDPModule:
     """The methods FSDP2 adds to a fully_shard'ed module."""
 
@@ -790,14 +835,29 @@ class FSDPModule:
         event to wait for: this does nothing."""
 
     def unshard(self, async_op=False):
-        raise NotImplementedError(
-            "unshard(): shardline's scheduler gathers units only inside a step (the forward "
-            "order it records); explicit unshard/reshard are not supported yet")
+        """Puts this module's unit's full parameters (float32, no gradient) on the module until
+        reshard() or the next forward, which writes them back into the shards first. Collective
+        over the world (two all-gathers, outside the scheduler's step). Before the first forward
+        the parameters are still whole and this does nothing. async_op: the gather is done
+        when this returns; the handle's wait() returns at once."""
+        st = self._shardline_state
+        root = st.root
+        if root is not None and st.params and st.full is None:
+            if root.step_open or root.forward_stack:
+                raise RuntimeError("unshard(): inside a step (between the root's forward and "
+                                   "the end of its backward)")
+            st.full = root.gather_full(st)
+            for v, slots in zip(st.full, st.slots):
+                for mod, name in slots:
+                    mod._parameters[name] = v
+        return _UnshardHandle() if async_op else None
 
     def reshard(self):
-        raise NotImplementedError(
-            "reshard(): shardline's scheduler reshards units itself after their forward and "
-            "backward use; explicit unshard/reshard are not supported yet")
+        """Ends unshard(): this rank's slice of each full parameter (as it is now, changes
+        included) goes back into its shard, and the module holds the sharded parameters again."""
+        st = self._shardline_state
+        if st.root is not None:
+            st.root.write_back(st)
 
     @property
     def shardline_scheduler(self):
