@@ -291,6 +291,50 @@ def test_cpu_offload_policy(world):
     assert_same_parameters(ref, model)
 
 
+class Branchy(nn.Module):
+    """Parallel children, a child used twice, root parameters before and after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 9)
+        self.a = Block(9, 13)
+        self.b = Block(9, 5)
+        self.c = Block(9, 13)
+        self.out = nn.Linear(9, 3)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        x, y = self.a(h), self.b(h)
+        z = self.c(self.c(x + y))
+        return self.out(z)
+
+
+@pytest.mark.parametrize("layout", ["nested", "embedding_unit", "leaf_linears"])
+def test_nested_units_branches_and_a_unit_used_twice(world, layout):
+    torch.manual_seed(11)
+    ref = Branchy()
+    torch.manual_seed(11)
+    model = Branchy()
+    if layout == "nested":  # a unit inside a unit inside the root
+        units = [model.a.fc1, model.a, model.b, model.c]
+    elif layout == "embedding_unit":  # the first unit's input needs no gradient
+        units = [model.emb, model.c]
+    else:
+        units = [model.a.fc1, model.a.fc2, model.out]
+    for i, m in enumerate(units):
+        slt.fully_shard(m, mesh=world, reshard_after_forward=i % 2 == 0)
+    slt.fully_shard(model, mesh=world)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, model), opts):
+            m(tokens).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+    assert model.shardline_scheduler.num_units == len(units) + 1
+
+
 def test_frozen_parameters_get_no_gradient(world):
     def freeze(m):
         m.blocks[1].fc1.weight.requires_grad_(False)
