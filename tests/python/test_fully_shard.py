@@ -335,6 +335,38 @@ def test_nested_units_branches_and_a_unit_used_twice(world, layout):
     assert model.shardline_scheduler.num_units == len(units) + 1
 
 
+def test_deferred_initialisation_from_the_meta_device(world):
+    """Built on meta, fully_shard'ed, then to_empty + init on the CPU before the first forward:
+    the units take the initialised values (and a forward on meta is refused by name)."""
+    def init(m):
+        torch.manual_seed(21)
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+
+    ref = Tied()
+    init(ref)
+    with torch.device("meta"):
+        model = Tied()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    with torch.device("meta"):
+        early = Tied()
+    slt.fully_shard(early, mesh=world)
+    with pytest.raises(RuntimeError, match="embed.weight' is on meta"):
+        early(torch.zeros(1, 2, dtype=torch.long))
+    model.to_empty(device="cpu")
+    init(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(2):
+        tokens = torch.randint(0, 23, (3, 4), generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, model), opts):
+            m(tokens).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+
+
 def test_frozen_parameters_get_no_gradient(world):
     def freeze(m):
         m.blocks[1].fc1.weight.requires_grad_(False)

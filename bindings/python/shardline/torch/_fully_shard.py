@@ -199,7 +199,7 @@ def _collect_parameters(state, module):
         if p.dtype != torch.float32:
             raise NotImplementedError(f"fully_shard: parameter '{name}' is {p.dtype}; shardline's "
                                       "scheduler keeps float32 master parameters")
-        if p.device.type != "cpu":
+        if p.device.type not in ("cpu", "meta"):
             raise ValueError(f"fully_shard: parameter '{name}' is on {p.device}; "
                              "shardline.torch.fully_shard computes on the CPU")
     for p in state.params:
@@ -380,6 +380,24 @@ class _Root:
                 raise NotImplementedError(
                     "fully_shard: every module under one root must use the same mp_policy and "
                     "offload_policy (one shardline Scheduler per root)")
+        for st in self.states:
+            # module.to_empty() (meta -> cpu) makes new Parameter objects and unties shared
+            # ones: take the module's current objects, and restore the ties fully_shard saw.
+            for i, slots in enumerate(st.slots):
+                mod, name = slots[0]
+                current = mod._parameters[name]
+                if current is not st.params[i]:
+                    st.params[i] = current
+                    current._shardline_unit = st
+                    st.shapes[i] = tuple(current.shape)
+                for mod, name in slots[1:]:
+                    mod._parameters[name] = current
+            for name, p in zip(st.names, st.params):
+                if p.device.type != "cpu":
+                    raise RuntimeError(
+                        f"fully_shard: parameter '{name}' is on {p.device} at the first forward; "
+                        "a model built on the meta device needs module.to_empty(device='cpu') "
+                        "and its initialisation before it")
         world, strategy, shard_size = first.mesh
         mp = first.mp_policy
         self.param_dtype = mp.param_dtype or torch.float32
