@@ -117,8 +117,11 @@ def test_no_shard_on_a_2d_device_mesh(launch, tmp_path):
         assert r["sharded_numel"] == sum(r["full_numel"].values())
 
 
-def test_hybrid_2x2_on_a_device_mesh_with_clip(launch, tmp_path):
-    ranks = run_worker(launch, tmp_path, 4, "--mesh", "hybrid", "--clip", "0.3", "--steps", "3")
+def test_hybrid_2x2_deferred_all_reduce_and_clip(launch, tmp_path):
+    # Two micro-batches per step; the first reduce-scatters without the replicate all-reduce
+    # (set_requires_all_reduce(False)), the second all-reduces the accumulated shard once.
+    ranks = run_worker(launch, tmp_path, 4, "--mesh", "hybrid", "--micro", "2",
+                       "--defer-all-reduce", "--clip", "0.3", "--steps", "3")
     check_parity(ranks, replicas=2)
     check_unshard(ranks)
     for r in ranks:

@@ -2,7 +2,8 @@
 shardline.launch, next to the same training in one process on the global batch.
 
     fully_shard_worker.py OUT_DIR --mesh world|device1d|no_shard|hybrid
-                          [--reshard-after-forward 0|1] [--micro M] [--clip MAX_NORM]
+                          [--reshard-after-forward 0|1] [--micro M] [--defer-all-reduce]
+                          [--clip MAX_NORM]
                           [--steps S]
 
 Every rank trains a small transformer-like model (an input projection and a final norm and head
@@ -169,6 +170,8 @@ def main():
     parser.add_argument("--mesh", default="world")
     parser.add_argument("--reshard-after-forward", type=int, default=1)
     parser.add_argument("--micro", type=int, default=1)
+    parser.add_argument("--defer-all-reduce", action="store_true",
+                        help="hybrid: micro-batches reduce-scatter but all-reduce only the last")
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
@@ -191,7 +194,10 @@ def main():
     for step in range(args.steps):
         for micro in range(args.micro):
             last = micro == args.micro - 1
-            model.set_requires_gradient_sync(last)
+            if args.defer_all_reduce:
+                model.set_requires_all_reduce(last)
+            else:
+                model.set_requires_gradient_sync(last)
             x, y = batch(step, micro)
             loss = F.mse_loss(model(local(x, rank, world)), local(y, rank, world))
             loss.backward()
