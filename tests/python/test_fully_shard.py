@@ -370,6 +370,29 @@ def test_deferred_initialisation_from_the_meta_device(world):
     assert_same_parameters(ref, model)
 
 
+def test_torch_compile_breaks_the_graph_at_the_hooks(world):
+    """torch.compile of a fully_shard'ed model: dynamo breaks the graph at the (dynamo-disabled)
+    hooks, compiles the module bodies between them and trains exactly as eager. aot_eager keeps
+    the test fast; inductor behaves the same (see docs/pytorch.md)."""
+    torch.manual_seed(4)
+    ref = Tied()
+    torch.manual_seed(4)
+    model = Tied()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    compiled = torch.compile(model, backend="aot_eager")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        tokens = torch.randint(0, 23, (3, 4), generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, compiled), opts):
+            m(tokens).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+    torch._dynamo.reset()
+
+
 def test_frozen_parameters_get_no_gradient(world):
     def freeze(m):
         m.blocks[1].fc1.weight.requires_grad_(False)

@@ -776,12 +776,16 @@ def _lazy_root(st):
     return st.root
 
 
+# torch.compile: dynamo does not trace the hooks (they drive the scheduler and autograd's
+# bookkeeping); it breaks the graph at them and runs them eagerly.
+@torch._dynamo.disable
 def _pre_forward(module, args, kwargs):
     st = module._shardline_state
     root = _lazy_root(st)
     return root.pre_forward(st, args, kwargs)
 
 
+@torch._dynamo.disable
 def _post_forward(module, args, kwargs, output):
     st = module._shardline_state
     root = st.root
