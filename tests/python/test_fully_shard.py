@@ -57,6 +57,11 @@ def check_parity(ranks, *, replicas=1):
 
 def check_unshard(ranks):
     for r in ranks:
+        assert r["full_state_dict_keys"]
+        for name, (same_shape, rel) in r["full_state_dict"].items():
+            assert same_shape and rel <= TOLERANCE, (r["rank"], name, rel)
+        for name, (_, _, _, err, _) in r["loaded"].items():
+            assert err == 0, (r["rank"], name, err)  # the initial values, loaded exactly
         u = r["unshard"]
         for name in ("fc1.weight", "fc2.bias", "norm.weight"):
             same_shape, rel = u[name]
@@ -391,6 +396,24 @@ def test_torch_compile_breaks_the_graph_at_the_hooks(world):
             opt.zero_grad()
     assert_same_parameters(ref, model)
     torch._dynamo.reset()
+
+
+def test_state_dict_forms_and_round_trip_with_a_tie(world):
+    ref, model, _ = train_pair(world, Tied, steps=2)
+    full = slt.full_state_dict(model)
+    want = ref.state_dict()
+    assert sorted(full) == sorted(want)  # both names of the tied weight
+    for k, v in want.items():
+        assert v.shape == full[k].shape and torch.allclose(full[k], v, rtol=1e-5, atol=1e-7), k
+    # state_dict() is the sharded form: this rank's 1-D slices (one rank: the whole tensor).
+    sharded = model.state_dict()
+    assert all(v.dim() == 1 for k, v in sharded.items())
+    # Loading a full state dict (here: a fresh model's) puts its values in the shards.
+    fresh = Tied()
+    model.load_state_dict(fresh.state_dict())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), dict(fresh.named_parameters())[name].detach().reshape(-1))
+    assert model.head.weight is model.embed.weight
 
 
 def test_frozen_parameters_get_no_gradient(world):

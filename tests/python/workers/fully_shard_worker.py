@@ -227,7 +227,19 @@ def main():
         "shard_size": scheduler.shard_size, "steps": scheduler.steps,
         "metrics": str(scheduler.metrics()),
     }
-    result["unshard"] = unshard_checks(model, ref_params)
+    # full_state_dict: every tensor whole; load_state_dict of a full state dict (the initial
+    # model's) loads each rank's slices of it.
+    full = slt.full_state_dict(model)
+    ref_state = ref_model.state_dict()
+    result["full_state_dict"] = {
+        k: [list(v.shape) == list(ref_state[k].shape),
+            ((v.double() - ref_state[k].double()).norm() / ref_state[k].double().norm()).item()]
+        for k, v in full.items()}
+    result["full_state_dict_keys"] = sorted(full) == sorted(ref_state)
+    result["unshard"] = unshard_checks(model, ref_params)  # after: it changes a parameter
+    initial = make_model()
+    model.load_state_dict(initial.state_dict())
+    result["loaded"] = compare(slices(model), dict(initial.named_parameters()))
     result["seconds"] = time.monotonic() - t0
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -25,12 +25,14 @@ from ._fully_shard import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     clip_grad_norm_,
+    full_state_dict,
     fully_shard,
 )
 
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy",
-    "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_", "fully_shard", "register",
+    "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_", "full_state_dict", "fully_shard",
+    "register",
 ]
 
 register()

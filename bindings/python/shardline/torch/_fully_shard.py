@@ -45,7 +45,7 @@ import shardline
 
 __all__ = [
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "clip_grad_norm_",
-    "fully_shard",
+    "full_state_dict", "fully_shard",
 ]
 
 
@@ -147,6 +147,7 @@ class _UnitState:
         self.params = []  # the nn.Parameter objects, in registration order
         self.names = []   # their names relative to the module (the first slot's)
         self.slots = []   # per parameter, every (submodule, attribute name) that holds it
+        self.slot_names = []  # per parameter, those slots' names relative to the module
         self.root = None  # the _Root, once initialised
         self.unit = None  # the scheduler's unit id
         self.slices = []  # per parameter (shard_offset, length), after initialisation
@@ -188,7 +189,9 @@ def _collect_parameters(state, module):
                 state.params.append(p)
                 state.names.append(f"{prefix}{name}")
                 state.slots.append([])
+                state.slot_names.append([])
             state.slots[index[id(p)]].append((mod, name))
+            state.slot_names[index[id(p)]].append(f"{prefix}{name}")
         for child_name, child in mod._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{child_name}.", False)
@@ -256,7 +259,39 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
     module._shardline_state = state
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, always_call=True, with_kwargs=True)
+    module._register_load_state_dict_pre_hook(_load_full_tensors, with_module=True)
     return module
+
+
+def _load_full_tensors(module, state_dict, prefix, *args):
+    """load_state_dict's pre-hook on a fully_shard'ed module: a full tensor (the parameter's
+    original shape) for a sharded parameter becomes this rank's slice of it, so torch's copy
+    into the sharded parameter works. Other entries (slices: the sharded form) are kept."""
+    st = module._shardline_state
+    if st.root is None or st.full is not None:
+        return  # the parameters are whole (before the first forward, or unshard()'ed)
+    for names, shape, t, (_, n) in zip(st.slot_names, st.shapes, st.tensor_offsets,
+                                       st.slices):
+        for name in names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
+                state_dict[prefix + name] = value.reshape(-1)[t:t + n]
+
+
+def full_state_dict(module):
+    """module.state_dict() with every fully_shard'ed parameter whole (copies): each unit under
+    `module` is unshard()'ed for the call, then resharded. Collective over the world, between
+    steps. (module.state_dict() itself gives this rank's 1-D slices: the sharded form;
+    load_state_dict() takes either form.)"""
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+    try:
+        return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in module.state_dict().items()}
+    finally:
+        for m in units:
+            m.reshard()
 
 
 # ---- Autograd functions -----------------------------------------------------------------------
