@@ -451,7 +451,7 @@ class _Root:
             backward_prefetch_depth=depth,
             param_dtype=_DTYPE_NAMES[self.param_dtype], reduce_dtype=_DTYPE_NAMES[reduce_dtype],
             cpu_offload=isinstance(first.offload_policy, CPUOffloadPolicy), name="fully_shard",
-            framework="torch", root_unit=0)
+            framework="torch", root_unit=0 if self.root_state.params else -1)
         self.world = world
         self.strategy = strategy
         s = self.scheduler
