@@ -416,6 +416,45 @@ def test_state_dict_forms_and_round_trip_with_a_tie(world):
     assert model.head.weight is model.embed.weight
 
 
+@pytest.mark.parametrize("head_unit", ["own_unit", "in_the_root"])
+def test_tie_across_fully_shard_calls(world, head_unit):
+    """fully_shard on the embedding and (maybe) the head separately, where FSDP2 refuses the
+    shared weight: the weight stays in the embedding's unit, used twice per forward."""
+    def make():
+        return Tied()
+
+    torch.manual_seed(7)
+    ref = make()
+    torch.manual_seed(7)
+    model = make()
+    slt.fully_shard(model.embed, mesh=world)
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    if head_unit == "own_unit":
+        slt.fully_shard(model.head, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 23, (3, 5), generator=g)
+        target = torch.randint(0, 23, (3, 5), generator=g)
+        for m, opt in zip((ref, model), opts):
+            F.cross_entropy(m(tokens).reshape(-1, 23), target.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+    assert model.head.weight is model.embed.weight
+    metrics = model.shardline_scheduler.metrics()
+    embed = [u for u in metrics.units if u.name.endswith(":embed")][0]
+    assert embed.reductions == 1  # one tensor, one reduction, although used twice
+    full = slt.full_state_dict(model)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(full[k], v, rtol=1e-5, atol=1e-7), k
+    fresh = make()
+    model.load_state_dict(fresh.state_dict())
+    assert torch.equal(model.embed.weight.detach(), fresh.embed.weight.detach().reshape(-1))
+
+
 def test_frozen_parameters_get_no_gradient(world):
     def freeze(m):
         m.blocks[1].fc1.weight.requires_grad_(False)
@@ -473,11 +512,6 @@ def test_errors_name_what_is_wrong(world):
     m = slt.fully_shard(nn.Linear(2, 2), mesh=world)
     with pytest.raises(ValueError, match="already"):
         slt.fully_shard(m, mesh=world)
-    # A tie across two units: refused, naming the parameter (shardline keeps it in one unit).
-    model = Tied()
-    slt.fully_shard(model.embed, mesh=world)
-    with pytest.raises(NotImplementedError, match="shared with a parameter managed"):
-        slt.fully_shard(model.head, mesh=world)
     for call in (lambda: m.set_modules_to_forward_prefetch([]),
                  lambda: m.set_modules_to_backward_prefetch([]),
                  lambda: m.set_reshard_after_backward(False)):

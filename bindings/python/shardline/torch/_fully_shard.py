@@ -143,6 +143,8 @@ class _UnitState:
         self.recompute_open = False
         self.descendants = set()  # the states of fully_shard'ed modules under this one
         self.full = None  # the full tensors while unshard()'ed
+        self.borrowed = []  # units whose tied parameters this module's forward uses too
+        self.borrowed_names = []  # (owner, its parameter index, the name here) of those
         self.shapes = []  # the parameters' original shapes
         self.params = []  # the nn.Parameter objects, in registration order
         self.names = []   # their names relative to the module (the first slot's)
@@ -179,11 +181,16 @@ def _collect_parameters(state, module):
                 continue
             owner = _owner(p)
             if owner is not None and owner is not state:
-                raise NotImplementedError(
-                    f"fully_shard: parameter '{prefix}{name}' is shared with a parameter managed "
-                    f"by another fully_shard call ({owner.name or 'a submodule'}); shardline "
-                    "keeps a tied parameter in one unit: call fully_shard on a module that "
-                    "contains every use of it")
+                # A tie with a parameter another fully_shard call took (an output head tied to
+                # an embedding): the tensor stays in that unit, which this module's forward
+                # uses too (a unit used twice per forward).
+                i = next(k for k, q in enumerate(owner.params) if q is p)
+                owner.slots[i].append((mod, name))
+                owner.slot_names[i].append(None)  # not under the owner's module
+                if owner not in state.borrowed:
+                    state.borrowed.append(owner)
+                state.borrowed_names.append((owner, i, f"{prefix}{name}"))
+                continue
             if id(p) not in index:
                 index[id(p)] = len(state.params)
                 state.params.append(p)
@@ -268,14 +275,15 @@ def _load_full_tensors(module, state_dict, prefix, *args):
     original shape) for a sharded parameter becomes this rank's slice of it, so torch's copy
     into the sharded parameter works. Other entries (slices: the sharded form) are kept."""
     st = module._shardline_state
-    if st.root is None or st.full is not None:
-        return  # the parameters are whole (before the first forward, or unshard()'ed)
-    for names, shape, t, (_, n) in zip(st.slot_names, st.shapes, st.tensor_offsets,
-                                       st.slices):
-        for name in names:
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
-                state_dict[prefix + name] = value.reshape(-1)[t:t + n]
+    entries = [(st, i, name) for i, names in enumerate(st.slot_names) for name in names
+               if name is not None]  # None: a tie under another module (its hook's entry)
+    for owner, i, name in entries + st.borrowed_names:
+        if owner.root is None or owner.full is not None:
+            continue  # the parameters are whole (before the first forward, or unshard()'ed)
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == owner.shapes[i]:
+            t, n = owner.tensor_offsets[i], owner.slices[i][1]
+            state_dict[prefix + name] = value.reshape(-1)[t:t + n]
 
 
 def full_state_dict(module):
@@ -416,6 +424,11 @@ class _Root:
                     "fully_shard: every module under one root must use the same mp_policy and "
                     "offload_policy (one shardline Scheduler per root)")
         for st in self.states:
+            for owner in st.borrowed:
+                if owner not in self.states:
+                    raise NotImplementedError(
+                        f"fully_shard: '{names.get(id(st.module), '')}' uses a parameter tied to "
+                        "a module outside its root; both must be under one root")
             # module.to_empty() (meta -> cpu) makes new Parameter objects and unties shared
             # ones: take the module's current objects, and restore the ties fully_shard saw.
             for i, slots in enumerate(st.slots):
@@ -486,6 +499,20 @@ class _Root:
 
     # -- forward
     def _begin_use(self, st):
+        self._begin_unit(st)
+        for owner in st.borrowed:
+            if self.recomputing:
+                raise NotImplementedError(
+                    "fully_shard: recomputing (torch.utils.checkpoint) a module that uses a "
+                    "parameter tied to another unit")
+            self._begin_unit(owner)
+
+    def _end_use(self, st):
+        for owner in reversed(st.borrowed):
+            self._end_unit(owner)
+        self._end_unit(st)
+
+    def _begin_unit(self, st):
         if not st.params:
             return
         s = self.scheduler
@@ -521,7 +548,7 @@ class _Root:
             for mod, name in slots:
                 mod._parameters[name] = v
 
-    def _end_use(self, st):
+    def _end_unit(self, st):
         if not st.params:
             return
         for p, slots in zip(st.params, st.slots):
@@ -708,6 +735,17 @@ class _Root:
 
     # -- backward
     def _open(self, st):
+        # The forward opened st, then its borrowed units: the backward mirrors that.
+        for owner in reversed(st.borrowed):
+            self._open_unit(owner)
+        self._open_unit(st)
+
+    def _close(self, st):
+        self._close_unit(st)
+        for owner in st.borrowed:
+            self._close_unit(owner)
+
+    def _open_unit(self, st):
         if not st.params:
             return
         self.scheduler.pre_backward(st.unit)
@@ -715,7 +753,7 @@ class _Root:
         for grads in self.pending.pop(st.unit, []):
             self._add_grads(st, grads)
 
-    def _close(self, st):
+    def _close_unit(self, st):
         if not st.params:
             return
         self.views.pop(st.unit, None)
@@ -763,6 +801,8 @@ class _Root:
             self._add_grads(st, grads)
             if not st.input_boundary and st is not self.root_state:
                 self._end_top()  # no input gradient will mark the end of this use
+        elif top is not None and top[1] and st in top[0].borrowed:
+            self._add_grads(st, grads)  # a tied parameter's use inside another module
         else:
             self.pending.setdefault(st.unit, []).append(grads)
 
