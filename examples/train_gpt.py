@@ -10,7 +10,9 @@ Every rank draws its micro-batch of the same global batch, so the four print the
 (up to float rounding). --backend picks torch.distributed's backend for fsdp2 and ddp (gloo, or
 shardline: torch's FSDP2/DDP over shardline's collectives). Printed per step: the loss (mean over
 the ranks) and the step time; at the end: the median step time, peak RSS, and for shardline the
-scheduler's last-step metrics (exposed communication, overlap). --trace PATH writes a Chrome
+scheduler's last-step metrics (exposed communication, overlap), and the CPU time per step of
+all the rank's threads (on a machine with fewer cores than threads, communication threads take
+cycles from the compute). --trace PATH writes a Chrome
 trace of the last step (torch.profiler; per rank PATH.rank<r>.json).
 """
 import argparse
@@ -128,7 +130,7 @@ def main():
             return t.item() / world
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
-    times = []
+    times, cpu_times = [], []
     for step in range(args.steps):
         if args.impl == "single":
             batch = torch.cat([tokens_for(step, r, args) for r in range(args.global_ranks)])
@@ -138,13 +140,14 @@ def main():
         prof = torch.profiler.profile() if profiling else None
         if prof:
             prof.__enter__()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
         elapsed = time.perf_counter() - start
+        cpu_times.append(time.process_time() - cpu_start)
         if prof:
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(f"{args.trace}.rank{rank}.json")
@@ -155,8 +158,10 @@ def main():
         assert math.isfinite(value), value
 
     measured = times[args.warmup:] or times
+    cpu = cpu_times[args.warmup:] or cpu_times
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     line = (f"rank {rank}: {args.impl} median step {statistics.median(measured) * 1e3:.1f} ms, "
+            f"CPU time {statistics.median(cpu) * 1e3:.1f} ms per step (all threads), "
             f"peak RSS {rss_mib:.0f} MiB")
     if args.impl == "shardline":
         metrics = model.shardline_scheduler.metrics()
