@@ -12,10 +12,27 @@ its note on Work). The rendezvous goes through the store torch creates for the g
 opens no port of its own). `pip install` also registers it as the entry point
 `torch.distributed.backends: shardline`, so init_process_group("shardline") finds it without the
 import. The base `shardline` package never imports torch; only this subpackage does.
+
+The second way in is shardline's own FSDP: `fully_shard` (FSDP2's interface: the same names,
+arguments and module methods) on shardline's scheduler, with `clip_grad_norm_` for the global
+norm of its sharded gradients (see _fully_shard.py and docs/pytorch.md).
 """
 
 from ._backend import BACKEND_NAME, BackendShardline, ProcessGroupShardline, register
+from ._fully_shard import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    clip_grad_norm_,
+    full_state_dict,
+    fully_shard,
+)
 
-__all__ = ["BACKEND_NAME", "BackendShardline", "ProcessGroupShardline", "register"]
+__all__ = [
+    "BACKEND_NAME", "BackendShardline", "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy",
+    "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_", "full_state_dict", "fully_shard",
+    "register",
+]
 
 register()

@@ -1,0 +1,555 @@
+"""shardline.torch.fully_shard: FSDP2's interface on shardline's scheduler.
+
+Multi-process runs (tests/python/workers/fully_shard_worker.py under shardline.launch, 2 and 4
+ranks) train a small model with AdamW and compare every rank's shard slices of the gradients
+(after the first backward) and of the parameters (after the last step) with the same training in
+one process on the global batch: the slices of all ranks must cover every element of every
+tensor exactly once (per replica) and match within a per-tensor relative norm of 1e-5 (f32).
+Each rank trains on its own part of the batch, so without the adapter's gradient reduction the
+parameters would follow the local batches and miss the reference by far more than that.
+
+In-process runs (a world of one rank, shardline.init_local(1)) check what needs no peers: the
+forward views moving between the forward and the backward gather (the saved-tensor hooks),
+frozen parameters, a parameter used twice in one unit, and the errors.
+"""
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import shardline  # noqa: E402
+import shardline.torch as slt  # noqa: E402
+from shardline.torch import _fully_shard  # noqa: E402
+
+TOLERANCE = 1e-5
+
+
+def run_worker(launch, tmp_path, nprocs, *args):
+    result = launch(nprocs, ["fully_shard_worker.py", tmp_path, *args], timeout=150)
+    assert result.returncode == 0, result.describe()
+    assert "leaked" not in result.output, result.describe()  # nanobind's exit check
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)]
+    assert [r["rank"] for r in ranks] == list(range(nprocs))
+    return ranks
+
+
+def check_parity(ranks, *, replicas=1):
+    """Per tensor: the ranks' slices cover it `replicas` times and match the reference."""
+    for kind in ("grads", "params"):
+        for name, (_, _, numel, _, ref_sq) in ranks[0][kind].items():
+            covered = sum(r[kind][name][1] for r in ranks)
+            assert covered == replicas * numel, (kind, name, covered, numel)
+            err_sq = sum(r[kind][name][3] for r in ranks) / replicas
+            assert ref_sq > 0, (kind, name)
+            rel = math.sqrt(err_sq / ref_sq)
+            assert rel <= TOLERANCE, f"{kind} of {name}: relative error {rel:.3g}"
+    for r in ranks:
+        assert len(r["losses"]) == len(r["reference_losses"]) > 0
+        for got, want in zip(r["losses"], r["reference_losses"]):
+            assert abs(got - want) <= TOLERANCE * abs(want), (r["rank"], got, want)
+
+
+def check_unshard(ranks):
+    for r in ranks:
+        assert r["full_state_dict_keys"]
+        for name, (same_shape, rel) in r["full_state_dict"].items():
+            assert same_shape and rel <= TOLERANCE, (r["rank"], name, rel)
+        for name, (_, _, _, err, _) in r["loaded"].items():
+            assert err == 0, (r["rank"], name, err)  # the initial values, loaded exactly
+        u = r["unshard"]
+        for name in ("fc1.weight", "fc2.bias", "norm.weight"):
+            same_shape, rel = u[name]
+            assert same_shape and rel <= TOLERANCE, (r["rank"], name, u[name])
+        assert u["resharded"] and u["written_back"] and u["others_kept"], u
+
+
+def check_sharded(ranks):
+    """The optimizer saw 1/N of the parameters on each rank (full shard: no replicas)."""
+    total = sum(ranks[0]["full_numel"].values())
+    assert sum(r["sharded_numel"] for r in ranks) == total
+    assert all(r["sharded_numel"] < total for r in ranks)
+
+
+def test_full_shard_two_ranks_with_clip(launch, tmp_path):
+    ranks = run_worker(launch, tmp_path, 2, "--clip", "0.5")
+    check_parity(ranks)
+    check_sharded(ranks)
+    check_unshard(ranks)
+    for r in ranks:
+        assert r["num_units"] == 4 and r["mesh"] == "1 x 2 (replicate x shard)"
+        assert r["steps"] == 4
+        # The global norm (the reference's), not this rank's part of it; it clipped.
+        assert len(r["norms"]) == 4
+        for got, want in zip(r["norms"], r["reference_norms"]):
+            assert abs(got - want) <= TOLERANCE * want and want > 0.5, (got, want)
+
+
+def test_shard_grad_op_with_gradient_accumulation(launch, tmp_path):
+    ranks = run_worker(launch, tmp_path, 2, "--reshard-after-forward", "0", "--micro", "2")
+    check_parity(ranks)
+    check_sharded(ranks)
+    check_unshard(ranks)
+    for r in ranks:
+        # set_requires_gradient_sync(False): no reduction, so .grad stayed None after the
+        # first micro-batch of each step.
+        assert r["grad_none_after_no_sync"] == [True] * 4
+        assert len(r["losses"]) == 8
+
+
+def test_full_shard_four_ranks_accumulation_and_clip(launch, tmp_path):
+    ranks = run_worker(launch, tmp_path, 4, "--micro", "2", "--clip", "0.3", "--steps", "3")
+    check_parity(ranks)
+    check_sharded(ranks)
+    check_unshard(ranks)
+    for r in ranks:
+        assert r["mesh"] == "1 x 4 (replicate x shard)"
+        for got, want in zip(r["norms"], r["reference_norms"]):
+            assert abs(got - want) <= TOLERANCE * want, (got, want)
+
+
+def test_no_shard_on_a_2d_device_mesh(launch, tmp_path):
+    ranks = run_worker(launch, tmp_path, 2, "--mesh", "no_shard", "--steps", "3")
+    check_parity(ranks, replicas=2)
+    check_unshard(ranks)
+    for r in ranks:
+        assert r["mesh"] == "2 x 1 (replicate x shard)"
+        assert r["sharded_numel"] == sum(r["full_numel"].values())
+
+
+def test_hybrid_2x2_deferred_all_reduce_and_clip(launch, tmp_path):
+    # Two micro-batches per step; the first reduce-scatters without the replicate all-reduce
+    # (set_requires_all_reduce(False)), the second all-reduces the accumulated shard once.
+    ranks = run_worker(launch, tmp_path, 4, "--mesh", "hybrid", "--micro", "2",
+                       "--defer-all-reduce", "--clip", "0.3", "--steps", "3")
+    check_parity(ranks, replicas=2)
+    check_unshard(ranks)
+    for r in ranks:
+        assert r["mesh"] == "2 x 2 (replicate x shard)"
+        for got, want in zip(r["norms"], r["reference_norms"]):
+            assert abs(got - want) <= TOLERANCE * want, (got, want)
+
+
+# ---- In process: one rank ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def world():
+    return shardline.init_local(1, timeout=30)[0]
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Tied(nn.Module):
+    """Embedding and output head share one weight; four blocks of the same size in between."""
+
+    def __init__(self, vocab=23, d=9, h=17, blocks=4, checkpoint=False):
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d, h) for _ in range(blocks)])
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for b in self.blocks:
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+            else:
+                h = b(h)
+        return self.head(h)
+
+
+def train_pair(world, make, steps=3, freeze=None, reshard=True, **policies):
+    """The same model plain and fully_shard'ed on one rank: (reference, sharded, losses)."""
+    torch.manual_seed(7)
+    ref = make()
+    torch.manual_seed(7)
+    model = make()
+    if freeze:
+        for m in (ref, model):
+            freeze(m)
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world, reshard_after_forward=reshard, **policies)
+    slt.fully_shard(model, mesh=world, **policies)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in (ref, model)]
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 23, (3, 5), generator=g)
+        target = torch.randint(0, 23, (3, 5), generator=g)
+        pair = []
+        for m, opt in zip((ref, model), opts):
+            loss = F.cross_entropy(m(tokens).float().reshape(-1, 23), target.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    return ref, model, losses
+
+
+def assert_same_parameters(ref, model):
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        want = ref_params[name].detach().reshape(-1)
+        assert p.shape == want.shape, (name, p.shape)  # one rank: the whole tensor
+        rel = ((p.detach() - want).norm() / want.norm()).item()
+        assert rel <= TOLERANCE, (name, rel)
+
+
+def test_saved_weights_survive_a_regather_elsewhere(world):
+    """Four equal blocks resharded after forward: the backward gathers land at other addresses
+    than the forward's (counted), and the backward still reads the right weights."""
+    ref, model, losses = train_pair(world, Tied)
+    for a, b in losses:
+        assert abs(a - b) <= TOLERANCE * a
+    assert_same_parameters(ref, model)
+    root = model._shardline_state.root
+    assert root.saved_unpacked > 0
+    assert root.saved_moved > 0, "no saved weight was re-gathered elsewhere: the test is moot"
+
+
+def test_saved_weights_without_the_hooks_go_wrong(world, monkeypatch):
+    """The same training with the saved-tensor hooks disabled differs: the hooks matter."""
+    monkeypatch.setattr(_fully_shard._Root, "_pack", lambda self, t: t)
+    ref, model, losses = train_pair(world, Tied)
+    params = dict(ref.named_parameters())
+    worst = max(((p.detach() - params[n].detach().reshape(-1)).norm() / params[n].norm()).item()
+                for n, p in model.named_parameters())
+    assert worst > 1e-3, worst
+
+
+def test_activation_checkpointing_recomputes_from_the_backward_gather(world):
+    ref, model, losses = train_pair(world, lambda: Tied(checkpoint=True))
+    for a, b in losses:
+        assert abs(a - b) <= TOLERANCE * a
+    assert_same_parameters(ref, model)
+    metrics = model.shardline_scheduler.metrics()
+    # The recomputations were served by the backward gathers: one forward and one backward
+    # gather per block, as without checkpointing.
+    for unit in metrics.units[1:]:
+        assert unit.gathers == 2, str(metrics)
+
+
+class Stack(nn.Module):
+    """A root with no parameters of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(6, 11), Block(6, 5), Block(6, 11)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_root_without_parameters(world):
+    torch.manual_seed(5)
+    ref = Stack()
+    torch.manual_seed(5)
+    model = Stack()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, model), opts):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+    assert model.shardline_scheduler.num_units == 3
+
+
+def test_bf16_param_policy_within_bf16_tolerance(world):
+    policy = slt.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    ref, model, losses = train_pair(world, Tied, mp_policy=policy)
+    for a, b in losses:
+        assert abs(a - b) <= 1e-2 * a, losses
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32  # the master shard stays float32
+        want = ref_params[name].detach().reshape(-1)
+        worst = max(worst, ((p.detach() - want).norm() / want.norm()).item())
+    assert 1e-6 < worst <= 1e-2, worst  # it computed in bfloat16, and closely
+    with torch.no_grad():
+        assert model(torch.zeros(1, 2, dtype=torch.long)).dtype == torch.bfloat16
+
+
+def test_cpu_offload_policy(world):
+    ref, model, losses = train_pair(world, Tied, offload_policy=slt.CPUOffloadPolicy())
+    assert_same_parameters(ref, model)
+
+
+class Branchy(nn.Module):
+    """Parallel children, a child used twice, root parameters before and after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 9)
+        self.a = Block(9, 13)
+        self.b = Block(9, 5)
+        self.c = Block(9, 13)
+        self.out = nn.Linear(9, 3)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        x, y = self.a(h), self.b(h)
+        z = self.c(self.c(x + y))
+        return self.out(z)
+
+
+@pytest.mark.parametrize("layout", ["nested", "embedding_unit", "leaf_linears"])
+def test_nested_units_branches_and_a_unit_used_twice(world, layout):
+    torch.manual_seed(11)
+    ref = Branchy()
+    torch.manual_seed(11)
+    model = Branchy()
+    if layout == "nested":  # a unit inside a unit inside the root
+        units = [model.a.fc1, model.a, model.b, model.c]
+    elif layout == "embedding_unit":  # the first unit's input needs no gradient
+        units = [model.emb, model.c]
+    else:
+        units = [model.a.fc1, model.a.fc2, model.out]
+    for i, m in enumerate(units):
+        slt.fully_shard(m, mesh=world, reshard_after_forward=i % 2 == 0)
+    slt.fully_shard(model, mesh=world)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, model), opts):
+            m(tokens).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+    assert model.shardline_scheduler.num_units == len(units) + 1
+
+
+def test_deferred_initialisation_from_the_meta_device(world):
+    """Built on meta, fully_shard'ed, then to_empty + init on the CPU before the first forward:
+    the units take the initialised values (and a forward on meta is refused by name)."""
+    def init(m):
+        torch.manual_seed(21)
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+
+    ref = Tied()
+    init(ref)
+    with torch.device("meta"):
+        model = Tied()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    with torch.device("meta"):
+        early = Tied()
+    slt.fully_shard(early, mesh=world)
+    with pytest.raises(RuntimeError, match="embed.weight' is on meta"):
+        early(torch.zeros(1, 2, dtype=torch.long))
+    model.to_empty(device="cpu")
+    init(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(2):
+        tokens = torch.randint(0, 23, (3, 4), generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, model), opts):
+            m(tokens).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+
+
+def test_torch_compile_breaks_the_graph_at_the_hooks(world):
+    """torch.compile of a fully_shard'ed model: dynamo breaks the graph at the (dynamo-disabled)
+    hooks, compiles the module bodies between them and trains exactly as eager. aot_eager keeps
+    the test fast; inductor behaves the same (see docs/pytorch.md)."""
+    torch.manual_seed(4)
+    ref = Tied()
+    torch.manual_seed(4)
+    model = Tied()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    compiled = torch.compile(model, backend="aot_eager")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        tokens = torch.randint(0, 23, (3, 4), generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, compiled), opts):
+            m(tokens).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+    torch._dynamo.reset()
+
+
+def test_state_dict_forms_and_round_trip_with_a_tie(world):
+    ref, model, _ = train_pair(world, Tied, steps=2)
+    full = slt.full_state_dict(model)
+    want = ref.state_dict()
+    assert sorted(full) == sorted(want)  # both names of the tied weight
+    for k, v in want.items():
+        assert v.shape == full[k].shape and torch.allclose(full[k], v, rtol=1e-5, atol=1e-7), k
+    # state_dict() is the sharded form: this rank's 1-D slices (one rank: the whole tensor).
+    sharded = model.state_dict()
+    assert all(v.dim() == 1 for k, v in sharded.items())
+    # Loading a full state dict (here: a fresh model's) puts its values in the shards.
+    fresh = Tied()
+    model.load_state_dict(fresh.state_dict())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), dict(fresh.named_parameters())[name].detach().reshape(-1))
+    assert model.head.weight is model.embed.weight
+
+
+@pytest.mark.parametrize("head_unit", ["own_unit", "in_the_root"])
+def test_tie_across_fully_shard_calls(world, head_unit):
+    """fully_shard on the embedding and (maybe) the head separately, where FSDP2 refuses the
+    shared weight: the weight stays in the embedding's unit, used twice per forward."""
+    def make():
+        return Tied()
+
+    torch.manual_seed(7)
+    ref = make()
+    torch.manual_seed(7)
+    model = make()
+    slt.fully_shard(model.embed, mesh=world)
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    if head_unit == "own_unit":
+        slt.fully_shard(model.head, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 23, (3, 5), generator=g)
+        target = torch.randint(0, 23, (3, 5), generator=g)
+        for m, opt in zip((ref, model), opts):
+            F.cross_entropy(m(tokens).reshape(-1, 23), target.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)
+    assert model.head.weight is model.embed.weight
+    metrics = model.shardline_scheduler.metrics()
+    embed = [u for u in metrics.units if u.name.endswith(":embed")][0]
+    assert embed.reductions == 1  # one tensor, one reduction, although used twice
+    full = slt.full_state_dict(model)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(full[k], v, rtol=1e-5, atol=1e-7), k
+    fresh = make()
+    model.load_state_dict(fresh.state_dict())
+    assert torch.equal(model.embed.weight.detach(), fresh.embed.weight.detach().reshape(-1))
+
+
+def test_frozen_parameters_get_no_gradient(world):
+    def freeze(m):
+        m.blocks[1].fc1.weight.requires_grad_(False)
+        m.blocks[2].fc2.bias.requires_grad_(False)
+
+    ref, model, losses = train_pair(world, Tied, freeze=freeze)
+    assert_same_parameters(ref, model)
+    assert model.blocks[1].fc1.weight.grad is None
+    assert model.blocks[1].fc2.weight.requires_grad
+
+
+def test_shard_grad_op_and_tied_weight_in_one_unit(world):
+    ref, model, losses = train_pair(world, Tied, reshard=False)
+    assert_same_parameters(ref, model)
+    # The tie is one tensor of the root unit, used twice per forward.
+    assert model.head.weight is model.embed.weight
+    assert len(model._shardline_state.params) == 1
+
+
+def test_clip_grad_norm_matches_torch_and_clips(world):
+    torch.manual_seed(3)
+    ref = Tied()
+    torch.manual_seed(3)
+    model = Tied()
+    slt.fully_shard(model, mesh=world)
+    tokens = torch.randint(0, 23, (2, 7))
+    for m in (ref, model):
+        m(tokens).square().mean().backward()
+    for norm_type in (2.0, 1.0, float("inf")):
+        want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
+        got = slt.clip_grad_norm_(model.parameters(), 1e9, norm_type=norm_type)
+        assert abs(got.item() - want.item()) <= 1e-5 * want.item(), (norm_type, got, want)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    got = slt.clip_grad_norm_(model.parameters(), 0.01)
+    assert abs(got.item() - want.item()) <= 1e-5 * want.item()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref_params[name].grad.reshape(-1), rtol=1e-5, atol=1e-8)
+    for p in model.parameters():
+        p.grad.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        slt.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+
+
+def test_errors_name_what_is_wrong(world):
+    with pytest.raises(NotImplementedError, match="int"):
+        slt.fully_shard(nn.Linear(2, 2), mesh=world, reshard_after_forward=2)
+    with pytest.raises(TypeError, match="mesh"):
+        slt.fully_shard(nn.Linear(2, 2), mesh="world")
+    with pytest.raises(NotImplementedError, match="float64"):
+        slt.fully_shard(nn.Linear(2, 2).double(), mesh=world)
+    with pytest.raises(ValueError, match="mp_policy.param_dtype"):
+        slt.fully_shard(nn.Linear(2, 2), mesh=world,
+                        mp_policy=slt.MixedPrecisionPolicy(param_dtype=torch.int8))
+    m = slt.fully_shard(nn.Linear(2, 2), mesh=world)
+    with pytest.raises(ValueError, match="already"):
+        slt.fully_shard(m, mesh=world)
+    for call in (lambda: m.set_modules_to_forward_prefetch([]),
+                 lambda: m.set_modules_to_backward_prefetch([]),
+                 lambda: m.set_reshard_after_backward(False)):
+        with pytest.raises(NotImplementedError):
+            call()
+    m.set_reshard_after_backward(True)
+    m.set_post_optim_event(None)
+    assert isinstance(m, slt.FSDPModule) and isinstance(m, nn.Linear)
+    assert type(m).__name__ == "FSDPLinear"
+
+
+def test_train_gpt_example_matches_one_process(launch):
+    """examples/train_gpt.py (a GPT with tied embeddings) on 2 ranks with --impl shardline
+    prints the losses of --impl single on the same global batches."""
+    import pathlib
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+    small = ["--vocab", "97", "--dim", "24", "--layers", "2", "--heads", "4", "--seq", "9",
+             "--batch", "3", "--steps", "4", "--warmup", "1"]
+
+    def losses(output):
+        out = []
+        for line in output.splitlines():
+            if line.startswith("[") and ">: " in line:
+                line = line.split(">: ", 1)[1]
+            if line.startswith("step "):
+                out.append(float(line.split("loss ")[1].split()[0]))
+        return out
+
+    sharded = launch(2, [script, "--impl", "shardline", *small], timeout=150)
+    assert sharded.returncode == 0, sharded.describe()
+    assert "leaked" not in sharded.output, sharded.describe()
+    single = subprocess.run([sys.executable, str(script), "--impl", "single", *small],
+                            capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stdout + single.stderr
+    got, want = losses(sharded.output), losses(single.stdout)
+    assert len(got) == len(want) == 4, (sharded.output, single.stdout)
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 1e-5 * w + 2e-6, (got, want)
+    assert len(sharded.lines("rank ")) == 2, sharded.output
