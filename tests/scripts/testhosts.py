@@ -177,6 +177,11 @@ class TestHosts:
         self._procs.append(proc)
         return proc
 
+    def rsh_agent_env(self):
+        """Environment for `mpirun --mca plm_rsh_agent "<python> testhosts.py rsh"`: the
+        agent maps a host's address to its namespaces."""
+        return {"SL_TESTHOSTS": ",".join(f"{h.addr}={h.netns}={h.name}" for h in self.hosts)}
+
     def stats(self, i):
         """(rx_bytes, tx_bytes) of host i's interface."""
         h = self.hosts[i]
@@ -221,7 +226,25 @@ class TestHosts:
         return [p.pid for p in self._procs if p.poll() is None]
 
 
+def rsh(argv):
+    """mpirun's remote shell across test hosts: `testhosts.py rsh ADDR COMMAND...` runs COMMAND
+    (joined and given to sh, as ssh does) on the host with that address (SL_TESTHOSTS)."""
+    table = dict((f.split("=")[0], f.split("=")[1:]) for f in
+                 os.environ.get("SL_TESTHOSTS", "").split(",") if f)
+    args = [a for a in argv if not a.startswith("-")] if argv and argv[0].startswith("-") else argv
+    if len(args) < 2 or args[0] not in table:
+        raise SystemExit(f"testhosts.py rsh: unknown host in {argv!r} (known: {sorted(table)})")
+    netns, name = table[args[0]]
+    os.environ["SL_TESTHOST_NAME"] = name
+    os.execvp("ip", ["ip", "netns", "exec", netns, "unshare", "--uts", "--ipc", "--pid", "--fork",
+                     "--mount", "--mount-proc", "--kill-child", "--", "sh", "-c", _INIT, "sh",
+                     "sh", "-c", " ".join(args[1:])])
+
+
 if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["rsh"]:
+        rsh(sys.argv[2:])
     reason = TestHosts.unavailable()
     if reason:
         print(f"test hosts unavailable: {reason}")
