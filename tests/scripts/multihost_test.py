@@ -254,6 +254,22 @@ class MultihostTest(unittest.TestCase):
             for h in hosts:
                 self.assertEqual(netns_pids(h), [], f"processes left on {h}:\n{out}")
 
+    def test_survivors_across_hosts_shrink_and_carry_on(self):
+        # Rank 3 (host 1) SIGKILLs itself; ranks 0-2 on both hosts shrink the world and run
+        # every collective on it, checked.
+        with TestHosts(2) as hosts:
+            job = Job(hosts, 2, "shrink", {"SHARDLINE_TIMEOUT_S": "20"}, grace=60)
+            job.wait(timeout=120)
+            out = job.text()
+            self.assertRegex(out, r"rank 3 \(pid \d+\) was killed by signal 9", out)
+            for r in range(3):
+                self.assertRegex(out, rf"SHRUNK rank {r} in [0-9.]+ s: world/shrink0\.without_3, "
+                                 rf"rank {r} of 3", out)
+                self.assertRegex(out, rf"OK shrink rank {r}\b", out)
+            self.assertIsNone(CRASH.search(out), out)
+            for h in hosts:
+                self.assertEqual(netns_pids(h), [], f"processes left on {h}:\n{out}")
+
     # --- mpirun -----------------------------------------------------------------------------
 
     def mpirun(self, hosts, host_list, nranks, program, timeout=90):

@@ -35,6 +35,9 @@
 //                                to stop); prints the longest iteration (the test pauses a rank)
 //   collectives_mp store_dies    rank 0 (the store's host) SIGKILLs itself; the others, creating a
 //                                communicator through the store, must fail naming the store
+//   collectives_mp shrink        the last rank SIGKILLs itself during a large all-reduce; the
+//                                survivors see the error, Shrink the world without it and run
+//                                every collective on the shrunk communicator (checked)
 //   collectives_mp bench         ad-hoc timings on rank 0 and each rank's memcpy reference
 //                                (SL_BENCH_HUGE=1: buffers on transparent huge pages)
 //
@@ -796,6 +799,44 @@ int StoreDies() {
   return kSurvivorExit;
 }
 
+// The last rank dies mid-collective; the survivors shrink the world and carry on.
+int ShrinkScenario() {
+  World w = InitWorld();
+  const int lost = g_size - 1;
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  std::vector<float, TestMemory<float>> buffer(4 << 20, 1.0f);
+  if (g_rank == lost) {
+    std::thread killer([] {
+      absl::SleepFor(absl::Milliseconds(20));
+      raise(SIGKILL);
+    });
+    killer.detach();
+  }
+  absl::Status status;
+  for (int i = 0; i < 1000 && status.ok(); ++i) {
+    status = WaitFor(
+        w.comm->AllReduce(buffer.data(), buffer.data(), buffer.size(), DType::kF32, *w.stream));
+  }
+  if (g_rank == lost) Fail("the lost rank survived its own SIGKILL");
+  Expect(!status.ok(), "1000 all_reduces passed although a rank died");
+  std::printf("LOST rank %d saw: %s\n", g_rank, status.ToString().c_str());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::shared_ptr<Communicator>> small =
+      w.comm->Shrink({lost}, absl::Now() + absl::Seconds(60));
+  ExpectOk(small.status(), "shrink");
+  Expect((*small)->size() == g_size - 1 && (*small)->rank() == g_rank, "shrunk rank and size");
+  std::printf("SHRUNK rank %d in %.2f s: %s, rank %d of %d\n", g_rank,
+              absl::ToDoubleSeconds(absl::Now() - start), (*small)->name().c_str(),
+              (*small)->rank(), (*small)->size());
+  // The stream ran the failed collective: poisoned. A fresh one.
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = "after_shrink"});
+  ExpectOk(stream.status(), "stream");
+  CheckAllKinds(**small, **stream, {1, 7, 4097, 300001}, true);
+  std::printf("OK shrink rank %d\n", g_rank);
+  std::fflush(stdout);
+  return 0;
+}
+
 // Host memory for the benchmark; `huge`: 2 MiB aligned and backed by transparent huge pages
 // where the kernel allows it (single-copy reads pin the source page by page: far fewer pages).
 std::unique_ptr<float, void (*)(void*)> BenchBuffer(size_t count, bool huge) {
@@ -872,6 +913,7 @@ int main(int argc, char** argv) {
   if (scenario == "cut") return shardline::Cut();
   if (scenario == "pause") return shardline::Pause();
   if (scenario == "store_dies") return shardline::StoreDies();
+  if (scenario == "shrink") return shardline::ShrinkScenario();
   if (scenario == "init") return shardline::InitScenario();
   if (scenario == "init_error") return shardline::InitError(argc > 2 ? argv[2] : nullptr);
   std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
