@@ -13,8 +13,8 @@ joined by veth pairs through a bridge; needs root), then, for every round, runs 
     across hosts (`--mca btl tcp,vader,self`, TCP restricted to the test subnet), started on the
     other hosts through testhosts.py's rsh agent;
 in alternating order, over the same size groups. Data are checked in the first round. Prints a
-Markdown table (median busbw over rounds, better of out-of-place and in-place) and writes
-bench/results/multihost-<date>.json. Reuses run_comparison.py's parsing and summaries.
+Markdown table (median busbw over rounds, better of out-of-place and in-place, recomputed from
+the times in MB/s) and writes bench/results/multihost-<date>.json (--table JSON reprints it). Reuses run_comparison.py's parsing and summaries.
 """
 
 import argparse
@@ -106,7 +106,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one small group (a smoke test)")
     parser.add_argument("--launch-timeout", type=float, default=300)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--table", metavar="JSON",
+                        help="print the table of an earlier run's results file and exit")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            doc = json.load(f)
+        print("\n".join(table(doc["records"], doc["hosts"] * doc["per_host"])[0]))
+        return 0
     args.build_dir = os.path.abspath(args.build_dir)
     reason = TestHosts.unavailable()
     if reason:
@@ -146,23 +153,7 @@ def main():
                 link_bytes[system] += sum(hosts.rx_bytes(k) for k in range(args.hosts)) - rx0
                 rc.log(f"  round {rnd + 1}/{args.rounds} {system:9s} "
                        f"{time.monotonic() - t0:5.1f} s (load {os.getloadavg()[0]:.1f})")
-    _, best = rc.summarise(records)
-    lines = [f"| collective | size | shardline busbw (GB/s) | Open MPI busbw (GB/s) | "
-             f"shardline / Open MPI |", "|---|---|---|---|---|"]
-    rows = []
-    for coll in COLLECTIVES:
-        for size in sorted({s for (_, c, _, s) in best if c == coll}):
-            sl = best.get(("shardline", coll, nranks, size))
-            mpi = best.get(("openmpi", coll, nranks, size))
-            ratio = sl["busbw"] / mpi["busbw"] if sl and mpi and mpi["busbw"] > 0 else None
-            rows.append({"coll": coll, "size": size, "shardline": sl and sl["busbw"],
-                         "openmpi": mpi and mpi["busbw"], "ratio": ratio})
-
-            def f(x):
-                return "-" if x is None else f"{x:.3f}"
-
-            lines.append(f"| {coll} | {rc.human(size)} | {f(sl and sl['busbw'])} | "
-                         f"{f(mpi and mpi['busbw'])} | {f(ratio)}x |")
+    lines, rows = table(records, nranks)
     wrong = sum(r["wrong"] or 0 for r in records)
     checked = sum(1 for r in records if r["wrong"] is not None)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
@@ -185,6 +176,34 @@ def main():
            f"{len(failures)} failed launches, bytes over the links {link_bytes}; "
            f"{doc['elapsed_seconds']:.0f} s; wrote {path}")
     return 1 if wrong or failures else 0
+
+
+def table(records, nranks):
+    """Markdown rows and their values. busbw is recomputed from the time (nccl-tests' factors:
+    (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce) in MB/s: the perf
+    binaries print GB/s with two decimals, too coarse for links this slow."""
+    factor = {"all_gather": (nranks - 1) / nranks, "reduce_scatter": (nranks - 1) / nranks,
+              "all_reduce": 2 * (nranks - 1) / nranks}
+    precise = [dict(r, busbw=factor[r["coll"]] * r["size"] / r["time_us"]) for r in records
+               if r["coll"] in factor and r["time_us"] > 0]
+    _, best = rc.summarise(precise)
+    lines = ["| collective | size | shardline busbw (MB/s) | Open MPI busbw (MB/s) | "
+             "shardline / Open MPI |", "|---|---|---|---|---|"]
+    rows = []
+    for coll in COLLECTIVES:
+        for size in sorted({s for (_, c, _, s) in best if c == coll}):
+            sl = best.get(("shardline", coll, nranks, size))
+            mpi = best.get(("openmpi", coll, nranks, size))
+            ratio = sl["busbw"] / mpi["busbw"] if sl and mpi and mpi["busbw"] > 0 else None
+            rows.append({"coll": coll, "size": size, "shardline": sl and sl["busbw"],
+                         "openmpi": mpi and mpi["busbw"], "ratio": ratio})
+
+            def f(x, d=1):
+                return "-" if x is None else f"{x:.{d}f}"
+
+            lines.append(f"| {coll} | {rc.human(size)} | {f(sl and sl['busbw'])} | "
+                         f"{f(mpi and mpi['busbw'])} | {f(ratio, 2)}x |")
+    return lines, rows
 
 
 if __name__ == "__main__":
