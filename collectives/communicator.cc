@@ -8,6 +8,8 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "collectives/internal/flight_dump.h"
 #include "runtime/config.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
@@ -139,7 +141,71 @@ void Work::Abort() const {
 
 Communicator::Communicator(int rank, int size, Device device, std::string name,
                            absl::Duration timeout)
-    : rank_(rank), size_(size), device_(device), name_(std::move(name)), timeout_(timeout) {}
+    : rank_(rank),
+      size_(size),
+      device_(device),
+      name_(std::move(name)),
+      timeout_(timeout),
+      flight_(std::make_unique<FlightRecorder>(flight_internal::Capacity())) {}
+
+void Communicator::DisableFlightRecorder() { flight_ = std::make_unique<FlightRecorder>(0); }
+
+void Communicator::NoteWaitingOn(const Op& op, const std::vector<int>& peers) const {
+  flight_->SetWaitingOn(op.fingerprint.seq, peers);
+}
+
+void Communicator::RecordStarted(const Op& op) const {
+  if (flight_->enabled()) flight_->Started(op.fingerprint.seq, absl::GetCurrentTimeNanos());
+}
+
+void Communicator::RecordEnded(const Op& op, const absl::Status& status) const {
+  if (flight_->enabled()) flight_->Ended(op.fingerprint.seq, status, absl::GetCurrentTimeNanos());
+}
+
+std::vector<FlightRecord> Communicator::FlightRecords() const {
+  std::vector<FlightRecord> records = flight_->Snapshot();
+  bool running = false;
+  for (const FlightRecord& r : records) running = running || r.state == FlightState::kRunning;
+  if (running) {
+    if (std::optional<std::vector<int>> peers = WaitingOn()) {
+      for (FlightRecord& r : records) {
+        if (r.state != FlightState::kRunning) continue;
+        r.waiting_known = true;
+        r.waiting_on = *peers;
+      }
+    }
+  }
+  return records;
+}
+
+std::string Communicator::FlightRecordJson(absl::string_view reason) const {
+  FlightDumpHeader header;
+  header.communicator = name_;
+  header.backend = std::string(backend());
+  header.rank = rank_;
+  header.size = size_;
+  header.reason = std::string(reason);
+  header.capacity = flight_->capacity();
+  header.recorded = flight_->recorded();
+  header.next_seq = issued_.load(std::memory_order_relaxed);
+  return FlightRecordsToJson(header, FlightRecords());
+}
+
+absl::StatusOr<std::string> Communicator::DumpFlightRecord(absl::string_view dir,
+                                                           absl::string_view reason) const {
+  if (!flight_->enabled()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("communicator ", name_, " (rank ", rank_,
+                     ") records no flights (SHARDLINE_FLIGHT_RECORDER=0 or the sim backend)"));
+  }
+  if (dir.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flight record of ", name_, " (rank ", rank_, "): no directory given"));
+  }
+  std::string path = FlightDumpPath(dir, name_, rank_);
+  SL_RETURN_IF_ERROR(WriteFlightDump(path, FlightRecordJson(reason)));
+  return path;
+}
 
 std::string Communicator::Describe(const Op& op) const {
   return absl::StrCat(CollectiveName(op.fingerprint.kind), " #", op.fingerprint.seq, " on ", name_,
@@ -162,6 +228,7 @@ absl::Status Communicator::MismatchError(const Op& op, int rank_a,
 }
 
 absl::Status Communicator::DeadlineError(const Op& op, const std::vector<int>& missing) const {
+  if (!missing.empty()) NoteWaitingOn(op, missing);
   absl::Status status = absl::DeadlineExceededError(absl::StrCat(
       Describe(op), ": timed out after ", absl::FormatDuration(op.timeout),
       missing.empty() ? std::string()
@@ -181,6 +248,20 @@ void Communicator::Abort(absl::Status reason) {
   SL_LOG(INFO, COLL) << "communicator " << name_ << " rank " << rank_
                      << " aborted: " << abort_status_;
   OnAbort(abort_status_);
+  // After the peers were told: the dump must not delay their failure.
+  if (flight_->enabled() && flight_->recorded() > 0) {
+    const std::string dir = flight_internal::Dir();
+    if (!dir.empty()) {
+      absl::StatusOr<std::string> path =
+          DumpFlightRecord(dir, absl::StrCat("aborted: ", abort_status_.ToString()));
+      if (path.ok()) {
+        SL_LOG(WARN, COLL) << "flight recorder: communicator " << name_ << " rank " << rank_
+                           << " aborted; wrote " << *path;
+      } else {
+        SL_LOG(WARN, COLL) << "flight recorder: " << path.status();
+      }
+    }
+  }
 }
 
 absl::Status Communicator::status() const {
@@ -226,15 +307,21 @@ absl::Status Communicator::Launch(Op op, Stream& stream) {
   // The sequence number is spent: without this the peers would wait for this rank until their
   // deadlines. Only the stream calls it, while it is alive.
   run.cancel = [task](const absl::Status& poison) {
-    task->comm->Abort(
+    absl::Status skipped =
         task->comm->SkippedError(task->op, task->stream->name(),
-                                 absl::StrCat("was poisoned before it ran: ", poison.message())));
+                                 absl::StrCat("was poisoned before it ran: ", poison.message()));
+    task->comm->RecordEnded(task->op, skipped);
+    task->comm->Abort(std::move(skipped));
   };
   run.run = [task = std::move(task)]() -> absl::Status {
     Communicator& comm = *task->comm;
-    SL_RETURN_IF_ERROR(comm.status());
-    task->op.deadline = task->op.clock->Now() + task->op.timeout;
-    absl::Status status = comm.Run(task->op);
+    comm.RecordStarted(task->op);
+    absl::Status status = comm.status();
+    if (status.ok()) {
+      task->op.deadline = task->op.clock->Now() + task->op.timeout;
+      status = comm.Run(task->op);
+    }
+    comm.RecordEnded(task->op, status);
     if (!status.ok()) comm.Abort(status);
     return status;
   };
@@ -303,6 +390,9 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
     }
   }
   SL_RETURN_IF_ERROR(CheckStream(stream));
+  SL_RETURN_IF_ERROR(
+      CheckBuffers(absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_, ")"), input,
+                   in_bytes, output, out_bytes));
   if (&stream.clock() != &WallClock() && !AcceptsAnyClock()) {
     return invalid("stream '", stream.name(), "' runs on a ", stream.clock().name(),
                    " clock, but the ", backend(), " backend moves data in wall-clock time");
@@ -328,12 +418,21 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
   op.input_count = input_count;
   op.output_count = output_count;
   op.timeout = options.timeout == absl::ZeroDuration() ? timeout_ : options.timeout;
+  issued_.store(next_seq_, std::memory_order_relaxed);
+  if (flight_->enabled()) {
+    if (!flight_registered_) {
+      flight_registered_ = true;
+      flight_internal::Register(weak_from_this());
+    }
+    flight_->Enqueued(op.fingerprint, stream.name(), options.tag, absl::GetCurrentTimeNanos());
+  }
 
   absl::Status launched = Launch(op, stream);
   if (!launched.ok()) {
     // The sequence number is spent, so the peers would wait for this rank in vain: tell them.
     launched =
         SkippedError(op, stream.name(), absl::StrCat("did not accept it: ", launched.message()));
+    RecordEnded(op, launched);
     Abort(launched);
     return launched;
   }
@@ -342,9 +441,11 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
     // The stream is poisoned: by the collective itself (which has aborted the communicator with
     // its error already), or before it ran (its cancel aborts). Either way nobody can order work
     // after it; make sure the peers hear of it, and report what poisoned the stream.
-    Abort(SkippedError(
+    absl::Status skipped = SkippedError(
         op, stream.name(),
-        absl::StrCat("could not record its completion event: ", done.status().message())));
+        absl::StrCat("could not record its completion event: ", done.status().message()));
+    RecordEnded(op, skipped);
+    Abort(std::move(skipped));
     return done.status();
   }
   last_done_ = *done;

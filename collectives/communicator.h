@@ -54,6 +54,12 @@
 // peer's abort) carry the payload kPeerErrorPayload (IsPeerError()), so that callers can tell
 // them from their own bad arguments (both may be InvalidArgument).
 //
+// Flight recorder (flight_recorder.h): every communicator keeps its last SHARDLINE_FLIGHT_RECORDER
+// collectives (default 2048, 0: off) with their state, and, where SHARDLINE_FLIGHT_RECORDER_DIR
+// is set, writes them as JSON into that directory when it is aborted (a collective error, a
+// deadline, a peer's abort, Abort()) and, for every communicator of the process, on SIGUSR1. The
+// sim backend records nothing (a thousand simulated ranks share one process).
+//
 // Thread safety: collectives may be issued from several threads at once (PyTorch runs backward
 // hooks on its own threads); Issue is serialized, and the order in which the calls take the
 // communicator's lock is the issue order. All ranks must issue the same collectives in the same
@@ -67,6 +73,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,6 +82,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "collectives/flight_recorder.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
 #include "runtime/stream.h"
@@ -128,6 +136,9 @@ struct CollectiveOptions {
   // How long the collective may take once it starts on its stream. Unset (zero): the
   // communicator's timeout, which defaults to SHARDLINE_TIMEOUT_S.
   absl::Duration timeout = absl::ZeroDuration();
+  // A label for the flight recorder ("block.17": the scheduler puts the unit's name here). Not
+  // part of the fingerprint: ranks may tag the same collective differently.
+  std::string tag;
 };
 
 struct ReduceOptions : CollectiveOptions {
@@ -232,6 +243,16 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // The sequence number the next collective will get (starts at 0).
   uint64_t next_seq() const;
 
+  // The flight recorder's records, oldest first; running ones carry the peers they wait on where
+  // the backend can tell (local, ucx). Empty if recording is off.
+  std::vector<FlightRecord> FlightRecords() const;
+  // The JSON dump of FlightRecords() (format in flight_recorder.h), `reason` saying why.
+  std::string FlightRecordJson(absl::string_view reason) const;
+  // Writes FlightRecordJson(reason) to FlightDumpPath(dir, name(), rank()); returns the path.
+  // FailedPrecondition if recording is off; the write's error otherwise.
+  absl::StatusOr<std::string> DumpFlightRecord(absl::string_view dir,
+                                               absl::string_view reason) const;
+
  protected:
   Communicator(int rank, int size, Device device, std::string name, absl::Duration timeout);
 
@@ -264,6 +285,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // The stream kinds this backend can run on (default: host memory on host/caller streams).
   virtual absl::Status CheckStream(const Stream& stream) const;
+  // The memory this backend can move (default: any). Called before anything is enqueued, so a
+  // wrong buffer is InvalidArgument and leaves the communicator intact; `where` names the call
+  // ("all_reduce on world (rank 0 of 2)") for the message.
+  virtual absl::Status CheckBuffers(absl::string_view where, const void* input, size_t input_bytes,
+                                    const void* output, size_t output_bytes) const {
+    return absl::OkStatus();
+  }
   // Whether this backend's waits follow any stream clock (the local backend: its ranks are
   // threads that wait on one another) or need the wall clock (default: backends that move data
   // over real transports).
@@ -284,6 +312,20 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Called once when the communicator is aborted, with the reason (to wake waiters, tell peers).
   virtual void OnAbort(const absl::Status& reason) {}
 
+  // Flight recorder hooks.
+  // The peers the running collective still waits on, if the backend can tell at any moment
+  // (called from a dump, on any thread). Backends that learn it only while they wait call
+  // NoteWaitingOn instead.
+  virtual std::optional<std::vector<int>> WaitingOn() const { return std::nullopt; }
+  // Records the peers `op` waits on now.
+  void NoteWaitingOn(const Op& op, const std::vector<int>& peers) const;
+  // For backends that override Launch: `op` started running / ended with `status`. (The default
+  // Launch records both.)
+  void RecordStarted(const Op& op) const;
+  void RecordEnded(const Op& op, const absl::Status& status) const;
+  // Turns recording off; only in a backend's constructor.
+  void DisableFlightRecorder();
+
   // Helpers for backends.
   // The error every rank reports when fingerprints differ; `a` < `b` are the first two
   // differing ranks.
@@ -291,7 +333,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                              int rank_b, const CollectiveFingerprint& fp_b) const;
   // "all_gather #12 on world (rank 0 of 4)": the prefix of every error about `op`.
   std::string Describe(const Op& op) const;
-  // DeadlineExceeded for `op`, naming the ranks that did not show up.
+  // DeadlineExceeded for `op`, naming the ranks that did not show up (and recording them as the
+  // peers it waits on).
   absl::Status DeadlineError(const Op& op, const std::vector<int>& missing_ranks) const;
   // Aborted for `op`, which will never run on `stream`: "<Describe(op)>: never ran: stream 'x'
   // <what>".
@@ -312,13 +355,22 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Serializes Issue; guards the sequence and the previous collective's completion event.
   mutable std::mutex issue_mu_;
   uint64_t next_seq_ = 0;
+  std::atomic<uint64_t> issued_{0};  // next_seq_, readable without issue_mu_ (dumps)
   std::shared_ptr<Event> last_done_;
+  std::unique_ptr<FlightRecorder> flight_;
+  bool flight_registered_ = false;  // guarded by issue_mu_
   std::atomic<uint64_t> next_split_{0};
   std::atomic<uint64_t> next_shrink_{0};
   mutable std::mutex mu_;
   absl::Status abort_status_;
   std::atomic<bool> aborted_{false};
 };
+
+// Writes the flight record of every live communicator of this process that has issued a
+// collective into `dir` (what SIGUSR1 does, with SHARDLINE_FLIGHT_RECORDER_DIR); returns the
+// paths written. The first write error, if any, after trying them all.
+absl::StatusOr<std::vector<std::string>> DumpAllFlightRecords(absl::string_view dir,
+                                                              absl::string_view reason);
 
 }  // namespace shardline
 

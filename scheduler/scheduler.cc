@@ -403,8 +403,9 @@ absl::Status Scheduler::IssueGather(int u, bool backward, bool demanded) {
     ++current_.budget_overshoots;
   }
   std::shared_ptr<Event> start;
-  SL_ASSIGN_OR_RETURN(
-      Work work, unit.param->Gather(*gather_comm_, *gather_stream_, {.collective_start = &start}));
+  SL_ASSIGN_OR_RETURN(Work work, unit.param->Gather(*gather_comm_, *gather_stream_,
+                                                    {.collective = {.tag = unit.name},
+                                                     .collective_start = &start}));
   unit.comm.emplace_back(std::move(start), work.event());
   unit.gathered = true;
   unit.backward_gather = backward;
@@ -785,7 +786,8 @@ absl::Status Scheduler::IssueReadyReductions() {
 absl::Status Scheduler::IssueReduction(int u) {
   Unit& unit = units_[u];
   const MixedPrecisionPolicy& mp = unit.param->policy();
-  const ReduceGradOptions ro{.op = unit.reduce_op};
+  // The flight recorder tags every collective of the unit with its name.
+  const ReduceGradOptions ro{.op = unit.reduce_op, .collective = {.tag = unit.name}};
   std::shared_ptr<Event> start;
   ReduceGradOptions rs = ro;
   rs.collective_start = &start;
@@ -823,6 +825,7 @@ absl::Status Scheduler::IssueReduction(int u) {
     SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
     ReduceOptions ar{};
     ar.op = unit.reduce_op;
+    ar.tag = unit.name;
     SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordEvent(*all_reduce_stream_));
     SL_ASSIGN_OR_RETURN(Work work, replicate_comm_->AllReduce(grad.data, grad.data, grad.elements,
                                                               grad.dtype, *all_reduce_stream_, ar));

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/config.h"
@@ -38,7 +39,8 @@ class LocalGroup {
   }
 
   // Enters the next barrier phase and waits until every rank has entered it. On a deadline,
-  // fills `missing` with the ranks that had not and returns false with OK status.
+  // fills `missing` with the ranks that had not and sets `timed_out` (OK status); on an abort,
+  // fills `missing` the same way and returns the abort's status.
   absl::Status Arrive(int rank, const Clock& clock, absl::Time deadline, std::vector<int>* missing,
                       bool* timed_out) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -48,14 +50,28 @@ class LocalGroup {
       return std::all_of(slots_.begin(), slots_.end(),
                          [&](const Slot& s) { return s.phases >= target; });
     };
-    if (!clock.WaitUntil(cv_, lock, deadline, [&] { return all_arrived() || !status_.ok(); })) {
+    const bool woken =
+        clock.WaitUntil(cv_, lock, deadline, [&] { return all_arrived() || !status_.ok(); });
+    if (!woken || !status_.ok()) {
       for (int r = 0; r < size_; ++r) {
         if (slots_[r].phases < target) missing->push_back(r);
       }
+    }
+    if (!woken) {
       *timed_out = true;
       return absl::OkStatus();
     }
     return status_;
+  }
+
+  // The ranks that have not yet entered the phase `rank` waits in (empty if it waits in none).
+  std::vector<int> Awaited(int rank) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int> awaited;
+    for (int r = 0; r < size_; ++r) {
+      if (slots_[r].phases < slots_[rank].phases) awaited.push_back(r);
+    }
+    return awaited;
   }
 
   // Snapshot of every rank's slot; valid between two phases that all ranks have passed.
@@ -114,6 +130,7 @@ class LocalCommunicator final : public Communicator {
     return std::shared_ptr<Communicator>(
         std::make_shared<LocalCommunicator>(index, std::move(child), name, timeout()));
   }
+  std::optional<std::vector<int>> WaitingOn() const override { return group_->Awaited(rank()); }
   void OnAbort(const absl::Status& reason) override {
     group_->Abort(MarkPeerError(
         absl::Status(reason.code(),
@@ -127,7 +144,10 @@ class LocalCommunicator final : public Communicator {
     bool timed_out = false;
     absl::Status status = group_->Arrive(rank(), *op.clock, op.deadline, &missing, &timed_out);
     if (timed_out) return DeadlineError(op, missing);
-    if (!status.ok()) return Annotate(status, Describe(op));
+    if (!status.ok()) {
+      if (!missing.empty()) NoteWaitingOn(op, missing);  // whom it waited for when aborted
+      return Annotate(status, Describe(op));
+    }
     return absl::OkStatus();
   }
 

@@ -21,10 +21,12 @@
 // WrapCudaStream (runtime/cuda/cuda_stream.h; the check looks only at the device and
 // native_handle()). A host stream or another device's stream is InvalidArgument before anything
 // is enqueued. Buffers must be memory of that device (or managed
-// memory); a host pointer is InvalidArgument, but found only at launch, after the sequence number
-// is spent, so it aborts the communicator like every other launch failure. Every dtype and op of
-// communicator.h maps onto NCCL's own (avg is ncclAvg; integer averages truncate); all-to-all is
-// grouped ncclSend/ncclRecv; a barrier is a one-element all-reduce on an internal device buffer.
+// memory); a host pointer or another device's memory is InvalidArgument, also found before
+// anything is enqueued (the communicator stays usable). Every dtype and op of communicator.h maps
+// onto NCCL's own (avg is ncclAvg; integer averages truncate); all-to-all is grouped
+// ncclSend/ncclRecv; a barrier is a one-element all-reduce on an internal device buffer. A
+// communicator of one rank copies instead (NCCL before 2.29.7 leaves the tail of a one-rank avg
+// unwritten: NVIDIA/nccl#1950).
 // The call returns once NCCL has enqueued the work: the host does not wait for the data.
 //
 // Split() is ncclCommSplit (non-blocking, polled like creation): no store traffic, and the new

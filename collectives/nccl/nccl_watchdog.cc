@@ -106,12 +106,16 @@ absl::Status NcclCommunicator::Sweep() {
       const cudaError_t started = cudaEventQuery(f.start);
       if (started == cudaSuccess) {
         f.deadline = now + f.op.timeout;
+        RecordStarted(f.op);  // as the watchdog sees it: up to one interval late
       } else if (started != cudaErrorNotReady && failure.ok()) {
         failure = Annotate(SL_CUDA_STATUS(started), Describe(f.op));
       }
     }
     const cudaError_t done = cudaEventQuery(f.done);
     if (done == cudaSuccess) {
+      if (!f.deadline.has_value()) RecordStarted(f.op);
+      // Once aborted, ncclCommAbort may have cut it short: it counts as failed then.
+      RecordEnded(f.op, healthy ? absl::OkStatus() : status());
       free_events_.push_back(f.start);
       free_events_.push_back(f.done);
       it = in_flight_.erase(it);
@@ -120,6 +124,7 @@ absl::Status NcclCommunicator::Sweep() {
     if (done != cudaErrorNotReady) {
       // The device context is broken: this collective will never report; stop watching it.
       if (failure.ok()) failure = Annotate(SL_CUDA_STATUS(done), Describe(f.op));
+      RecordEnded(f.op, Annotate(SL_CUDA_STATUS(done), Describe(f.op)));
       (void)cudaEventDestroy(f.start);
       (void)cudaEventDestroy(f.done);
       it = in_flight_.erase(it);

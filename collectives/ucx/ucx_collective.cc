@@ -221,6 +221,8 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
       transport_.YieldIfOversubscribed();
       continue;
     }
+    // Only on the way to sleep: the spin stays free of it.
+    if (hooks_.waiting_on) hooks_.waiting_on(PendingPeers());
     transport_.Sleep(deadline_);
   }
 }

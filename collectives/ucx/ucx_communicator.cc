@@ -121,6 +121,7 @@ absl::Status UcxCommunicator::Run(const Op& op) {
     return MismatchError(op, a, fa, b, fb);
   };
   hooks.describe = Describe(op);
+  hooks.waiting_on = [this, &op](const std::vector<int>& pending) { NoteWaitingOn(op, pending); };
   CollectiveRun run(*transport_, op.fingerprint, op.input, op.output, op.element_size, op.deadline,
                     std::move(hooks), tuning_);
   absl::Status status = ucx_internal::RunCollective(run);

@@ -1,6 +1,7 @@
-"""The package: version, type stubs, registered memory, and shardline.launch."""
+"""The package: version, type stubs, registered memory, shardline.launch and shardline.flight."""
 
 import importlib.resources
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,8 @@ def test_version():
 def test_ships_stubs_and_py_typed():
     package = importlib.resources.files("shardline")
     init_dir = os.path.dirname(os.path.abspath(shardline.__file__))
-    for name in ("_core.pyi", "py.typed", "launch.py", "_launch_tool.py"):
+    for name in ("_core.pyi", "py.typed", "launch.py", "_launch_tool.py", "flight.py",
+                 "_flight_tool.py"):
         assert package.joinpath(name).is_file(), name
         assert os.path.isfile(os.path.join(init_dir, name)), name
     stub = package.joinpath("_core.pyi").read_text()
@@ -104,3 +106,28 @@ def test_launch_usage_error():
     result = subprocess.run([sys.executable, "-m", "shardline.launch", "-n", "0", "--", "true"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "-n must be at least 1" in result.stderr
+
+
+def _flight_dump(directory, rank, entries):
+    dump = {"format": "shardline-flight-recorder", "version": 1, "communicator": "world",
+            "backend": "local", "rank": rank, "size": 2, "pid": 1, "host": "h", "reason": "t",
+            "dumped_at_ns": 1, "capacity": 8, "recorded": len(entries), "next_seq": 0,
+            "entries": [{"seq": seq, "call": call, "kind": call.split("(")[0], "count": 3,
+                         "dtype": "f32", "op": "sum", "root": 0, "stream": "s", "tag": "",
+                         "state": "failed", "enqueued_ns": 1, "started_ns": 1, "ended_ns": 2,
+                         "error": "x"} for seq, call in entries]}
+    with open(os.path.join(directory, f"flight.world.rank{rank}.json"), "w") as fh:
+        json.dump(dump, fh)
+
+
+def test_flight_names_the_divergence(tmp_path):
+    _flight_dump(tmp_path, 0, [(4, "all_gather(count=3, f32)")])
+    _flight_dump(tmp_path, 1, [(4, "broadcast(count=3, f32, root=0)")])
+    result = run_bounded([sys.executable, "-m", "shardline.flight", str(tmp_path)], timeout=60)
+    assert result.returncode == 1, result.output
+    assert result.output.splitlines()[0] == (
+        "[world] ranks diverged at #4: rank 1 called broadcast(count=3, f32, root=0) where rank 0 "
+        "called all_gather(count=3, f32)")
+    from shardline import flight
+    assert flight.main([str(tmp_path), "--json"]) == 1
+    assert flight.main([str(tmp_path / "missing")]) == 2

@@ -13,6 +13,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "runtime/allocator.h"
@@ -67,6 +68,16 @@ TEST_F(CudaAllocatorTest, AStreamOrderedReallocationComesFromThePool) {
 
   constexpr size_t kCount = size_t{16} << 20;  // 64 MiB of uint32
   constexpr size_t kBytes = kCount * sizeof(uint32_t);
+  // Page-locked host memory, so that both copies are really asynchronous (a copy to pageable
+  // memory returns only when it is done, and the block would be freed at its release).
+  uint32_t* in = nullptr;
+  uint32_t* out = nullptr;
+  ASSERT_EQ(cudaMallocHost(&in, kBytes), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&out, kBytes), cudaSuccess);
+  absl::Cleanup free_host = [&] {
+    (void)cudaFreeHost(in);
+    (void)cudaFreeHost(out);
+  };
   uint64_t reserved_after_first = 0;
   for (uint32_t round = 0; round < 3; ++round) {
     absl::StatusOr<Buffer> buffer = (*allocator)->Allocate(kBytes, **stream);
@@ -79,22 +90,25 @@ TEST_F(CudaAllocatorTest, AStreamOrderedReallocationComesFromThePool) {
           << "round " << round << ": the allocation grew the pool instead of reusing its memory";
     }
     // The stream's work uses the memory at once: hashed data in, every element back out.
-    std::vector<uint32_t> in(kCount), out(kCount);
     for (size_t i = 0; i < kCount; ++i) in[i] = Hash(round, i);
-    ASSERT_EQ(cudaMemcpyAsync(buffer->data(), in.data(), kBytes, cudaMemcpyHostToDevice, raw),
+    for (size_t i = 0; i < kCount; ++i) out[i] = ~in[i];
+    ASSERT_EQ(cudaMemcpyAsync(buffer->data(), in, kBytes, cudaMemcpyHostToDevice, raw),
               cudaSuccess);
-    ASSERT_EQ(cudaMemcpyAsync(out.data(), buffer->data(), kBytes, cudaMemcpyDeviceToHost, raw),
+    ASSERT_EQ(cudaMemcpyAsync(out, buffer->data(), kBytes, cudaMemcpyDeviceToHost, raw),
               cudaSuccess);
     absl::StatusOr<std::shared_ptr<Event>> used = RecordEvent(**stream);
     ASSERT_TRUE(used.ok()) << used.status();
     buffer->ReleaseAfter(*used);
     buffer->Reset();
+    // Held while the copies run; freed at the release only if they had already finished.
+    const int64_t held = (*allocator)->pending_blocks();
+    EXPECT_EQ((*allocator)->stats().live_allocations, held);
     // Registered after the allocator's callback, on the same side stream: runs after it.
     Gate released;
     (*used)->OnComplete([&released](absl::Status) { released.Open(); });
     ASSERT_TRUE((*used)->Synchronize(Soon()).ok());
     ASSERT_TRUE(released.Wait());
-    EXPECT_EQ((*allocator)->Collect(), 1);
+    EXPECT_EQ((*allocator)->Collect(), held);
     EXPECT_EQ((*allocator)->pending_blocks(), 0);
     size_t wrong = 0;
     for (size_t i = 0; i < kCount; ++i) wrong += out[i] != in[i];

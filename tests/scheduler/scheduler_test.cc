@@ -224,6 +224,7 @@ struct RankResult {
   std::vector<StepMetrics> metrics;
   std::vector<double> norms;                 // ClipGradNorm's results
   std::vector<std::vector<size_t>> offsets;  // [unit][tensor] element offset of the shard start
+  std::vector<FlightRecord> gather_flights;  // the flight records of the gather communicator
 };
 
 // The element range of tensor t that shard `shard` of `layout` owns, as (first element in the
@@ -384,6 +385,7 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
       mark("");
     }
     SL_RETURN_IF_ERROR(compute->Synchronize(Deadline()));
+    result.gather_flights = sched->mesh().shard()->FlightRecords();
     for (int u = 0; u < sched->num_units(); ++u) {
       const FlatLayout& layout = sched->unit(u).layout();
       FlatShardView p = sched->unit(u).master_shard();
@@ -553,6 +555,41 @@ TEST(SchedulerOrderTest, ExactIssueOrderPerPrefetchMode) {
           << " depth " << c.depth;
     }
     ExpectMatchesReference(m, results, Reference(m, 2, 2, 1));
+  }
+}
+
+// The flight recorder sees every all-gather of the scheduler tagged with its unit's name, in the
+// issue order of the scheduler's own log.
+TEST(SchedulerOrderTest, GathersAreTaggedWithTheirUnit) {
+  ToyModel m = MakeToy(4, /*tied=*/false);
+  RunOptions o;
+  o.world = 2;
+  o.steps = 2;
+  o.scheduler.forward_prefetch = 1;
+  o.scheduler.backward_prefetch = BackwardPrefetch::kBeforeGrad;
+  o.scheduler.root_unit = -1;
+  std::vector<RankResult> results = Train(m, o);
+  for (const RankResult& r : results) {
+    ASSERT_OK(r.status);
+    std::vector<std::string> expected;  // the last step's gathers, from the issue log
+    for (const std::string& entry : r.issue_log) {
+      if (absl::StartsWith(entry, "AG ")) expected.push_back(entry.substr(3));
+    }
+    ASSERT_EQ(expected.size(), 8u) << Log(r.issue_log);
+    // First the membership exchange of the reduce communicator's Dup (untagged), then two
+    // steps of gathers.
+    ASSERT_EQ(r.gather_flights.size(), 1 + 2 * expected.size());
+    EXPECT_EQ(r.gather_flights[0].kind, CollectiveKind::kAllGather);
+    EXPECT_EQ(r.gather_flights[0].dtype, DType::kI32);
+    EXPECT_EQ(r.gather_flights[0].tag, "");
+    std::vector<std::string> tags;
+    for (size_t i = 1; i < r.gather_flights.size(); ++i) {
+      const FlightRecord& f = r.gather_flights[i];
+      ASSERT_EQ(f.kind, CollectiveKind::kAllGather);
+      EXPECT_EQ(f.state, FlightState::kDone);
+      tags.push_back(f.tag);
+    }
+    EXPECT_EQ(std::vector<std::string>(tags.end() - expected.size(), tags.end()), expected);
   }
 }
 

@@ -83,6 +83,8 @@ class NcclCommunicator final : public Communicator {
   absl::Status Run(const Op& op) override;
   absl::Status Launch(Op op, Stream& stream) override;
   absl::Status CheckStream(const Stream& stream) const override;
+  absl::Status CheckBuffers(absl::string_view where, const void* input, size_t input_bytes,
+                            const void* output, size_t output_bytes) const override;
   absl::StatusOr<std::shared_ptr<Communicator>> SplitImpl(int color, int key,
                                                           absl::Time deadline) override;
   absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
@@ -105,7 +107,12 @@ class NcclCommunicator final : public Communicator {
   absl::Status AllocateScratch();
 
   // nccl_collectives.cc
-  absl::Status CheckBuffer(const Op& op, const void* ptr, size_t bytes, const char* what) const;
+  absl::Status CheckBuffer(absl::string_view where, const void* ptr, size_t bytes,
+                           const char* what) const;
+  // A communicator of one rank: every collective is a copy (or nothing, in place), made here
+  // rather than by NCCL, whose one-rank reductions before 2.29.7 leave the tail of odd counts
+  // unwritten (NVIDIA/nccl#1950: avg) and which costs a kernel launch for a copy.
+  absl::Status EnqueueOneRank(const Op& op, cudaStream_t stream);
   absl::Status Enqueue(const Op& op, cudaStream_t stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(nccl_mu_);
   absl::Status CheckFingerprints(const Op& op, cudaStream_t stream, absl::Time deadline);
   // Polls until the operation just issued on comm_ is no longer ncclInProgress.

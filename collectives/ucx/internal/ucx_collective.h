@@ -10,7 +10,7 @@
 // Every wait goes through Drive(): progress the worker, serve the single-copy reads whose
 // descriptors arrived, let the algorithm make a step, fail on an aborted communicator, a dead
 // peer or the deadline (naming the ranks still pending), and sleep on the worker's event fd once
-// a short spin found nothing to do.
+// a short spin found nothing to do (telling hooks.waiting_on which peers are still pending).
 //
 // Send/Recv of the data phases pick the protocol per peer: to and from peers on this host that
 // can read each other's memory, the single-copy (CMA) protocol of ucx_transport.h; otherwise a
@@ -42,6 +42,9 @@ struct CollectiveHooks {
                              const CollectiveFingerprint& fb)>
       mismatch_error;
   std::string describe;  // "all_gather #3 on world (rank 0 of 2, ucx)"
+  // Told the peers with requests still pending each time the wait goes to sleep (the flight
+  // recorder's "waiting on"); may be empty.
+  std::function<void(const std::vector<int>& pending)> waiting_on;
 };
 
 class CollectiveRun {
