@@ -129,22 +129,25 @@ class MultihostTest(unittest.TestCase):
             self.skipTest(f"test hosts unavailable: {UNAVAILABLE}")
 
     def run_ok(self, nhosts, per_host, scenario, timeout, env=None):
+        """Runs a scenario that must pass; returns its output and, per host, the bytes received
+        on eth0 (from other hosts) and on lo (within the host) meanwhile."""
         with TestHosts(nhosts) as hosts:
-            before = [hosts.rx_bytes(i) for i in range(nhosts)]
+            before = [(hosts.rx_bytes(i), hosts.stats(i, "lo")[0]) for i in range(nhosts)]
             job = Job(hosts, per_host, scenario, env)
             codes = job.wait(timeout)
-            received = [hosts.rx_bytes(i) - before[i] for i in range(nhosts)]
+            received = [hosts.rx_bytes(i) - before[i][0] for i in range(nhosts)]
+            loopback = [hosts.stats(i, "lo")[0] - before[i][1] for i in range(nhosts)]
             out = job.text()
             self.assertEqual(codes, [0] * nhosts, out)
             for r in range(nhosts * per_host):
                 self.assertRegex(out, rf"OK {scenario} rank {r}\b", out)
             self.assertIsNone(CRASH.search(out), out)
-            return out, received
+            return out, received, loopback
 
     # --- correctness across hosts -------------------------------------------------------------
 
     def check_hosts(self, nhosts, per_host):
-        out, _ = self.run_ok(nhosts, per_host, "hosts", timeout=120)
+        out, _, _ = self.run_ok(nhosts, per_host, "hosts", timeout=120)
         # The mesh's shard group is the host: R x S = hosts x ranks per host.
         for r in range(nhosts * per_host):
             self.assertRegex(
@@ -173,18 +176,28 @@ class MultihostTest(unittest.TestCase):
         return bounds
 
     def test_cross_host_bytes_go_over_the_link(self):
-        # A path that silently stayed inside one host (or never moved the data) fails here.
+        # A path that silently stayed inside one host (or never moved the data) fails here. And
+        # within a host the data must not take the network stack: ranks of one host exchange
+        # their all-gather blocks alone (per_host * (per_host - 1) * count floats) through
+        # shared memory, so the host's loopback (which carries only the store's messages) must
+        # see less than that.
         for nhosts, per_host in ((2, 2), (3, 1)):
             with self.subTest(hosts=nhosts, per_host=per_host):
-                _, received = self.run_ok(nhosts, per_host, "crossing", timeout=90)
+                _, received, loopback = self.run_ok(nhosts, per_host, "crossing", timeout=90)
                 bounds = self.crossing_lower_bounds(nhosts, per_host)
                 for h in range(nhosts):
                     self.assertGreaterEqual(
                         received[h], bounds[h],
                         f"host {h} received {received[h]} B over its link, less than the "
                         f"{bounds[h]} B its ranks' results need from other hosts")
-                print(f"crossing {nhosts}x{per_host}: received {received} B, lower bounds "
-                      f"{bounds} B", file=sys.stderr)
+                    if per_host > 1:
+                        local = per_host * (per_host - 1) * CROSSING_COUNT * 4
+                        self.assertLess(loopback[h], local,
+                                        f"host {h}'s loopback carried {loopback[h]} B: data "
+                                        f"between its own ranks went through TCP")
+                print(f"crossing {nhosts}x{per_host}: received {received} B over the links "
+                      f"(lower bounds {bounds} B), {loopback} B on the hosts' loopbacks",
+                      file=sys.stderr)
 
     # --- failures across hosts ------------------------------------------------------------------
 

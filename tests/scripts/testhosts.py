@@ -182,10 +182,10 @@ class TestHosts:
         agent maps a host's address to its namespaces."""
         return {"SL_TESTHOSTS": ",".join(f"{h.addr}={h.netns}={h.name}" for h in self.hosts)}
 
-    def stats(self, i):
-        """(rx_bytes, tx_bytes) of host i's interface."""
+    def stats(self, i, ifname=None):
+        """(rx_bytes, tx_bytes) of host i's interface (`eth0`, or `ifname`: `lo`)."""
         h = self.hosts[i]
-        out = _ip("-n", h.netns, "-s", "-j", "link", "show", "dev", h.ifname).stdout
+        out = _ip("-n", h.netns, "-s", "-j", "link", "show", "dev", ifname or h.ifname).stdout
         s = json.loads(out)[0]["stats64"]
         return s["rx"]["bytes"], s["tx"]["bytes"]
 
