@@ -124,7 +124,10 @@ class TestHosts:
         self._procs = []
         self._closed = False
         atexit.register(self.close)
-        self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+        except ValueError:  # not the main thread: atexit and PR_SET_PDEATHSIG still apply
+            self._old_term = None
         try:
             self._create()
         except BaseException:
@@ -215,10 +218,11 @@ class TestHosts:
         for h in self.hosts:
             _ip("netns", "del", h.netns, check=False)
         _ip("netns", "del", self.switch, check=False)
-        try:
-            signal.signal(signal.SIGTERM, self._old_term)
-        except (ValueError, TypeError):
-            pass
+        if self._old_term is not None:
+            try:
+                signal.signal(signal.SIGTERM, self._old_term)
+            except (ValueError, TypeError):
+                pass
         atexit.unregister(self.close)
 
     def leftover_processes(self):
@@ -231,7 +235,9 @@ def rsh(argv):
     (joined and given to sh, as ssh does) on the host with that address (SL_TESTHOSTS)."""
     table = dict((f.split("=")[0], f.split("=")[1:]) for f in
                  os.environ.get("SL_TESTHOSTS", "").split(",") if f)
-    args = [a for a in argv if not a.startswith("-")] if argv and argv[0].startswith("-") else argv
+    args = list(argv)
+    while args and args[0].startswith("-"):  # ssh-style options before the host: none apply
+        args.pop(0)
     if len(args) < 2 or args[0] not in table:
         raise SystemExit(f"testhosts.py rsh: unknown host in {argv!r} (known: {sorted(table)})")
     netns, name = table[args[0]]
