@@ -14,7 +14,8 @@ joined by veth pairs through a bridge; needs root), then, for every round, runs 
     other hosts through testhosts.py's rsh agent;
 in alternating order, over the same size groups. Data are checked in the first round. Prints a
 Markdown table (median busbw over rounds, better of out-of-place and in-place, recomputed from
-the times in MB/s) and writes bench/results/multihost-<date>.json (--table JSON reprints it). Reuses run_comparison.py's parsing and summaries.
+the times in MB/s) and writes bench/results/multihost-<date>.json (--table JSON reprints it).
+Reuses run_comparison.py's parsing and summaries.
 """
 
 import argparse

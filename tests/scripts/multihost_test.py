@@ -289,7 +289,8 @@ class MultihostTest(unittest.TestCase):
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    SHARDLINE_TIMEOUT_S="30", **hosts.rsh_agent_env())
-        agent = f"{sys.executable} {os.path.abspath(__file__).replace('multihost_test', 'testhosts')} rsh"
+        testhosts = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testhosts.py")
+        agent = f"{sys.executable} {testhosts} rsh"
         cmd = ["mpirun", "--host", host_list, "-n", str(nranks), "--bind-to", "none",
                "--mca", "plm_rsh_agent", agent, "--mca", "oob_tcp_if_include", "10.47.0.0/24",
                "--mca", "btl_tcp_if_include", "10.47.0.0/24", *program]

@@ -30,7 +30,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 
 PREFIX = "slmh"
 SUBNET = "10.47.0"
@@ -97,8 +96,8 @@ class TestHosts:
         if made.returncode != 0:
             return f"cannot create a network namespace: {made.stderr.strip()}"
         try:
-            veth = _ip("-n", probe, "link", "add", "name", "va", "type", "veth", "peer", "name", "vb",
-                       check=False)
+            veth = _ip("-n", probe, "link", "add", "name", "va", "type", "veth", "peer", "name",
+                       "vb", check=False)
             if veth.returncode != 0:
                 return f"cannot create a veth pair: {veth.stderr.strip()}"
             run = subprocess.run(
@@ -145,8 +144,8 @@ class TestHosts:
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for h in self.hosts:
             _ip("netns", "add", h.netns)
-            _ip("link", "add", "name", h.ifname, "netns", h.netns, "type", "veth", "peer", "name", h.port,
-                "netns", self.switch)
+            _ip("link", "add", "name", h.ifname, "netns", h.netns, "type", "veth", "peer", "name",
+                h.port, "netns", self.switch)
             _ip("-n", self.switch, "link", "set", h.port, "master", "br0")
             _ip("-n", self.switch, "link", "set", h.port, "up")
             _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
