@@ -44,6 +44,17 @@ absl::StatusOr<int> IntEnv(const char* name, int min, int max, std::optional<int
   return value;
 }
 
+// A non-negative 64-bit integer; InvalidArgument naming the variable otherwise.
+absl::StatusOr<int64_t> Int64Env(const char* name) {
+  const std::string text = Env(name).value_or("");
+  int64_t value = 0;
+  if (!absl::SimpleAtoi(text, &value) || value < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", name, "='", text, "' is not a non-negative integer"));
+  }
+  return value;
+}
+
 // SLURM_TASKS_PER_NODE is a list like "4(x2),3": tasks on node 0, 1 and 2.
 absl::StatusOr<int> SlurmTasksOnNode(absl::string_view list, int node) {
   int index = 0;
@@ -190,7 +201,26 @@ absl::StatusOr<LaunchInfo> ReadLaunchEnvironment() {
     SL_ASSIGN_OR_RETURN(info.local_world_size,
                         IntEnv("OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxRanks, info.world_size));
     SL_RETURN_IF_ERROR(CheckRanks(info, "OMPI_COMM_WORLD_RANK"));
-    SL_RETURN_IF_ERROR(FillStoreAddress(info, "pass them with mpirun -x; "));
+    // All ranks on this host (mpirun says so through OMPI_COMM_WORLD_LOCAL_SIZE): the store can
+    // live on the loopback, at a port that follows Open MPI's job id (OMPI_MCA_ess_base_jobid,
+    // distinct for concurrent mpiruns), as the Slurm path derives one from SLURM_JOB_ID. Across
+    // hosts nothing names rank 0's host to the others: MASTER_ADDR stays required.
+    std::optional<std::string> one_host_addr;
+    std::optional<int> job_port;
+    const bool one_host =
+        Env("OMPI_COMM_WORLD_LOCAL_SIZE").has_value() && info.local_world_size == info.world_size;
+    if (one_host && Env("OMPI_MCA_ess_base_jobid").has_value()) {
+      SL_ASSIGN_OR_RETURN(int64_t job, Int64Env("OMPI_MCA_ess_base_jobid"));
+      one_host_addr = "127.0.0.1";
+      job_port = static_cast<int>(20000 + job % 20000);
+    }
+    SL_RETURN_IF_ERROR(FillStoreAddress(
+        info,
+        one_host ? "pass them with mpirun -x; "
+                 : absl::StrCat(
+                       "ranks on several hosts (OMPI_COMM_WORLD_LOCAL_SIZE=", info.local_world_size,
+                       " of ", info.world_size, "): pass them with mpirun -x; "),
+        one_host_addr, job_port));
     return info;
   }
   if (Env("SLURM_PROCID").has_value()) {

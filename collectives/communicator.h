@@ -81,6 +81,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "collectives/flight_recorder.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
@@ -221,6 +222,17 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // collectives (its own issue order: see the ordering rule above). Collective, like Split.
   absl::StatusOr<std::shared_ptr<Communicator>> Dup(absl::Time deadline);
 
+  // A new communicator over this one's ranks minus `excluded` (typically peers that died), in
+  // the same order, as ncclCommShrink does. It sends nothing over this communicator, so it
+  // works after a dead peer aborted it: the survivors meet through the backend's store (ucx:
+  // the store this communicator was created with, which must still be up — rank 0's when rank
+  // 0 hosts it). Every survivor calls it with the same set; survivors with different sets form
+  // different groups and fail at `deadline` naming the ranks they waited for. InvalidArgument
+  // for a rank out of range, listed twice, or this rank itself; Unimplemented for nccl.
+  // Defined in shrink.cc.
+  absl::StatusOr<std::shared_ptr<Communicator>> Shrink(absl::Span<const int> excluded,
+                                                       absl::Time deadline);
+
   // Aborts: every collective in flight or issued later fails with `reason` (as Aborted if
   // `reason` is OK). Backends also tell the peers they can reach. Idempotent; the first reason
   // wins.
@@ -348,6 +360,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::unique_ptr<FlightRecorder> flight_;
   bool flight_registered_ = false;  // guarded by issue_mu_
   std::atomic<uint64_t> next_split_{0};
+  std::atomic<uint64_t> next_shrink_{0};
   mutable std::mutex mu_;
   absl::Status abort_status_;
   std::atomic<bool> aborted_{false};

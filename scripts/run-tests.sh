@@ -2,7 +2,9 @@
 # Installs what is missing, builds, and runs every test: the README's second command, and what
 # .ci/run calls. Stages, in order (the first failure stops the run):
 #   1. build/ (RelWithDebInfo; CUDA sources compile whenever nvcc is present): ctest -L unit,
-#      then ctest -L multiprocess (real processes over UCX, started by shardline-launch)
+#      then ctest -L multiprocess (real processes over UCX, started by shardline-launch), then
+#      ctest -L multihost (processes on test hosts made of Linux namespaces; skipped, with the
+#      reason, where they cannot be created, e.g. without root)
 #   2. the installed CMake package, consumed by tests/consumer through find_package(shardline)
 #   3. Python: .venv/ (scripts/install-python.sh: build tools, pytest, numpy, torch from PyPI,
 #      once per machine), `pip install .` into it (build-pip/, beside build/: ccache serves the
@@ -28,6 +30,7 @@ if want 1; then
   scripts/build.sh build
   ctest --test-dir build -L unit "${ctest_args[@]}"
   ctest --test-dir build -L multiprocess --output-on-failure --no-tests=error
+  ctest --test-dir build -L multihost --output-on-failure --no-tests=error
 fi
 
 if want 2; then

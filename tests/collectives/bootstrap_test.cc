@@ -30,7 +30,7 @@ using ::shardline::testing::ScopedEnv;
         {"SLURM_PROCID", nullptr}, {"SLURM_NTASKS", nullptr}, {"SLURM_LOCALID", nullptr},  \
         {"SLURM_NTASKS_PER_NODE", nullptr}, {"SLURM_TASKS_PER_NODE", nullptr},             \
         {"SLURM_NODEID", nullptr}, {"SLURM_LAUNCH_NODE_IPADDR", nullptr},                  \
-        {"SLURM_JOB_ID", nullptr},                                                         \
+        {"SLURM_JOB_ID", nullptr}, {"OMPI_MCA_ess_base_jobid", nullptr},                   \
   }
 
 TEST(LaunchEnvironmentTest, NoneIsNotFound) {
@@ -110,6 +110,50 @@ TEST(LaunchEnvironmentTest, OpenMpiWithoutStoreAddressSaysHow) {
   ScopedEnv env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}};
   absl::Status status = ReadLaunchEnvironment().status();
   EXPECT_TRUE(absl::StrContains(status.message(), "mpirun -x")) << status;
+}
+
+TEST(LaunchEnvironmentTest, OpenMpiOnOneHostDerivesLoopbackAndPortFromJobId) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"OMPI_COMM_WORLD_RANK", "1"},
+                {"OMPI_COMM_WORLD_SIZE", "3"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"},
+                {"OMPI_MCA_ess_base_jobid", "1186660353"}};
+  absl::StatusOr<LaunchInfo> info = ReadLaunchEnvironment();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->master_addr, "127.0.0.1");
+  EXPECT_EQ(info->master_port, 20000 + 1186660353 % 20000);
+  EXPECT_EQ(std::getenv("MASTER_ADDR"), nullptr);
+  // MASTER_ADDR/MASTER_PORT still win.
+  ScopedEnv given{{"MASTER_ADDR", "10.0.0.9"}, {"MASTER_PORT", "29600"}};
+  info = ReadLaunchEnvironment();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->master_addr, "10.0.0.9");
+  EXPECT_EQ(info->master_port, 29600);
+}
+
+TEST(LaunchEnvironmentTest, OpenMpiAcrossHostsStillNeedsTheStoreAddress) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"OMPI_COMM_WORLD_RANK", "0"},
+                {"OMPI_COMM_WORLD_SIZE", "4"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                {"OMPI_MCA_ess_base_jobid", "1186660353"}};
+  absl::Status status = ReadLaunchEnvironment().status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "ranks on several hosts")) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "set MASTER_ADDR and MASTER_PORT")) << status;
+}
+
+TEST(LaunchEnvironmentTest, OpenMpiWithABadJobIdNamesIt) {
+  CLEAN_LAUNCH_ENV;
+  ScopedEnv env{{"OMPI_COMM_WORLD_RANK", "0"},
+                {"OMPI_COMM_WORLD_SIZE", "2"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                {"OMPI_MCA_ess_base_jobid", "12x"}};
+  absl::Status status = ReadLaunchEnvironment().status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "OMPI_MCA_ess_base_jobid='12x'")) << status;
 }
 
 TEST(LaunchEnvironmentTest, SlurmWithTaskListAndDerivedPort) {

@@ -217,3 +217,21 @@ def test_killed_peer(launch):
         assert elapsed < timeout + 5, result.describe()
         assert "RemoteError" in line or "DeadlineExceededError" in line, result.describe()
         assert re.search(r"rank(\(s\))? 2\b", line), result.describe()  # names the dead rank
+
+
+def test_shrink_after_an_abort():
+    """Rank 1 of 3 is lost: the survivors shrink the aborted world without it and reduce."""
+    comms = shardline.init_local(3, timeout=30)
+    comms[0].abort()
+    with pytest.raises(shardline.Error):
+        comms[2].all_reduce(np.ones(3, np.float32)).wait(30)
+    small = [comms[r].shrink([1], timeout=30) for r in (0, 2)]
+    assert [(s.rank, s.size) for s in small] == [(0, 2), (1, 2)]
+    values = [np.arange(7, dtype=np.float32) * (r + 1) for r in (0, 2)]
+    works = [s.all_reduce(v) for s, v in zip(small, values)]
+    for w in works:
+        w.wait(30)
+    for v in values:
+        np.testing.assert_array_equal(v, np.arange(7, dtype=np.float32) * 4)
+    with pytest.raises(ValueError, match="rank 0 cannot exclude itself"):
+        comms[0].shrink([0])

@@ -102,6 +102,17 @@ def test_launch_run_api():
     assert launch.run(3, [sys.executable, "-c", code], timeout=60) == 7
 
 
+def test_launch_run_one_node_of_several():
+    # Node 1 of 2, 2 processes: ranks 2 and 3 of 4; each rank checks its environment.
+    code = ("import os, sys; e = os.environ; "
+            "ok = (e['WORLD_SIZE'], e['NODE_RANK'], e['MASTER_ADDR'], e['MASTER_PORT']) == "
+            "('4', '1', '10.9.8.7', '29411') and e['RANK'] == str(2 + int(e['LOCAL_RANK'])); "
+            "sys.exit(0 if ok else 9)")
+    from shardline import launch
+    assert launch.run(2, [sys.executable, "-c", code], timeout=60, nnodes=2, node_rank=1,
+                      master_addr="10.9.8.7", master_port=29411) == 0
+
+
 def test_launch_usage_error():
     result = subprocess.run([sys.executable, "-m", "shardline.launch", "-n", "0", "--", "true"],
                             capture_output=True, text=True, timeout=60)

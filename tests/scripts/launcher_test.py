@@ -39,6 +39,39 @@ class LauncherTest(unittest.TestCase):
         r = launch("-n", "2", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT", env=env)
         self.assertEqual(r.stdout.split(), ["localhost:29511"] * 2)
 
+    def test_one_launcher_per_node(self):
+        # Node 1 of 3, 2 processes each: ranks 2 and 3 of 6, the given store for every node.
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        r = launch("-n", "2", "--nnodes", "3", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                   "--master-port", "29400", "--", "sh", "-c",
+                   "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $NODE_RANK $GROUP_RANK "
+                   "$MASTER_ADDR:$MASTER_PORT", env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(r.stdout.splitlines()),
+                         ["2 6 0 2 1 1 10.0.0.1:29400", "3 6 1 2 1 1 10.0.0.1:29400"])
+        # Failures name the global rank.
+        r = launch("-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0",
+                   "--master-port", "29400", "--grace", "1", "--", "sh", "-c",
+                   'if [ "$RANK" = 3 ]; then exit 5; fi; exec sleep 60')
+        self.assertEqual(r.returncode, 5)
+        self.assertIn("rank 3 (pid", r.stderr)
+        self.assertIn("terminating rank(s) 2", r.stderr)
+
+    def test_several_nodes_need_the_store_address(self):
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        r = launch("-n", "1", "--nnodes", "2", "--node-rank", "0", "--", "true", env=env)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--master-addr", r.stderr)
+        r = launch("-n", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h0", "--",
+                   "true", env=env)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--master-port", r.stderr)
+        for bad in (["--nnodes", "2", "--node-rank", "2"], ["--nnodes", "0"],
+                    ["--node-rank", "-1"]):
+            r = launch("-n", "1", "--master-addr", "h0", "--master-port", "1", *bad, "--", "true",
+                       env=env)
+            self.assertEqual(r.returncode, 2, bad)
+
     def test_tag_output(self):
         r = launch("-n", "2", "--tag-output", "--", "sh", "-c", "echo out$RANK; echo err$RANK >&2")
         self.assertEqual(r.returncode, 0)

@@ -154,6 +154,21 @@ class MultiprocessUcxTest(unittest.TestCase):
     def test_killed_rank_over_tcp(self):
         self.check_kill({"SHARDLINE_UCX_SHM": "0"})
 
+    def test_survivors_shrink_and_carry_on(self):
+        # The last rank SIGKILLs itself mid all-reduce; the others Shrink the world without it
+        # and run every collective on the shrunk communicator, checked.
+        for n in (3, 4):
+            with self.subTest(n=n):
+                code, out, took = run(n, "shrink", timeout=90, env={"SHARDLINE_TIMEOUT_S": "20"},
+                                      grace=60)
+                self.assertRegex(out, rf"rank {n - 1} \(pid \d+\) was killed by signal 9", out)
+                for r in range(n - 1):
+                    self.assertRegex(out, rf"SHRUNK rank {r} in [0-9.]+ s: world/shrink0"
+                                     rf"\.without_{n - 1}, rank {r} of {n - 1}", out)
+                    self.assertRegex(out, rf"OK shrink rank {r}\b", out)
+                    self.assertNotRegex(out, rf"rank {r} \(pid \d+\) exited", out)
+                self.assertIsNone(CRASH.search(out), out)
+
     # --- InitProcessGroup failures: clear errors on every rank, no hang -----------------------
 
     def expect_init_errors(self, out, ranks, pattern):

@@ -732,6 +732,21 @@ void RegisterCollectives(nb::module_& m) {
           nb::arg("timeout") = nb::none(),
           "The same ranks with their own order of collectives. Collective.")
       .def(
+          "shrink",
+          [](PyComm& c, std::vector<int> excluded, std::optional<double> timeout_s) {
+            absl::Time deadline = DeadlineIn(timeout_s);
+            absl::StatusOr<std::shared_ptr<Communicator>> small;
+            {
+              nb::gil_scoped_release release;
+              small = c.comm->Shrink(excluded, deadline);
+            }
+            return PyComm(Unwrap(std::move(small)), c.store);
+          },
+          nb::arg("excluded"), nb::arg("timeout") = nb::none(),
+          "ncclCommShrink: a communicator over the ranks not in excluded (e.g. peers that died), "
+          "in order, built through the store without using this one, so it works after a dead "
+          "peer aborted it. Every survivor passes the same ranks.")
+      .def(
           "abort", [](PyComm& c) { c.comm->Abort(); },
           "Fails every collective in flight or issued later, here and on the peers it reaches.")
       .def("__repr__", [](const PyComm& c) {

@@ -21,6 +21,23 @@
 //                                InitProcessGroup with NAME=VALUE set on rank 1 only (a wrong
 //                                token, another timeout...); prints "INIT_ERROR rank r: <status>"
 //                                and exits kInitErrorExit if it fails, "OK" and 0 otherwise
+//   collectives_mp hosts         across test hosts (tests/scripts/multihost_test.py):
+//   InitProcessGroup,
+//                                every op x dtype at odd counts, splits, then the ProcessMesh whose
+//                                shard group is the host (RanksPerHost): shard groups within one
+//                                hostname, replicate groups across, the hybrid gradient path
+//   collectives_mp crossing      known large collectives (f32, checked) whose cross-host bytes
+//                                the test bounds from below with the veth counters
+//   collectives_mp cut           all-reduces in a loop ("LOOPING rank r" after the first) until one
+//                                fails (the test cuts a link); prints "FAILED rank r: <status>",
+//                                shuts down, exits kSurvivorExit
+//   collectives_mp pause         checked collectives for SL_MP_RUN_S seconds (rank 0 decides when
+//                                to stop); prints the longest iteration (the test pauses a rank)
+//   collectives_mp store_dies    rank 0 (the store's host) SIGKILLs itself; the others, creating a
+//                                communicator through the store, must fail naming the store
+//   collectives_mp shrink        the last rank SIGKILLs itself during a large all-reduce; the
+//                                survivors see the error, Shrink the world without it and run
+//                                every collective on the shrunk communicator (checked)
 //   collectives_mp bench         ad-hoc timings on rank 0 and each rank's memcpy reference
 //                                (SL_BENCH_HUGE=1: buffers on transparent huge pages)
 //
@@ -33,8 +50,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -531,6 +550,293 @@ int FloodScenario() {
   return 0;
 }
 
+// Every rank's hostname (an all-gather of fixed-size names over `comm`).
+std::vector<std::string> Hostnames(Communicator& comm, Stream& stream) {
+  constexpr size_t kBytes = 64;
+  std::vector<char> mine(kBytes, '\0'), all(kBytes * comm.size());
+  gethostname(mine.data(), kBytes - 1);
+  ExpectOk(WaitFor(comm.AllGather(mine.data(), all.data(), kBytes, DType::kU8, stream)),
+           "hostname all_gather");
+  std::vector<std::string> names;
+  for (int r = 0; r < comm.size(); ++r) names.emplace_back(all.data() + r * kBytes);
+  return names;
+}
+
+// The mesh of hybrid sharding with the shard group = the host: RanksPerHost from the hostnames,
+// then shard groups within one host, replicate groups across hosts, and the gradient path
+// (reduce-scatter within the host, all-reduce across) against plain-loop sums over all ranks.
+void CheckHostMesh(const std::shared_ptr<Communicator>& world, Stream& stream) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  absl::StatusOr<int> per_host = RanksPerHost(*world, deadline);
+  ExpectOk(per_host.status(), "RanksPerHost");
+  absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(world, *per_host, deadline);
+  ExpectOk(mesh.status(), "mesh");
+  const int n = world->size();
+  const int r = world->rank();
+  const int S = mesh->shard_size();
+  const int R = mesh->replicate_size();
+  char host[64] = {};
+  gethostname(host, sizeof(host) - 1);
+  const std::vector<std::string> world_hosts = Hostnames(*world, stream);
+  const std::vector<std::string> shard_hosts = Hostnames(*mesh->shard(), stream);
+  const std::vector<std::string> replicate_hosts = Hostnames(*mesh->replicate(), stream);
+  for (const std::string& h : shard_hosts) {
+    Expect(h == host, absl::StrCat("shard group of rank ", r, " spans host ", h, " and ", host));
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int j = i + 1; j < R; ++j) {
+      Expect(replicate_hosts[i] != replicate_hosts[j],
+             absl::StrCat("replicate group of rank ", r, " has two ranks on ", replicate_hosts[i]));
+    }
+  }
+  int hosts = 0;
+  for (int i = 0; i < n; ++i) hosts += (i == 0 || world_hosts[i] != world_hosts[i - 1]) ? 1 : 0;
+  Expect(R == hosts && S * R == n,
+         absl::StrCat("mesh ", mesh->ToString(), " on ", hosts, " hosts"));
+  const DType f32 = DType::kF32;
+  const size_t k = 100003;  // per shard: the pipelined path with a ragged last chunk
+  const int s = mesh->shard_rank();
+  std::vector<uint8_t> full(S * k * 4, 0);
+  for (size_t i = 0; i < k; ++i) {
+    SetElement(f32, full.data(), s * k + i, PatternValue(f32, 0, s * k + i, /*salt=*/5));
+  }
+  ExpectOk(WaitFor(mesh->shard()->AllGather(full.data() + s * k * 4, full.data(), k, f32, stream)),
+           "host mesh shard all_gather");
+  for (size_t i = 0; i < S * k; ++i) {
+    Expect(GetElement(f32, full.data(), i) == PatternValue(f32, 0, i, 5),
+           absl::StrCat("host mesh all_gather wrong at ", i));
+  }
+  std::vector<uint8_t> grad = PatternBuffer(f32, r, S * k, /*salt=*/7);
+  std::vector<uint8_t> shard(k * 4);
+  ExpectOk(WaitFor(mesh->shard()->ReduceScatter(grad.data(), shard.data(), k, f32, stream)),
+           "host mesh shard reduce_scatter");
+  ExpectOk(WaitFor(mesh->replicate()->AllReduce(shard.data(), shard.data(), k, f32, stream)),
+           "host mesh replicate all_reduce");
+  for (size_t i = 0; i < k; ++i) {
+    double want = 0;
+    for (int rank = 0; rank < n; ++rank) want += PatternValue(f32, rank, s * k + i, 7);
+    Expect(
+        std::abs(GetElement(f32, shard.data(), i) - want) <= 1e-5 * std::max(1.0, std::abs(want)),
+        absl::StrCat("host mesh gradient wrong at ", i));
+  }
+  std::printf("MESH rank %d on %s: %s, shard rank %d, replicate rank %d\n", r, host,
+              mesh->ToString().c_str(), mesh->shard_rank(), mesh->replicate_rank());
+}
+
+World InitWorld() {
+  absl::StatusOr<ProcessGroup> group = InitProcessGroup();
+  if (!group.ok()) Fail(absl::StrCat("InitProcessGroup: ", group.status().ToString()));
+  g_rank = group->launch.rank;
+  g_size = group->launch.world_size;
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = "mp"});
+  ExpectOk(stream.status(), "stream");
+  return World{group->store, group->world, std::move(*stream)};
+}
+
+int HostsScenario() {
+  World w = InitWorld();
+  CheckAllKinds(*w.comm, *w.stream, {1, 7, 4097, 300001}, true);
+  CheckSplit(w);
+  CheckHostMesh(w.comm, *w.stream);
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "final barrier");
+  std::printf("OK hosts rank %d\n", g_rank);
+  return 0;
+}
+
+// Cross-host lower bounds are computed by the test from these sizes: keep them in step with
+// tests/scripts/multihost_test.py (CROSSING_COUNT).
+int Crossing() {
+  World w = InitWorld();
+  const int n = g_size;
+  const int r = g_rank;
+  const DType f32 = DType::kF32;
+  const size_t c = (size_t{1} << 20) + 3;
+  Bytes in = ToMemory(PatternBuffer(f32, r, c));
+  Bytes out(n * c * 4);
+  ExpectOk(WaitFor(w.comm->AllGather(in.data(), out.data(), c, f32, *w.stream)), "all_gather");
+  for (int s = 0; s < n; ++s) {
+    for (size_t i = 0; i < c; i += 13) {
+      Expect(GetElement(f32, out.data(), s * c + i) == PatternValue(f32, s, i),
+             absl::StrCat("crossing all_gather wrong at ", s, ":", i));
+    }
+  }
+  Bytes rs_in = ToMemory(PatternBuffer(f32, r, n * c, /*salt=*/2));
+  Bytes rs_out(c * 4);
+  ExpectOk(WaitFor(w.comm->ReduceScatter(rs_in.data(), rs_out.data(), c, f32, *w.stream)),
+           "reduce_scatter");
+  for (size_t i = 0; i < c; i += 13) {
+    const double want = ReferenceReduce(f32, ReduceOp::kSum, n, r * c + i, 2);
+    Expect(std::abs(GetElement(f32, rs_out.data(), i) - want) <= Tolerance(f32, ReduceOp::kSum),
+           absl::StrCat("crossing reduce_scatter wrong at ", i));
+  }
+  Bytes ar = ToMemory(PatternBuffer(f32, r, c, /*salt=*/1));
+  ExpectOk(WaitFor(w.comm->AllReduce(ar.data(), ar.data(), c, f32, *w.stream)), "all_reduce");
+  for (size_t i = 0; i < c; i += 13) {
+    const double want = ReferenceReduce(f32, ReduceOp::kSum, n, i, 1);
+    Expect(std::abs(GetElement(f32, ar.data(), i) - want) <= Tolerance(f32, ReduceOp::kSum),
+           absl::StrCat("crossing all_reduce wrong at ", i));
+  }
+  Bytes bc = ToMemory(PatternBuffer(f32, r, c, /*salt=*/3));
+  ExpectOk(WaitFor(w.comm->Broadcast(bc.data(), c, f32, *w.stream, {.root = n - 1})), "broadcast");
+  for (size_t i = 0; i < c; i += 13) {
+    Expect(GetElement(f32, bc.data(), i) == PatternValue(f32, n - 1, i, 3), "crossing broadcast");
+  }
+  const size_t per = c / n;
+  Bytes a2a_in = ToMemory(PatternBuffer(f32, r, n * per));
+  Bytes a2a_out(a2a_in.size());
+  ExpectOk(WaitFor(w.comm->AllToAll(a2a_in.data(), a2a_out.data(), per, f32, *w.stream)),
+           "all_to_all");
+  for (int s = 0; s < n; ++s) {
+    for (size_t i = 0; i < per; i += 13) {
+      Expect(GetElement(f32, a2a_out.data(), s * per + i) == PatternValue(f32, s, r * per + i),
+             "crossing all_to_all");
+    }
+  }
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  std::printf("OK crossing rank %d\n", g_rank);
+  return 0;
+}
+
+// All-reduces until one fails; the test cuts a host's link meanwhile.
+int Cut() {
+  World w = InitWorld();
+  std::vector<float, TestMemory<float>> buffer(1 << 20, 1.0f);
+  const absl::Time start = absl::Now();
+  absl::Status status;
+  for (int i = 0; status.ok(); ++i) {
+    status = WaitFor(
+        w.comm->AllReduce(buffer.data(), buffer.data(), buffer.size(), DType::kF32, *w.stream));
+    if (i == 0 && status.ok()) {
+      std::printf("LOOPING rank %d\n", g_rank);
+      std::fflush(stdout);
+    }
+    if (absl::Now() - start > absl::Seconds(120)) Fail("no collective failed within 120 s");
+  }
+  std::printf("FAILED rank %d: %s\n", g_rank, status.ToString().c_str());
+  std::fflush(stdout);
+  const absl::Time shutdown = absl::Now();
+  w.stream.reset();
+  w.comm.reset();
+  w.store.reset();
+  std::printf("SHUTDOWN rank %d in %.2f s\n", g_rank,
+              absl::ToDoubleSeconds(absl::Now() - shutdown));
+  std::fflush(stdout);
+  return kSurvivorExit;
+}
+
+// Checked collectives for SL_MP_RUN_S seconds of rank 0's clock (it broadcasts whether to go on,
+// so every rank runs the same number); the test pauses a rank meanwhile.
+int Pause() {
+  World w = InitWorld();
+  const char* run_s = std::getenv("SL_MP_RUN_S");
+  const absl::Duration run = absl::Seconds(run_s != nullptr ? std::atof(run_s) : 8.0);
+  const int n = g_size;
+  const int r = g_rank;
+  const DType f32 = DType::kF32;
+  const size_t c = (size_t{1} << 17) + 1;
+  const absl::Time start = absl::Now();
+  absl::Duration longest;
+  int iterations = 0;
+  for (;; ++iterations) {
+    const absl::Time t0 = absl::Now();
+    Bytes ar = ToMemory(PatternBuffer(f32, r, c, /*salt=*/iterations % 7));
+    ExpectOk(WaitFor(w.comm->AllReduce(ar.data(), ar.data(), c, f32, *w.stream)), "all_reduce");
+    for (size_t i = 0; i < c; ++i) {
+      const double want = ReferenceReduce(f32, ReduceOp::kSum, n, i, iterations % 7);
+      Expect(std::abs(GetElement(f32, ar.data(), i) - want) <= Tolerance(f32, ReduceOp::kSum),
+             absl::StrCat("pause all_reduce #", iterations, " wrong at ", i));
+    }
+    Bytes in = ToMemory(PatternBuffer(f32, r + iterations, c));
+    Bytes out(n * c * 4);
+    ExpectOk(WaitFor(w.comm->AllGather(in.data(), out.data(), c, f32, *w.stream)), "all_gather");
+    for (int s = 0; s < n; ++s) {
+      for (size_t i = 0; i < c; ++i) {
+        Expect(GetElement(f32, out.data(), s * c + i) == PatternValue(f32, s + iterations, i),
+               absl::StrCat("pause all_gather #", iterations, " wrong at ", s, ":", i));
+      }
+    }
+    int32_t go = absl::Now() - start < run ? 1 : 0;
+    ExpectOk(WaitFor(w.comm->Broadcast(&go, 1, DType::kI32, *w.stream, {.root = 0})), "go");
+    longest = std::max(longest, absl::Now() - t0);
+    if (iterations == 0) {
+      std::printf("LOOPING rank %d\n", r);
+      std::fflush(stdout);
+    }
+    if (go == 0) break;
+  }
+  std::printf("OK pause rank %d: %d iterations, longest %.2f s\n", r, iterations + 1,
+              absl::ToDoubleSeconds(longest));
+  return 0;
+}
+
+// Rank 0 hosts the store and dies; the others then create a communicator through the store.
+int StoreDies() {
+  World w = InitWorld();
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  if (g_rank == 0) {
+    std::fflush(stdout);
+    raise(SIGKILL);
+  }
+  absl::Duration timeout = absl::Seconds(EnvInt("SHARDLINE_TIMEOUT_S"));
+  // Rank 0 may still be alive for a moment: keep creating until the store is gone.
+  const absl::Time start = absl::Now();
+  absl::Status status;
+  for (int i = 0; status.ok(); ++i) {
+    status = CreateUcxCommunicator({.rank = g_rank,
+                                    .size = g_size,
+                                    .store = w.store,
+                                    .name = absl::StrCat("after", i),
+                                    .timeout = timeout})
+                 .status();
+  }
+  const absl::Duration took = absl::Now() - start;
+  std::printf("STORE_ERROR rank %d after %.2f s: %s\n", g_rank, absl::ToDoubleSeconds(took),
+              status.ToString().c_str());
+  std::fflush(stdout);
+  w.stream.reset();
+  w.comm.reset();
+  w.store.reset();
+  return kSurvivorExit;
+}
+
+// The last rank dies mid-collective; the survivors shrink the world and carry on.
+int ShrinkScenario() {
+  World w = InitWorld();
+  const int lost = g_size - 1;
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  std::vector<float, TestMemory<float>> buffer(4 << 20, 1.0f);
+  if (g_rank == lost) {
+    std::thread killer([] {
+      absl::SleepFor(absl::Milliseconds(20));
+      raise(SIGKILL);
+    });
+    killer.detach();
+  }
+  absl::Status status;
+  for (int i = 0; i < 1000 && status.ok(); ++i) {
+    status = WaitFor(
+        w.comm->AllReduce(buffer.data(), buffer.data(), buffer.size(), DType::kF32, *w.stream));
+  }
+  if (g_rank == lost) Fail("the lost rank survived its own SIGKILL");
+  Expect(!status.ok(), "1000 all_reduces passed although a rank died");
+  std::printf("LOST rank %d saw: %s\n", g_rank, status.ToString().c_str());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::shared_ptr<Communicator>> small =
+      w.comm->Shrink({lost}, absl::Now() + absl::Seconds(60));
+  ExpectOk(small.status(), "shrink");
+  Expect((*small)->size() == g_size - 1 && (*small)->rank() == g_rank, "shrunk rank and size");
+  std::printf("SHRUNK rank %d in %.2f s: %s, rank %d of %d\n", g_rank,
+              absl::ToDoubleSeconds(absl::Now() - start), (*small)->name().c_str(),
+              (*small)->rank(), (*small)->size());
+  // The stream ran the failed collective: poisoned. A fresh one.
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = "after_shrink"});
+  ExpectOk(stream.status(), "stream");
+  CheckAllKinds(**small, **stream, {1, 7, 4097, 300001}, true);
+  std::printf("OK shrink rank %d\n", g_rank);
+  std::fflush(stdout);
+  return 0;
+}
+
 // Host memory for the benchmark; `huge`: 2 MiB aligned and backed by transparent huge pages
 // where the kernel allows it (single-copy reads pin the source page by page: far fewer pages).
 std::unique_ptr<float, void (*)(void*)> BenchBuffer(size_t count, bool huge) {
@@ -602,6 +908,12 @@ int main(int argc, char** argv) {
   if (scenario == "flood") return shardline::FloodScenario();
   if (scenario == "skipped") return shardline::Skipped();
   if (scenario == "bench") return shardline::Bench();
+  if (scenario == "hosts") return shardline::HostsScenario();
+  if (scenario == "crossing") return shardline::Crossing();
+  if (scenario == "cut") return shardline::Cut();
+  if (scenario == "pause") return shardline::Pause();
+  if (scenario == "store_dies") return shardline::StoreDies();
+  if (scenario == "shrink") return shardline::ShrinkScenario();
   if (scenario == "init") return shardline::InitScenario();
   if (scenario == "init_error") return shardline::InitError(argc > 2 ? argv[2] : nullptr);
   std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
