@@ -67,8 +67,7 @@ namespace shardline::ucx_internal {
 // sequence: headers from one peer are matched in send order, so a peer that is at another
 // collective is reported as a mismatch instead of never matching.
 enum class Phase : uint64_t {
-  kHeader = 0,  // fingerprint
-  kSmall = 1,   // one-round payloads of small collectives
+  kHeader = 0,  // fingerprint (+ the payload of a small collective)
   kData = 2,    // first data phase of large collectives
   kGather = 3,  // all-gather phase of the large all-reduce
   kWireup = 4,  // the one-message handshake at creation (never used by a collective)
@@ -94,8 +93,10 @@ inline int TagSource(uint64_t tag) { return static_cast<int>((tag >> 44) & 0xFFF
 struct Completion {
   std::atomic<bool> done{false};
   ucs_status_t status = UCS_OK;
-  size_t length = 0;  // bytes received
-  size_t expected = 0;
+  size_t length = 0;    // bytes received
+  size_t expected = 0;  // for a receive: its buffer's size, and the length it must have
+  // A receive whose length its caller checks (it may be shorter than `expected`).
+  bool any_length = false;
   bool is_send = false;
   int peer = -1;
   void* request = nullptr;  // UCX's request while pending; freed by Batch
