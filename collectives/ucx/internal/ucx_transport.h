@@ -203,7 +203,9 @@ class UcxTransport {
   // More ranks of this communicator run on this host than this process has CPUs: a waiting
   // rank must hand its core to a peer (sched_yield) instead of spinning on it.
   bool oversubscribed() const { return oversubscribed_; }
-  // Gives the CPU to another runnable thread if the host is oversubscribed.
+  // Gives the CPU to another runnable thread if the host is oversubscribed: by this
+  // communicator's own ranks, or, as last seen (HostBusy), by more runnable threads than it has
+  // CPUs.
   void YieldIfOversubscribed() const;
 
   // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
@@ -303,6 +305,7 @@ class UcxTransport {
   // What peers read to check that CMA works (random; published with the address).
   uint64_t probe_ = 0;
   bool oversubscribed_ = false;
+  int cpus_ = 1;      // CPUs this process may run on
   bool map_ = false;  // SHARDLINE_UCX_MAP
 
   std::mutex control_mu_;  // guards the control receive
