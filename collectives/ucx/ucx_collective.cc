@@ -31,6 +31,10 @@ enum Descriptor : size_t {
 };
 constexpr size_t kDescriptorBytes = kDescriptorWords * sizeof(uint64_t);
 
+// The most a receive of the fingerprint round makes room for beyond the payload it expects
+// (bounds the staging of a large SHARDLINE_UCX_SMALL_BYTES).
+constexpr size_t kMaxSmallCapacity = size_t{1} << 20;
+
 }  // namespace
 
 Completion* CollectiveRun::Send(int peer, const void* buffer, size_t bytes, Phase phase,
@@ -161,7 +165,7 @@ void CollectiveRun::AbandonReads() {
 
 absl::Status CollectiveRun::Check(const Completion& c) const {
   if (c.status == UCS_OK) {
-    if (!c.is_send && c.length != c.expected) {
+    if (!c.is_send && !c.any_length && c.length != c.expected) {
       return absl::InternalError(absl::StrCat(hooks_.describe, ": rank ", c.peer, " sent ",
                                               c.length, " bytes where ", c.expected,
                                               " were expected"));
@@ -215,7 +219,8 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     // machine whose idle vCPU halted can take hundreds of microseconds: with a spin shorter than
     // that, two ranks fall into a lock-step where every collective waits for the other's
     // wake-up (docs/benchmarks.md has the measurements). Where this host runs more ranks than
-    // this process has CPUs, polling hands the core to a runnable peer between polls; otherwise
+    // this process has CPUs, or other jobs keep more threads runnable than it has CPUs, polling
+    // hands the core to a runnable thread between polls; on an idle host with spare cores
     // sched_yield only costs (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
       transport_.YieldIfOversubscribed();
@@ -249,28 +254,46 @@ absl::Status RunCollective(CollectiveRun& run) {
   const int me = run.rank();
   constexpr size_t kFp = CollectiveFingerprint::kEncodedSize;
 
-  // Fingerprints to and from every peer; small payloads travel with them.
+  // One message to and from every peer: the fingerprint, followed for small collectives by the
+  // payload (one message per peer, not two: at small sizes a collective costs what its
+  // messages cost). A receive's buffer holds whatever a peer on the small protocol may send
+  // (up to small_bytes, which every rank shares), so that a peer that called another
+  // collective is reported as a mismatch, not as a truncated message.
   uint8_t* headers = run.batch().Buffer(kFp * n);
   run.fp().Encode(headers + kFp * me);
   const bool small = IsSmall(run);
   std::vector<Completion*> header_recvs(n, nullptr);
-  std::vector<Completion*> small_recvs(n, nullptr);
+  std::vector<const uint8_t*> received(n, nullptr);
   std::vector<const uint8_t*> staging(n, nullptr);
   for (int i = 1; i < n; ++i) {
     const int p = (me - i + n) % n;
-    header_recvs[p] = run.Recv(p, headers + kFp * p, kFp, Phase::kHeader, 0);
-    const size_t bytes = small ? SmallPayloadBytes(run, p, me) : 0;
-    if (bytes > 0) {
-      uint8_t* buffer = run.batch().Buffer(bytes);
-      staging[p] = buffer;
-      small_recvs[p] = run.Recv(p, buffer, bytes, Phase::kSmall, 0);
-    }
+    const size_t expected = small ? SmallPayloadBytes(run, p, me) : 0;
+    const size_t capacity =
+        kFp + std::max(expected, std::min(run.tuning().small_bytes, kMaxSmallCapacity));
+    uint8_t* buffer = run.batch().Buffer(capacity);
+    received[p] = buffer;
+    if (expected > 0) staging[p] = buffer + kFp;
+    header_recvs[p] = run.Recv(p, buffer, capacity, Phase::kHeader, 0);
+    header_recvs[p]->any_length = true;
   }
+  const void* packed_from = nullptr;  // the payload `packed` holds (peers often share one)
+  const uint8_t* packed = nullptr;
   for (int i = 1; i < n; ++i) {
     const int p = (me + i) % n;
-    run.Send(p, headers + kFp * me, kFp, Phase::kHeader, 0);
     const size_t bytes = small ? SmallPayloadBytes(run, me, p) : 0;
-    if (bytes > 0) run.Send(p, SmallPayload(run, p), bytes, Phase::kSmall, 0);
+    if (bytes == 0) {
+      run.Send(p, headers + kFp * me, kFp, Phase::kHeader, 0);
+      continue;
+    }
+    const void* payload = SmallPayload(run, p);
+    if (payload != packed_from) {
+      uint8_t* message = run.batch().Buffer(kFp + bytes);
+      std::memcpy(message, headers + kFp * me, kFp);
+      std::memcpy(message + kFp, payload, bytes);
+      packed_from = payload;
+      packed = message;
+    }
+    run.Send(p, packed, kFp + bytes, Phase::kHeader, 0);
   }
   SL_RETURN_IF_ERROR(run.WaitAll(header_recvs));
 
@@ -281,7 +304,12 @@ absl::Status RunCollective(CollectiveRun& run) {
       fps[p] = run.fp();
       continue;
     }
-    absl::StatusOr<CollectiveFingerprint> fp = CollectiveFingerprint::Decode(headers + kFp * p);
+    if (header_recvs[p]->length < kFp) {
+      return absl::InternalError(absl::StrCat(run.hooks().describe, ": rank ", p, " sent ",
+                                              header_recvs[p]->length,
+                                              " bytes where a fingerprint was expected"));
+    }
+    absl::StatusOr<CollectiveFingerprint> fp = CollectiveFingerprint::Decode(received[p]);
     if (!fp.ok()) {
       return absl::InternalError(
           absl::StrCat(run.hooks().describe, ": rank ", p,
@@ -291,6 +319,16 @@ absl::Status RunCollective(CollectiveRun& run) {
   }
   for (int p = 1; p < n; ++p) {
     if (!(fps[p] == fps[0])) return run.hooks().mismatch_error(0, fps[0], p, fps[p]);
+  }
+  // The fingerprints agree, so every peer took the same protocol and sent exactly this much.
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    const size_t want = kFp + (small ? SmallPayloadBytes(run, p, me) : 0);
+    if (header_recvs[p]->length != want) {
+      return absl::InternalError(absl::StrCat(run.hooks().describe, ": rank ", p, " sent ",
+                                              header_recvs[p]->length, " bytes where ", want,
+                                              " were expected"));
+    }
   }
 
   if (small) {

@@ -22,16 +22,16 @@ SL_PARAM(int64_t, UcxChunkBytes, "UCX_CHUNK_BYTES", 512 * 1024,
          "Pipeline chunk of the large reduce-scatter/all-reduce of the ucx backend (bytes).",
          [](const int64_t& v) { return AtLeast(v, 4096, "chunk bytes"); });
 SL_PARAM(int64_t, UcxSmallBytes, "UCX_SMALL_BYTES", 32 * 1024,
-         "Per-peer payload up to which a ucx collective sends its data along with the "
-         "fingerprints in one round (staged, then copied); above it data moves zero-copy.",
+         "Per-peer payload up to which a ucx collective sends its data in the fingerprint's "
+         "message, in one round (staged, then copied); above it data moves zero-copy.",
          [](const int64_t& v) { return AtLeast(v, 0, "small bytes"); });
 SL_PARAM(int64_t, UcxWindow, "UCX_WINDOW", 3,
          "Chunks in flight per peer in the pipelined ucx reductions.",
          [](const int64_t& v) { return AtLeast(v, 1, "window"); });
 SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 2000,
          "Microseconds a waiting ucx collective polls (yielding its core between polls where "
-         "this host runs more ranks than the process has CPUs) before it sleeps on the "
-         "worker's event fd.",
+         "this host runs more ranks than the process has CPUs, or has more runnable threads "
+         "than that) before it sleeps on the worker's event fd.",
          [](const int64_t& v) { return AtLeast(v, 0, "spin"); });
 SL_PARAM(bool, UcxCma, "UCX_CMA", true,
          "Within a host, copy large messages once, straight out of the sender's memory "

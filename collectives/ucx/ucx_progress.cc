@@ -1,11 +1,17 @@
 #include "collectives/ucx/internal/ucx_transport.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "runtime/logging.h"
 
 namespace shardline::ucx_internal {
@@ -53,8 +59,43 @@ void UcxTransport::Sleep(absl::Time until) {
   poll(&fd, 1, static_cast<int>(ms));
 }
 
+namespace {
+
+// Whether more threads were runnable on this host than `cpus` when last looked at (the first
+// number of /proc/loadavg's "runnable/total", which counts the caller), looked at again at most
+// every 10 ms. Other jobs on a loaded host take the cores this communicator's ranks would spin
+// on: a waiting rank that spins through its time slice instead of yielding then makes the peer
+// it waits for wait a scheduler period (milliseconds per small collective; docs/benchmarks.md).
+bool HostBusy(int cpus) {
+  static std::atomic<int64_t> next_look_ns{0};
+  static std::atomic<bool> busy{false};
+  const int64_t now = absl::GetCurrentTimeNanos();
+  if (now < next_look_ns.load(std::memory_order_relaxed)) {
+    return busy.load(std::memory_order_relaxed);
+  }
+  next_look_ns.store(now + 10'000'000, std::memory_order_relaxed);
+  const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char text[128];
+  const ssize_t n = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (n <= 0) return false;
+  text[n] = '\0';
+  // "0.52 0.58 0.59 3/517 12345": the fourth field's numerator.
+  const char* field = text;
+  for (int spaces = 0; spaces < 3 && field != nullptr; ++spaces) {
+    field = std::strchr(field, ' ');
+    if (field != nullptr) ++field;
+  }
+  const bool now_busy = field != nullptr && std::atoi(field) > cpus;
+  busy.store(now_busy, std::memory_order_relaxed);
+  return now_busy;
+}
+
+}  // namespace
+
 void UcxTransport::YieldIfOversubscribed() const {
-  if (oversubscribed_) sched_yield();
+  if (oversubscribed_ || HostBusy(cpus_)) sched_yield();
 }
 
 void UcxTransport::Wake() {

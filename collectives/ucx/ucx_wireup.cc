@@ -158,7 +158,10 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
   for (int p = 0; p < size_; ++p) on_host += p != rank_ && peers_[p].local;
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) oversubscribed_ = on_host > CPU_COUNT(&cpus);
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) {
+    cpus_ = CPU_COUNT(&cpus);
+    oversubscribed_ = on_host > cpus_;
+  }
   {
     std::lock_guard<std::mutex> lock(control_mu_);
     control_buffer_.reset(new uint8_t[kControlBytes]);

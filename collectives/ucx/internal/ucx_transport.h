@@ -67,8 +67,7 @@ namespace shardline::ucx_internal {
 // sequence: headers from one peer are matched in send order, so a peer that is at another
 // collective is reported as a mismatch instead of never matching.
 enum class Phase : uint64_t {
-  kHeader = 0,  // fingerprint
-  kSmall = 1,   // one-round payloads of small collectives
+  kHeader = 0,  // fingerprint (+ the payload of a small collective)
   kData = 2,    // first data phase of large collectives
   kGather = 3,  // all-gather phase of the large all-reduce
   kWireup = 4,  // the one-message handshake at creation (never used by a collective)
@@ -94,8 +93,10 @@ inline int TagSource(uint64_t tag) { return static_cast<int>((tag >> 44) & 0xFFF
 struct Completion {
   std::atomic<bool> done{false};
   ucs_status_t status = UCS_OK;
-  size_t length = 0;  // bytes received
-  size_t expected = 0;
+  size_t length = 0;    // bytes received
+  size_t expected = 0;  // for a receive: its buffer's size, and the length it must have
+  // A receive whose length its caller checks (it may be shorter than `expected`).
+  bool any_length = false;
   bool is_send = false;
   int peer = -1;
   void* request = nullptr;  // UCX's request while pending; freed by Batch
@@ -202,7 +203,9 @@ class UcxTransport {
   // More ranks of this communicator run on this host than this process has CPUs: a waiting
   // rank must hand its core to a peer (sched_yield) instead of spinning on it.
   bool oversubscribed() const { return oversubscribed_; }
-  // Gives the CPU to another runnable thread if the host is oversubscribed.
+  // Gives the CPU to another runnable thread if the host is oversubscribed: by this
+  // communicator's own ranks, or, as last seen (HostBusy), by more runnable threads than it has
+  // CPUs.
   void YieldIfOversubscribed() const;
 
   // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
@@ -302,6 +305,7 @@ class UcxTransport {
   // What peers read to check that CMA works (random; published with the address).
   uint64_t probe_ = 0;
   bool oversubscribed_ = false;
+  int cpus_ = 1;      // CPUs this process may run on
   bool map_ = false;  // SHARDLINE_UCX_MAP
 
   std::mutex control_mu_;  // guards the control receive

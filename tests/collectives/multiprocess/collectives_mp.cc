@@ -1,10 +1,14 @@
 // Multi-process test program of the ucx backend, started by shardline-launch (RANK, WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT) and driven by tests/scripts/multiprocess_test.py:
 //
-//   collectives_mp correctness   every op x dtype x count {0, 1, 7, 4097, 2^20+3}, in place and
-//                                out of place, against plain-loop references; then splits
-//   collectives_mp mismatch      ranks disagree on counts, then on dtypes: every rank must get
-//                                the mismatch error naming two ranks (exit 0 if so)
+//   collectives_mp correctness   every op x dtype x count {0, 1, 7, 4097, 8192, 8193, 2^20+3}, in
+//                                place and out of place, against plain-loop references (8192 f32
+//                                elements: per-peer payload = SHARDLINE_UCX_SMALL_BYTES, the
+//                                largest that travels with the fingerprint; 8193: the smallest
+//                                that does not); then splits
+//   collectives_mp mismatch      ranks disagree on counts, then on dtypes, then on the protocol
+//                                (a count just past the small-message limit on one rank): every
+//                                rank must get the mismatch error naming two ranks (exit 0 if so)
 //   collectives_mp kill          rank 1 SIGKILLs itself in the middle of a large all-reduce;
 //                                survivors must fail within the deadline + a few seconds, shut
 //                                down cleanly and exit with kSurvivorExit
@@ -299,7 +303,7 @@ void CheckSplit(World& w) {
 
 int Correctness() {
   World w = Join(absl::Seconds(60));
-  CheckAllKinds(*w.comm, *w.stream, {0, 1, 7, 4097, (1 << 20) + 3}, true);
+  CheckAllKinds(*w.comm, *w.stream, {0, 1, 7, 4097, 8192, 8193, (1 << 20) + 3}, true);
   CheckSplit(w);
   std::printf("OK correctness rank %d\n", g_rank);
   return 0;
@@ -348,6 +352,32 @@ int Mismatch() {
     Expect(s.code() == absl::StatusCode::kInvalidArgument && absl::StrContains(s.message(), want),
            absl::StrCat("expected the dtype mismatch, got ", s.ToString()));
     Expect(buffer[0] == 1.0f && buffer.back() == 1.0f, "buffer written despite the mismatch");
+  }
+  // The last rank's payload is one element past SHARDLINE_UCX_SMALL_BYTES (32 KiB), the others'
+  // exactly at it: the last rank takes the large protocol and sends a bare fingerprint, the
+  // others send theirs with 32 KiB attached. Every rank must still see a mismatch (no truncated
+  // message, no length error).
+  absl::StatusOr<std::shared_ptr<Communicator>> third =
+      CreateUcxCommunicator({.rank = g_rank,
+                             .size = g_size,
+                             .store = w.store,
+                             .name = "third",
+                             .timeout = absl::Seconds(30)});
+  ExpectOk(third.status(), "third communicator");
+  fresh = CreateHostStream({.name = "mp3"});
+  ExpectOk(fresh.status(), "stream");
+  w.stream = std::move(*fresh);
+  {
+    const size_t count = g_rank == last ? 8193 : 8192;
+    std::vector<float> in(8193, 2.0f), out(8193, -1.0f);
+    absl::Status s =
+        WaitFor((*third)->AllReduce(in.data(), out.data(), count, DType::kF32, *w.stream));
+    const std::string want =
+        absl::StrCat("rank 0 called all_reduce(count=8192, f32, sum) but rank ", last,
+                     " called all_reduce(count=8193, f32, sum)");
+    Expect(s.code() == absl::StatusCode::kInvalidArgument && absl::StrContains(s.message(), want),
+           absl::StrCat("expected the protocol mismatch, got ", s.ToString()));
+    Expect(out[0] == -1.0f && out.back() == -1.0f, "output written despite the mismatch");
   }
   std::printf("OK mismatch rank %d\n", g_rank);
   return 0;
