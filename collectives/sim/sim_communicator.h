@@ -68,10 +68,11 @@
 // fingerprint), at arrival + the cost of the whole group on its placement (SimOptions::devices
 // lists every rank's device). Contention counts only the representative's own ports: by symmetry
 // every other device's ports carry the same number of collectives at the same times, so the
-// share it gets is the share every member gets. Splits other than Dup take the other ranks'
-// (color, key) from SimOptions::split_call instead of a rendezvous; a split of a split (other
-// than Dup) is Unimplemented. No data moves (move_data must be false). SimTrafficByDevice
-// reports the representative's device only.
+// share it gets is the share every member gets. Every split of the group
+// CreateRepresentativeSimCommunicator made (a Dup included) takes the ranks' (color, key) from
+// SimOptions::split_call instead of a rendezvous; the groups of those splits can only Dup
+// (another split is Unimplemented). No data moves (move_data must be false).
+// SimTrafficByDevice reports the representative's device only.
 //
 // Lifetimes: the timeline must outlive the communicators.
 
