@@ -293,7 +293,7 @@ int MeshShardSize(const SimulationConfig& c) {
   return c.world_size;
 }
 
-// Sums a device's traffic so far (per device id).
+// What every device has sent so far, by device id (empty without a topology).
 std::vector<SimLinkTraffic> Traffic(const std::vector<std::shared_ptr<Communicator>>& world) {
   return world.empty() ? std::vector<SimLinkTraffic>{} : SimTrafficByDevice(*world[0]);
 }
