@@ -62,13 +62,15 @@ class SimCommunicator final : public Communicator {
 class SimGroup : public std::enable_shared_from_this<SimGroup> {
  public:
   // With options.topology: `arbiter` shares the links of every group of the simulation, and
-  // options.devices holds one device per rank (validated).
+  // options.devices holds one device per rank (validated). representative >= 0: only that rank
+  // exists (representative mode, sim_communicator.h).
   SimGroup(VirtualTimeline& timeline, int size, const SimOptions& options,
-           std::shared_ptr<sim_internal::LinkArbiter> arbiter)
+           std::shared_ptr<sim_internal::LinkArbiter> arbiter, int representative = -1)
       : timeline_(timeline),
         size_(size),
         options_(options),
         arbiter_(std::move(arbiter)),
+        representative_(representative),
         issued_(size, 0) {
     if (options_.topology != nullptr) {
       absl::StatusOr<GroupShape> shape = GroupShapeOf(*options_.topology, options_.devices);
@@ -79,6 +81,8 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
 
   int size() const { return size_; }
   const std::string& name() const { return options_.name; }
+  // The ranks that exist: all of them, or the representative alone.
+  int present() const { return representative_ < 0 ? size_ : 1; }
 
   // A rank's collective was issued (for stall reports).
   void NoteIssued(int rank, uint64_t seq) {
@@ -120,14 +124,20 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
     if (entry.group == nullptr) {
       SimOptions options = options_;
       options.name = name;
+      options.split_call = nullptr;  // representative mode: a split of a split is not modelled
       if (options.topology != nullptr) {
         options.devices.clear();
         for (const int member : members) options.devices.push_back(options_.devices[member]);
       }
-      entry.group = std::make_shared<SimGroup>(timeline_, size, options, arbiter_);
+      int representative = -1;
+      if (representative_ >= 0) {
+        representative = static_cast<int>(
+            std::find(members.begin(), members.end(), representative_) - members.begin());
+      }
+      entry.group = std::make_shared<SimGroup>(timeline_, size, options, arbiter_, representative);
     }
     std::shared_ptr<SimGroup> group = entry.group;
-    if (++entry.joined == size) children_.erase(name);
+    if (++entry.joined == group->present()) children_.erase(name);
     return group;
   }
 
@@ -171,6 +181,7 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
   const SimOptions options_;
   const std::shared_ptr<sim_internal::LinkArbiter> arbiter_;  // with a topology
   GroupShape shape_;                                          // with a topology
+  const int representative_;                                  // -1: every rank exists
   std::mutex mu_;
   std::condition_variable split_cv_;
   absl::Status status_;
@@ -196,9 +207,11 @@ void SimGroup::Arrive(std::shared_ptr<SimCommunicator> comm, const SimCommunicat
   Pending& pending = pending_[seq];
   if (pending.ranks.empty()) pending.ranks.resize(size_);
   pending.ranks[rank] = Arrival{std::move(comm), op, start, std::move(done), std::nullopt};
-  if (++pending.arrived == size_) {
+  if (++pending.arrived == present()) {
     std::vector<Arrival> ranks;
-    for (std::optional<Arrival>& arrival : pending.ranks) ranks.push_back(std::move(*arrival));
+    for (std::optional<Arrival>& arrival : pending.ranks) {
+      if (arrival.has_value()) ranks.push_back(std::move(*arrival));
+    }
     pending_.erase(seq);
     lock.unlock();
     for (Arrival& arrival : ranks) {
@@ -243,7 +256,7 @@ void SimGroup::Complete(std::vector<Arrival> ranks) {
   for (const Arrival& arrival : ranks) last = std::max(last, arrival.at);
   // Every rank runs the same comparison, so every rank reports the same pair.
   const CollectiveFingerprint& first = ranks[0].op.fingerprint;
-  for (int r = 1; r < size_; ++r) {
+  for (int r = 1; r < static_cast<int>(ranks.size()); ++r) {
     const CollectiveFingerprint& other = ranks[r].op.fingerprint;
     if (other == first) continue;
     for (Arrival& arrival : ranks) {
@@ -266,7 +279,11 @@ void SimGroup::Complete(std::vector<Arrival> ranks) {
       EstimateCollective(*options_.topology, first.kind, first.count, first.dtype, shape_);
   SL_CHECK_OK(cost.status());
   std::vector<int64_t> ports;
-  for (const int device : options_.devices) {
+  // Representative mode: only its own device's ports (by symmetry the others' carry the same).
+  const std::vector<int> own = representative_ >= 0
+                                   ? std::vector<int>{options_.devices[representative_]}
+                                   : std::vector<int>{};
+  for (const int device : representative_ >= 0 ? own : options_.devices) {
     if (size_ > 1) arbiter_->Count(device, cost->intra_bytes, cost->inter_bytes);
     if (cost->uses_intra()) ports.push_back(sim_internal::LinkArbiter::Port(device, 0));
     if (cost->uses_inter()) ports.push_back(sim_internal::LinkArbiter::Port(device, 1));
@@ -425,7 +442,11 @@ absl::StatusOr<SimGroup::SplitResult> SimGroup::Split(uint64_t split, int rank, 
                                          rank, " of ", size_, ")");
   SplitResult result;
   const bool dup = color == 0 && key == rank;
-  if (dup && options_.dup_without_rendezvous && entry.mode != SplitEntry::kGeneral) {
+  // Representative mode: a group with split_call takes every split from it; one without (a
+  // split's group) only Dups.
+  const bool take_as_dup =
+      representative_ >= 0 ? options_.split_call == nullptr : options_.dup_without_rendezvous;
+  if (dup && take_as_dup && entry.mode != SplitEntry::kGeneral) {
     // Dup: every rank joins group 0 in rank order, assuming the others make the same call.
     entry.mode = SplitEntry::kDup;
     entry.calls[rank] = std::make_pair(color, key);
@@ -453,6 +474,35 @@ absl::StatusOr<SimGroup::SplitResult> SimGroup::Split(uint64_t split, int rank, 
     lock.unlock();
     if (wrong != nullptr) wrong->Fail(status);
     return status;
+  } else if (representative_ >= 0) {
+    // Representative mode: the other ranks' calls come from split_call, no rendezvous.
+    if (options_.split_call == nullptr) {
+      return absl::UnimplementedError(absl::StrCat(
+          where,
+          ": a representative-rank simulation cannot split this group (no "
+          "SimOptions.split_call: only the group CreateRepresentativeSimCommunicator made "
+          "has one; splits of its splits other than Dup are not modelled)"));
+    }
+    entry.mode = SplitEntry::kGeneral;
+    for (int r = 0; r < size_; ++r) entry.calls[r] = options_.split_call(split, r);
+    if (*entry.calls[rank] != std::make_pair(color, key)) {
+      const std::pair<int, int> expected = *entry.calls[rank];
+      splits_.erase(split);
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": the representative called Split(color=", color, ", key=", key,
+                       ") but SimOptions.split_call says its call is (", expected.first, ", ",
+                       expected.second, ")"));
+    }
+    if (color >= 0) {
+      for (int r = 0; r < size_; ++r) {
+        if (entry.calls[r]->first == color) result.members.push_back(r);
+      }
+      std::stable_sort(result.members.begin(), result.members.end(), [&](int a, int b) {
+        return entry.calls[a]->second < entry.calls[b]->second;
+      });
+      result.index = static_cast<int>(
+          std::find(result.members.begin(), result.members.end(), rank) - result.members.begin());
+    }
   } else {
     entry.mode = SplitEntry::kGeneral;
     entry.calls[rank] = std::make_pair(color, key);
@@ -483,7 +533,7 @@ absl::StatusOr<SimGroup::SplitResult> SimGroup::Split(uint64_t split, int rank, 
           std::find(result.members.begin(), result.members.end(), rank) - result.members.begin());
     }
   }
-  if (++splits_[split].left == size_) splits_.erase(split);
+  if (++splits_[split].left == present()) splits_.erase(split);
   return result;
 }
 
@@ -600,8 +650,16 @@ absl::Duration SimCollectiveCost(CollectiveKind kind, size_t count, DType dtype,
   return absl::ZeroDuration();
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateSimCommunicators(
-    VirtualTimeline& timeline, int size, const SimOptions& options) {
+namespace {
+
+// The validated options and the shared state of a new simulation's first group.
+struct Resolved {
+  SimOptions options;
+  absl::Duration timeout;
+  std::shared_ptr<sim_internal::LinkArbiter> arbiter;
+};
+
+absl::StatusOr<Resolved> Resolve(VirtualTimeline& timeline, int size, const SimOptions& options) {
   if (size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("sim communicator size must be at least 1, got ", size));
@@ -643,12 +701,43 @@ absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateSimCommunicator
   } else if (!options.devices.empty()) {
     return absl::InvalidArgumentError("SimOptions.devices is set but SimOptions.topology is not");
   }
-  auto group = std::make_shared<SimGroup>(timeline, size, resolved, std::move(arbiter));
+  return Resolved{std::move(resolved), timeout, std::move(arbiter)};
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateSimCommunicators(
+    VirtualTimeline& timeline, int size, const SimOptions& options) {
+  SL_ASSIGN_OR_RETURN(Resolved resolved, Resolve(timeline, size, options));
+  auto group =
+      std::make_shared<SimGroup>(timeline, size, resolved.options, std::move(resolved.arbiter));
   std::vector<std::shared_ptr<Communicator>> comms;
   for (int r = 0; r < size; ++r) {
-    comms.push_back(std::make_shared<SimCommunicator>(r, group, options.name, timeout));
+    comms.push_back(std::make_shared<SimCommunicator>(r, group, options.name, resolved.timeout));
   }
   return comms;
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> CreateRepresentativeSimCommunicator(
+    VirtualTimeline& timeline, int size, int rank, const SimOptions& options) {
+  SL_ASSIGN_OR_RETURN(Resolved resolved, Resolve(timeline, size, options));
+  if (rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("representative rank ", rank, " is not a rank of a group of ", size));
+  }
+  if (options.move_data) {
+    return absl::InvalidArgumentError(
+        "a representative-rank sim communicator moves no data: set SimOptions.move_data = false");
+  }
+  if (options.split_call == nullptr) {
+    return absl::InvalidArgumentError(
+        "a representative-rank sim communicator needs SimOptions.split_call (the other ranks' "
+        "split calls)");
+  }
+  auto group = std::make_shared<SimGroup>(timeline, size, resolved.options,
+                                          std::move(resolved.arbiter), rank);
+  return std::shared_ptr<Communicator>(
+      std::make_shared<SimCommunicator>(rank, group, options.name, resolved.timeout));
 }
 
 }  // namespace shardline

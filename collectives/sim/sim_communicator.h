@@ -61,13 +61,28 @@
 // wall-clock time, until the deadline) for all of them. The new communicators share the
 // timeline and the options.
 //
+// Representative mode (CreateRepresentativeSimCommunicator): where every rank of a group does
+// the same thing at the same time (a symmetric placement), one rank can stand for all of them.
+// The communicator has the group's size but only its own rank exists: a collective completes
+// when that rank arrives (the others are assumed to arrive at the same moment, with the same
+// fingerprint), at arrival + the cost of the whole group on its placement (SimOptions::devices
+// lists every rank's device). Contention counts only the representative's own ports: by symmetry
+// every other device's ports carry the same number of collectives at the same times, so the
+// share it gets is the share every member gets. Every split of the group
+// CreateRepresentativeSimCommunicator made (a Dup included) takes the ranks' (color, key) from
+// SimOptions::split_call instead of a rendezvous; the groups of those splits can only Dup
+// (another split is Unimplemented). No data moves (move_data must be false).
+// SimTrafficByDevice reports the representative's device only.
+//
 // Lifetimes: the timeline must outlive the communicators.
 
 #ifndef SHARDLINE_COLLECTIVES_SIM_SIM_COMMUNICATOR_H_
 #define SHARDLINE_COLLECTIVES_SIM_SIM_COMMUNICATOR_H_
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -101,6 +116,10 @@ struct SimOptions {
   // With a topology: the device of each rank (node * devices_per_node + local index), one per
   // rank, distinct; empty: rank r on device r.
   std::vector<int> devices;
+  // Representative mode only: the (color, key) that rank `rank` of the created group passes to
+  // its split number `split` (0, 1, ... in the order the group's ranks call Split). Must agree
+  // with the representative's own call.
+  std::function<std::pair<int, int>(uint64_t split, int rank)> split_call;
 };
 
 // `size` communicators forming one group on `timeline`; element r is rank r. InvalidArgument if
@@ -108,6 +127,12 @@ struct SimOptions {
 // than `size`, or a device is out of range or repeated), or the timeout knob is invalid.
 absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateSimCommunicators(
     VirtualTimeline& timeline, int size, const SimOptions& options = {});
+
+// Representative mode (the header comment): rank `rank` of a group of `size`, alone.
+// InvalidArgument as CreateSimCommunicators, or if rank is out of range, move_data is set or
+// split_call is missing.
+absl::StatusOr<std::shared_ptr<Communicator>> CreateRepresentativeSimCommunicator(
+    VirtualTimeline& timeline, int size, int rank, const SimOptions& options);
 
 // With a topology: what each device has sent on each link level so far, in the collectives that
 // completed their rendezvous (CollectiveCost::intra_bytes / inter_bytes per rank), over every

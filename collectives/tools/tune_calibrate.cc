@@ -4,6 +4,8 @@
 // collectives/sim/calibration.h; docs/tuning.md (Calibration) explains the model and the fit.
 //
 //   shardline-tune-calibrate [options] -o topology.json perf1.json [perf2.json ...]
+//   shardline-tune calibrate [options] ...   (the same, as shardline-tune's subcommand: this
+//                                            file is compiled into both binaries)
 //     --base FILE            start from this topology (else a one-node topology from --name,
 //                            --devices-per-node, --memory-GiB, --compute-TFLOPs)
 //     --name NAME  --description TEXT  --devices-per-node D (default: the largest rank count)
@@ -34,10 +36,14 @@
 #include "runtime/status.h"
 
 namespace shardline {
+
+// The whole tool: argv[0] is the program (or subcommand) name, `program` is how usage names it.
+absl::Status TuneCalibrateMain(int argc, char** argv, const char* program);
+
 namespace {
 
 constexpr char kUsage[] =
-    "usage: shardline-tune-calibrate [--base FILE | --name NAME [--description TEXT]\n"
+    "usage: %s [--base FILE | --name NAME [--description TEXT]\n"
     "         [--devices-per-node D] --memory-GiB G --compute-TFLOPs C]\n"
     "         [--level intra|inter] [--ranks-per-node K] [--nranks N] [--collective NAME]\n"
     "         [--cell min|out|in] [--min-transfer-share X] [--keep-repeats]\n"
@@ -51,12 +57,12 @@ struct Flags {
   std::vector<std::string> inputs, checks;
 };
 
-absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
+absl::StatusOr<Flags> ParseFlags(int argc, char** argv, const char* program) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
-      std::fputs(kUsage, stdout);
+      std::printf(kUsage, program);
       std::exit(0);
     }
     if (arg == "--keep-repeats") {
@@ -111,11 +117,12 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     } else if (arg == "--min-transfer-share") {
       SL_RETURN_IF_ERROR(number(&f.min_transfer_share));
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", arg, "\n", kUsage));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag ", arg, " (", program, " --help lists them)"));
     }
   }
   if (f.inputs.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("no perf JSON given\n", kUsage));
+    return absl::InvalidArgumentError(absl::StrCat("no perf JSON given (", program, " --help)"));
   }
   if (f.level != "intra" && f.level != "inter") {
     return absl::InvalidArgumentError(
@@ -131,8 +138,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   return f;
 }
 
-absl::Status Main(int argc, char** argv) {
-  SL_ASSIGN_OR_RETURN(const Flags f, ParseFlags(argc, argv));
+}  // namespace
+
+absl::Status TuneCalibrateMain(int argc, char** argv, const char* program) {
+  SL_ASSIGN_OR_RETURN(const Flags f, ParseFlags(argc, argv, program));
   std::vector<PerfRun> runs;
   int most_ranks = 0;
   for (const std::string& path : f.inputs) {
@@ -198,14 +207,15 @@ absl::Status Main(int argc, char** argv) {
   return absl::OkStatus();
 }
 
-}  // namespace
 }  // namespace shardline
 
+#ifndef SHARDLINE_TUNE_CALIBRATE_NO_MAIN
 int main(int argc, char** argv) {
-  const absl::Status status = shardline::Main(argc, argv);
+  const absl::Status status = shardline::TuneCalibrateMain(argc, argv, "shardline-tune-calibrate");
   if (!status.ok()) {
     std::fprintf(stderr, "shardline-tune-calibrate: %s\n", std::string(status.message()).c_str());
     return 2;
   }
   return 0;
 }
+#endif  // SHARDLINE_TUNE_CALIBRATE_NO_MAIN

@@ -73,6 +73,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) = 0;
+  // Representative mode: rank 0 of a world of `size`, alone (a vector of one).
+  virtual absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> Representative(
+      int size, int shard_size) = 0;
   virtual std::unique_ptr<Allocator> DeviceMemory(int rank) = 0;
   virtual absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) = 0;
   // SchedulerOptions::stream_factory (null: the scheduler's default).
@@ -92,6 +95,17 @@ class VirtualBackend final : public Backend {
   absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) override {
     return cluster_.CreateWorld(*timeline_, size);
   }
+  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> Representative(
+      int size, int shard_size) override {
+    // ProcessMesh::Create's two splits of the world: its row (shard group), then its column.
+    auto split_call = [shard_size](uint64_t split, int rank) {
+      return split == 0 ? std::make_pair(rank / shard_size, rank)
+                        : std::make_pair(rank % shard_size, rank);
+    };
+    SL_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
+                        cluster_.CreateRepresentative(*timeline_, size, 0, split_call));
+    return std::vector<std::shared_ptr<Communicator>>{std::move(comm)};
+  }
   std::unique_ptr<Allocator> DeviceMemory(int rank) override {
     return CreatePhantomAllocator(Device::Host(), absl::StrCat("rank", rank, ".device"));
   }
@@ -103,11 +117,10 @@ class VirtualBackend final : public Backend {
     return [tl](StreamOptions so) { return CreateVirtualStream(*tl, std::move(so)); };
   }
   absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
-    const double seconds = static_cast<double>(flops) / cluster_.compute_flops_per_s();
     return stream.Submit({.name = std::move(name),
                           .kind = StreamOpKind::kCompute,
                           .flops = flops,
-                          .duration = absl::Seconds(seconds),
+                          .duration = cluster_.ComputeDuration(flops),
                           .run = [] { return absl::OkStatus(); }});
   }
   absl::Status Drain(std::vector<Rank>&) override { return timeline_->RunUntilIdle(); }
@@ -122,6 +135,10 @@ class HostBackend final : public Backend {
  public:
   absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) override {
     return CreateLocalCommunicators(size);
+  }
+  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> Representative(int, int) override {
+    return absl::InvalidArgumentError(
+        "the host backend runs every rank: a representative rank exists only on virtual time");
   }
   std::unique_ptr<Allocator> DeviceMemory(int rank) override {
     return CreateHostAllocator(64, absl::StrCat("rank", rank, ".host"));
@@ -262,16 +279,54 @@ absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDesc
   return backend.Drain(ranks);
 }
 
+// The shard-group size of the strategy's ProcessMesh (scheduler.cc).
+int MeshShardSize(const SimulationConfig& c) {
+  switch (c.strategy) {
+    case ShardingStrategy::kNoShard:
+      return 1;
+    case ShardingStrategy::kHybridShard:
+      return c.shard_size;
+    case ShardingStrategy::kFullShard:
+    case ShardingStrategy::kShardGradOp:
+      break;
+  }
+  return c.world_size;
+}
+
+// What every device has sent so far, by device id (empty without a topology).
+std::vector<SimLinkTraffic> Traffic(const std::vector<std::shared_ptr<Communicator>>& world) {
+  return world.empty() ? std::vector<SimLinkTraffic>{} : SimTrafficByDevice(*world[0]);
+}
+
 absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& model,
                                      const SimulationConfig& c, const SimCluster* cluster) {
   SL_RETURN_IF_ERROR(CheckConfig(model, c));
-  SL_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Communicator>> world,
-                      backend.World(c.world_size));
+  bool representative = false;
+  if (c.ranks != RankMode::kAll && cluster != nullptr) {
+    const bool symmetric = cluster->RanksSymmetric(c.world_size, MeshShardSize(c));
+    if (c.ranks == RankMode::kRepresentative && !symmetric) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "simulation config: a representative rank needs symmetric ranks, but on ",
+          cluster->Describe(), " a world of ", c.world_size, " with shard groups of ",
+          MeshShardSize(c), " places groups differently (use RankMode::kAll or kAuto)"));
+    }
+    representative = symmetric;
+  } else if (c.ranks == RankMode::kRepresentative) {
+    return absl::InvalidArgumentError(
+        "the host backend runs every rank: a representative rank exists only on virtual time");
+  }
+  std::vector<std::shared_ptr<Communicator>> world;
+  if (representative) {
+    SL_ASSIGN_OR_RETURN(world, backend.Representative(c.world_size, MeshShardSize(c)));
+  } else {
+    SL_ASSIGN_OR_RETURN(world, backend.World(c.world_size));
+  }
+  const int simulated = static_cast<int>(world.size());
   Ranks owner;
   std::vector<Rank>& ranks = owner.ranks;
-  ranks.resize(c.world_size);
-  std::vector<SchedulerOptions> options(c.world_size);
-  for (int i = 0; i < c.world_size; ++i) {
+  ranks.resize(simulated);
+  std::vector<SchedulerOptions> options(simulated);
+  for (int i = 0; i < simulated; ++i) {
     Rank& r = ranks[i];
     r.device = backend.DeviceMemory(i);
     r.shards = std::make_unique<SubAllocator>(*r.device, absl::StrCat("rank", i, ".shards"));
@@ -310,11 +365,11 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
 
   // Creating the mesh splits the world: a rendezvous, one thread per rank.
   {
-    std::vector<absl::Status> created(c.world_size);
+    std::vector<absl::Status> created(simulated);
     std::vector<std::thread> threads;
-    threads.reserve(c.world_size);
+    threads.reserve(simulated);
     const absl::Time deadline = absl::Now() + kCreateTimeout;
-    for (int i = 0; i < c.world_size; ++i) {
+    for (int i = 0; i < simulated; ++i) {
       threads.emplace_back([&, i] {
         absl::StatusOr<std::unique_ptr<Scheduler>> s = Scheduler::Create(
             WrapCounting(world[i], ranks[i].counter), *ranks[i].compute, options[i], deadline);
@@ -329,7 +384,7 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     for (const absl::Status& s : created) SL_RETURN_IF_ERROR(s);
   }
 
-  for (int i = 0; i < c.world_size; ++i) {
+  for (int i = 0; i < simulated; ++i) {
     Rank& r = ranks[i];
     for (size_t u = 0; u < model.units.size(); ++u) {
       UnitSpec spec{.name = model.units[u].name, .tensors = model.units[u].tensors};
@@ -366,21 +421,32 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
   }
 
   // The measured step.
+  const std::vector<SimLinkTraffic> traffic_before = Traffic(world);
   SL_RETURN_IF_ERROR(RunStep(backend, ranks, model, c));
+  const std::vector<SimLinkTraffic> traffic_after = Traffic(world);
 
   SimulationReport report;
   report.world_size = c.world_size;
-  report.ranks_simulated = c.world_size;
+  report.ranks_simulated = simulated;
+  report.representative = representative;
+  for (size_t d = 0; d < traffic_after.size(); ++d) {
+    const SimLinkTraffic before = d < traffic_before.size() ? traffic_before[d] : SimLinkTraffic{};
+    report.intra_node_bytes_per_device =
+        std::max(report.intra_node_bytes_per_device,
+                 traffic_after[d].intra_node_bytes - before.intra_node_bytes);
+    report.inter_node_bytes_per_device =
+        std::max(report.inter_node_bytes_per_device,
+                 traffic_after[d].inter_node_bytes - before.inter_node_bytes);
+  }
   report.cluster = cluster != nullptr ? cluster->Describe() : "local backend (host memory)";
   for (const UnitUse& use : model.forward) {
     report.step_flops +=
         use.forward_flops + use.backward_flops + (Recomputes(c, use) ? use.forward_flops : 0);
   }
   if (cluster != nullptr) {
-    report.compute_time =
-        absl::Seconds(static_cast<double>(report.step_flops) / cluster->compute_flops_per_s());
+    report.compute_time = cluster->ComputeDuration(report.step_flops);
   }
-  for (int i = 0; i < c.world_size; ++i) {
+  for (int i = 0; i < simulated; ++i) {
     Rank& r = ranks[i];
     SL_ASSIGN_OR_RETURN(StepMetrics m, r.scheduler->LastStepMetrics(backend.Deadline()));
     if (m.step_time.has_value() && cluster != nullptr) {
@@ -437,11 +503,77 @@ class FlatCluster final : public SimCluster {
       VirtualTimeline& timeline, int world_size) const override {
     return CreateSimCommunicators(timeline, world_size, options_.network);
   }
+  absl::StatusOr<std::shared_ptr<Communicator>> CreateRepresentative(
+      VirtualTimeline& timeline, int world_size, int rank,
+      std::function<std::pair<int, int>(uint64_t, int)> split_call) const override {
+    SimOptions network = options_.network;
+    network.split_call = std::move(split_call);
+    return CreateRepresentativeSimCommunicator(timeline, world_size, rank, network);
+  }
+  // Every group of a size costs the same wherever it is.
+  bool RanksSymmetric(int, int) const override { return true; }
   double compute_flops_per_s() const override { return options_.compute_flops_per_s; }
   uint64_t device_memory_bytes() const override { return options_.device_memory_bytes; }
 
  private:
   FlatClusterOptions options_;
+};
+
+class TopologyCluster final : public SimCluster {
+ public:
+  explicit TopologyCluster(std::shared_ptr<const Topology> topology)
+      : topology_(std::move(topology)) {}
+  std::string Describe() const override {
+    const Topology& t = *topology_;
+    return absl::StrFormat("topology %s: %d x %d devices, %g TFLOP/s, %g GiB", t.name, t.nodes,
+                           t.devices_per_node, t.compute_flops_per_s / 1e12,
+                           static_cast<double>(t.device_memory_bytes) / (1ull << 30));
+  }
+  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateWorld(
+      VirtualTimeline& timeline, int world_size) const override {
+    SL_ASSIGN_OR_RETURN(SimOptions network, Network(world_size));
+    return CreateSimCommunicators(timeline, world_size, network);
+  }
+  absl::StatusOr<std::shared_ptr<Communicator>> CreateRepresentative(
+      VirtualTimeline& timeline, int world_size, int rank,
+      std::function<std::pair<int, int>(uint64_t, int)> split_call) const override {
+    SL_ASSIGN_OR_RETURN(SimOptions network, Network(world_size));
+    network.split_call = std::move(split_call);
+    return CreateRepresentativeSimCommunicator(timeline, world_size, rank, network);
+  }
+  bool RanksSymmetric(int world_size, int shard_size) const override {
+    const int d = topology_->devices_per_node;
+    // The world: inside one node, or whole nodes.
+    if (world_size > d && world_size % d != 0) return false;
+    // Shard groups of consecutive ranks: several whole groups per node, or whole nodes per group.
+    // Replicate groups (every shard_size-th rank) then all have one shape too.
+    if (shard_size < 1 || world_size % shard_size != 0) return false;
+    return d % shard_size == 0 || shard_size % d == 0;
+  }
+  double compute_flops_per_s() const override { return topology_->compute_flops_per_s; }
+  absl::Duration ComputeDuration(uint64_t flops) const override {
+    return shardline::ComputeDuration(*topology_, static_cast<double>(flops));
+  }
+  uint64_t device_memory_bytes() const override { return topology_->device_memory_bytes; }
+  std::shared_ptr<const Topology> topology() const override { return topology_; }
+
+ private:
+  absl::StatusOr<SimOptions> Network(int world_size) const {
+    if (world_size > topology_->devices()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("topology '", topology_->name, "' has ", topology_->devices(), " devices (",
+                       topology_->nodes, " x ", topology_->devices_per_node, "), too few for ",
+                       world_size, " ranks"));
+    }
+    SimOptions network{.name = "world",
+                       .move_data = false,
+                       .dup_without_rendezvous = false,
+                       .topology = topology_};
+    for (int r = 0; r < world_size; ++r) network.devices.push_back(r);
+    return network;
+  }
+
+  std::shared_ptr<const Topology> topology_;
 };
 
 }  // namespace
@@ -454,6 +586,25 @@ absl::string_view HostLeadName(HostLead lead) {
       return "whole_step";
   }
   return "?";
+}
+
+absl::string_view RankModeName(RankMode mode) {
+  switch (mode) {
+    case RankMode::kAll:
+      return "all";
+    case RankMode::kRepresentative:
+      return "representative";
+    case RankMode::kAuto:
+      return "auto";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::unique_ptr<SimCluster>> CreateTopologyCluster(
+    std::shared_ptr<const Topology> topology) {
+  if (topology == nullptr) return absl::InvalidArgumentError("topology cluster: null topology");
+  SL_RETURN_IF_ERROR(ValidateTopology(*topology));
+  return std::make_unique<TopologyCluster>(std::move(topology));
 }
 
 absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions options) {

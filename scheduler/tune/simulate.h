@@ -37,9 +37,17 @@
 // backward, for the uses that recompute, model.h). Ranks of one simulation are symmetric in these
 // figures; the report takes the maximum over ranks.
 //
-// Every rank is simulated (world sizes of a few hundred run in seconds; a representative rank
-// per role for larger worlds does not exist yet). Schedulers are created from one thread per
-// rank (creating the mesh splits communicators, a rendezvous); after that one thread drives.
+// Every rank is simulated by default (world sizes of a few hundred run in seconds). Where ranks
+// are symmetric (SimCluster::RanksSymmetric: every shard group and every replicate group has
+// the same placement, so every rank issues the same collectives at the same virtual times and
+// gets the same share of its links), SimulationConfig::ranks can ask for one representative
+// rank instead (rank 0; every strategy has a single role): its communicator has the world's
+// size, a collective completes when it arrives, costed for the whole group and placement
+// (collectives/sim/sim_communicator.h, representative mode), and its memory is phantom as
+// always. The report says which was used (SimulationReport::representative, ranks_simulated).
+// tune_simulate_test checks it against a full run (64 ranks, flat and topology clusters).
+// Schedulers are created from one thread per rank (creating the mesh splits communicators, a
+// rendezvous); after that one thread drives.
 //
 // RunOnHostBackend runs the same driver, the same hooks in the same order, on the local backend
 // (ranks as threads' communicators, host streams, real host memory, compute ops that do
@@ -50,6 +58,7 @@
 #define SHARDLINE_SCHEDULER_TUNE_SIMULATE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -60,6 +69,7 @@
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
 #include "collectives/sim/sim_communicator.h"
+#include "collectives/sim/topology.h"
 #include "runtime/dtype.h"
 #include "runtime/trace.h"
 #include "runtime/virtual_time.h"
@@ -81,10 +91,25 @@ class SimCluster {
   // streams of `timeline`, move no data, and support splits from one thread per rank.
   virtual absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateWorld(
       VirtualTimeline& timeline, int world_size) const = 0;
-  // The compute throughput each device achieves (FLOP/s): a use's compute takes flops / this.
+  // Representative mode: rank `rank` of a world of `world_size`, alone (CreateRepresentative-
+  // SimCommunicator); split_call gives every rank's (color, key) for the world's splits.
+  virtual absl::StatusOr<std::shared_ptr<Communicator>> CreateRepresentative(
+      VirtualTimeline& timeline, int world_size, int rank,
+      std::function<std::pair<int, int>(uint64_t split, int rank)> split_call) const = 0;
+  // Whether, in a world of `world_size` ranks split into shard groups of `shard_size`
+  // consecutive ranks (ProcessMesh), every rank sits where every other does: all shard groups
+  // have one placement, all replicate groups another. Only then may one rank stand for all.
+  virtual bool RanksSymmetric(int world_size, int shard_size) const = 0;
+  // The compute throughput each device achieves (FLOP/s).
   virtual double compute_flops_per_s() const = 0;
+  // How long a use's compute of `flops` takes (flops / compute_flops_per_s()).
+  virtual absl::Duration ComputeDuration(uint64_t flops) const {
+    return absl::Seconds(static_cast<double>(flops) / compute_flops_per_s());
+  }
   // Memory per device; 0: unlimited.
   virtual uint64_t device_memory_bytes() const = 0;
+  // The topology the cluster simulates; null for the flat cluster.
+  virtual std::shared_ptr<const Topology> topology() const { return nullptr; }
 };
 
 // Every group, of whatever size and placement, costs what SimOptions' ring model says
@@ -98,6 +123,16 @@ struct FlatClusterOptions {
 };
 // InvalidArgument for a non-positive throughput or SimOptions' own errors (at CreateWorld).
 absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions options);
+
+// A Topology (collectives/sim/topology.h): rank r runs on device r (node r / devices_per_node),
+// so a ProcessMesh's shard group of k consecutive ranks sits inside one node when k divides
+// devices_per_node and its replicate group spans the nodes; collectives take the topology's
+// cost for their group's placement, with link contention (sim_communicator.h); a use's compute
+// takes ComputeDuration(topology, flops); device memory is the topology's. CreateWorld fails
+// with InvalidArgument for a world larger than the topology's devices.
+// InvalidArgument for a null or invalid topology.
+absl::StatusOr<std::unique_ptr<SimCluster>> CreateTopologyCluster(
+    std::shared_ptr<const Topology> topology);
 
 // How far the framework's host runs ahead of its compute stream. The scheduler takes unsharded
 // gradients only from blocks that nothing uses any more (a compute stream must never wait for a
@@ -113,8 +148,18 @@ enum class HostLead : uint8_t {
 // "one_use", "whole_step".
 absl::string_view HostLeadName(HostLead lead);
 
+// Which ranks a simulation runs (the header comment).
+enum class RankMode : uint8_t {
+  kAll,             // every rank
+  kRepresentative,  // one rank (FailedPrecondition where the ranks are not symmetric)
+  kAuto,            // one rank where the ranks are symmetric, every rank otherwise
+};
+// "all", "representative", "auto".
+absl::string_view RankModeName(RankMode mode);
+
 struct SimulationConfig {
   int world_size = 8;
+  RankMode ranks = RankMode::kAll;
   // Full shard is the mesh 1 x N, hybrid R x k with k = shard_size, shard-grad-op 1 x N with the
   // parameters kept from forward to backward, no-shard N x 1.
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
@@ -156,7 +201,8 @@ struct MemoryReport {
 struct SimulationReport {
   int world_size = 0;
   int ranks_simulated = 0;
-  std::string cluster;  // SimCluster::Describe()
+  bool representative = false;  // one rank stood for all (RankMode)
+  std::string cluster;          // SimCluster::Describe()
   // Virtual-time figures (unset on the host backend). step_time: the slowest rank's.
   std::optional<absl::Duration> step_time;
   std::optional<absl::Duration> exposed_communication;  // rank 0's compute stream's gather waits
@@ -169,6 +215,10 @@ struct SimulationReport {
   // (ring convention, counting_communicator.h).
   std::map<CollectiveCounter::Key, CollectiveTally> collectives;
   double ring_sent_bytes_per_rank = 0;
+  // With a topology: the bytes a device sent in the measured step on each link level
+  // (SimTrafficByDevice; the most any simulated device sent). 0 on a flat cluster.
+  double intra_node_bytes_per_device = 0;
+  double inter_node_bytes_per_device = 0;
   MemoryReport memory;
   bool fits = true;     // memory.total_peak <= the cluster's device memory
   StepMetrics metrics;  // rank 0's scheduler metrics of the measured step
@@ -178,13 +228,15 @@ struct SimulationReport {
 };
 
 // InvalidArgument for a bad config (world size < 1, a shard size that does not divide it,
-// negative depths) or model (ModelDescription::Validate); the scheduler's errors otherwise.
+// negative depths) or model (ModelDescription::Validate); FailedPrecondition for
+// RankMode::kRepresentative where the ranks are not symmetric; the scheduler's errors otherwise.
 absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
                                           const SimulationConfig& config,
                                           const SimCluster& cluster);
 
 // The same steps on the local backend with real host memory (keep the model small: every rank
-// allocates its shards, buffers and activations). Times are unset; memory is real.
+// allocates its shards, buffers and activations). Times are unset; memory is real. Every rank
+// runs (config.ranks must be kAll or kAuto).
 absl::StatusOr<SimulationReport> RunOnHostBackend(const ModelDescription& model,
                                                   const SimulationConfig& config);
 

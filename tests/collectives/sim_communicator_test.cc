@@ -1,6 +1,7 @@
 // The sim backend (collectives/sim/): completion times from the cost model with staggered
 // arrivals, data against plain loops and the local backend, mismatches, stalls and virtual
-// timeouts, aborts, stream checks, phantom runs, Dup and Split, and 64 ranks in one thread.
+// timeouts, aborts, stream checks, phantom runs, Dup and Split, representative mode, and 64 ranks
+// in one thread.
 
 #include "collectives/sim/sim_communicator.h"
 
@@ -524,6 +525,79 @@ TEST(SimCommunicatorTest, DupFromOneThreadAndSplitFromThreads) {
 }
 
 // 64 ranks in one thread: an all-gather, data and time exact.
+// Representative mode: one rank of a group of n, completing on its own arrival at arrival + the
+// cost of the whole group (SimCollectiveCost for the group's size); the mesh's splits from
+// split_call give the representative its rows and columns; Dup of a split works, other splits
+// of a split are Unimplemented; bad arguments are errors.
+TEST(SimCommunicatorTest, RepresentativeRankCompletesAloneWithTheGroupsCost) {
+  constexpr int kWorld = 12, kShard = 4;  // a 3 x 4 mesh
+  SimOptions options = Model();
+  options.move_data = false;
+  options.dup_without_rendezvous = false;
+  options.split_call = [](uint64_t split, int rank) {
+    return split == 0 ? std::make_pair(rank / kShard, rank) : std::make_pair(rank % kShard, rank);
+  };
+  auto timeline = *VirtualTimeline::Create({.run_ops = false});
+  absl::StatusOr<std::shared_ptr<Communicator>> rep =
+      CreateRepresentativeSimCommunicator(*timeline, kWorld, 5, options);
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  EXPECT_EQ((*rep)->rank(), 5);
+  EXPECT_EQ((*rep)->size(), kWorld);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(*rep, kShard, deadline);
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  EXPECT_EQ(mesh->shard()->size(), kShard);
+  EXPECT_EQ(mesh->shard_rank(), 1);
+  EXPECT_EQ(mesh->replicate()->size(), kWorld / kShard);
+  EXPECT_EQ(mesh->replicate_rank(), 1);
+  absl::StatusOr<std::shared_ptr<Communicator>> dup = mesh->shard()->Dup(deadline);
+  ASSERT_TRUE(dup.ok()) << dup.status();
+  std::unique_ptr<Stream> stream = *CreateVirtualStream(*timeline, {.name = "rep"});
+  std::vector<float> buffer(kWorld * 1000), piece(1000);
+  StreamOp delay{.name = "compute", .kind = StreamOpKind::kCompute, .duration = Us(7)};
+  ASSERT_TRUE(stream->Submit(std::move(delay)).ok());
+  Work gather = *mesh->shard()->AllGather(piece.data(), buffer.data(), 333, DType::kF32, *stream);
+  Work reduce = *(*dup)->ReduceScatter(buffer.data(), piece.data(), 333, DType::kF32, *stream);
+  Work all = *mesh->replicate()->AllReduce(buffer.data(), buffer.data(), 999, DType::kF32, *stream);
+  Work world = *(*rep)->Barrier(*stream);
+  ASSERT_TRUE(timeline->RunUntilIdle().ok());
+  const absl::Duration gather_end =
+      Us(7) + SimCollectiveCost(CollectiveKind::kAllGather, 333, DType::kF32, kShard, options);
+  const absl::Duration reduce_end =
+      gather_end +
+      SimCollectiveCost(CollectiveKind::kReduceScatter, 333, DType::kF32, kShard, options);
+  const absl::Duration all_end =
+      reduce_end +
+      SimCollectiveCost(CollectiveKind::kAllReduce, 999, DType::kF32, kWorld / kShard, options);
+  const absl::Duration barrier_end =
+      all_end + SimCollectiveCost(CollectiveKind::kBarrier, 0, DType::kU8, kWorld, options);
+  EXPECT_EQ(DoneAt(gather), gather_end);
+  EXPECT_EQ(DoneAt(reduce), reduce_end);
+  EXPECT_EQ(DoneAt(all), all_end);
+  EXPECT_EQ(DoneAt(world), barrier_end);
+  EXPECT_TRUE(world.status().ok());
+
+  // A split of a split other than Dup is not modelled; split_call must agree with the caller.
+  absl::StatusOr<std::shared_ptr<Communicator>> sub = mesh->shard()->Split(0, 3, deadline);
+  ASSERT_FALSE(sub.ok());
+  EXPECT_EQ(sub.status().code(), absl::StatusCode::kUnimplemented) << sub.status();
+  absl::StatusOr<std::shared_ptr<Communicator>> wrong = (*rep)->Split(7, 5, deadline);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_THAT(wrong.status().message(), HasSubstr("SimOptions.split_call says"));
+
+  // Bad arguments.
+  SimOptions moving = options;
+  moving.move_data = true;
+  EXPECT_THAT(CreateRepresentativeSimCommunicator(*timeline, 4, 0, moving).status().message(),
+              HasSubstr("move_data = false"));
+  SimOptions no_call = options;
+  no_call.split_call = nullptr;
+  EXPECT_THAT(CreateRepresentativeSimCommunicator(*timeline, 4, 0, no_call).status().message(),
+              HasSubstr("split_call"));
+  EXPECT_THAT(CreateRepresentativeSimCommunicator(*timeline, 4, 4, options).status().message(),
+              HasSubstr("representative rank 4 is not a rank of a group of 4"));
+}
+
 TEST(SimCommunicatorTest, SixtyFourRanksInOneThread) {
   constexpr int n = 64;
   constexpr size_t count = 1001;
