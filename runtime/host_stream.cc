@@ -1,5 +1,8 @@
 // Host and caller streams, host events, and the stream factories of runtime/stream.h.
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -31,6 +34,11 @@
 
 namespace shardline {
 
+SL_PARAM(bool, StreamBatchSched, "STREAM_BATCH_SCHED", true,
+         "Host streams' worker threads run under SCHED_BATCH: a woken worker does not preempt "
+         "the thread that submitted the work (it takes an idle core at once, else waits for the "
+         "next scheduling point). 0: the default policy, under which every wake-up of a "
+         "worker may switch the submitting thread out.");
 SL_PARAM(int64_t, StreamSpinUs, "STREAM_SPIN_US", 0,
          "Microseconds a host stream's worker keeps polling for new work (yielding its core "
          "between polls) after its queue runs empty, before it sleeps. Work submitted meanwhile "
@@ -322,13 +330,23 @@ absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl:
 class HostStream final : public Stream, public HostCaptureRecorder {
  public:
   HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock, StreamTracer tracer,
-             absl::Duration spin)
+             absl::Duration spin, bool batch)
       : name_(std::move(name)),
         wait_timeout_(wait_timeout),
         clock_(clock),
         tracer_(tracer),
         spin_(absl::ToChronoNanoseconds(spin)) {
-    worker_ = std::thread([this] { WorkerLoop(); });
+    worker_ = std::thread([this, batch] {
+#ifdef SCHED_BATCH
+      if (batch) {
+        // A woken worker does not preempt the thread that woke it (the submitter, in the middle
+        // of its hooks); it runs on an idle core at once, else at the next scheduling point.
+        sched_param param{};
+        (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+      }
+#endif
+      WorkerLoop();
+    });
   }
 
   ~HostStream() override {
@@ -655,8 +673,10 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateHostStream(StreamOptions options) 
   if (!spin_us.ok()) {
     return Annotate(spin_us.status(), absl::StrCat("stream '", options.name, "'"));
   }
-  return std::make_unique<stream_internal::HostStream>(std::move(options.name), wait_timeout, clock,
-                                                       tracer, absl::Microseconds(*spin_us));
+  absl::StatusOr<bool> batch = ParamStreamBatchSched().Get();
+  if (!batch.ok()) return Annotate(batch.status(), absl::StrCat("stream '", options.name, "'"));
+  return std::make_unique<stream_internal::HostStream>(
+      std::move(options.name), wait_timeout, clock, tracer, absl::Microseconds(*spin_us), *batch);
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateCallerStream(StreamOptions options) {
