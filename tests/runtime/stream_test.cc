@@ -3,6 +3,8 @@
 #include "runtime/stream.h"
 #include "tests/common/gate.h"
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -369,6 +371,41 @@ TEST(HostStreamTest, SpinningWorkersKeepOrderAcrossStreams) {
   ASSERT_TRUE(b->Synchronize(Soon()).ok());
   ASSERT_TRUE(a->Synchronize(Soon()).ok());
   for (int i = 0; i < kRounds; ++i) ASSERT_EQ(seen[i], i) << "round " << i;
+}
+
+// The scheduling policy a host stream's worker runs under, read by an op on it.
+int WorkerPolicy(Stream& stream) {
+  std::atomic<int> policy{-1};
+  EXPECT_TRUE(stream
+                  .Enqueue([&policy] {
+                    policy.store(sched_getscheduler(0));
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  EXPECT_TRUE(stream.Synchronize(Soon()).ok());
+  return policy.load();
+}
+
+TEST(HostStreamTest, WorkersRunUnderSchedBatchUnlessTheKnobIsOff) {
+  const char* old = std::getenv("SHARDLINE_STREAM_BATCH_SCHED");
+  const std::string saved = old != nullptr ? old : "";
+  unsetenv("SHARDLINE_STREAM_BATCH_SCHED");
+  ParamStreamBatchSched().ResetCacheForTesting();
+  EXPECT_EQ(WorkerPolicy(*MakeHost("batch")), SCHED_BATCH);
+  setenv("SHARDLINE_STREAM_BATCH_SCHED", "0", 1);
+  ParamStreamBatchSched().ResetCacheForTesting();
+  EXPECT_EQ(WorkerPolicy(*MakeHost("default policy")), SCHED_OTHER);
+  setenv("SHARDLINE_STREAM_BATCH_SCHED", "sometimes", 1);
+  ParamStreamBatchSched().ResetCacheForTesting();
+  absl::StatusOr<std::unique_ptr<Stream>> bad = CreateHostStream({.name = "bad batch"});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(Message(bad.status()), HasSubstr("SHARDLINE_STREAM_BATCH_SCHED"));
+  if (old != nullptr) {
+    setenv("SHARDLINE_STREAM_BATCH_SCHED", saved.c_str(), 1);
+  } else {
+    unsetenv("SHARDLINE_STREAM_BATCH_SCHED");
+  }
+  ParamStreamBatchSched().ResetCacheForTesting();
 }
 
 TEST(HostStreamTest, NegativeSpinKnobIsRejected) {
