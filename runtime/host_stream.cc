@@ -1,6 +1,10 @@
 // Host and caller streams, host events, and the stream factories of runtime/stream.h.
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -29,6 +33,21 @@
 #endif
 
 namespace shardline {
+
+SL_PARAM(bool, StreamBatchSched, "STREAM_BATCH_SCHED", true,
+         "Host streams' worker threads run under SCHED_BATCH: a woken worker does not preempt "
+         "the thread that submitted the work (it takes an idle core at once, else waits for the "
+         "next scheduling point). 0: the default policy, under which every wake-up of a "
+         "worker may switch the submitting thread out.");
+SL_PARAM(int64_t, StreamSpinUs, "STREAM_SPIN_US", 0,
+         "Microseconds a host stream's worker keeps polling for new work (yielding its core "
+         "between polls) after its queue runs empty, before it sleeps. Work submitted meanwhile "
+         "needs no wake-up (a system call on the submitting thread, and a context switch); the "
+         "cost is a core kept busy for that long after each burst.",
+         [](const int64_t& v) -> absl::Status {
+           if (v < 0) return absl::InvalidArgumentError(absl::StrCat("must be >= 0, got ", v));
+           return absl::OkStatus();
+         });
 
 // ---- Stream (the base) -----------------------------------------------------------------------
 
@@ -117,10 +136,14 @@ void HostCapture::OnComplete(EventCallback callback) {
 }
 
 absl::Status HostCapture::Wait(absl::Time deadline, absl::string_view waiter) {
+  return Wait(deadline, [waiter] { return std::string(waiter); });
+}
+
+absl::Status HostCapture::Wait(absl::Time deadline, absl::FunctionRef<std::string()> waiter) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!clock_->WaitUntil(cv_, lock, deadline, [this] { return done_; })) {
     return absl::DeadlineExceededError(absl::StrCat(
-        waiter, ": timed out waiting for an event recorded on stream '", stream_name_, "'"));
+        waiter(), ": timed out waiting for an event recorded on stream '", stream_name_, "'"));
   }
   return status_;
 }
@@ -282,13 +305,16 @@ absl::StatusOr<WaitTarget> SnapshotWaitTarget(Event& event, const Stream& waiter
 // DeadlineExceeded naming the stream.
 absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const Clock& clock,
                      const std::string& stream_name) {
-  const std::string waiter =
-      absl::StrCat("stream '", stream_name, "' (wait_timeout ", absl::FormatDuration(timeout), ")");
+  // Formatted only for a timeout.
+  auto waiter = [&] {
+    return absl::StrCat("stream '", stream_name, "' (wait_timeout ", absl::FormatDuration(timeout),
+                        ")");
+  };
   if (target.capture != nullptr) {
     return target.capture->Wait(target.capture->clock().Now() + timeout, waiter);
   }
   absl::Status status = std::move(target.foreign)(clock.Now() + timeout);
-  if (absl::IsDeadlineExceeded(status)) status = Annotate(status, waiter);
+  if (absl::IsDeadlineExceeded(status)) status = Annotate(status, waiter());
   return status;
 }
 
@@ -303,9 +329,24 @@ absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl:
 // their relative order.
 class HostStream final : public Stream, public HostCaptureRecorder {
  public:
-  HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock, StreamTracer tracer)
-      : name_(std::move(name)), wait_timeout_(wait_timeout), clock_(clock), tracer_(tracer) {
-    worker_ = std::thread([this] { WorkerLoop(); });
+  HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock, StreamTracer tracer,
+             absl::Duration spin, bool batch)
+      : name_(std::move(name)),
+        wait_timeout_(wait_timeout),
+        clock_(clock),
+        tracer_(tracer),
+        spin_(absl::ToChronoNanoseconds(spin)) {
+    worker_ = std::thread([this, batch] {
+#ifdef SCHED_BATCH
+      if (batch) {
+        // A woken worker does not preempt the thread that woke it (the submitter, in the middle
+        // of its hooks); it runs on an idle core at once, else at the next scheduling point.
+        sched_param param{};
+        (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+      }
+#endif
+      WorkerLoop();
+    });
   }
 
   ~HostStream() override {
@@ -313,6 +354,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
     }
+    stopping_flag_.store(true, std::memory_order_relaxed);
     work_cv_.notify_one();
     worker_.join();
   }
@@ -387,9 +429,21 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       if (item.kind == Item::kRecord) item.wait.capture->Complete(status);
       return status;
     }
+    if (item.kind == Item::kRecord && queue_.empty() && finished_ == enqueued_) {
+      // Everything enqueued before has run: the event is complete now. Completed here rather
+      // than by waking the worker for it (most records land on an idle stream).
+      ++enqueued_;
+      ++finished_;
+      lock.unlock();
+      item.wait.capture->Complete(absl::OkStatus());
+      return absl::OkStatus();
+    }
     queue_.push_back(std::move(item));
     ++enqueued_;
+    pushed_.store(enqueued_, std::memory_order_release);
+    // One notify per sleep: a worker already notified (or running) needs no second one.
     const bool wake = worker_idle_;
+    worker_idle_ = false;
     lock.unlock();
     if (wake) work_cv_.notify_one();
     return absl::OkStatus();
@@ -434,9 +488,19 @@ class HostStream final : public Stream, public HostCaptureRecorder {
           ++finished_;
           if (sync_waiters_ > 0) done_cv_.notify_all();
         }
-        worker_idle_ = true;
-        work_cv_.wait(lock, [this] { return !queue_.empty() || stopping_; });
-        worker_idle_ = false;
+        if (queue_.empty() && !stopping_ && spin_.count() > 0) {
+          // Poll for a while before sleeping: a Push meanwhile finds the worker awake and
+          // notifies nobody.
+          const uint64_t seen = enqueued_;
+          lock.unlock();
+          Spin(seen);
+          lock.lock();
+        }
+        if (queue_.empty() && !stopping_) {
+          worker_idle_ = true;  // Push clears it when it notifies
+          work_cv_.wait(lock, [this] { return !queue_.empty() || stopping_; });
+          worker_idle_ = false;
+        }
         if (queue_.empty()) return;
         item = std::move(queue_.front());
         queue_.pop_front();
@@ -447,10 +511,31 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     }
   }
 
+  // Returns once an item was pushed after `seen` items, the stream is stopping, or spin_ passed.
+  void Spin(uint64_t seen) const {
+    const auto end = std::chrono::steady_clock::now() + spin_;
+    while (true) {
+      for (int i = 0; i < 64; ++i) {
+        if (pushed_.load(std::memory_order_acquire) != seen ||
+            stopping_flag_.load(std::memory_order_relaxed)) {
+          return;
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      }
+      if (std::chrono::steady_clock::now() >= end) return;
+      std::this_thread::yield();  // a thread waiting for this core (the submitter) goes first
+    }
+  }
+
   const std::string name_;
   const absl::Duration wait_timeout_;
   const Clock& clock_;
   const StreamTracer tracer_;
+  const std::chrono::nanoseconds spin_;
+  std::atomic<uint64_t> pushed_{0};  // enqueued_, for the spinning worker to poll without mu_
+  std::atomic<bool> stopping_flag_{false};
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the worker waits for items
@@ -584,8 +669,14 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateHostStream(StreamOptions options) 
   SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
   const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();
   const stream_internal::StreamTracer tracer(options);
-  return std::make_unique<stream_internal::HostStream>(std::move(options.name), wait_timeout, clock,
-                                                       tracer);
+  absl::StatusOr<int64_t> spin_us = ParamStreamSpinUs().Get();
+  if (!spin_us.ok()) {
+    return Annotate(spin_us.status(), absl::StrCat("stream '", options.name, "'"));
+  }
+  absl::StatusOr<bool> batch = ParamStreamBatchSched().Get();
+  if (!batch.ok()) return Annotate(batch.status(), absl::StrCat("stream '", options.name, "'"));
+  return std::make_unique<stream_internal::HostStream>(
+      std::move(options.name), wait_timeout, clock, tracer, absl::Microseconds(*spin_us), *batch);
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateCallerStream(StreamOptions options) {

@@ -35,6 +35,25 @@ absl::Status CopyFromHost(void* dst, Device device, const void* src, size_t byte
   return stream->Synchronize(deadline);
 }
 
+// "flat parameter '<name>': <call><suffix>", formatted only when an error needs it: the hooks'
+// successful calls build no strings.
+class CallContext {
+ public:
+  CallContext(const std::string& name, absl::string_view call, absl::string_view suffix = "")
+      : name_(name), call_(call), suffix_(suffix) {}
+  std::string str() const { return absl::StrCat("flat parameter '", name_, "': ", call_, suffix_); }
+
+ private:
+  const std::string& name_;
+  absl::string_view call_;
+  absl::string_view suffix_;
+};
+
+absl::Status Annotate(const absl::Status& status, const CallContext& context) {
+  if (status.ok()) return status;
+  return shardline::Annotate(status, context.str());
+}
+
 }  // namespace
 
 absl::string_view FlatParameterStateName(FlatParameterState state) {
@@ -342,7 +361,7 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   if (state_ != FlatParameterState::kSharded) return WrongState(kCall, "sharded");
   SL_RETURN_IF_ERROR(CheckShardComm(kCall, shard_comm));
   SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, gather_stream));
-  const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
+  const CallContext context(name_, kCall);
 
   const DType param = policy_.param_dtype;
   const size_t psize = DTypeSize(param);
@@ -356,7 +375,8 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   if (offload_) {
     absl::StatusOr<Buffer> copy =
         pool_->Allocate(count * DTypeSize(policy_.master_dtype), gather_stream);
-    if (!copy.ok()) return Annotate(copy.status(), absl::StrCat(context, ": offload staging"));
+    if (!copy.ok())
+      return Annotate(copy.status(), absl::StrCat(context.str(), ": offload staging"));
     staging = *std::move(copy);
   }
   void* slice = ElementAt(buffer->data(), layout_.ShardBegin(shard_rank_), psize);
@@ -375,7 +395,7 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
   if (offload_) {
     SL_RETURN_IF_ERROR(
         Annotate(EnqueueCopy(gather_stream, staging.data(), master_.data(), staging.size()),
-                 absl::StrCat(context, ": copying the offloaded master shard to the device")));
+                 CallContext(name_, kCall, ": copying the offloaded master shard to the device")));
     master = staging.data();
   }
   absl::Status cast = EnqueueCast(gather_stream, master, policy_.master_dtype, slice, param, count);
@@ -508,7 +528,7 @@ absl::Status FlatParameter::PrepareGrad(Stream& compute) {
     return absl::OkStatus();
   }
   SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, compute));
-  const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
+  const CallContext context(name_, kCall);
   const size_t bytes = layout_.total_elements() * DTypeSize(policy_.param_dtype);
   absl::StatusOr<Buffer> grad =
       stream_ordered_grad_ ? grad_pool_->Allocate(bytes, compute) : grad_pool_->Allocate(bytes);
@@ -545,14 +565,15 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
     const ReduceGradOptions& options) {
   constexpr absl::string_view kCall = "ReduceScatter()";
   if (state_ != FlatParameterState::kUnsharded) return WrongState(kCall, "unsharded");
-  const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
+  const CallContext context(name_, kCall);
   if (!unsharded_grad_live_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        context, ": no unsharded gradient (call PrepareGrad() and write the gradient first)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(context.str(),
+                     ": no unsharded gradient (call PrepareGrad() and write the gradient first)"));
   }
   if (options.op != ReduceOp::kSum && options.op != ReduceOp::kAvg) {
     return absl::InvalidArgumentError(
-        absl::StrCat(context, ": op ", ReduceOpName(options.op), " is not sum or avg"));
+        absl::StrCat(context.str(), ": op ", ReduceOpName(options.op), " is not sum or avg"));
   }
   SL_RETURN_IF_ERROR(CheckShardComm(kCall, shard_comm));
   SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, stream));
@@ -565,7 +586,7 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   if (reduce != param) {
     absl::StatusOr<Buffer> buffer = grad_pool_->Allocate(total * DTypeSize(reduce), stream);
     if (!buffer.ok()) {
-      return Annotate(buffer.status(), absl::StrCat(context, ": gradient in reduce dtype"));
+      return Annotate(buffer.status(), absl::StrCat(context.str(), ": gradient in reduce dtype"));
     }
     reduce_input = *std::move(buffer);
   }
@@ -626,15 +647,15 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::AllReduce(Communicator* re
     reduce_phase_ = ReducePhase::kAllReduced;
     return reduce_step_;
   }
-  const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
+  const CallContext context(name_, kCall);
   if (replicate_comm->device() != pool_->device()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(context, ": replicate communicator '", replicate_comm->name(),
+        absl::StrCat(context.str(), ": replicate communicator '", replicate_comm->name(),
                      "' moves memory on ", replicate_comm->device().ToString(),
                      " but the unit's buffers are on ", pool_->device().ToString()));
   }
   if (options.op != reduce_options_.op) {
-    return absl::InvalidArgumentError(absl::StrCat(context, ": op ", ReduceOpName(options.op),
+    return absl::InvalidArgumentError(absl::StrCat(context.str(), ": op ", ReduceOpName(options.op),
                                                    " differs from the reduce-scatter's ",
                                                    ReduceOpName(reduce_options_.op)));
   }
@@ -665,7 +686,7 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
                                                       " is allowed only after ReduceScatter()"));
   }
   SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, stream));
-  const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
+  const CallContext context(name_, kCall);
   const DType reduce = policy_.reduce_dtype;
   const DType grad_dtype = policy_.sharded_grad_dtype();
   const size_t count = layout_.shard_elements();
@@ -678,7 +699,8 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
   Buffer shard_grad_temp;  // the reduced shard in the sharded gradient's dtype, to add
   if (fresh) {
     absl::StatusOr<Buffer> buffer = shard_allocator_->Allocate(count * DTypeSize(grad_dtype));
-    if (!buffer.ok()) return Annotate(buffer.status(), absl::StrCat(context, ": sharded gradient"));
+    if (!buffer.ok())
+      return Annotate(buffer.status(), absl::StrCat(context.str(), ": sharded gradient"));
     new_shard_grad = *std::move(buffer);
   }
   // CPU offload: the reduced shard comes back to host memory, where the sharded gradient is.
@@ -686,7 +708,8 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
   if (offload_) {
     absl::StatusOr<Buffer> buffer = shard_allocator_->Allocate(count * DTypeSize(reduce));
     if (!buffer.ok()) {
-      return Annotate(buffer.status(), absl::StrCat(context, ": reduced shard in host memory"));
+      return Annotate(buffer.status(),
+                      absl::StrCat(context.str(), ": reduced shard in host memory"));
     }
     host_slice = *std::move(buffer);
   }
@@ -695,8 +718,9 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
         offload_ ? shard_allocator_->Allocate(count * DTypeSize(grad_dtype))
                  : grad_pool_->Allocate(count * DTypeSize(grad_dtype), stream);
     if (!buffer.ok()) {
-      return Annotate(buffer.status(),
-                      absl::StrCat(context, ": reduced shard in the sharded gradient's dtype"));
+      return Annotate(
+          buffer.status(),
+          absl::StrCat(context.str(), ": reduced shard in the sharded gradient's dtype"));
     }
     shard_grad_temp = *std::move(buffer);
   }
@@ -836,7 +860,7 @@ absl::Status FlatParameter::ZeroShardGrad(Stream& stream) {
   }
   if (!shard_grad_live_) return absl::OkStatus();
   SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, stream));
-  const std::string context = absl::StrCat("flat parameter '", name_, "': ", kCall);
+  const CallContext context(name_, kCall);
   for (const std::shared_ptr<Event>* event : {&reduce_done_, &shard_grad_last_use_}) {
     if (*event != nullptr) SL_RETURN_IF_ERROR(Annotate(stream.WaitEvent(**event), context));
   }

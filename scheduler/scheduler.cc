@@ -414,7 +414,7 @@ absl::Status Scheduler::IssueGather(int u, bool backward, bool demanded) {
   if (!demanded) ++unit.metrics.prefetched;
   unit.metrics.bytes_gathered += unit.param_bytes;
   current_.bytes_gathered += unit.param_bytes;
-  issue_log_.push_back(absl::StrCat("AG ", unit.name));
+  issue_log_.push_back({Issued::kGather, u});
   return absl::OkStatus();
 }
 
@@ -794,7 +794,7 @@ absl::Status Scheduler::IssueReduction(int u) {
   SL_ASSIGN_OR_RETURN(
       std::shared_ptr<Event> scattered,
       unit.param->ReduceScatter(*reduce_comm_, *reduce_stream_, unit.grad_ready_event, rs));
-  issue_log_.push_back(absl::StrCat("RS ", unit.name));
+  issue_log_.push_back({Issued::kReduceScatter, u});
   unit.comm.emplace_back(std::move(start), scattered);
   const uint64_t reduced_bytes = unit.param->layout().total_elements() * DTypeSize(mp.reduce_dtype);
   unit.metrics.bytes_reduced += reduced_bytes;
@@ -815,7 +815,7 @@ absl::Status Scheduler::IssueReduction(int u) {
   } else if (hybrid) {
     SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> reduced,
                         unit.param->AllReduce(replicate_comm_.get(), *all_reduce_stream_, ro));
-    issue_log_.push_back(absl::StrCat("AR ", unit.name));
+    issue_log_.push_back({Issued::kAllReduce, u});
     unit.comm.emplace_back(scattered, std::move(reduced));
     accumulate = all_reduce_stream_.get();
   }
@@ -829,7 +829,7 @@ absl::Status Scheduler::IssueReduction(int u) {
     SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordEvent(*all_reduce_stream_));
     SL_ASSIGN_OR_RETURN(Work work, replicate_comm_->AllReduce(grad.data, grad.data, grad.elements,
                                                               grad.dtype, *all_reduce_stream_, ar));
-    issue_log_.push_back(absl::StrCat("AR ", unit.name, " (accumulated)"));
+    issue_log_.push_back({Issued::kAllReduceAccumulated, u});
     unit.comm.emplace_back(std::move(before), work.event());
     unit.final_event = work.event();
     unit.all_reduce_deferred = false;
@@ -841,22 +841,26 @@ absl::Status Scheduler::IssueReduction(int u) {
 
 absl::Status Scheduler::FinishBackward() {
   HookTimer timer(this);
-  const std::string hook =
-      absl::StrCat("scheduler '", options_.name, "': FinishBackward() in step ", step_);
+  // Formatted only for an error.
+  auto hook = [this] {
+    return absl::StrCat("scheduler '", options_.name, "': FinishBackward() in step ", step_);
+  };
   if (!failed_.ok()) return failed_;
   if (phase_ == Phase::kIdle) {
-    return absl::FailedPreconditionError(absl::StrCat(hook, ": no forward in this step"));
+    return absl::FailedPreconditionError(absl::StrCat(hook(), ": no forward in this step"));
   }
-  if (phase_ == Phase::kForward) SL_RETURN_IF_ERROR(Annotate(BeginBackward(), hook));
+  if (phase_ == Phase::kForward) {
+    if (absl::Status status = BeginBackward(); !status.ok()) return Annotate(status, hook());
+  }
   for (const Unit& unit : units_) {
     if (unit.active > 0) {
-      return absl::FailedPreconditionError(absl::StrCat(hook, ": unit '", unit.name,
+      return absl::FailedPreconditionError(absl::StrCat(hook(), ": unit '", unit.name,
                                                         "' is still in use (", unit.active,
                                                         " Pre hooks without their Post)"));
     }
   }
   auto fail = [&](absl::Status status) {
-    status = Annotate(status, hook);
+    status = Annotate(status, hook());
     failed_ = status;
     return status;
   };
@@ -944,6 +948,29 @@ absl::Status Scheduler::FinishBackward() {
   hook_time_ = timer.start() - now;
   hook_calls_ = -1;
   return absl::OkStatus();
+}
+
+std::vector<std::string> Scheduler::issue_log() const {
+  std::vector<std::string> log;
+  log.reserve(issue_log_.size());
+  for (const IssueEntry& entry : issue_log_) {
+    const std::string& name = units_[entry.unit].name;
+    switch (entry.what) {
+      case Issued::kGather:
+        log.push_back(absl::StrCat("AG ", name));
+        break;
+      case Issued::kReduceScatter:
+        log.push_back(absl::StrCat("RS ", name));
+        break;
+      case Issued::kAllReduce:
+        log.push_back(absl::StrCat("AR ", name));
+        break;
+      case Issued::kAllReduceAccumulated:
+        log.push_back(absl::StrCat("AR ", name, " (accumulated)"));
+        break;
+    }
+  }
+  return log;
 }
 
 // --- Cross-rank order check -----------------------------------------------------------------

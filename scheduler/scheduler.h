@@ -338,7 +338,7 @@ class Scheduler {
 
   // Every gather and reduction issued so far, in issue order ("AG block3", "RS block3",
   // "AR block3"): for tests of the scheduling decisions.
-  const std::vector<std::string>& issue_log() const { return issue_log_; }
+  std::vector<std::string> issue_log() const;
   void ClearIssueLog() { issue_log_.clear(); }
 
  private:
@@ -489,7 +489,13 @@ class Scheduler {
   absl::Duration hook_time_;
   int hook_calls_ = 0;
   double clip_scratch_ = 0;
-  std::vector<std::string> issue_log_;
+  // The issue log, kept compact (formatted by issue_log()): what was issued, for which unit.
+  enum class Issued : uint8_t { kGather, kReduceScatter, kAllReduce, kAllReduceAccumulated };
+  struct IssueEntry {
+    Issued what;
+    int unit;
+  };
+  std::vector<IssueEntry> issue_log_;
 };
 
 }  // namespace shardline

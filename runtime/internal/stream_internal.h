@@ -54,6 +54,8 @@ class HostCapture {
   // `deadline` (on the recording stream's clock) passes first, naming `waiter`
   // ("Event::Synchronize", "stream 'x'") and the stream the event was recorded on.
   absl::Status Wait(absl::Time deadline, absl::string_view waiter);
+  // The same, with the waiter's name formatted only if the wait times out.
+  absl::Status Wait(absl::Time deadline, absl::FunctionRef<std::string()> waiter);
 
   // false while pending; true once complete, with the outcome in *status.
   bool done(absl::Status* status);

@@ -3,6 +3,8 @@
 #include "runtime/stream.h"
 #include "tests/common/gate.h"
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -266,6 +268,152 @@ TEST(HostStreamTest, InvalidTimeoutKnobIsRejectedWhenWaitTimeoutIsUnset) {
   }
   ParamTimeout().ResetCacheForTesting();
   EXPECT_TRUE(CreateHostStream().ok());
+}
+
+TEST(HostStreamTest, RecordOnADrainedStreamCompletesAtOnceAndAfterPendingWorkOnlyOnceItRan) {
+  auto stream = MakeHost("drained");
+  // Nothing enqueued yet: the event is complete when Record returns, with a completion time.
+  absl::StatusOr<std::shared_ptr<Event>> first = RecordEvent(*stream);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<bool> done = (*first)->Query();
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(*done);
+  EXPECT_TRUE((*first)->completed_at().has_value());
+
+  // Behind pending work it is not complete until that work ran.
+  Gate gate;
+  std::atomic<int> ran{0};
+  ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+  ASSERT_TRUE(stream
+                  ->Enqueue([&ran] {
+                    ran.fetch_add(1);
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  absl::StatusOr<std::shared_ptr<Event>> behind = RecordEvent(*stream);
+  ASSERT_TRUE(behind.ok()) << behind.status();
+  done = (*behind)->Query();
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_FALSE(*done);
+  gate.Open();
+  ASSERT_TRUE((*behind)->Synchronize(Soon()).ok());
+  EXPECT_EQ(ran.load(), 1);
+
+  // Drained again: Synchronize counts the records completed at once as finished.
+  ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<std::shared_ptr<Event>> again = RecordEvent(*stream);
+    ASSERT_TRUE(again.ok()) << again.status();
+    done = (*again)->Query();
+    ASSERT_TRUE(done.ok() && *done) << "record " << i << " on a drained stream is still pending";
+  }
+  ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+
+  // A poisoned stream completes the record at once too, with its failure.
+  ASSERT_TRUE(stream->Enqueue([] { return absl::InternalError("boom"); }).ok());
+  EXPECT_EQ(stream->Synchronize(Soon()).code(), absl::StatusCode::kInternal);
+  std::shared_ptr<Event> failed = stream->CreateEvent();
+  EXPECT_EQ(failed->Record(*stream).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(failed->Synchronize(Soon()).code(), absl::StatusCode::kInternal);
+}
+
+// Restores an environment variable and the knob's cache when it goes out of scope.
+class ScopedSpinKnob {
+ public:
+  explicit ScopedSpinKnob(const char* value) {
+    const char* old = std::getenv(kName);
+    had_ = old != nullptr;
+    if (had_) saved_ = old;
+    setenv(kName, value, 1);
+    ParamStreamSpinUs().ResetCacheForTesting();
+  }
+  ~ScopedSpinKnob() {
+    if (had_) {
+      setenv(kName, saved_.c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+    ParamStreamSpinUs().ResetCacheForTesting();
+  }
+
+ private:
+  static constexpr const char* kName = "SHARDLINE_STREAM_SPIN_US";
+  bool had_ = false;
+  std::string saved_;
+};
+
+TEST(HostStreamTest, SpinningWorkersKeepOrderAcrossStreams) {
+  ScopedSpinKnob spin("300");
+  auto a = MakeHost("spin a");
+  auto b = MakeHost("spin b");
+  // Ping-pong: each op of b reads what the op of a before its wait wrote. The host submits in
+  // bursts with pauses longer and shorter than the spin, so the workers both catch work while
+  // polling and go to sleep in between.
+  constexpr int kRounds = 2000;
+  std::vector<int> written(kRounds, -1);
+  std::vector<int> seen(kRounds, -2);
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> pause_us(0, 600);
+  for (int i = 0; i < kRounds; ++i) {
+    ASSERT_TRUE(a->Enqueue([&written, i] {
+                   written[i] = i;
+                   return absl::OkStatus();
+                 }).ok());
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*a);
+    ASSERT_TRUE(event.ok()) << event.status();
+    ASSERT_TRUE(b->WaitEvent(**event).ok());
+    ASSERT_TRUE(b->Enqueue([&written, &seen, i] {
+                   seen[i] = written[i];
+                   return absl::OkStatus();
+                 }).ok());
+    if (i % 50 == 49) absl::SleepFor(absl::Microseconds(pause_us(rng)));
+  }
+  ASSERT_TRUE(b->Synchronize(Soon()).ok());
+  ASSERT_TRUE(a->Synchronize(Soon()).ok());
+  for (int i = 0; i < kRounds; ++i) ASSERT_EQ(seen[i], i) << "round " << i;
+}
+
+// The scheduling policy a host stream's worker runs under, read by an op on it.
+int WorkerPolicy(Stream& stream) {
+  std::atomic<int> policy{-1};
+  EXPECT_TRUE(stream
+                  .Enqueue([&policy] {
+                    policy.store(sched_getscheduler(0));
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  EXPECT_TRUE(stream.Synchronize(Soon()).ok());
+  return policy.load();
+}
+
+TEST(HostStreamTest, WorkersRunUnderSchedBatchUnlessTheKnobIsOff) {
+  const char* old = std::getenv("SHARDLINE_STREAM_BATCH_SCHED");
+  const std::string saved = old != nullptr ? old : "";
+  unsetenv("SHARDLINE_STREAM_BATCH_SCHED");
+  ParamStreamBatchSched().ResetCacheForTesting();
+  EXPECT_EQ(WorkerPolicy(*MakeHost("batch")), SCHED_BATCH);
+  setenv("SHARDLINE_STREAM_BATCH_SCHED", "0", 1);
+  ParamStreamBatchSched().ResetCacheForTesting();
+  EXPECT_EQ(WorkerPolicy(*MakeHost("default policy")), SCHED_OTHER);
+  setenv("SHARDLINE_STREAM_BATCH_SCHED", "sometimes", 1);
+  ParamStreamBatchSched().ResetCacheForTesting();
+  absl::StatusOr<std::unique_ptr<Stream>> bad = CreateHostStream({.name = "bad batch"});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(Message(bad.status()), HasSubstr("SHARDLINE_STREAM_BATCH_SCHED"));
+  if (old != nullptr) {
+    setenv("SHARDLINE_STREAM_BATCH_SCHED", saved.c_str(), 1);
+  } else {
+    unsetenv("SHARDLINE_STREAM_BATCH_SCHED");
+  }
+  ParamStreamBatchSched().ResetCacheForTesting();
+}
+
+TEST(HostStreamTest, NegativeSpinKnobIsRejected) {
+  ScopedSpinKnob spin("-5");
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = "bad spin"});
+  EXPECT_EQ(stream.status().code(), absl::StatusCode::kInvalidArgument) << stream.status();
+  EXPECT_THAT(Message(stream.status()), HasSubstr("SHARDLINE_STREAM_SPIN_US"));
+  EXPECT_THAT(Message(stream.status()), HasSubstr("bad spin"));
 }
 
 // ---------------------------------------------------------------------------------------------
