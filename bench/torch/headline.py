@@ -58,7 +58,7 @@ def loadavg():
         return float(f.read().split()[0])
 
 
-def run_config(name, model, args, out_dir, tag, ranks):
+def run_config(name, model, args, out_dir, tag, ranks, memory_step=True):
     worker_args, nranks, _ = CONFIGS[name]
     nranks = ranks if nranks is None else nranks
     prefix = out_dir / "runs" / f"{tag}-{name}"
@@ -66,6 +66,8 @@ def run_config(name, model, args, out_dir, tag, ranks):
     cmd = [sys.executable, str(WORKER), *worker_args, "--json", str(prefix),
            "--steps", str(args.warmup + args.steps),
            "--global-ranks", str(ranks)]
+    if not memory_step:
+        cmd.append("--no-memory-step")
     for key, value in model.items():
         cmd += [f"--{key}", str(value)]
     if nranks:
@@ -224,6 +226,41 @@ def headline(args):
                   f"{result['rss_peak_bytes'] / MIB:6.0f} MiB, load {result['load_before']:.1f}"
                   f"{extra}", flush=True)
         runs.append(by_name)
+    return report(runs, names, model, args, out_dir, loads, started)
+
+
+def summarize_dir(args):
+    """The table of an earlier (or interrupted) headline run from its DIR/runs/ files: every
+    round that has all its configurations."""
+    out_dir = pathlib.Path(args.summarize)
+    names = list(CONFIGS) if not args.only else args.only.split(",")
+    runs, loads = [], []
+    for rnd in range(args.rounds):
+        by_name = {}
+        for name in names:
+            nranks = CONFIGS[name][1]
+            nranks = args.ranks if nranks is None else max(nranks, 1)
+            files = [out_dir / "runs" / f"r{rnd}-{name}.rank{r}.json" for r in range(nranks)]
+            if not all(f.is_file() for f in files):
+                break
+            per_rank = [json.loads(f.read_text()) for f in files]
+            before = per_rank[0].get("load_start")
+            after = per_rank[0].get("load_end")
+            by_name[name] = summarize(name, per_rank, args.warmup, before, after, None)
+            loads += [x for x in (before, after) if x is not None]
+        if len(by_name) < len(names):
+            break
+        runs.append(by_name)
+    if not runs:
+        raise SystemExit(f"{out_dir}: no complete round")
+    args.rounds = len(runs)
+    model = QUICK if args.quick else FULL
+    started = datetime.datetime.fromtimestamp(
+        min(f.stat().st_mtime for f in (out_dir / "runs").iterdir()), datetime.timezone.utc)
+    return report(runs, names, model, args, out_dir, loads, started)
+
+
+def report(runs, names, model, args, out_dir, loads, started):
     reference = "single-1t" if "single-1t" in names else names[0]
     bad, worst = check_losses(runs, reference, args.loss_tol)
     med, ratios, md = table(runs, names, args.steps, args.warmup)
@@ -233,6 +270,7 @@ def headline(args):
           f"(tolerance {args.loss_tol:.0e}): {'agree' if not bad else 'DISAGREE'}")
     for name, rnd, step, a, b in bad[:20]:
         print(f"  {name} round {rnd} step {step}: {a:.6f} vs {b:.6f}")
+    loads = loads or [float("nan")]
     load = {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}
     print(f"load average (1 min) over the run: min {load['min']:.1f}, median "
           f"{load['median']:.1f}, max {load['max']:.1f} on {os.cpu_count()} cores")
@@ -258,6 +296,78 @@ def headline(args):
     return 0 if not bad else 1
 
 
+SWEEP_MODEL = {"vocab": 4096, "layers": 4, "seq": 128, "batch": 2}
+SWEEP_WIDTHS = [(128, 2), (256, 4), (384, 6), (512, 8)]  # (d, heads)
+SWEEP_CONFIGS = ["ddp", "fsdp2", "shardline"]
+
+
+def sweep(args):
+    """Step time against the model's width on 2 and 4 ranks (1 thread each): DDP, FSDP2 and
+    fully_shard over gloo / shardline; a smaller GPT and fewer steps than the headline."""
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    widths = SWEEP_WIDTHS[:args.sweep_widths]
+    points, loads = [], []
+    for ranks in (2, 4):
+        for d, heads in widths:
+            model = dict(SWEEP_MODEL, dim=d, heads=heads)
+            for name in SWEEP_CONFIGS:
+                r = run_config(name, model, args, out_dir, f"sweep-n{ranks}-d{d}", ranks,
+                               memory_step=False)
+                loads += [r["load_before"], r["load_after"]]
+                points.append({"ranks": ranks, "dim": d, "config": name,
+                               "step_time": r["step_time"],
+                               "cpu_time_per_rank": r["cpu_time_per_rank"],
+                               "rss_peak_bytes": r["rss_peak_bytes"],
+                               "state_bytes": sum(r["state_bytes"].values()),
+                               "losses": r["losses"]})
+                print(f"sweep ranks {ranks} d {d:4d} {name:10s} step "
+                      f"{r['step_time'] * 1e3:8.1f} ms, CPU/rank "
+                      f"{r['cpu_time_per_rank'] * 1e3:8.1f} ms, load {r['load_before']:.1f}",
+                      flush=True)
+    load = {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}
+    lines = ["| ranks | d | " + " | ".join(f"{CONFIGS[c][2]} (ms)" for c in SWEEP_CONFIGS)
+             + " | fully_shard / DDP | fully_shard / FSDP2 |",
+             "|---|---|" + "---|" * (len(SWEEP_CONFIGS) + 2)]
+    for ranks in (2, 4):
+        for d, _ in widths:
+            t = {p["config"]: p["step_time"] for p in points
+                 if p["ranks"] == ranks and p["dim"] == d}
+            lines.append(f"| {ranks} | {d} | "
+                         + " | ".join(f"{t[c] * 1e3:.0f}" for c in SWEEP_CONFIGS)
+                         + f" | {t['shardline'] / t['ddp']:.2f} | "
+                         f"{t['shardline'] / t['fsdp2']:.2f} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    with open(out_dir / "sweep.json", "w") as f:
+        json.dump({"model": SWEEP_MODEL, "widths": widths, "warmup": args.warmup,
+                   "steps": args.steps, "load_average": load, "points": points}, f, indent=1)
+    with open(out_dir / "sweep.md", "w") as f:
+        f.write(md + f"\nLoad average (1 min): min {load['min']:.1f}, median "
+                f"{load['median']:.1f}, max {load['max']:.1f} on {os.cpu_count()} cores.\n")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+        for ax, ranks in zip(axes, (2, 4)):
+            for name in SWEEP_CONFIGS:
+                xs = [p["dim"] for p in points if p["ranks"] == ranks and p["config"] == name]
+                ys = [p["step_time"] * 1e3 for p in points
+                      if p["ranks"] == ranks and p["config"] == name]
+                ax.plot(xs, ys, marker="o", label=CONFIGS[name][2])
+            ax.set_title(f"{ranks} ranks x 1 thread on {os.cpu_count()} cores")
+            ax.set_xlabel("model width d (4 layers, seq 128, micro-batch 2)")
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("median step time (ms)")
+        axes[0].legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true",
@@ -271,15 +381,25 @@ def main():
                    help="largest relative difference of a loss from single-1t's")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--out", default="")
+    p.add_argument("--sweep", action="store_true",
+                   help="instead of the headline: the width x ranks sweep (3 steps after 1)")
+    p.add_argument("--sweep-widths", type=int, default=len(SWEEP_WIDTHS),
+                   help="how many of the widths " + str([d for d, _ in SWEEP_WIDTHS]))
+    p.add_argument("--summarize", default="", metavar="DIR",
+                   help="only the report of DIR/runs/ (complete rounds of an earlier run)")
+    p.add_argument("--plot", default="", help="--sweep: write the plot (PNG) here")
     args = p.parse_args()
-    defaults = (1, 1, 1) if args.quick else (3, 10, 3)
+    defaults = (1, 1, 1) if args.quick else ((1, 3, 1) if args.sweep else (3, 10, 3))
     args.rounds = defaults[0] if args.rounds is None else args.rounds
     args.steps = defaults[1] if args.steps is None else args.steps
     args.warmup = defaults[2] if args.warmup is None else args.warmup
     if not args.out:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
-        args.out = str(ROOT / "bench" / "results" / f"{stamp}-torch{'-quick' if args.quick else ''}")
-    sys.exit(headline(args))
+        args.out = str(ROOT / "bench" / "results" / f"{stamp}-torch{'-quick' if args.quick else ''}{'-sweep' if args.sweep else ''}")
+    if args.summarize:
+        args.out = args.summarize
+        sys.exit(summarize_dir(args))
+    sys.exit(sweep(args) if args.sweep else headline(args))
 
 
 if __name__ == "__main__":

@@ -147,6 +147,11 @@ def main():
         opt.zero_grad()
         return loss
 
+    def loadavg():
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+
+    load_start = loadavg()
     times, cpu_times, losses, sched = [], [], [], []
     for step in range(args.steps):
         batch = batch_for(step)
@@ -172,7 +177,8 @@ def main():
     result = {"impl": args.impl, "backend": args.backend if dist is not None else None,
               "threads": args.threads, "rank": rank, "world": world, "step_times": times,
               "cpu_times": cpu_times, "losses": losses,
-              "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "load_start": load_start, "load_end": loadavg()}
     if sched:
         result["scheduler"] = sched
 
