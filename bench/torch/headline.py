@@ -189,19 +189,40 @@ def table(runs, names, steps, warmup):
             f"{m['cpu_time_per_rank'] * 1e3:.0f} | {fmt_mib(m['rss_peak_bytes'])} | "
             f"{fmt_mib(m['allocator_peak_bytes'])} | {m['state_bytes'] / MIB:.1f} | "
             f"{'n/a' if exposed is None else f'{exposed * 1e3:.1f}'} |")
-    ratio_lines = ["| ratio (median over rounds of the round's ratio) | per round | median | "
-                   "target | met |", "|---|---|---|---|---|"]
+    ratio_lines = ["| step-time ratio (median over rounds of the round's ratio) | per round | "
+                   "median | target | met | CPU-time-per-rank ratio, per round | median |",
+                   "|---|---|---|---|---|---|---|"]
     ratios = {}
     for label, num, den, target in RATIOS:
         if num not in med or den not in med:
             continue
         per_round = [r[num]["step_time"] / r[den]["step_time"] for r in runs]
         value = statistics.median(per_round)
-        ratios[label] = {"per_round": per_round, "median": value, "target": target}
+        cpu = [r[num]["cpu_time_per_rank"] / r[den]["cpu_time_per_rank"] for r in runs]
+        ratios[label] = {"per_round": per_round, "median": value, "target": target,
+                         "cpu_per_round": cpu, "cpu_median": statistics.median(cpu)}
         met = "—" if target is None else ("yes" if value <= target else "no")
         ratio_lines.append(f"| {label} | {' / '.join(f'{x:.3f}' for x in per_round)} | "
-                           f"{value:.3f} | {'—' if target is None else f'≤ {target}'} | {met} |")
-    return med, ratios, "\n".join(lines) + "\n\n" + "\n".join(ratio_lines) + "\n"
+                           f"{value:.3f} | {'—' if target is None else f'≤ {target}'} | {met} | "
+                           f"{' / '.join(f'{x:.3f}' for x in cpu)} | "
+                           f"{statistics.median(cpu):.3f} |")
+    memory_lines = []
+    if "shardline" in med and "fsdp2" in med:
+        a, b = med["shardline"]["rss_peak_bytes"], med["fsdp2"]["rss_peak_bytes"]
+        memory_lines.append(f"| fully_shard peak RSS per rank ≤ FSDP2+gloo's | {a / MIB:.0f} MiB "
+                            f"vs {b / MIB:.0f} MiB ({a / b:.3f}×) | {'yes' if a <= b else 'no'} |")
+    if "shardline" in med and "ddp" in med:
+        a, b = med["shardline"]["state_bytes"], med["ddp"]["state_bytes"]
+        n = med["shardline"]["ranks"]
+        ok = a <= b / n * 1.01
+        memory_lines.append(f"| fully_shard params + grads + AdamW state per rank = 1/{n} of "
+                            f"DDP's | {a / MIB:.2f} MiB vs {b / MIB:.2f} MiB / {n} = "
+                            f"{b / n / MIB:.2f} MiB | {'yes' if ok else 'no'} |")
+    md = "\n".join(lines) + "\n\n" + "\n".join(ratio_lines) + "\n"
+    if memory_lines:
+        md += ("\n| memory target (medians over rounds) | measured | met |\n|---|---|---|\n"
+               + "\n".join(memory_lines) + "\n")
+    return med, ratios, md
 
 
 def headline(args):
