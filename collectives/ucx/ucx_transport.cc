@@ -1,5 +1,9 @@
 #include "collectives/ucx/internal/ucx_transport.h"
 
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -210,10 +214,37 @@ const uint8_t* UcxTransport::MapPeerRegion(int peer, uint64_t region_id, int fd,
   return peer_memory_.Map(peer, region_id, fd, bytes);
 }
 
+namespace {
+
+// Whether process `pid` has exited or exits within `wait_ms`: a read from a peer that is exiting
+// fails with EFAULT (its memory is being torn down) before the peer is gone. The wait is on the
+// process's pidfd, which becomes readable when it exits; false if pidfds are unavailable.
+bool ExitsWithin(pid_t pid, int wait_ms) {
+#ifdef SYS_pidfd_open
+  const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) return errno == ESRCH;
+  pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
+  int ready = 0;
+  do {
+    ready = poll(&p, 1, wait_ms);
+  } while (ready < 0 && errno == EINTR);
+  close(fd);
+  return ready > 0;
+#else
+  (void)pid;
+  (void)wait_ms;
+  return false;
+#endif
+}
+
+}  // namespace
+
 absl::Status UcxTransport::CmaRead(int peer, void* dst, uint64_t remote, size_t bytes) {
   const int error = peer_memory_.Read(peer, dst, remote, bytes);
   if (error == 0) return absl::OkStatus();
-  if (error == ESRCH) {
+  // EFAULT from a peer that is exiting is its death, not a bad address: it is an error about
+  // that peer (Unavailable) like ESRCH, as long as the peer really goes (within 200 ms).
+  if (error == ESRCH || (error == EFAULT && ExitsWithin(peer_memory_.pid(peer), 200))) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       peers_[peer].failed = true;
