@@ -416,6 +416,12 @@ std::string JsonQuote(absl::string_view s) {
     if (c == '"' || c == '\\') {
       out.push_back('\\');
       out.push_back(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
     } else if (u < 0x20) {
       out += "\\u00";
       out.push_back(kHex[u >> 4]);
