@@ -19,6 +19,7 @@
 #include "runtime/allocator.h"
 #include "runtime/cuda/cuda_stream.h"
 #include "runtime/stream.h"
+#include "tests/common/cuda_device.h"
 #include "tests/common/gate.h"
 
 namespace shardline {
@@ -37,13 +38,9 @@ uint32_t Hash(uint32_t round, size_t i) {
 class CudaAllocatorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    const cudaError_t error = cudaGetDeviceCount(&count);
-    if (error != cudaSuccess) {
-      (void)cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount failed with " << cudaGetErrorName(error);
+    if (const std::string why = ::shardline::testing::NoCudaDevice(); !why.empty()) {
+      GTEST_SKIP() << why;
     }
-    if (count == 0) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned 0";
     int pools = 0;
     ASSERT_EQ(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, 0), cudaSuccess);
     if (pools == 0) GTEST_SKIP() << "cuda:0 has no stream-ordered memory pools";

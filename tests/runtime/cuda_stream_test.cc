@@ -31,6 +31,7 @@
 #include "runtime/cuda/cuda_stream.h"
 #include "runtime/cuda/internal/cuda_host_wait.h"
 #include "runtime/stream.h"
+#include "tests/common/cuda_device.h"
 #include "tests/common/gate.h"
 #include "tests/runtime/cuda_test_kernels.h"
 
@@ -44,13 +45,9 @@ absl::Time Soon() { return absl::Now() + absl::Seconds(20); }
 class CudaStreamTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    const cudaError_t error = cudaGetDeviceCount(&count);
-    if (error != cudaSuccess) {
-      (void)cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount failed with " << cudaGetErrorName(error);
+    if (const std::string why = ::shardline::testing::NoCudaDevice(); !why.empty()) {
+      GTEST_SKIP() << why;
     }
-    if (count == 0) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned 0";
   }
 
   std::unique_ptr<Stream> Make(const std::string& name,

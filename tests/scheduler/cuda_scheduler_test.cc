@@ -26,6 +26,7 @@
 #include "runtime/cuda/cuda_stream.h"
 #include "runtime/half.h"
 #include "scheduler/scheduler.h"
+#include "tests/common/cuda_device.h"
 
 namespace shardline {
 namespace {
@@ -87,13 +88,9 @@ struct Precision {
 class CudaSchedulerTest : public ::testing::TestWithParam<Precision> {
  protected:
   void SetUp() override {
-    int count = 0;
-    const cudaError_t error = cudaGetDeviceCount(&count);
-    if (error != cudaSuccess) {
-      (void)cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount failed with " << cudaGetErrorName(error);
+    if (const std::string why = ::shardline::testing::NoCudaDevice(); !why.empty()) {
+      GTEST_SKIP() << why;
     }
-    if (count == 0) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned 0";
   }
 };
 
