@@ -19,6 +19,9 @@ namespace shardline {
 // The CRC-32C of `crc`'s bytes followed by data[0, size): Crc32cExtend(0, ...) == Crc32c(...).
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t size);
 
+// The same without the SSE4.2 instruction (what non-x86 machines run; for tests).
+uint32_t Crc32cExtendPortable(uint32_t crc, const void* data, size_t size);
+
 // The CRC-32C of data[0, size).
 inline uint32_t Crc32c(const void* data, size_t size) { return Crc32cExtend(0, data, size); }
 
