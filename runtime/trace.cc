@@ -9,17 +9,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "runtime/json.h"
 
 namespace shardline {
 namespace {
 
 double MicrosSinceEpoch(absl::Time t) { return absl::ToDoubleMicroseconds(t - absl::UnixEpoch()); }
 
-void AppendQuoted(absl::string_view text, std::string* out) {
-  out->push_back('"');
-  AppendJsonEscaped(text, out);
-  out->push_back('"');
-}
+void AppendQuoted(absl::string_view text, std::string* out) { out->append(JsonQuote(text)); }
 
 // Numbers in JSON: finite only (NaN and Inf are not JSON); 3 decimals of a microsecond.
 void AppendNumber(double value, std::string* out) {
@@ -56,34 +53,6 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 }
 
 }  // namespace
-
-void AppendJsonEscaped(absl::string_view text, std::string* out) {
-  for (unsigned char c : text) {
-    switch (c) {
-      case '"':
-        out->append("\\\"");
-        break;
-      case '\\':
-        out->append("\\\\");
-        break;
-      case '\n':
-        out->append("\\n");
-        break;
-      case '\r':
-        out->append("\\r");
-        break;
-      case '\t':
-        out->append("\\t");
-        break;
-      default:
-        if (c < 0x20) {
-          absl::StrAppendFormat(out, "\\u%04x", c);
-        } else {
-          out->push_back(static_cast<char>(c));
-        }
-    }
-  }
-}
 
 TraceWriter::TraceWriter(int rank, std::string process_name, size_t max_events)
     : rank_(rank),

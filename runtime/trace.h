@@ -110,9 +110,6 @@ class TraceSpan {
   TraceArgs args_;
 };
 
-// Appends JSON-escaped `text` to `out` (quotes not included). Exposed for tests.
-void AppendJsonEscaped(absl::string_view text, std::string* out);
-
 // Concatenates the traceEvents of several files written by TraceWriter::WriteFile into one
 // file (one pid per rank is preserved). InvalidArgument naming the file that is not one of ours.
 absl::Status MergeTraceFiles(const std::vector<std::string>& inputs, const std::string& output);
