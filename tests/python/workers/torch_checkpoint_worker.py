@@ -83,6 +83,9 @@ def main():
         result["losses"] = train_steps(model, opt, a.before, a.after, rank, world)
         full = slt.full_state_dict(model, rank0_only=True)
         assert (full == {}) == (rank != 0), sorted(full)
+        offloaded = slt.full_state_dict(model, cpu_offload=True)  # FSDP2's: rank 0 only
+        assert sorted(offloaded) == sorted(full) and all(
+            torch.equal(offloaded[k], full[k]) for k in full), sorted(offloaded)
         x = torch.randn(5, 3, 11, generator=torch.Generator().manual_seed(77))
         with torch.no_grad():
             sharded_out = model(x)
