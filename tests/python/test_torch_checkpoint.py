@@ -141,6 +141,7 @@ def test_errors_and_round_trip_in_process(tmp_path):
     model = Small()
     slt.fully_shard(model.a, mesh=world)
     slt.fully_shard(model, mesh=world)
+    model.b.bias.requires_grad_(False)  # frozen: no optimizer state, none after the load
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(TypeError, match="root module"):
         slt.save_checkpoint(nn.Linear(2, 2), None, tmp_path / "x")
@@ -157,14 +158,20 @@ def test_errors_and_round_trip_in_process(tmp_path):
     with pytest.raises(shardline.NotFoundError, match="missing"):
         slt.load_checkpoint(model, opt, tmp_path / "missing")
     # SGD's momentum_buffer round trip: changed after the save, the load restores it exactly.
-    saved = {p: opt.state[p]["momentum_buffer"].clone() for p in model.parameters()}
+    frozen = model.b.bias
+    assert frozen not in opt.state
+    saved = {p: opt.state[p]["momentum_buffer"].clone() for p in model.parameters()
+             if p is not frozen}
     params = [p.detach().clone() for p in model.parameters()]
     model(torch.randn(4, 5)).sum().backward()
     opt.step()
     slt.load_checkpoint(model, opt, tmp_path / "ok")
     for p, before in zip(model.parameters(), params):
         assert torch.equal(p.detach(), before)
-        assert torch.equal(opt.state[p]["momentum_buffer"], saved[p])
+        if p is frozen:
+            assert p not in opt.state
+        else:
+            assert torch.equal(opt.state[p]["momentum_buffer"], saved[p])
     # The full state dict loads into a plain model with the same outputs.
     plain = Small()
     plain.load_state_dict(slt.full_state_dict(model, cpu_offload=True))
