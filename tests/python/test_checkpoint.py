@@ -1,6 +1,6 @@
 """shardline.Checkpointer from Python (numpy): a job of 4 processes saves three units' master
 shards and three states per unit (f32, i64, f64) with values from seeded numpy generators; jobs
-of 2 and 3 processes (full shard) and of 4 (hybrid 2 x 2) load it and compare every element of
+of 1, 2 and 3 processes (full shard) and of 4 (hybrid 2 x 2) load it and compare every element of
 every shard with the same generators (tests/python/workers/checkpoint_worker.py); the ranks'
 checked elements must cover every tensor (once per replica). A job of 2 checks the exceptions;
 in one process (init_local(1)) the argument errors and that the Checkpointer keeps its arrays.
@@ -55,7 +55,7 @@ def save_once(launch, base):
     return ckpt
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_save_at_four_load_at(launch, saved, nprocs):
     ckpt = save_once(launch, saved)
     ranks = run(launch, saved / f"load{nprocs}", nprocs, ckpt, "load")
