@@ -133,14 +133,14 @@ def _share_scalars(world, unknowns):
     return [None if x == float("-inf") else x for x in known.tolist()]
 
 
-def save_checkpoint(model, optimizer, dir, *, timeout=None):
-    """Saves `model` (the root fully_shard'ed module) and `optimizer`'s state (None: the
-    parameters only) as a new sharded checkpoint directory `dir` (shardline.AlreadyExistsError if
-    it exists). Collective: every rank calls it with the same `dir`, between steps. Atomic: a
-    save that fails or is killed leaves no `dir` (see docs/checkpoints.md)."""
-    what = "save_checkpoint"
-    root = _root_of(model, what)
-    _optimizer_params(root, optimizer, what)
+# ---- Building the Checkpointer, and the optimizer from it ------------------------------------
+# save_checkpoint and load_checkpoint are each one collective call between these: a background
+# save (or an export) builds the same Checkpointer with _saving_checkpointer and keeps it (and so
+# its buffers) alive until its write is done.
+
+def _saving_checkpointer(root, optimizer, what, timeout):
+    """A Checkpointer over the root's scheduler with the optimizer's state copied into
+    shard-shaped buffers and registered (the master shards are always saved)."""
     ckpt = shardline.Checkpointer(root.scheduler, timeout=timeout)
     for st in root.units:
         n = root.scheduler.unit(st.unit).shard_elements
@@ -159,17 +159,18 @@ def save_checkpoint(model, optimizer, dir, *, timeout=None):
                     if value is not None:
                         buffer[offset:offset + length] = value.detach().reshape(-1)
             ckpt.add_state(st.unit, name, buffer)
-    ckpt.save(os.fspath(dir), timeout=timeout)
+    return ckpt
 
 
 def _manifest_states(dir):
-    """{unit name: {state name: dtype name}} of the checkpoint's manifest."""
+    """{unit name: {state name: dtype name}} of the checkpoint's manifest, or None without one
+    (the Checkpointer's load then names what is missing)."""
     path = os.path.join(os.fspath(dir), "manifest.json")
     try:
         with open(path) as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        return None  # the Checkpointer's load names what is missing
+        return None
     return {u["name"]: {s["name"]: s["dtype"] for s in u["states"]}
             for u in manifest.get("units", [])}
 
@@ -179,42 +180,35 @@ _DTYPES = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16,
            "i64": torch.int64}
 
 
-def load_checkpoint(model, optimizer, dir, *, timeout=None):
-    """Loads a checkpoint written by save_checkpoint (at any world size or mesh) into `model`'s
-    sharded parameters and, unless `optimizer` is None, replaces `optimizer`'s state with the
-    saved one (its param_groups are kept). Collective, between steps; the model and optimizer
-    are built as the saving job built them (the same fully_shard calls, parameters and
-    optimizer class). A fresh model needs no forward first. Errors name the file, unit, state
-    and tensor (shardline.NotFoundError, InvalidArgumentError, DataLossError, ...)."""
-    what = "load_checkpoint"
-    root = _root_of(model, what)
-    _optimizer_params(root, optimizer, what)
+def _loading_checkpointer(root, optimizer, dir, timeout):
+    """A Checkpointer with a buffer registered for every optimizer state the checkpoint in `dir`
+    has (none when `optimizer` is None); returns it and [(unit state, name, buffer)]."""
     saved = _manifest_states(dir) if optimizer is not None else {}
     ckpt = shardline.Checkpointer(root.scheduler, timeout=timeout)
-    buffers = []  # (unit state, name, buffer)
+    buffers = []
     for st in root.units:
         if saved is None:
             break
         n = root.scheduler.unit(st.unit).shard_elements
         unit_name = root.scheduler.unit(st.unit).name
         for name, dtype in sorted(saved.get(unit_name, {}).items()):
-            if not name.startswith("optim."):
-                continue
-            buffer = torch.zeros(n, dtype=_DTYPES[dtype])
-            ckpt.add_state(st.unit, name, buffer)
-            buffers.append((st, name, buffer))
-    ckpt.load(os.fspath(dir), timeout=timeout)
-    if optimizer is None:
-        return
-    # This rank's values; scalars and presence of parameters it holds no element of are shared.
-    states = {}  # id(p) -> (p, {key: value})
-    unknowns = []
+            if name.startswith("optim."):
+                buffer = torch.zeros(n, dtype=_DTYPES[dtype])
+                ckpt.add_state(st.unit, name, buffer)
+                buffers.append((st, name, buffer))
+    return ckpt, buffers
+
+
+def _restore_optimizer(root, optimizer, buffers):
+    """Replaces the optimizer's state with the loaded buffers' (collective: _share_scalars)."""
     by_unit = {}
     for st, name, buffer in buffers:
         by_unit.setdefault(id(st), (st, {}))[1][name] = buffer
+    # This rank's values; scalars and presence of parameters it holds no element of are shared.
+    unknowns = []
     for st, named in by_unit.values():
         present = named.get(_PRESENT)
-        for i, (p, (offset, length)) in enumerate(zip(st.params, st.slices)):
+        for p, (offset, length) in zip(st.params, st.slices):
             here = length > 0
             flag = float(present[offset]) if (present is not None and here) else None
             unknowns.append((p, _PRESENT, None, flag))
@@ -235,14 +229,38 @@ def load_checkpoint(model, optimizer, dir, *, timeout=None):
         for p, (offset, length) in zip(st.params, st.slices):
             if not present.get(id(p)):
                 continue
-            state = {}
-            for name, buffer in named.items():
-                if name.startswith(_TENSOR):
-                    state[name[len(_TENSOR):]] = \
-                        buffer[offset:offset + length].clone().reshape(p.shape)
+            state = {name[len(_TENSOR):]: buffer[offset:offset + length].clone().reshape(p.shape)
+                     for name, buffer in named.items() if name.startswith(_TENSOR)}
             state.update(scalars.get(id(p), {}))
-            states[id(p)] = (p, state)
-    # Keys in the order the optimizer creates them is not recorded; torch's optimizers look
-    # state up by key, so the order does not matter to them.
-    for p, state in states.values():
-        optimizer.state[p] = state
+            # torch's optimizers look their state up by key: the order is not recorded.
+            optimizer.state[p] = state
+
+
+# ---- The calls ---------------------------------------------------------------------------------
+
+def save_checkpoint(model, optimizer, dir, *, timeout=None):
+    """Saves `model` (the root fully_shard'ed module) and `optimizer`'s state (None: the
+    parameters only) as a new sharded checkpoint directory `dir` (shardline.AlreadyExistsError if
+    it exists). Collective: every rank calls it with the same `dir`, between steps. Atomic: a
+    save that fails or is killed leaves no `dir` (see docs/checkpoints.md)."""
+    what = "save_checkpoint"
+    root = _root_of(model, what)
+    _optimizer_params(root, optimizer, what)
+    ckpt = _saving_checkpointer(root, optimizer, what, timeout)
+    ckpt.save(os.fspath(dir), timeout=timeout)
+
+
+def load_checkpoint(model, optimizer, dir, *, timeout=None):
+    """Loads a checkpoint written by save_checkpoint (at any world size or mesh) into `model`'s
+    sharded parameters and, unless `optimizer` is None, replaces `optimizer`'s state with the
+    saved one (its param_groups are kept). Collective, between steps; the model and optimizer
+    are built as the saving job built them (the same fully_shard calls, parameters and
+    optimizer class). A fresh model needs no forward first. Errors name the file, unit, state
+    and tensor (shardline.NotFoundError, InvalidArgumentError, DataLossError, ...)."""
+    what = "load_checkpoint"
+    root = _root_of(model, what)
+    _optimizer_params(root, optimizer, what)
+    ckpt, buffers = _loading_checkpointer(root, optimizer, dir, timeout)
+    ckpt.load(os.fspath(dir), timeout=timeout)
+    if optimizer is not None:
+        _restore_optimizer(root, optimizer, buffers)
