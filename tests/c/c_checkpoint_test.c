@@ -2,7 +2,7 @@
  *   1. world 4 (full shard): three units of odd-sized tensors get hashed master values (written
  *      through the shard slices, not set_values) and two registered states (an f32 moment and an
  *      i64 counter, each element a hash of its tensor element); the job saves them;
- *   2. worlds 2 and 3 (full shard) and 4 (hybrid 2 x 2) start from other values and garbage
+ *   2. worlds 1, 2 and 3 (full shard) and 4 (hybrid 2 x 2) start from other values and garbage
  *      states, load the checkpoint, and check every element of every rank's master shard and
  *      states against the hash of the tensor element it holds, and the padding (zero);
  *   3. errors, each with the code and a message naming what was wrong: a save into an existing
@@ -353,6 +353,7 @@ int main(void) {
   snprintf(scratch, sizeof(scratch), "%s/scratch", base);
   RunWorld(4, 0, 0);
   if (failures == 0) {
+    RunWorld(1, 0, 1);
     RunWorld(2, 0, 1);
     RunWorld(3, 0, 1);
     RunWorld(4, 2, 1);
@@ -364,7 +365,7 @@ int main(void) {
     return 1;
   }
   printf(
-      "c_checkpoint_test: saved at world 4, loaded at 2, 3 and hybrid 2 x 2: every element of "
+      "c_checkpoint_test: saved at world 4, loaded at 1, 2, 3 and hybrid 2 x 2: every element of "
       "%d units' master shards and 2 states matches; 7 errors named\n",
       UNITS);
   return 0;
