@@ -60,6 +60,8 @@ typedef enum {
   shardlineUnimplemented = 7,     /* not supported here (e.g. CUDA calls in a build without CUDA) */
   shardlineInternalError = 8,
   shardlineDeviceUnavailable = 9, /* the device cannot be used: no GPU, no driver, a bad index */
+  shardlineDataLoss = 10,      /* stored data is damaged: a truncated file, a checksum mismatch */
+  shardlineAlreadyExists = 11, /* what a call would create exists (a checkpoint directory) */
   shardlineResultEnumMax = 0x7fffffff /* keeps the enum int-sized; not a result */
 } shardlineResult_t;
 
@@ -90,6 +92,7 @@ typedef struct shardlineWork_s* shardlineWork_t;
 typedef struct shardlineScheduler_s* shardlineScheduler_t;
 typedef struct shardlineEvent_s* shardlineEvent_t;
 typedef struct shardlineTrace_s* shardlineTrace_t;
+typedef struct shardlineCheckpointer_s* shardlineCheckpointer_t;
 
 /* ---- Version and errors ------------------------------------------------------------------- */
 SHARDLINE_API shardlineResult_t shardline_get_version(int* version);
@@ -432,6 +435,58 @@ typedef struct {
 SHARDLINE_API shardlineResult_t shardline_scheduler_metrics(shardlineScheduler_t scheduler,
                                                             double timeout_s,
                                                             shardlineStepMetrics_t* metrics);
+
+/* ---- Checkpoints (scheduler/checkpoint/checkpoint.h, docs/checkpoints.md) -------------------
+ * Sharded checkpoints of a scheduler's units: every rank writes its shard of every unit's master
+ * shard and of any number of named shard-shaped states the framework registers (an optimizer's
+ * moments), rank 0 writes the manifest; a load at any world size or mesh gives back the saved
+ * bits. A file system shared by all ranks is assumed. */
+typedef struct {
+  size_t struct_size;
+  int version;
+  /* A save checksums each piece in blocks of this many bytes (>= 1; stored in the manifest, a
+   * load uses the manifest's): how much a load may read beyond what it needs. */
+  uint64_t checksum_block_bytes; /* 1 MiB */
+  size_t read_chunk_bytes;       /* the most a load reads at once (>= 1): 8 MiB */
+} shardlineCheckpointConfig_t;
+#define SHARDLINE_CHECKPOINT_CONFIG_INIT                                            \
+  {                                                                                 \
+    sizeof(shardlineCheckpointConfig_t), SHARDLINE_VERSION_CODE, (uint64_t)1 << 20, \
+        (size_t)8 << 20                                                             \
+  }
+
+/* Collective over the scheduler's world, after its units are registered. The scheduler must
+ * outlive the checkpointer. config NULL: the defaults. */
+SHARDLINE_API shardlineResult_t shardline_checkpointer_create(
+    shardlineScheduler_t scheduler, const shardlineCheckpointConfig_t* config, double timeout_s,
+    shardlineCheckpointer_t* checkpointer);
+/* Registers a shard-shaped state of `unit`, saved and loaded with its master shard: `bytes` at
+ * `data`, exactly the unit's shard elements (shardline_unit_master_shard's `elements`, padding
+ * included) times the size of `dtype` (else InvalidArgument naming both sizes), laid out like the
+ * master shard (element i belongs to the tensor element of master element i), host memory that
+ * outlives the checkpointer (the framework keeps it; a load overwrites it). `name`: 1-128
+ * characters of [A-Za-z0-9._-], not "master", unique per unit. Every rank registers the same
+ * states in the same order. */
+SHARDLINE_API shardlineResult_t
+shardline_checkpointer_add_state(shardlineCheckpointer_t checkpointer, int unit, const char* name,
+                                 void* data, size_t bytes, shardlineDataType_t dtype);
+/* Saves every unit and registered state into the new directory `dir` (AlreadyExists if it
+ * exists), atomically: written under a temporary name beside it, fsynced, then renamed. Collective
+ * over the world, between steps, with the same `dir` on every rank; every rank returns the same
+ * result (a peer's failure as shardlineRemoteError, its message prefixed "failed on rank N"). */
+SHARDLINE_API shardlineResult_t shardline_checkpointer_save(shardlineCheckpointer_t checkpointer,
+                                                            const char* dir, double timeout_s);
+/* Loads the checkpoint in `dir` (saved at any world size or mesh) into every unit's master shard
+ * and every registered state (states in the checkpoint that are not registered are skipped).
+ * Collective as save. NotFound: no such directory, or a data file or a registered state missing;
+ * FailedPrecondition: an incomplete checkpoint (a save's temporary directory); InvalidArgument: a
+ * manifest that does not match the units (names, tensors, shapes) or the states' dtypes;
+ * DataLoss: a file of the wrong size or a checksum mismatch (the shards' contents are then
+ * unspecified). Each message names the checkpoint, file, unit, state and tensor concerned. */
+SHARDLINE_API shardlineResult_t shardline_checkpointer_load(shardlineCheckpointer_t checkpointer,
+                                                            const char* dir, double timeout_s);
+SHARDLINE_API shardlineResult_t
+shardline_checkpointer_destroy(shardlineCheckpointer_t checkpointer);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -30,6 +30,7 @@
 #include "runtime/status.h"
 #include "runtime/stream.h"
 #include "runtime/trace.h"
+#include "scheduler/checkpoint/checkpoint.h"
 #include "scheduler/scheduler.h"
 
 #ifdef SHARDLINE_WITH_CUDA
@@ -395,6 +396,10 @@ shardlineResult_t FromStatus(const absl::Status& status) {
       return shardlineResourceExhausted;
     case absl::StatusCode::kUnimplemented:
       return shardlineUnimplemented;
+    case absl::StatusCode::kDataLoss:
+      return shardlineDataLoss;
+    case absl::StatusCode::kAlreadyExists:
+      return shardlineAlreadyExists;
     default:
       return shardlineInternalError;
   }
@@ -585,6 +590,10 @@ const char* shardline_result_string(shardlineResult_t result) {
       return "shardlineInternalError";
     case shardlineDeviceUnavailable:
       return "shardlineDeviceUnavailable";
+    case shardlineDataLoss:
+      return "shardlineDataLoss";
+    case shardlineAlreadyExists:
+      return "shardlineAlreadyExists";
     default:
       break;
   }
@@ -1274,6 +1283,95 @@ shardlineResult_t shardline_scheduler_metrics(shardlineScheduler_t s, double tim
     const size_t size = metrics->struct_size;
     std::memcpy(static_cast<void*>(metrics), &out, size);
     metrics->struct_size = size;
+    return shardlineSuccess;
+  });
+}
+
+// ---- Checkpoints ---------------------------------------------------------------------------
+// Each entry point checks its handles and arguments, then forwards to the C++ Checkpointer with
+// the timeout turned into a deadline; a new collective (an asynchronous save, an export) follows
+// the same shape: Guard, SL_C_REQUIRE on the arguments, FromStatus of the C++ call.
+
+}  // extern "C"
+
+struct shardlineCheckpointer_s {
+  shardlineScheduler_t scheduler;  // not owned: outlives the checkpointer
+  std::unique_ptr<shardline::Checkpointer> checkpointer;
+};
+
+extern "C" {
+
+shardlineResult_t shardline_checkpointer_create(shardlineScheduler_t scheduler,
+                                                const shardlineCheckpointConfig_t* config,
+                                                double timeout_s,
+                                                shardlineCheckpointer_t* checkpointer) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(scheduler != nullptr && checkpointer != nullptr,
+                 "shardline_checkpointer_create: scheduler and checkpointer must not be NULL");
+    shardlineCheckpointConfig_t c;
+    const shardlineCheckpointConfig_t defaults = SHARDLINE_CHECKPOINT_CONFIG_INIT;
+    if (shardlineResult_t r = ReadConfig(config, defaults, &c, "shardlineCheckpointConfig_t");
+        r != shardlineSuccess) {
+      return r;
+    }
+    shardline::CheckpointOptions o;
+    o.checksum_block_bytes = c.checksum_block_bytes;
+    o.read_chunk_bytes = c.read_chunk_bytes;
+    absl::StatusOr<std::unique_ptr<shardline::Checkpointer>> created =
+        shardline::Checkpointer::Create(*scheduler->scheduler, o, absl::Now() + Timeout(timeout_s));
+    if (!created.ok()) return FromStatus(created.status());
+    *checkpointer = new shardlineCheckpointer_s{scheduler, *std::move(created)};
+    return shardlineSuccess;
+  });
+}
+
+shardlineResult_t shardline_checkpointer_add_state(shardlineCheckpointer_t checkpointer, int unit,
+                                                   const char* name, void* data, size_t bytes,
+                                                   shardlineDataType_t dtype) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(checkpointer != nullptr && name != nullptr,
+                 "shardline_checkpointer_add_state: checkpointer and name must not be NULL");
+    if (absl::Status s =
+            CheckUnit(checkpointer->scheduler, unit, "shardline_checkpointer_add_state");
+        !s.ok()) {
+      return FromStatus(s);
+    }
+    DType d;
+    SL_C_REQUIRE(ToDType(dtype, &d), absl::StrCat("shardline_checkpointer_add_state: state '", name,
+                                                  "': unknown dtype ", static_cast<int>(dtype)));
+    const shardline::FlatParameter& p = checkpointer->scheduler->scheduler->unit(unit);
+    const size_t want = p.layout().shard_elements() * shardline::DTypeSize(d);
+    SL_C_REQUIRE(
+        bytes == want,
+        absl::StrCat("shardline_checkpointer_add_state: state '", name, "' of unit '", p.name(),
+                     "' is ", bytes, " bytes; the unit's shard of ", p.layout().shard_elements(),
+                     " elements of ", shardline::DTypeName(d), " is ", want, " bytes"));
+    return FromStatus(checkpointer->checkpointer->AddState(
+        {.unit = unit, .name = name, .data = data, .dtype = d}));
+  });
+}
+
+shardlineResult_t shardline_checkpointer_save(shardlineCheckpointer_t checkpointer, const char* dir,
+                                              double timeout_s) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(checkpointer != nullptr && dir != nullptr,
+                 "shardline_checkpointer_save: checkpointer and dir must not be NULL");
+    return FromStatus(checkpointer->checkpointer->Save(dir, absl::Now() + Timeout(timeout_s)));
+  });
+}
+
+shardlineResult_t shardline_checkpointer_load(shardlineCheckpointer_t checkpointer, const char* dir,
+                                              double timeout_s) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_REQUIRE(checkpointer != nullptr && dir != nullptr,
+                 "shardline_checkpointer_load: checkpointer and dir must not be NULL");
+    return FromStatus(checkpointer->checkpointer->Load(dir, absl::Now() + Timeout(timeout_s)));
+  });
+}
+
+shardlineResult_t shardline_checkpointer_destroy(shardlineCheckpointer_t checkpointer) {
+  return Guard([&] {
+    delete checkpointer;
     return shardlineSuccess;
   });
 }

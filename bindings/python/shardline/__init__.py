@@ -44,7 +44,10 @@ _preload_framework_libraries()
 
 from . import _core  # noqa: E402
 from ._core import (  # noqa: E402
+    AlreadyExistsError,
+    Checkpointer,
     Communicator,
+    DataLossError,
     DeadlineExceededError,
     Error,
     FailedPreconditionError,
@@ -68,7 +71,7 @@ from ._core import (  # noqa: E402
 )
 
 __all__ = [
-    "Communicator", "DeadlineExceededError", "Error", "FailedPreconditionError",
+    "AlreadyExistsError", "Checkpointer", "Communicator", "DataLossError", "DeadlineExceededError", "Error", "FailedPreconditionError",
     "InvalidArgumentError", "Mesh", "NotFoundError", "RemoteError", "ResourceExhaustedError",
     "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "Unit", "UnitStepMetrics",
     "Work", "__version__", "empty", "host_stream", "init", "init_local", "init_with_store",

@@ -24,6 +24,7 @@
 #include "runtime/device.h"
 #include "runtime/dtype.h"
 #include "runtime/stream.h"
+#include "scheduler/scheduler.h"
 
 namespace shardline::python {
 
@@ -91,6 +92,10 @@ struct PyComm {
 
 void RegisterCollectives(nb::module_& m);
 void RegisterScheduler(nb::module_& m);
+// The C++ Scheduler of a shardline.Scheduler object (TypeError if `scheduler` is not one).
+Scheduler& SchedulerOf(nb::handle scheduler);
+// shardline.Checkpointer: sharded checkpoints of a Scheduler's units (checkpoint.cc).
+void RegisterCheckpoint(nb::module_& m);
 // init_with_store: communicators whose rendezvous goes through a Python (torch) store.
 void RegisterStore(nb::module_& m);
 

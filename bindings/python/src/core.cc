@@ -44,6 +44,8 @@ struct ErrorTypes {
   PyObject* not_found = nullptr;           // (Error, LookupError)
   PyObject* resource_exhausted = nullptr;  // (Error, MemoryError)
   PyObject* unimplemented = nullptr;       // (Error, NotImplementedError)
+  PyObject* data_loss = nullptr;           // DataLossError(Error)
+  PyObject* already_exists = nullptr;      // (Error, FileExistsError)
 };
 ErrorTypes errors;
 
@@ -76,6 +78,10 @@ PyObject* ErrorTypeFor(const absl::Status& status) {
       return errors.resource_exhausted;
     case absl::StatusCode::kUnimplemented:
       return errors.unimplemented;
+    case absl::StatusCode::kDataLoss:
+      return IsPeerError(status) ? errors.remote : errors.data_loss;
+    case absl::StatusCode::kAlreadyExists:
+      return IsPeerError(status) ? errors.remote : errors.already_exists;
     default:
       return IsPeerError(status) ? errors.remote : errors.base;
   }
@@ -549,6 +555,11 @@ void RegisterErrors(nb::module_& m) {
                "Memory or another resource ran out (Status ResourceExhausted).");
   errors.unimplemented = NewError(m, "UnimplementedError", errors.base, PyExc_NotImplementedError,
                                   "Not supported here (Status Unimplemented).");
+  errors.data_loss = NewError(m, "DataLossError", errors.base, nullptr,
+                              "Stored data is damaged: a truncated file, a checksum mismatch "
+                              "(Status DataLoss).");
+  errors.already_exists = NewError(m, "AlreadyExistsError", errors.base, PyExc_FileExistsError,
+                                   "What the call would create exists (Status AlreadyExists).");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -824,4 +835,5 @@ NB_MODULE(_core, m) {
   sp::RegisterCollectives(m);
   sp::RegisterScheduler(m);
   sp::RegisterStore(m);
+  sp::RegisterCheckpoint(m);
 }

@@ -253,6 +253,10 @@ struct PyUnit {
 
 }  // namespace
 
+Scheduler& SchedulerOf(nb::handle scheduler) {
+  return *nb::cast<PyScheduler&>(scheduler).scheduler;
+}
+
 void RegisterScheduler(nb::module_& m) {
   nb::class_<UnitStepMetrics>(m, "UnitStepMetrics")
       .def_ro("name", &UnitStepMetrics::name)

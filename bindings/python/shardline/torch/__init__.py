@@ -15,10 +15,13 @@ import. The base `shardline` package never imports torch; only this subpackage d
 
 The second way in is shardline's own FSDP: `fully_shard` (FSDP2's interface: the same names,
 arguments and module methods) on shardline's scheduler, with `clip_grad_norm_` for the global
-norm of its sharded gradients (see _fully_shard.py and docs/pytorch.md).
+norm of its sharded gradients (see _fully_shard.py and docs/pytorch.md), and `save_checkpoint` /
+`load_checkpoint` for sharded checkpoints of a fully_shard'ed model and its optimizer, loadable at
+another world size (see _checkpoint.py and docs/checkpoints.md).
 """
 
 from ._backend import BACKEND_NAME, BackendShardline, ProcessGroupShardline, register
+from ._checkpoint import load_checkpoint, save_checkpoint
 from ._fully_shard import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -32,7 +35,7 @@ from ._fully_shard import (
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy",
     "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_", "full_state_dict", "fully_shard",
-    "register",
+    "load_checkpoint", "register", "save_checkpoint",
 ]
 
 register()

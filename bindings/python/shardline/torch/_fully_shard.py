@@ -286,15 +286,26 @@ def _load_full_tensors(module, state_dict, prefix, *args):
             state_dict[prefix + name] = value.reshape(-1)[t:t + n]
 
 
-def full_state_dict(module):
+def full_state_dict(module, *, rank0_only=False, cpu_offload=False):
     """module.state_dict() with every fully_shard'ed parameter whole (copies): each unit under
     `module` is unshard()'ed for the call, then resharded. Collective over the world, between
-    steps. (module.state_dict() itself gives this rank's 1-D slices: the sharded form;
-    load_state_dict() takes either form.)"""
+    steps. The keys and shapes are those of the unsharded module, so a plain (never sharded)
+    copy of the model takes the result with nn.Module.load_state_dict. (module.state_dict()
+    itself gives this rank's 1-D slices: the sharded form; load_state_dict() takes either form.)
+
+    rank0_only: every rank still takes part, but only rank 0 of the world keeps the copies; the
+    others get {}. cpu_offload: as in FSDP2's StateDictOptions(full_state_dict=True,
+    cpu_offload=True), which gives the state dict to rank 0 only (the tensors are on the CPU
+    either way: fully_shard computes on the CPU)."""
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     for m in units:
         m.unshard()
     try:
+        keep = True
+        if (rank0_only or cpu_offload) and units:
+            keep = units[0]._shardline_state.mesh[0].rank == 0
+        if not keep:
+            return {}
         return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                 for k, v in module.state_dict().items()}
     finally:
