@@ -8,12 +8,17 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <random>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "runtime/config.h"
+#include "runtime/logging.h"
 #include "runtime/reshard_plan.h"
 #include "runtime/status.h"
 #include "scheduler/checkpoint/crc32c.h"
@@ -113,7 +118,71 @@ absl::Status CompareTensors(absl::string_view unit, const std::vector<TensorSpec
   return absl::OkStatus();
 }
 
+// SHARDLINE_CHECKPOINT_KILL_AT: "" (none), "<k>" (every rank) or "<rank>:<k>".
+struct KillPoint {
+  int rank = -1;  // -1: every rank
+  int64_t op = -1;
+};
+
+absl::StatusOr<KillPoint> ParseKillPoint(absl::string_view text) {
+  KillPoint point;
+  if (text.empty()) return point;
+  std::vector<absl::string_view> parts = absl::StrSplit(text, ':');
+  const auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", text, "' is neither <operation index> nor <rank>:<operation index> (integers >= 0)"));
+  };
+  if (parts.size() > 2) return bad();
+  if (parts.size() == 2 && (!absl::SimpleAtoi(parts[0], &point.rank) || point.rank < 0)) {
+    return bad();
+  }
+  if (!absl::SimpleAtoi(parts.back(), &point.op) || point.op < 0) return bad();
+  return point;
+}
+
+SL_PARAM(std::string, CheckpointKillAt, "CHECKPOINT_KILL_AT", "",
+         "Test hook for crash tests: \"<k>\" or \"<rank>:<k>\" makes every Checkpointer of this "
+         "process (of world rank <rank> only, if given) raise SIGKILL right before its k-th "
+         "(0-based) mutating file operation (create_dir, create_file, append, sync, close, "
+         "rename, sync_dir, counted as RecordingFileSystem counts them from the Checkpointer's "
+         "creation), in Save and in SaveAsync's background writer alike.",
+         [](const std::string& v) { return ParseKillPoint(v).status(); });
+
+// Calls fn(unit index, state index, piece, dtype size) for every piece of shard `shard`, in file
+// order.
+template <typename Fn>
+void ForEachPieceOfShard(const CheckpointManifest& manifest, int shard, Fn fn) {
+  for (size_t u = 0; u < manifest.units.size(); ++u) {
+    const CheckpointUnitRecord& unit = manifest.units[u];
+    // The pieces of a shard are contiguous: they follow the layout's slices.
+    const absl::Span<const ShardSlice> mine = unit.layout.ShardSlices(shard);
+    const size_t first = static_cast<size_t>(mine.data() - unit.layout.slices().data());
+    for (size_t k = 0; k < unit.states.size(); ++k) {
+      const CheckpointStateRecord& state = unit.states[k];
+      const size_t size = DTypeSize(state.dtype);
+      for (size_t i = first; i < first + mine.size(); ++i) fn(u, k, state.pieces[i], size);
+    }
+  }
+}
+
 }  // namespace
+
+// ---- Save job ------------------------------------------------------------------------------
+
+// One save between its agreement (BeginSave) and its end (FinishSave): everything FinishSave
+// needs, so that a background thread reads nothing the caller's thread may change.
+struct Checkpointer::SaveJob {
+  std::string dir;
+  std::string what;  // "checkpoint save '<dir>'"
+  std::string tmp;
+  CheckpointManifest manifest;
+  uint64_t fingerprint = 0;
+  bool writer = false;             // this rank writes a data file (replicate rank 0)
+  const char* snapshot = nullptr;  // background: the data file's bytes; null: the shards
+  uint64_t snapshot_bytes = 0;
+  absl::Duration snapshot_time = absl::ZeroDuration();
+  absl::Time deadline;
+};
 
 // ---- Load plan ---------------------------------------------------------------------------
 
@@ -147,7 +216,16 @@ Checkpointer::Checkpointer(Scheduler& scheduler, CheckpointOptions options,
       world_(std::move(world)),
       stream_(std::move(stream)) {}
 
-Checkpointer::~Checkpointer() = default;
+Checkpointer::~Checkpointer() {
+  if (!background_.joinable()) return;
+  const std::string dir = pending_->dir;
+  // The background part's waits are bounded by its own deadline: this join is too.
+  const absl::Status outcome = WaitForSave(absl::InfiniteFuture());
+  if (!outcome.ok()) {
+    SL_LOG(WARN, SCHED) << "Checkpointer destroyed with the outcome of the background save '" << dir
+                        << "' not collected (WaitForSave): " << outcome;
+  }
+}
 
 absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(Scheduler& scheduler,
                                                                    CheckpointOptions options,
@@ -159,9 +237,18 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(Scheduler& sc
     return absl::InvalidArgumentError("Checkpointer: read_chunk_bytes is 0");
   }
   SL_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> world, scheduler.mesh().world()->Dup(deadline));
+  SL_ASSIGN_OR_RETURN(const std::string kill_text, ParamCheckpointKillAt().Get());
+  SL_ASSIGN_OR_RETURN(const KillPoint kill, ParseKillPoint(kill_text));
   SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, CreateCallerStream({.name = "checkpoint"}));
-  return std::unique_ptr<Checkpointer>(
+  const int rank = world->rank();
+  std::unique_ptr<Checkpointer> ckpt(
       new Checkpointer(scheduler, options, std::move(world), std::move(stream)));
+  if (kill.op >= 0 && (kill.rank < 0 || kill.rank == rank)) {
+    ckpt->killer_ = std::make_unique<RecordingFileSystem>(*ckpt->fs_);
+    ckpt->killer_->KillAt(kill.op);
+    ckpt->fs_ = ckpt->killer_.get();
+  }
+  return ckpt;
 }
 
 absl::Status Checkpointer::AddState(CheckpointState state) {
@@ -304,31 +391,27 @@ absl::Status Checkpointer::Agree(absl::Status mine, absl::string_view what, uint
 // ---- Save --------------------------------------------------------------------------------
 
 absl::Status Checkpointer::WriteShardFile(const std::string& tmp,
-                                          const CheckpointManifest& manifest,
+                                          const CheckpointManifest& manifest, const char* snapshot,
                                           std::vector<uint32_t>* crcs) {
   const int shard = scheduler_.mesh().shard_rank();
   const std::string path = absl::StrCat(tmp, "/", manifest.files[shard].name);
   SL_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs_->CreateFile(path));
   const uint64_t block = manifest.checksum_block_bytes;
-  for (size_t u = 0; u < manifest.units.size(); ++u) {
-    const CheckpointUnitRecord& unit = manifest.units[u];
-    for (size_t k = 0; k < unit.states.size(); ++k) {
-      const CheckpointStateRecord& state = unit.states[k];
-      const char* base = static_cast<const char*>(StateData(static_cast<int>(u), k));
-      const size_t size = DTypeSize(state.dtype);
-      // The pieces of a shard are contiguous: they follow the layout's slices.
-      const absl::Span<const ShardSlice> mine = unit.layout.ShardSlices(shard);
-      const size_t first = static_cast<size_t>(mine.data() - unit.layout.slices().data());
-      for (size_t i = first; i < first + mine.size(); ++i) {
-        const CheckpointPiece& piece = state.pieces[i];
-        const char* data = base + piece.shard_offset * size;
+  absl::Status status;
+  // One append per piece, from the shards or the snapshot alike: the same file operations.
+  ForEachPieceOfShard(
+      manifest, shard, [&](size_t u, size_t k, const CheckpointPiece& piece, size_t size) {
+        if (!status.ok()) return;
+        const char* data = snapshot != nullptr
+                               ? snapshot + piece.file_offset
+                               : static_cast<const char*>(StateData(static_cast<int>(u), k)) +
+                                     piece.shard_offset * size;
         for (uint64_t b = 0; b < piece.bytes; b += block) {
           crcs->push_back(Crc32c(data + b, std::min(block, piece.bytes - b)));
         }
-        SL_RETURN_IF_ERROR(file->Append(data, piece.bytes));
-      }
-    }
-  }
+        status = file->Append(data, piece.bytes);
+      });
+  SL_RETURN_IF_ERROR(status);
   SL_RETURN_IF_ERROR(file->Sync());
   return file->Close();
 }
@@ -346,20 +429,24 @@ absl::Status Checkpointer::Publish(const std::string& dir, const std::string& tm
   return fs_->SyncDir(ParentDir(dir));
 }
 
-absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) {
-  const std::string dir = NormalizeDir(dir_arg);
-  const std::string what = absl::StrCat("checkpoint save '", dir, "'");
-  if (dir.empty()) {
+absl::Status Checkpointer::BeginSave(absl::string_view dir_arg, bool background,
+                                     absl::Time deadline, SaveJob* job) {
+  job->dir = NormalizeDir(dir_arg);
+  job->what = absl::StrCat("checkpoint save '", job->dir, "'");
+  job->deadline = deadline;
+  const std::string& what = job->what;
+  if (job->dir.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint save: bad directory '", dir_arg, "'"));
   }
   const ProcessMesh& mesh = scheduler_.mesh();
   const int rank = world_->rank();
+  const int shard = mesh.shard_rank();
+  job->writer = mesh.replicate_rank() == 0;
 
-  // Phase 1: every rank checks its units and computes the manifest (the same on every rank);
-  // rank 0 creates the temporary directory and draws its name.
+  // Every rank checks its units and computes the manifest (the same on every rank).
   absl::Status local = PrepareUnits(what, /*for_load=*/false, deadline);
-  CheckpointManifest manifest;
+  CheckpointManifest& manifest = job->manifest;
   if (local.ok()) {
     absl::StatusOr<CheckpointManifest> m =
         MakeCheckpointManifest(Contents(), mesh.replicate_size(), mesh.shard_size(),
@@ -370,29 +457,79 @@ absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) 
       local = Annotate(m.status(), what);
     }
   }
+  // A background save copies each writer's data file into host memory. Every rank checks every
+  // shard's size against the cap, so that all fail alike before rank 0 creates anything.
+  if (local.ok() && background && options_.max_snapshot_bytes > 0) {
+    for (const CheckpointFileRecord& f : manifest.files) {
+      if (f.bytes > options_.max_snapshot_bytes) {
+        local = absl::ResourceExhaustedError(absl::StrCat(
+            what, ": the snapshot of shard ", f.shard, " would take ", f.bytes,
+            " bytes of host memory, more than max_snapshot_bytes (", options_.max_snapshot_bytes,
+            "); raise the cap or use Save, which writes from the shards without a snapshot"));
+        break;
+      }
+    }
+  }
+  if (local.ok() && background && job->writer) {
+    const uint64_t bytes = manifest.files[shard].bytes;
+    if (bytes > snapshot_capacity_) {
+      snapshot_.reset();
+      snapshot_capacity_ = 0;
+      snapshot_.reset(new (std::nothrow) char[bytes]);
+      if (snapshot_ == nullptr) {
+        local = absl::ResourceExhaustedError(absl::StrCat(what, ": cannot allocate the snapshot's ",
+                                                          bytes, " bytes of host memory"));
+      } else {
+        snapshot_capacity_ = bytes;
+      }
+    }
+    if (local.ok()) {
+      const absl::Time start = absl::Now();
+      char* out = snapshot_.get();
+      ForEachPieceOfShard(
+          manifest, shard, [&](size_t u, size_t k, const CheckpointPiece& piece, size_t size) {
+            std::memcpy(out + piece.file_offset,
+                        static_cast<const char*>(StateData(static_cast<int>(u), k)) +
+                            piece.shard_offset * size,
+                        piece.bytes);
+          });
+      job->snapshot = out;
+      job->snapshot_bytes = bytes;
+      job->snapshot_time = absl::Now() - start;
+    }
+  }
+  // Rank 0 creates the temporary directory and draws its name.
   std::string nonce;
   if (rank == 0 && local.ok()) {
     nonce = MakeNonce();
-    absl::StatusOr<bool> exists = fs_->Exists(dir);
+    absl::StatusOr<bool> exists = fs_->Exists(job->dir);
     if (!exists.ok()) {
       local = Annotate(exists.status(), what);
     } else if (*exists) {
-      local = absl::AlreadyExistsError(absl::StrCat(
-          what, ": '", dir, "' exists (a save never replaces anything; choose a new directory)"));
+      local = absl::AlreadyExistsError(
+          absl::StrCat(what, ": '", job->dir,
+                       "' exists (a save never replaces anything; choose a new directory)"));
     } else {
-      local = Annotate(fs_->CreateDir(absl::StrCat(dir, ".tmp-", nonce)), what);
+      local = Annotate(fs_->CreateDir(absl::StrCat(job->dir, ".tmp-", nonce)), what);
     }
   }
   std::vector<std::string> all;
+  job->fingerprint = RegistrationFingerprint();
   // The fingerprint check comes first: the next exchange's size depends on the registrations.
-  SL_RETURN_IF_ERROR(
-      Agree(local, what, RegistrationFingerprint(), nonce, kNonceBytes, &all, deadline));
-  const std::string tmp = absl::StrCat(dir, ".tmp-", all[0]);
+  SL_RETURN_IF_ERROR(Agree(local, what, job->fingerprint, nonce, kNonceBytes, &all, deadline));
+  job->tmp = absl::StrCat(job->dir, ".tmp-", all[0]);
+  return absl::OkStatus();
+}
 
+absl::Status Checkpointer::FinishSave(SaveJob& job) {
+  const std::string& what = job.what;
+  CheckpointManifest& manifest = job.manifest;
   // Phase 2: the first replica group writes one file per shard.
   std::vector<uint32_t> crcs;
   absl::Status written;
-  if (mesh.replicate_rank() == 0) written = Annotate(WriteShardFile(tmp, manifest, &crcs), what);
+  if (job.writer) {
+    written = Annotate(WriteShardFile(job.tmp, manifest, job.snapshot, &crcs), what);
+  }
   std::vector<uint64_t> blocks(manifest.files.size(), 0);
   for (const CheckpointUnitRecord& unit : manifest.units) {
     for (const CheckpointStateRecord& state : unit.states) {
@@ -402,13 +539,14 @@ absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) 
   const uint64_t max_blocks = *std::max_element(blocks.begin(), blocks.end());
   std::string extra(max_blocks * 4, '\0');
   for (size_t i = 0; i < crcs.size() && i < max_blocks; ++i) PutLe(&extra[4 * i], crcs[i], 4);
+  std::vector<std::string> all;
   SL_RETURN_IF_ERROR(
-      Agree(written, what, RegistrationFingerprint(), extra, extra.size(), &all, deadline));
+      Agree(written, what, job.fingerprint, extra, extra.size(), &all, job.deadline));
 
   // Phase 3: rank 0 completes the manifest with every writer's checksums (shard s's writer is
   // world rank s: row 0, column s of the mesh) and publishes the checkpoint.
   absl::Status published;
-  if (rank == 0) {
+  if (world_->rank() == 0) {
     // One pass in manifest order: each writer appended its checksums in that order.
     std::vector<size_t> next(manifest.files.size(), 0);
     for (CheckpointUnitRecord& unit : manifest.units) {
@@ -421,9 +559,95 @@ absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) 
         }
       }
     }
-    published = Annotate(Publish(dir, tmp, manifest), what);
+    published = Annotate(Publish(job.dir, job.tmp, manifest), what);
   }
-  return Agree(published, what, 0, "", 0, nullptr, deadline);
+  return Agree(published, what, 0, "", 0, nullptr, job.deadline);
+}
+
+absl::Status Checkpointer::SettlePending(absl::Time deadline) {
+  if (!background_.joinable()) return absl::OkStatus();
+  const std::string dir = pending_->dir;
+  absl::Status outcome = WaitForSave(deadline);
+  if (outcome.ok() || save_pending()) return outcome;  // still running: DeadlineExceeded
+  return Annotate(outcome, absl::StrCat("the previous background save '", dir, "' failed"));
+}
+
+absl::Status Checkpointer::Save(absl::string_view dir, absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  SL_RETURN_IF_ERROR(SettlePending(deadline));
+  const absl::Duration waited = absl::Now() - start;
+  SaveJob job;
+  absl::Status status = BeginSave(dir, /*background=*/false, deadline, &job);
+  if (status.ok()) status = FinishSave(job);
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_ = CheckpointSaveStats{.dir = job.dir,
+                               .background = false,
+                               .finished = true,
+                               .snapshot_capacity_bytes = snapshot_capacity_,
+                               .blocked = absl::Now() - start,
+                               .waited = waited};
+  return status;
+}
+
+absl::Status Checkpointer::SaveAsync(absl::string_view dir, absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  SL_RETURN_IF_ERROR(SettlePending(deadline));
+  const absl::Duration waited = absl::Now() - start;
+  auto job = std::make_unique<SaveJob>();
+  const absl::Status status = BeginSave(dir, /*background=*/true, deadline, job.get());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_ = CheckpointSaveStats{.dir = job->dir,
+                                 .background = true,
+                                 .finished = !status.ok(),
+                                 .snapshot_bytes = job->snapshot_bytes,
+                                 .snapshot_capacity_bytes = snapshot_capacity_,
+                                 .blocked = absl::Now() - start,
+                                 .waited = waited,
+                                 .snapshot = job->snapshot_time};
+    done_ = false;
+    outcome_ = absl::OkStatus();
+  }
+  SL_RETURN_IF_ERROR(status);
+  pending_ = std::move(job);
+  background_ = std::thread([this] {
+    const absl::Time begin = absl::Now();
+    absl::Status outcome = FinishSave(*pending_);
+    std::lock_guard<std::mutex> lock(mu_);
+    outcome_ = std::move(outcome);
+    stats_.write = absl::Now() - begin;
+    stats_.finished = true;
+    done_ = true;
+    done_cv_.notify_all();
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::WaitForSave(absl::Time deadline) {
+  if (!background_.joinable()) return absl::OkStatus();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // A finite horizon: the chrono conversion of an infinite deadline overflows.
+    const absl::Time until = std::min(deadline, absl::Now() + absl::Hours(24 * 365));
+    while (!done_) {
+      if (done_cv_.wait_until(lock, absl::ToChronoTime(until)) == std::cv_status::timeout &&
+          !done_ && absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(pending_->what, ": the background save is still running at the deadline"));
+      }
+    }
+  }
+  background_.join();
+  pending_.reset();
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(outcome_, absl::OkStatus());
+}
+
+bool Checkpointer::save_pending() const { return background_.joinable(); }
+
+CheckpointSaveStats Checkpointer::last_save_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
 }
 
 // ---- Load --------------------------------------------------------------------------------
@@ -639,6 +863,7 @@ absl::Status Checkpointer::Load(absl::string_view dir_arg, absl::Time deadline) 
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint load: bad directory '", dir_arg, "'"));
   }
+  SL_RETURN_IF_ERROR(SettlePending(deadline));
   LoadPlan plan;
   absl::Status local = PrepareUnits(what, /*for_load=*/true, deadline);
   if (local.ok()) local = Annotate(PlanLoad(dir, &plan), what);

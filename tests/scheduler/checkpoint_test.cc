@@ -10,6 +10,12 @@
 //     manifest written last, the directory fsynced before and its parent after the rename;
 //   * a failure injected at every file operation of every rank of a save: every rank fails, the
 //     earlier checkpoint still loads bit-identically, the partial one is reported incomplete;
+//   * background saves (SaveAsync): training steps on an asynchronous compute stream change
+//     every state and run collectives while the writer is held back, and the checkpoint holds
+//     the snapshot bit for bit; a second save waits for the first; a failure injected at every
+//     file operation of the background writer of every rank reaches every rank (through
+//     WaitForSave, or the next save if nobody collected it); the snapshot cap; destruction
+//     finishes a pending save;
 //   * corruption and mismatches, each a named error: a flipped byte, a truncated file, a deleted
 //     file, an edited shape in the manifest, a unit of another shape, a missing state, another
 //     master dtype, an incomplete directory, an existing target, a garbled manifest.
@@ -18,6 +24,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -155,10 +163,12 @@ Model MakeModel() {
   return m;
 }
 
-// The saved bits of element i of tensor t of state k (0: the master shard) of unit u.
-void ElementBits(int u, int k, int t, size_t i, DType dtype, char* out) {
+// The saved bits of element i of tensor t of state k (0: the master shard) of unit u; `version`
+// salts them (0: what MakeRank fills in; others: the shards after a training step).
+void ElementBits(int u, int k, int t, size_t i, DType dtype, char* out, int version = 0) {
+  const uint64_t salt = 7919 * static_cast<uint64_t>(version);
   if (k == 0) {
-    const float f = HashFloat(1, u, t, i);
+    const float f = HashFloat(1 + salt, u, t, i);
     if (dtype == DType::kF64) {
       const double d = f;
       std::memcpy(out, &d, 8);
@@ -167,7 +177,7 @@ void ElementBits(int u, int k, int t, size_t i, DType dtype, char* out) {
     }
     return;
   }
-  const uint64_t h = Hash(100 + k, u, t, i);
+  const uint64_t h = Hash(100 + k + salt, u, t, i);
   std::memcpy(out, &h, DTypeSize(dtype));
 }
 
@@ -181,6 +191,8 @@ struct RunConfig {
   uint64_t block_bytes = 64;
   bool fill = true;  // false: shards and states hold garbage (0xCD) instead of the values
   std::function<void(Model&)> edit;
+  bool host_compute = false;  // the compute stream: a host stream (asynchronous), else a caller one
+  uint64_t max_snapshot_bytes = 0;
 };
 
 // One rank: its compute stream, scheduler, states and checkpointer (destroyed in reverse).
@@ -206,9 +218,10 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const RunConfig& setup,
   auto rank = std::make_unique<Rank>();
   rank->model = MakeModel();
   if (setup.edit) setup.edit(rank->model);
+  const StreamOptions compute{.name = absl::StrCat("rank", comm->rank(), ".compute"),
+                              .wait_timeout = kTimeout};
   SL_ASSIGN_OR_RETURN(rank->compute,
-                      CreateCallerStream({.name = absl::StrCat("rank", comm->rank(), ".compute"),
-                                          .wait_timeout = kTimeout}));
+                      setup.host_compute ? CreateHostStream(compute) : CreateCallerStream(compute));
   SL_ASSIGN_OR_RETURN(
       rank->sched,
       Scheduler::Create(comm, *rank->compute,
@@ -233,11 +246,13 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const RunConfig& setup,
       std::memset(master.data, 0xCD, master.elements * DTypeSize(master.dtype));
     }
   }
-  SL_ASSIGN_OR_RETURN(rank->ckpt, Checkpointer::Create(*rank->sched,
-                                                       {.file_system = fs,
-                                                        .checksum_block_bytes = setup.block_bytes,
-                                                        .read_chunk_bytes = 3 * setup.block_bytes},
-                                                       Deadline()));
+  SL_ASSIGN_OR_RETURN(rank->ckpt,
+                      Checkpointer::Create(*rank->sched,
+                                           {.file_system = fs,
+                                            .checksum_block_bytes = setup.block_bytes,
+                                            .read_chunk_bytes = 3 * setup.block_bytes,
+                                            .max_snapshot_bytes = setup.max_snapshot_bytes},
+                                           Deadline()));
   rank->states.resize(rank->model.units.size());
   for (size_t u = 0; u < rank->model.units.size(); ++u) {
     const FlatLayout& layout = rank->sched->unit(u).layout();
@@ -305,6 +320,48 @@ void Gather(const Rank& rank, Reference* ref, std::mutex* mu) {
       }
     }
   }
+}
+
+// Writes version `version` of every state's elements into this rank's shards (what a training
+// step does to them), padding as zeros.
+void FillShards(const Rank& rank, int version) {
+  const int shard = rank.sched->mesh().shard_rank();
+  for (size_t u = 0; u < rank.model.units.size(); ++u) {
+    const FlatLayout& layout = rank.sched->unit(u).layout();
+    for (int k = 0; k < rank.NumStates(u); ++k) {
+      const DType dtype = rank.StateDType(u, k);
+      const size_t size = DTypeSize(dtype);
+      char* data = rank.StateData(u, k);
+      std::memset(data, 0, layout.shard_elements() * size);
+      for (const ShardSlice& s : layout.ShardSlices(shard)) {
+        for (size_t j = 0; j < s.length; ++j) {
+          ElementBits(u, k, s.tensor, s.tensor_offset + j, dtype,
+                      data + (s.shard_offset + j) * size, version);
+        }
+      }
+    }
+  }
+}
+
+// The reference of version `version` of the model, straight from ElementBits.
+Reference MakeReference(const Rank& rank, int version) {
+  Reference ref(rank.model.units.size());
+  for (size_t u = 0; u < ref.size(); ++u) {
+    const FlatLayout& layout = rank.sched->unit(u).layout();
+    for (int k = 0; k < rank.NumStates(u); ++k) {
+      const DType dtype = rank.StateDType(u, k);
+      const size_t size = DTypeSize(dtype);
+      std::vector<std::string> tensors(layout.num_tensors());
+      for (int t = 0; t < layout.num_tensors(); ++t) {
+        tensors[t].resize(layout.tensor(t).numel * size);
+        for (size_t i = 0; i < layout.tensor(t).numel; ++i) {
+          ElementBits(u, k, t, i, dtype, &tensors[t][i * size], version);
+        }
+      }
+      ref[u].push_back(std::move(tensors));
+    }
+  }
+  return ref;
 }
 
 // Every element of this rank's shards equals the reference's bits; every padding byte is 0.
@@ -711,6 +768,299 @@ TEST_F(CheckpointTest, FailureAtEveryOperationKeepsThePreviousCheckpoint) {
     EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "incomplete checkpoint")) << s;
   }
+}
+
+// ---- Background saves ----------------------------------------------------------------------
+
+// Forwards to the POSIX file system; CreateFile (which only a save's writers call, on the
+// background thread in SaveAsync) waits until Open() (or its deadline: DeadlineExceeded).
+class GatedFileSystem : public RecordingFileSystem {
+ public:
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreateFile(const std::string& path) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!cv_.wait_until(lock, absl::ToChronoTime(Deadline()), [&] { return open_; })) {
+        return absl::DeadlineExceededError("GatedFileSystem: the gate was not opened");
+      }
+    }
+    return RecordingFileSystem::CreateFile(path);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// This rank's data file size in the manifest: what its snapshot holds.
+uint64_t DataFileBytes(const Rank& rank) {
+  const int shard = rank.sched->mesh().shard_rank();
+  uint64_t bytes = 0;
+  for (size_t u = 0; u < rank.model.units.size(); ++u) {
+    const FlatLayout& layout = rank.sched->unit(u).layout();
+    for (int k = 0; k < rank.NumStates(u); ++k) {
+      for (const ShardSlice& s : layout.ShardSlices(shard)) {
+        bytes += s.length * DTypeSize(rank.StateDType(u, k));
+      }
+    }
+  }
+  return bytes;
+}
+
+// A training step on the asynchronous compute stream: new values of every state written by the
+// stream's worker, then an all-reduce on the scheduler's world communicator (checked).
+absl::Status TrainingStep(Rank& rank, int version) {
+  SL_RETURN_IF_ERROR(rank.compute->Enqueue([&rank, version]() -> absl::Status {
+    FillShards(rank, version);
+    return absl::OkStatus();
+  }));
+  Communicator& world = *rank.sched->mesh().world();
+  std::vector<float> x(37);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(world.rank() + i + version);
+  SL_ASSIGN_OR_RETURN(
+      Work work, world.AllReduce(x.data(), x.data(), x.size(), DType::kF32, *rank.compute, {}));
+  SL_RETURN_IF_ERROR(work.Wait(Deadline()));
+  const int n = world.size();
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float want = static_cast<float>(n * (n - 1) / 2 + n * (i + version));
+    if (x[i] != want) return absl::InternalError(absl::StrCat("all-reduce element ", i));
+  }
+  return absl::OkStatus();
+}
+
+// At world 3, with an asynchronous compute stream: the step before the save is still queued
+// when SaveAsync is called (the snapshot must wait for it); three more steps change every state
+// and run collectives on the scheduler's communicator while the background writer is held back
+// (it cannot create its file until they are done); the checkpoint holds the snapshot bit for bit,
+// the shards the latest step.
+TEST_F(CheckpointTest, BackgroundSaveHoldsTheSnapshotWhileTrainingChangesTheShards) {
+  const std::string dir = Dir("background");
+  const RunConfig setup{.world = 3, .host_compute = true};
+  std::vector<CheckpointSaveStats> stats(3);
+  ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    GatedFileSystem gate;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &gate));
+    SL_RETURN_IF_ERROR(rank->compute->Enqueue([&]() -> absl::Status {
+      FillShards(*rank, 1);
+      return absl::OkStatus();
+    }));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    EXPECT_TRUE(rank->ckpt->save_pending());
+    const CheckpointSaveStats during = rank->ckpt->last_save_stats();
+    EXPECT_TRUE(during.background);
+    EXPECT_FALSE(during.finished);
+    EXPECT_EQ(during.snapshot_bytes, DataFileBytes(*rank));
+    for (int v = 2; v <= 4; ++v) SL_RETURN_IF_ERROR(TrainingStep(*rank, v));
+    SL_RETURN_IF_ERROR(rank->compute->Synchronize(Deadline()));
+    // Nothing of the save but rank 0's temporary directory exists yet.
+    EXPECT_FALSE(fs::exists(dir));
+    for (const FileOperation& op : gate.operations()) {
+      EXPECT_EQ(op.kind, FileOperation::Kind::kCreateDir) << op;
+    }
+    gate.Open();
+    SL_RETURN_IF_ERROR(rank->ckpt->WaitForSave(Deadline()));
+    EXPECT_FALSE(rank->ckpt->save_pending());
+    EXPECT_OK(rank->ckpt->WaitForSave(Deadline()));  // nothing pending: OK
+    stats[r] = rank->ckpt->last_save_stats();
+    ExpectMatches(*rank, MakeReference(*rank, 4), absl::StrCat("shards after step 4, rank ", r));
+    return absl::OkStatus();
+  }));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(stats[r].finished);
+    EXPECT_EQ(stats[r].dir, dir);
+    EXPECT_GT(stats[r].snapshot_bytes, 0u);
+    EXPECT_GE(stats[r].snapshot_capacity_bytes, stats[r].snapshot_bytes);
+    EXPECT_GT(stats[r].write, absl::ZeroDuration());
+    EXPECT_LE(stats[r].snapshot, stats[r].blocked);
+  }
+  // The reference is built independently from the hash, never read from the ranks.
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 1);
+    return absl::OkStatus();
+  }));
+  LoadAndCheck({.world = 2}, dir, ref, "background save at 3, load at 2");
+  LoadAndCheck({.world = 3}, dir, ref, "background save at 3, load at 3");
+}
+
+// A second save waits for the first: while the first's writer is held back, a Save with a short
+// deadline gives up without starting (no directory of its own), and once the first is done the
+// second runs after it (every operation of the first, its rename included, precedes the
+// second's).
+TEST_F(CheckpointTest, SecondSaveWaitsForTheFirst) {
+  const std::string first = Dir("first"), second = Dir("second"), third = Dir("third");
+  std::vector<std::vector<FileOperation>> logs(2);
+  ExpectAllOk(RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    GatedFileSystem gate;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 2, .host_compute = true}, comm, &gate));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(first, Deadline()));
+    const absl::Status early = rank->ckpt->Save(second, absl::Now() + absl::Milliseconds(50));
+    EXPECT_TRUE(absl::IsDeadlineExceeded(early)) << early;
+    EXPECT_TRUE(absl::StrContains(early.message(), "still running")) << early;
+    EXPECT_TRUE(rank->ckpt->save_pending());
+    gate.Open();
+    SL_RETURN_IF_ERROR(rank->ckpt->Save(second, Deadline()));
+    EXPECT_FALSE(rank->ckpt->save_pending());
+    // A SaveAsync after a SaveAsync waits too, then both outcomes are OK.
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(third, Deadline()));
+    SL_RETURN_IF_ERROR(rank->ckpt->WaitForSave(Deadline()));
+    logs[r] = gate.operations();
+    return absl::OkStatus();
+  }));
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<FileOperation>& ops = logs[r];
+    std::vector<int> save_of(ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const std::string& p = ops[i].path;
+      save_of[i] = absl::StartsWith(p, first)    ? 0
+                   : absl::StartsWith(p, second) ? 1
+                   : absl::StartsWith(p, third)  ? 2
+                                                 : -1;
+      if (ops[i].kind == FileOperation::Kind::kSyncDir && p == root_.string()) {
+        save_of[i] = i > 0 ? save_of[i - 1] : -1;  // the parent's fsync follows its rename
+      }
+      if (i > 0) {
+        EXPECT_GE(save_of[i], save_of[i - 1]) << "rank " << r << " op " << i;
+      }
+    }
+  }
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 0);
+    return absl::OkStatus();
+  }));
+  for (const std::string& dir : {first, second, third}) LoadAndCheck({.world = 3}, dir, ref, dir);
+}
+
+// A failure injected at every file operation of the background part of every rank: SaveAsync
+// returns OK everywhere (the failure comes later), WaitForSave returns it on every rank (the
+// failing rank its own, the others as peer errors); an outcome nobody collected is returned by
+// the next save instead, after which saves work again.
+TEST_F(CheckpointTest, BackgroundWriterFailureReachesEveryRank) {
+  const RunConfig setup{.world = 3, .host_compute = true};
+  std::vector<int64_t> counts(3, 0);
+  ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    RecordingFileSystem recorder;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &recorder));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(Dir("count"), Deadline()));
+    SL_RETURN_IF_ERROR(rank->ckpt->WaitForSave(Deadline()));
+    counts[r] = recorder.operation_count();
+    return absl::OkStatus();
+  }));
+  struct Case {
+    int rank;
+    int64_t op;
+  };
+  std::vector<Case> cases;
+  // Rank 0's operation 0 (creating the temporary directory) is SaveAsync's own, not the
+  // background writer's.
+  for (int r = 0; r < 3; ++r) {
+    for (int64_t k = r == 0 ? 1 : 0; k < counts[r]; ++k) cases.push_back({r, k});
+  }
+  std::vector<std::vector<absl::Status>> outcomes(cases.size(), std::vector<absl::Status>(3));
+  std::vector<absl::Status> uncollected(3), after(3);
+  ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    RecordingFileSystem recorder;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &recorder));
+    for (size_t c = 0; c < cases.size(); ++c) {
+      recorder.Reset();
+      if (cases[c].rank == r) recorder.FailFrom(cases[c].op);
+      SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(Dir(absl::StrCat("failed", c)), Deadline()));
+      outcomes[c][r] = rank->ckpt->WaitForSave(Deadline());
+    }
+    // Not collected: the next save reports it, does nothing, and the one after that works.
+    recorder.Reset();
+    if (r == 1) recorder.FailFrom(0);
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(Dir("uncollected"), Deadline()));
+    uncollected[r] = rank->ckpt->Save(Dir("next"), Deadline());
+    recorder.FailFrom(-1);
+    after[r] = rank->ckpt->Save(Dir("next"), Deadline());
+    return absl::OkStatus();
+  }));
+  for (size_t c = 0; c < cases.size(); ++c) {
+    SCOPED_TRACE(absl::StrCat("failure at operation ", cases[c].op, " of rank ", cases[c].rank));
+    for (int r = 0; r < 3; ++r) {
+      const absl::Status& s = outcomes[c][r];
+      ASSERT_FALSE(s.ok()) << "rank " << r;
+      EXPECT_TRUE(absl::StrContains(
+          s.message(), absl::StrCat("injected failure at file operation ", cases[c].op)))
+          << s;
+      EXPECT_EQ(IsPeerError(s), r != cases[c].rank) << s;
+    }
+    EXPECT_FALSE(fs::exists(Dir(absl::StrCat("failed", c))) &&
+                 !(cases[c].rank == 0 && cases[c].op == counts[0] - 1))
+        << "only a failure of the parent's fsync leaves the target";
+  }
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(absl::StrContains(uncollected[r].message(), "the previous background save '" +
+                                                                Dir("uncollected") + "' failed"))
+        << uncollected[r];
+    EXPECT_TRUE(absl::StrContains(uncollected[r].message(), "injected failure")) << uncollected[r];
+    EXPECT_OK(after[r]);
+  }
+  EXPECT_FALSE(fs::exists(Dir("uncollected")));
+  EXPECT_TRUE(fs::exists(Dir("next")));
+  std::cout << cases.size() << " injected failures in the background writer\n";
+}
+
+// The snapshot cap: a SaveAsync whose largest data file exceeds it fails on every rank with
+// ResourceExhausted before anything is created; at exactly the largest file it saves.
+TEST_F(CheckpointTest, SnapshotCapIsEnforcedOnEveryRank) {
+  std::vector<uint64_t> sizes(4, 0);
+  ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4}, comm, nullptr));
+    sizes[r] = DataFileBytes(*rank);
+    return absl::OkStatus();
+  }));
+  const uint64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  const uint64_t smallest = *std::min_element(sizes.begin(), sizes.end());
+  ASSERT_LT(smallest, largest);  // so a cap between them fails on the ranks under it too
+  const std::vector<absl::Status> capped =
+      RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+        SL_ASSIGN_OR_RETURN(
+            auto rank, MakeRank({.world = 4, .max_snapshot_bytes = largest - 1}, comm, nullptr));
+        return rank->ckpt->SaveAsync(Dir("capped"), Deadline());
+      });
+  for (const absl::Status& s : capped) {
+    EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("would take ", largest, " bytes")))
+        << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "max_snapshot_bytes")) << s;
+  }
+  for (const auto& e : fs::directory_iterator(root_)) ADD_FAILURE() << "left behind: " << e.path();
+  ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank,
+                        MakeRank({.world = 4, .max_snapshot_bytes = largest}, comm, nullptr));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(Dir("fits"), Deadline()));
+    EXPECT_EQ(rank->ckpt->last_save_stats().snapshot_bytes, sizes[r]);
+    return rank->ckpt->WaitForSave(Deadline());
+  }));
+  EXPECT_OK(ReadCheckpointManifest(PosixFileSystem(), Dir("fits")).status());
+}
+
+// Destroying a Checkpointer with a save pending finishes the save first.
+TEST_F(CheckpointTest, DestructionFinishesAPendingSave) {
+  const std::string dir = Dir("destroyed");
+  ExpectAllOk(RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 2}, comm, nullptr));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    rank->ckpt.reset();
+    return absl::OkStatus();
+  }));
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 0);
+    return absl::OkStatus();
+  }));
+  LoadAndCheck({.world = 1}, dir, ref, "saved by a destroyed checkpointer");
 }
 
 // ---- Corruption and mismatches --------------------------------------------------------------
