@@ -181,6 +181,9 @@ struct Checkpointer::SaveJob {
   const char* snapshot = nullptr;  // background: the data file's bytes; null: the shards
   uint64_t snapshot_bytes = 0;
   absl::Duration snapshot_time = absl::ZeroDuration();
+  // Rank 0: the replicated states' bytes, back to back (copied at the call, so a background
+  // save writes the values of that moment).
+  std::string replicated;
   absl::Time deadline;
 };
 
@@ -206,6 +209,12 @@ struct Checkpointer::LoadPlan {
   std::vector<std::unique_ptr<ReadableFile>> files;  // by saved shard; null if not needed
   std::vector<Task> tasks;
   std::vector<Padding> padding;
+  // Registered replicated states, read and verified by PlanLoad, copied by RunLoad.
+  struct Replicated {
+    void* dst;
+    std::string bytes;
+  };
+  std::vector<Replicated> replicated;
 };
 
 Checkpointer::Checkpointer(Scheduler& scheduler, CheckpointOptions options,
@@ -284,6 +293,34 @@ absl::Status Checkpointer::AddState(CheckpointState state) {
   return absl::OkStatus();
 }
 
+absl::Status Checkpointer::AddReplicatedState(CheckpointReplicatedState state) {
+  const std::string what = absl::StrCat("Checkpointer::AddReplicatedState('", state.name, "')");
+  if (!ValidStateName(state.name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": a state name is 1-128 characters of [A-Za-z0-9._-]"));
+  }
+  for (const CheckpointReplicatedState& s : replicated_) {
+    if (s.name == state.name) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": a replicated state of that name exists"));
+    }
+  }
+  if (static_cast<size_t>(state.dtype) >= kAllDTypes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": invalid dtype"));
+  }
+  CheckpointManifest probe;
+  SL_RETURN_IF_ERROR(
+      Annotate(SetCheckpointReplicatedStates(
+                   &probe, {{.name = state.name, .shape = state.shape, .dtype = state.dtype}}),
+               what));
+  if (state.data == nullptr && probe.replicated_bytes > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": data is null for ", probe.replicated_bytes, " bytes"));
+  }
+  replicated_.push_back(std::move(state));
+  return absl::OkStatus();
+}
+
 std::vector<CheckpointUnitContents> Checkpointer::Contents() const {
   std::vector<CheckpointUnitContents> out;
   for (int u = 0; u < scheduler_.num_units(); ++u) {
@@ -317,6 +354,12 @@ uint64_t Checkpointer::RegistrationFingerprint() const {
       h = Fnv1a(h, s.name);
       h = Fnv1a(h, DTypeName(s.dtype));
     }
+  }
+  for (const CheckpointReplicatedState& r : replicated_) {
+    h = Fnv1a(h, "replicated");
+    h = Fnv1a(h, r.name);
+    h = Fnv1a(h, DTypeName(r.dtype));
+    h = Fnv1a(h, absl::StrJoin(r.shape, ","));
   }
   return h;
 }
@@ -416,6 +459,18 @@ absl::Status Checkpointer::WriteShardFile(const std::string& tmp,
   return file->Close();
 }
 
+absl::Status Checkpointer::WriteReplicatedFile(const std::string& tmp, const std::string& bytes,
+                                               CheckpointManifest* manifest) {
+  const std::string path = absl::StrCat(tmp, "/", kCheckpointReplicatedFileName);
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs_->CreateFile(path));
+  for (CheckpointReplicatedRecord& r : manifest->replicated) {
+    r.crc32c = Crc32c(bytes.data() + r.file_offset, r.bytes);
+  }
+  SL_RETURN_IF_ERROR(file->Append(bytes.data(), bytes.size()));
+  SL_RETURN_IF_ERROR(file->Sync());
+  return file->Close();
+}
+
 absl::Status Checkpointer::Publish(const std::string& dir, const std::string& tmp,
                                    const CheckpointManifest& manifest) {
   const std::string json = CheckpointManifestToJson(manifest);
@@ -455,6 +510,20 @@ absl::Status Checkpointer::BeginSave(absl::string_view dir_arg, bool background,
       manifest = *std::move(m);
     } else {
       local = Annotate(m.status(), what);
+    }
+  }
+  if (local.ok()) {
+    std::vector<CheckpointReplicatedRecord> records;
+    for (const CheckpointReplicatedState& r : replicated_) {
+      records.push_back({.name = r.name, .shape = r.shape, .dtype = r.dtype});
+    }
+    local = Annotate(SetCheckpointReplicatedStates(&manifest, std::move(records)), what);
+  }
+  if (local.ok() && rank == 0) {
+    job->replicated.resize(manifest.replicated_bytes);
+    for (size_t i = 0; i < replicated_.size(); ++i) {
+      const CheckpointReplicatedRecord& r = manifest.replicated[i];
+      if (r.bytes > 0) std::memcpy(&job->replicated[r.file_offset], replicated_[i].data, r.bytes);
     }
   }
   // A background save copies each writer's data file into host memory. Every rank checks every
@@ -529,6 +598,9 @@ absl::Status Checkpointer::FinishSave(SaveJob& job) {
   absl::Status written;
   if (job.writer) {
     written = Annotate(WriteShardFile(job.tmp, manifest, job.snapshot, &crcs), what);
+  }
+  if (written.ok() && world_->rank() == 0 && !manifest.replicated.empty()) {
+    written = Annotate(WriteReplicatedFile(job.tmp, job.replicated, &manifest), what);
   }
   std::vector<uint64_t> blocks(manifest.files.size(), 0);
   for (const CheckpointUnitRecord& unit : manifest.units) {
@@ -804,10 +876,71 @@ absl::Status Checkpointer::PlanLoad(const std::string& dir, LoadPlan* plan) {
     }
     plan->files[f] = *std::move(file);
   }
+  return PlanReplicatedLoad(dir, plan);
+}
+
+absl::Status Checkpointer::PlanReplicatedLoad(const std::string& dir, LoadPlan* plan) {
+  if (replicated_.empty()) return absl::OkStatus();
+  const CheckpointManifest& m = plan->manifest;
+  const std::string file_name(kCheckpointReplicatedFileName);
+  std::unique_ptr<ReadableFile> file;
+  for (const CheckpointReplicatedState& state : replicated_) {
+    const CheckpointReplicatedRecord* record = nullptr;
+    for (const CheckpointReplicatedRecord& r : m.replicated) {
+      if (r.name == state.name) record = &r;
+    }
+    if (record == nullptr) {
+      std::vector<std::string> names;
+      for (const CheckpointReplicatedRecord& r : m.replicated) names.push_back(r.name);
+      return absl::NotFoundError(
+          absl::StrCat("the checkpoint has no replicated state '", state.name,
+                       "' (it has: ", names.empty() ? "none" : absl::StrJoin(names, ", "), ")"));
+    }
+    if (record->shape != state.shape || record->dtype != state.dtype) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("replicated state '", state.name, "': the checkpoint has [",
+                       absl::StrJoin(record->shape, ", "), "] ", DTypeName(record->dtype),
+                       ", the registered one [", absl::StrJoin(state.shape, ", "), "] ",
+                       DTypeName(state.dtype), " (a load copies bits, it does not cast)"));
+    }
+    if (file == nullptr) {
+      absl::StatusOr<std::unique_ptr<ReadableFile>> opened =
+          fs_->OpenFile(absl::StrCat(dir, "/", file_name));
+      if (!opened.ok()) {
+        if (absl::IsNotFound(opened.status())) {
+          return absl::NotFoundError(absl::StrCat("data file '", file_name,
+                                                  "' is missing (replicated state '", state.name,
+                                                  "' is in it)"));
+        }
+        return Annotate(opened.status(), absl::StrCat("data file '", file_name, "'"));
+      }
+      file = *std::move(opened);
+      if (file->size() != m.replicated_bytes) {
+        return absl::DataLossError(absl::StrCat(
+            "data file '", file_name, "' is ", file->size(), " bytes, the manifest says ",
+            m.replicated_bytes, file->size() < m.replicated_bytes ? " (truncated)" : " (altered)",
+            "; replicated state '", state.name, "' is in it"));
+      }
+    }
+    std::string bytes(record->bytes, '\0');
+    SL_RETURN_IF_ERROR(file->ReadAt(record->file_offset, bytes.size(), bytes.data()));
+    const uint32_t crc = Crc32c(bytes.data(), bytes.size());
+    if (crc != record->crc32c) {
+      return absl::DataLossError(absl::StrFormat(
+          "data file '%s' bytes [%d, %d) have CRC-32C %08x, the manifest says %08x: replicated "
+          "state '%s' is corrupt",
+          file_name, record->file_offset, record->file_offset + record->bytes, crc, record->crc32c,
+          state.name));
+    }
+    plan->replicated.push_back({state.data, std::move(bytes)});
+  }
   return absl::OkStatus();
 }
 
 absl::Status Checkpointer::RunLoad(LoadPlan& plan) {
+  for (const LoadPlan::Replicated& r : plan.replicated) {
+    if (!r.bytes.empty()) std::memcpy(r.dst, r.bytes.data(), r.bytes.size());
+  }
   const int shard = scheduler_.mesh().shard_rank();
   for (const LoadPlan::Padding& p : plan.padding) {
     const size_t begin = p.layout->ShardBegin(shard);

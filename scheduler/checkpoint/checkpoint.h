@@ -113,6 +113,17 @@ struct CheckpointState {
   DType dtype = DType::kF32;
 };
 
+// A state that is not shard-shaped and is the same on every rank (a step counter, a learning-rate
+// schedule's position, a data loader's offset), owned by the framework: numel(shape) elements
+// of `dtype`, row-major, in host memory that outlives the Checkpointer. A save stores rank 0's
+// copy once (in replicated.bin, checksummed); a load gives every rank that copy.
+struct CheckpointReplicatedState {
+  std::string name;            // 1-128 characters of [A-Za-z0-9._-]; unique among them
+  std::vector<int64_t> shape;  // {} is a scalar; dimensions >= 0
+  DType dtype = DType::kF32;
+  void* data = nullptr;  // may be null only for a state of no elements
+};
+
 struct CheckpointOptions {
   // Every file operation goes through it. Null: PosixFileSystem(). Must outlive the Checkpointer.
   FileSystem* file_system = nullptr;
@@ -168,6 +179,12 @@ class Checkpointer {
   // unknown unit, a bad, reserved or duplicate name, or null data for a non-empty shard.
   absl::Status AddState(CheckpointState state);
   const std::vector<CheckpointState>& states() const { return states_; }
+  // Registers a replicated state, saved in registration order. Every rank registers the same
+  // ones in the same order (a save checks names, shapes and dtypes; only rank 0's values are
+  // written). InvalidArgument for a bad or duplicate name, a negative dimension, an invalid
+  // dtype, or null data for a non-empty state.
+  absl::Status AddReplicatedState(CheckpointReplicatedState state);
+  const std::vector<CheckpointReplicatedState>& replicated_states() const { return replicated_; }
 
   // Saves every unit of the scheduler and every registered state into the new directory `dir`
   // (see the header comment). AlreadyExists if `dir` exists. Save, SaveAsync and Load first wait
@@ -225,6 +242,10 @@ class Checkpointer {
   // else from the shards); appends the block checksums in file order.
   absl::Status WriteShardFile(const std::string& tmp, const CheckpointManifest& manifest,
                               const char* snapshot, std::vector<uint32_t>* crcs);
+  // Save phase 2 on rank 0: writes replicated.bin from `bytes` (the states back to back) and
+  // sets the manifest's checksums.
+  absl::Status WriteReplicatedFile(const std::string& tmp, const std::string& bytes,
+                                   CheckpointManifest* manifest);
   // Before Save, SaveAsync, Load: waits for a pending background save; its error if it failed
   // and was not collected.
   absl::Status SettlePending(absl::Time deadline);
@@ -235,6 +256,8 @@ class Checkpointer {
   // the files. Load phase 2: zeroes the padding, reads, verifies and copies.
   absl::Status PlanLoad(const std::string& dir, LoadPlan* plan);
   absl::Status RunLoad(LoadPlan& plan);
+  // Load phase 1 for the replicated states: reads and verifies each registered one.
+  absl::Status PlanReplicatedLoad(const std::string& dir, LoadPlan* plan);
   // FNV-1a of the units (names, layouts) and states (names, dtypes), compared across ranks.
   uint64_t RegistrationFingerprint() const;
 
@@ -244,6 +267,7 @@ class Checkpointer {
   std::shared_ptr<Communicator> world_;
   std::unique_ptr<Stream> stream_;  // a caller stream for the exchanges
   std::vector<CheckpointState> states_;
+  std::vector<CheckpointReplicatedState> replicated_;
   // Set when SHARDLINE_CHECKPOINT_KILL_AT names this rank: wraps the file system, fs_ points here.
   std::unique_ptr<RecordingFileSystem> killer_;
 

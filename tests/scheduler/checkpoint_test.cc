@@ -193,7 +193,33 @@ struct RunConfig {
   std::function<void(Model&)> edit;
   bool host_compute = false;  // the compute stream: a host stream (asynchronous), else a caller one
   uint64_t max_snapshot_bytes = 0;
+  bool replicated = false;  // registers kReplicated (rank 0 filled with version 0, others 0xAB)
+  std::function<void(std::vector<CheckpointReplicatedState>&)> edit_replicated;
 };
+
+// The replicated states of the tests: a scalar step counter, a small f64 vector, odd-sized bytes
+// and an empty one (data filled in by MakeRank).
+std::vector<CheckpointReplicatedState> ReplicatedDefs() {
+  return {{.name = "step", .shape = {}, .dtype = DType::kI64},
+          {.name = "lr.schedule", .shape = {3}, .dtype = DType::kF64},
+          {.name = "rng", .shape = {5}, .dtype = DType::kU8},
+          {.name = "none", .shape = {0, 2}, .dtype = DType::kF32}};
+}
+
+size_t Numel(const std::vector<int64_t>& shape) {
+  size_t n = 1;
+  for (const int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+// The bytes of replicated state `i` at `version`.
+std::string ReplicatedBytes(size_t i, const CheckpointReplicatedState& def, int version) {
+  std::string out(Numel(def.shape) * DTypeSize(def.dtype), '\0');
+  for (size_t b = 0; b < out.size(); ++b) {
+    out[b] = static_cast<char>(Hash(900 + version, i, b, 0));
+  }
+  return out;
+}
 
 // One rank: its compute stream, scheduler, states and checkpointer (destroyed in reverse).
 struct Rank {
@@ -201,6 +227,8 @@ struct Rank {
   std::unique_ptr<Scheduler> sched;
   Model model;
   std::vector<std::vector<std::vector<char>>> states;  // [u][k - 1]
+  std::vector<CheckpointReplicatedState> replicated_defs;
+  std::vector<std::string> replicated;  // their memory
   std::unique_ptr<Checkpointer> ckpt;
 
   DType StateDType(int u, int k) const {
@@ -274,6 +302,22 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const RunConfig& setup,
                                                .name = def.name,
                                                .data = rank->states[u].back().data(),
                                                .dtype = def.dtype}));
+    }
+  }
+  if (setup.replicated) {
+    rank->replicated_defs = ReplicatedDefs();
+    if (setup.edit_replicated) setup.edit_replicated(rank->replicated_defs);
+    for (size_t i = 0; i < rank->replicated_defs.size(); ++i) {
+      const CheckpointReplicatedState& def = rank->replicated_defs[i];
+      rank->replicated.push_back(
+          comm->rank() == 0 && setup.fill
+              ? ReplicatedBytes(i, def, 0)
+              : std::string(Numel(def.shape) * DTypeSize(def.dtype), static_cast<char>(0xAB)));
+    }
+    for (size_t i = 0; i < rank->replicated_defs.size(); ++i) {
+      CheckpointReplicatedState def = rank->replicated_defs[i];
+      def.data = rank->replicated[i].data();
+      SL_RETURN_IF_ERROR(rank->ckpt->AddReplicatedState(def));
     }
   }
   return rank;
@@ -1061,6 +1105,182 @@ TEST_F(CheckpointTest, DestructionFinishesAPendingSave) {
     return absl::OkStatus();
   }));
   LoadAndCheck({.world = 1}, dir, ref, "saved by a destroyed checkpointer");
+}
+
+// ---- Replicated states ---------------------------------------------------------------------
+
+// Replicated states (a scalar step counter, a vector, odd bytes, an empty one) are written once,
+// from rank 0 (the other ranks hold other bytes), into replicated.bin, and every rank of a job of
+// another size loads rank 0's bytes; a background save writes the values of its call.
+TEST_F(CheckpointTest, ReplicatedStatesAreSavedOnceAndLoadedByEveryRank) {
+  const std::string dir = Dir("replicated"), later = Dir("later");
+  const RunConfig setup{.world = 4, .replicated = true};
+  const Reference ref = SaveModel(setup, dir);
+  ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, nullptr));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(later, Deadline()));
+    // Changed while the background save runs: the checkpoint keeps the values of the call.
+    for (std::string& bytes : rank->replicated) std::fill(bytes.begin(), bytes.end(), 'x');
+    return rank->ckpt->WaitForSave(Deadline());
+  }));
+  absl::StatusOr<CheckpointManifest> m = ReadCheckpointManifest(PosixFileSystem(), dir);
+  ASSERT_OK(m.status());
+  const std::vector<CheckpointReplicatedState> defs = ReplicatedDefs();
+  ASSERT_EQ(m->replicated.size(), defs.size());
+  uint64_t total = 0;
+  std::string file_bytes;
+  for (size_t i = 0; i < defs.size(); ++i) {
+    EXPECT_EQ(m->replicated[i].name, defs[i].name);
+    EXPECT_EQ(m->replicated[i].shape, defs[i].shape);
+    EXPECT_EQ(m->replicated[i].dtype, defs[i].dtype);
+    EXPECT_EQ(m->replicated[i].file_offset, total);
+    const std::string want = ReplicatedBytes(i, defs[i], 0);
+    EXPECT_EQ(m->replicated[i].bytes, want.size());
+    EXPECT_EQ(m->replicated[i].crc32c,
+              SlowCrc32c(reinterpret_cast<const unsigned char*>(want.data()), want.size()));
+    total += want.size();
+    file_bytes += want;
+  }
+  EXPECT_EQ(m->replicated_bytes, total);
+  {
+    std::ifstream in(fs::path(dir) / "replicated.bin", std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    EXPECT_EQ(ss.str(), file_bytes);  // rank 0's bytes, back to back
+  }
+  // A round trip through the JSON form keeps them.
+  absl::StatusOr<CheckpointManifest> again = ParseCheckpointManifest(CheckpointManifestToJson(*m));
+  ASSERT_OK(again.status());
+  EXPECT_EQ(again->replicated, m->replicated);
+
+  for (const std::string& d : {dir, later}) {
+    ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+      SL_ASSIGN_OR_RETURN(auto rank,
+                          MakeRank({.world = 3, .fill = false, .replicated = true}, comm, nullptr));
+      SL_RETURN_IF_ERROR(rank->ckpt->Load(d, Deadline()));
+      ExpectMatches(*rank, ref, absl::StrCat("rank ", r));
+      for (size_t i = 0; i < defs.size(); ++i) {
+        EXPECT_EQ(rank->replicated[i], ReplicatedBytes(i, defs[i], 0))
+            << d << " rank " << r << " state " << defs[i].name;
+      }
+      return absl::OkStatus();
+    }));
+  }
+  // A job that registers none loads the rest; a checkpoint without them has no replicated.bin.
+  LoadAndCheck({.world = 2}, dir, ref, "without replicated states");
+  const std::string plain = Dir("plain");
+  SaveModel({.world = 2}, plain);
+  EXPECT_FALSE(fs::exists(fs::path(plain) / "replicated.bin"));
+  std::ifstream in(fs::path(plain) / "manifest.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_FALSE(absl::StrContains(text.str(), "replicated")) << text.str();
+}
+
+TEST_F(CheckpointTest, ReplicatedStateRegistrationErrors) {
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1, .replicated = true}, comm, nullptr));
+    int64_t x = 0;
+    const auto expect_invalid = [&](CheckpointReplicatedState s, absl::string_view fragment) {
+      const absl::Status st = rank->ckpt->AddReplicatedState(std::move(s));
+      EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+      EXPECT_TRUE(absl::StrContains(st.message(), fragment)) << st;
+    };
+    expect_invalid({.name = "step", .dtype = DType::kI64, .data = &x}, "exists");
+    expect_invalid({.name = "bad name", .dtype = DType::kI64, .data = &x}, "[A-Za-z0-9._-]");
+    expect_invalid({.name = "neg", .shape = {2, -1}, .dtype = DType::kI64, .data = &x},
+                   "dimension -1");
+    expect_invalid({.name = "null", .shape = {2}, .dtype = DType::kI64}, "data is null");
+    EXPECT_OK(rank->ckpt->AddReplicatedState({.name = "empty", .shape = {0}}));
+    return absl::OkStatus();
+  }));
+  // Ranks that register other replicated states fail together.
+  for (const absl::Status& s : RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) {
+         RunConfig config{.world = 2, .replicated = true};
+         if (r == 1) config.edit_replicated = [](auto& defs) { defs[1].shape = {4}; };
+         SL_ASSIGN_OR_RETURN(auto rank, MakeRank(config, comm, nullptr));
+         return rank->ckpt->Save(Dir("mixed"), Deadline());
+       })) {
+    EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 has other units or checkpoint states")) << s;
+  }
+}
+
+// The replicated states' errors name the state: a missing one, another shape or dtype, a flipped
+// byte, a truncated or deleted replicated.bin, edited sizes in the manifest.
+TEST_F(CheckpointTest, ReplicatedStateErrorsAreNamed) {
+  const std::string good = Dir("good");
+  SaveModel({.world = 2, .replicated = true}, good);
+  const auto try_load = [&](const std::string& dir, RunConfig config) {
+    config.fill = false;
+    config.replicated = true;
+    return RunRanks(config.world, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+      SL_ASSIGN_OR_RETURN(auto rank, MakeRank(config, comm, nullptr));
+      absl::Status s = rank->ckpt->Load(dir, Deadline());
+      // Errors found before any byte is copied leave the replicated states untouched.
+      for (const std::string& bytes : rank->replicated) {
+        EXPECT_EQ(bytes, std::string(bytes.size(), static_cast<char>(0xAB)));
+      }
+      return s;
+    });
+  };
+  const auto expect_named = [](const std::vector<absl::Status>& statuses, absl::StatusCode code,
+                               const std::vector<std::string>& fragments) {
+    for (const absl::Status& s : statuses) {
+      EXPECT_EQ(s.code(), code) << s;
+      for (const std::string& f : fragments) EXPECT_TRUE(absl::StrContains(s.message(), f)) << s;
+    }
+  };
+  RunConfig extra{.world = 2};
+  extra.edit_replicated = [](auto& defs) {
+    defs.push_back({.name = "epoch", .shape = {}, .dtype = DType::kI32});
+  };
+  expect_named(try_load(good, extra), absl::StatusCode::kNotFound,
+               {"no replicated state 'epoch'", "step, lr.schedule, rng, none"});
+  RunConfig shape{.world = 2};
+  shape.edit_replicated = [](auto& defs) { defs[1].shape = {4}; };
+  expect_named(try_load(good, shape), absl::StatusCode::kInvalidArgument,
+               {"replicated state 'lr.schedule'", "[3] f64", "[4] f64"});
+
+  const auto copy = [&](absl::string_view name) {
+    const std::string dir = Dir(name);
+    fs::copy(good, dir, fs::copy_options::recursive);
+    return dir;
+  };
+  const std::string flipped = copy("flipped");
+  {
+    std::fstream f(fs::path(flipped) / "replicated.bin",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8 + 24 + 2);  // in "rng", after step (8 bytes) and lr.schedule (24)
+    f.put('!');
+  }
+  expect_named(try_load(flipped, {.world = 3}), absl::StatusCode::kDataLoss,
+               {"replicated.bin", "bytes [32, 37)", "replicated state 'rng' is corrupt"});
+  const std::string truncated = copy("truncated");
+  fs::resize_file(fs::path(truncated) / "replicated.bin", 30);
+  expect_named(try_load(truncated, {.world = 1}), absl::StatusCode::kDataLoss,
+               {"replicated.bin", "truncated"});
+  const std::string deleted = copy("deleted");
+  fs::remove(fs::path(deleted) / "replicated.bin");
+  expect_named(try_load(deleted, {.world = 2}), absl::StatusCode::kNotFound,
+               {"data file 'replicated.bin' is missing", "replicated state 'step'"});
+  const std::string edited = copy("edited");
+  {
+    const fs::path path = fs::path(edited) / "manifest.json";
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string text = ss.str();
+    const std::string from = "\"shape\": [3], \"dtype\": \"f64\"";
+    const size_t at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, from.size(), "\"shape\": [4], \"dtype\": \"f64\"");
+    in.close();
+    std::ofstream(path, std::ios::trunc) << text;
+  }
+  absl::Status alone = ReadCheckpointManifest(PosixFileSystem(), edited).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(alone)) << alone;
+  EXPECT_TRUE(absl::StrContains(alone.message(), "replicated state 'lr.schedule'")) << alone;
 }
 
 // ---- Corruption and mismatches --------------------------------------------------------------

@@ -83,12 +83,15 @@ struct StateDef {
   DType dtype;
 };
 
-// Two units of odd sizes (a tie, a scalar, an f64 master) and two registered states.
+// Two units of odd sizes (a tie, a scalar, an f64 master), two registered states and two
+// replicated states.
 struct Job {
   std::unique_ptr<Stream> compute;
   std::unique_ptr<Scheduler> sched;
   std::vector<StateDef> defs;
   std::vector<std::vector<char>> states;
+  int64_t step = 0;  // a replicated state: the version
+  char rng[7] = {};  // another: 7 hashed bytes of the version
   std::unique_ptr<Checkpointer> ckpt;
 
   DType StateDType(int u, int k) const {
@@ -113,8 +116,11 @@ struct Job {
     return n;
   }
 
-  // Writes `version` into every element of this rank's shards (padding: zeros).
+  // Writes `version` into every element of this rank's shards (padding: zeros) and into the
+  // replicated states.
   void Fill(int version) {
+    step = version;
+    for (int i = 0; i < 7; ++i) rng[i] = static_cast<char>(HashMix(version * 7 + i));
     const int shard = sched->mesh().shard_rank();
     for (int u = 0; u < sched->num_units(); ++u) {
       const FlatLayout& layout = sched->unit(u).layout();
@@ -133,8 +139,15 @@ struct Job {
     }
   }
 
-  // Every element of this rank's shards holds `version`; every padding byte is 0.
+  // Every element of this rank's shards and the replicated states hold `version`; every padding
+  // byte is 0.
   void Expect(int version, absl::string_view what) {
+    if (step != version) Fail(absl::StrCat(what, ": replicated state 'step' is ", step));
+    for (int i = 0; i < 7; ++i) {
+      if (rng[i] != static_cast<char>(HashMix(version * 7 + i))) {
+        Fail(absl::StrCat(what, ": replicated state 'rng' byte ", i, " differs"));
+      }
+    }
     const int shard = sched->mesh().shard_rank();
     char want[8];
     for (int u = 0; u < sched->num_units(); ++u) {
@@ -202,6 +215,12 @@ std::unique_ptr<Job> MakeJob(std::shared_ptr<Communicator> world, FileSystem* fs
               {.unit = d.unit, .name = d.name, .data = job->states[s].data(), .dtype = d.dtype}),
           "AddState");
   }
+  Check(job->ckpt->AddReplicatedState(
+            {.name = "step", .shape = {}, .dtype = DType::kI64, .data = &job->step}),
+        "AddReplicatedState");
+  Check(job->ckpt->AddReplicatedState(
+            {.name = "rng", .shape = {7}, .dtype = DType::kU8, .data = job->rng}),
+        "AddReplicatedState");
   return job;
 }
 
