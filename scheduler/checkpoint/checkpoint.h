@@ -2,7 +2,9 @@
 // -----------------------------------------------------------------------------
 // Sharded checkpoints of a Scheduler's units: every rank writes its own shard of every unit's
 // master shard and of any number of framework-registered shard-shaped states (an optimizer's
-// moments, say), rank 0 writes one manifest (scheduler/checkpoint/manifest.h); a load at any
+// moments, say), rank 0 writes the replicated states (AddReplicatedState: a step counter, any
+// small tensor the same on every rank) once and one manifest (scheduler/checkpoint/manifest.h);
+// a load at any
 // world size or mesh shape has every rank read only the bytes its new shard needs, planned with
 // PlanReshard (runtime/reshard_plan.h), and gives back the saved bits exactly.
 //
@@ -28,7 +30,8 @@
 //   1. rank 0 checks that `dir` does not exist and creates "<dir>.tmp-<nonce>" beside it;
 //   2. under hybrid sharding only the first replica group (replicate rank 0) writes: shard s's
 //      writer writes "shard-SSSSS-of-NNNNN.bin" (every unit's states, see manifest.h), one file
-//      per shard, checksumming each block as it goes, fsyncs and closes it;
+//      per shard, checksumming each block as it goes, fsyncs and closes it; rank 0 then writes
+//      "replicated.bin" (the replicated states, if any) the same way;
 //   3. the ranks exchange their outcomes and checksums (an all-gather on the world, which is the
 //      barrier);
 //   4. rank 0 writes manifest.json last, fsyncs it, fsyncs the directory, renames it to `dir`
