@@ -4,9 +4,8 @@
 // master shard and of any number of framework-registered shard-shaped states (an optimizer's
 // moments, say), rank 0 writes the replicated states (AddReplicatedState: a step counter, any
 // small tensor the same on every rank) once and one manifest (scheduler/checkpoint/manifest.h);
-// a load at any
-// world size or mesh shape has every rank read only the bytes its new shard needs, planned with
-// PlanReshard (runtime/reshard_plan.h), and gives back the saved bits exactly.
+// a load at any world size or mesh shape has every rank read only the bytes its new shard needs,
+// planned with PlanReshard (runtime/reshard_plan.h), and gives back the saved bits exactly.
 //
 //   SL_ASSIGN_OR_RETURN(auto ckpt, Checkpointer::Create(*sched, {}, deadline));
 //   SL_RETURN_IF_ERROR(ckpt->AddState({.unit = u, .name = "adam.m", .data = m, .dtype = kF32}));
