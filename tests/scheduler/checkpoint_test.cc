@@ -42,6 +42,7 @@
 #include "absl/strings/str_cat.h"
 #include "collectives/local/local_communicator.h"
 #include "runtime/check.h"
+#include "runtime/config.h"
 #include "runtime/status.h"
 #include "scheduler/checkpoint/crc32c.h"
 #include "scheduler/checkpoint/file_system.h"
@@ -1105,6 +1106,38 @@ TEST_F(CheckpointTest, DestructionFinishesAPendingSave) {
     return absl::OkStatus();
   }));
   LoadAndCheck({.world = 1}, dir, ref, "saved by a destroyed checkpointer");
+}
+
+// SHARDLINE_CHECKPOINT_KILL_AT is declared once (in the knob registry) and a value that does not
+// parse makes Create fail naming it. (Its effect, a SIGKILL, is tested across processes by
+// tests/scripts/checkpoint_kill_test.py.)
+TEST_F(CheckpointTest, InvalidKillVariableIsAnError) {
+  const ParamBase* knob = nullptr;
+  for (const ParamBase* p : AllParams()) {
+    if (p->env_name() == "SHARDLINE_CHECKPOINT_KILL_AT") knob = p;
+  }
+  ASSERT_NE(knob, nullptr);
+  for (const char* bad : {"x", "1:2:3", "-1", "0:-4"}) {
+    ASSERT_EQ(setenv("SHARDLINE_CHECKPOINT_KILL_AT", bad, 1), 0);
+    knob->ResetCacheForTesting();
+    for (const absl::Status& s : RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) {
+           return MakeRank({.world = 1}, comm, nullptr).status();
+         })) {
+      EXPECT_TRUE(absl::IsInvalidArgument(s)) << bad << ": " << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "SHARDLINE_CHECKPOINT_KILL_AT")) << s;
+    }
+  }
+  // A kill point for another rank (and one past the save's operations) changes nothing here.
+  ASSERT_EQ(setenv("SHARDLINE_CHECKPOINT_KILL_AT", "5:0", 1), 0);
+  knob->ResetCacheForTesting();
+  SaveModel({.world = 2}, Dir("other_rank"));
+  ASSERT_EQ(setenv("SHARDLINE_CHECKPOINT_KILL_AT", "100000", 1), 0);
+  knob->ResetCacheForTesting();
+  SaveModel({.world = 2}, Dir("past_the_end"));
+  unsetenv("SHARDLINE_CHECKPOINT_KILL_AT");
+  knob->ResetCacheForTesting();
+  EXPECT_OK(ReadCheckpointManifest(PosixFileSystem(), Dir("other_rank")).status());
+  EXPECT_OK(ReadCheckpointManifest(PosixFileSystem(), Dir("past_the_end")).status());
 }
 
 // ---- Replicated states ---------------------------------------------------------------------
