@@ -23,7 +23,8 @@
 // return the same outcome on every rank: a rank whose own operation failed returns its error,
 // the others the lowest failing rank's code and message, prefixed with its rank and marked as a
 // peer error (IsPeerError). A file system shared by all ranks is assumed (NFS, Lustre, a local
-// disk for one machine).
+// disk for one machine). A Checkpointer is used by one thread at a time (last_save_stats() may
+// be called from any); SaveAsync's background thread is its own.
 //
 // Save(dir):
 //   1. rank 0 checks that `dir` does not exist and creates "<dir>.tmp-<nonce>" beside it;

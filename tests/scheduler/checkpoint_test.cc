@@ -698,13 +698,13 @@ TEST_F(CheckpointTest, FilesAreSyncedBeforeTheRenameAndTheParentAfter) {
 
 TEST_F(CheckpointTest, FailureAtEveryOperationKeepsThePreviousCheckpoint) {
   const std::string previous = Dir("previous");
-  const Reference ref = SaveModel({.world = 4}, previous);
+  const Reference ref = SaveModel({.world = 4, .replicated = true}, previous);
 
   // How many file operations each rank performs in a save.
   std::vector<int64_t> counts(4, 0);
   ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) {
     RecordingFileSystem recorder;
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4}, comm, &recorder));
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4, .replicated = true}, comm, &recorder));
     SL_RETURN_IF_ERROR(rank->ckpt->Save(Dir("count"), Deadline()));
     counts[r] = recorder.operation_count();
     return absl::OkStatus();
@@ -727,7 +727,7 @@ TEST_F(CheckpointTest, FailureAtEveryOperationKeepsThePreviousCheckpoint) {
   std::vector<std::vector<absl::Status>> outcomes(cases.size(), std::vector<absl::Status>(4));
   ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) {
     RecordingFileSystem recorder;
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4}, comm, &recorder));
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4, .replicated = true}, comm, &recorder));
     for (size_t c = 0; c < cases.size(); ++c) {
       recorder.Reset();
       if (cases[c].rank == r) recorder.FailFrom(cases[c].op);
