@@ -1090,6 +1090,34 @@ TEST_F(CheckpointTest, SnapshotCapIsEnforcedOnEveryRank) {
   EXPECT_OK(ReadCheckpointManifest(PosixFileSystem(), Dir("fits")).status());
 }
 
+// Under hybrid sharding only the first replica group snapshots and writes; the others copy
+// nothing and still return the common outcome.
+TEST_F(CheckpointTest, HybridBackgroundSaveSnapshotsOnTheWritersOnly) {
+  const std::string dir = Dir("hybrid_background");
+  const RunConfig hybrid{.world = 4,
+                         .strategy = ShardingStrategy::kHybridShard,
+                         .shard_size = 2,
+                         .host_compute = true,
+                         .replicated = true};
+  std::vector<uint64_t> snapshot(4), expected(4);
+  ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(hybrid, comm, nullptr));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    snapshot[r] = rank->ckpt->last_save_stats().snapshot_bytes;
+    expected[r] = rank->sched->mesh().replicate_rank() == 0 ? DataFileBytes(*rank) : 0;
+    SL_RETURN_IF_ERROR(TrainingStep(*rank, 5));
+    return rank->ckpt->WaitForSave(Deadline());
+  }));
+  EXPECT_EQ(snapshot, expected);
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 0);
+    return absl::OkStatus();
+  }));
+  LoadAndCheck({.world = 3}, dir, ref, "hybrid background save, load at 3");
+}
+
 // Destroying a Checkpointer with a save pending finishes the save first.
 TEST_F(CheckpointTest, DestructionFinishesAPendingSave) {
   const std::string dir = Dir("destroyed");
