@@ -10,6 +10,7 @@
 #include <cstring>
 #include <new>
 #include <random>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -682,16 +683,29 @@ absl::Status Checkpointer::SaveAsync(absl::string_view dir, absl::Time deadline)
   }
   SL_RETURN_IF_ERROR(status);
   pending_ = std::move(job);
-  background_ = std::thread([this] {
+  const auto finish = [this]() -> absl::Status {
     const absl::Time begin = absl::Now();
     absl::Status outcome = FinishSave(*pending_);
     std::lock_guard<std::mutex> lock(mu_);
-    outcome_ = std::move(outcome);
     stats_.write = absl::Now() - begin;
     stats_.finished = true;
-    done_ = true;
-    done_cv_.notify_all();
-  });
+    return outcome;
+  };
+  try {
+    background_ = std::thread([this, finish] {
+      absl::Status outcome = finish();
+      std::lock_guard<std::mutex> lock(mu_);
+      outcome_ = std::move(outcome);
+      done_ = true;
+      done_cv_.notify_all();
+    });
+  } catch (const std::system_error&) {
+    // No thread to be had: the save still completes (the other ranks' writers expect this
+    // rank's exchanges), on this thread, and its outcome is returned now.
+    absl::Status outcome = finish();
+    pending_.reset();
+    return outcome;
+  }
   return absl::OkStatus();
 }
 

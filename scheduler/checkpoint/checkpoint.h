@@ -203,7 +203,8 @@ class Checkpointer {
   // meanwhile) and rank 0 publishes, with the same files, operations and atomicity as Save. The
   // shards may change as soon as it returns. Every wait of the background part is bounded by
   // `deadline`. An error returned here (the same on every rank) means nothing runs in the
-  // background; the outcome of what does is WaitForSave's.
+  // background; the outcome of what does is WaitForSave's. (Should the thread fail to start,
+  // the save completes on the calling thread and its outcome is returned here.)
   absl::Status SaveAsync(absl::string_view dir, absl::Time deadline);
   // Waits for the pending background save and returns its outcome, the same on every rank as
   // Save's (OK if none is pending; each outcome is returned once). DeadlineExceeded if it is
