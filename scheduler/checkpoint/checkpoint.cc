@@ -8,12 +8,18 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <random>
+#include <system_error>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "runtime/config.h"
+#include "runtime/logging.h"
 #include "runtime/reshard_plan.h"
 #include "runtime/status.h"
 #include "scheduler/checkpoint/crc32c.h"
@@ -113,7 +119,74 @@ absl::Status CompareTensors(absl::string_view unit, const std::vector<TensorSpec
   return absl::OkStatus();
 }
 
+// SHARDLINE_CHECKPOINT_KILL_AT: "" (none), "<k>" (every rank) or "<rank>:<k>".
+struct KillPoint {
+  int rank = -1;  // -1: every rank
+  int64_t op = -1;
+};
+
+absl::StatusOr<KillPoint> ParseKillPoint(absl::string_view text) {
+  KillPoint point;
+  if (text.empty()) return point;
+  std::vector<absl::string_view> parts = absl::StrSplit(text, ':');
+  const auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", text, "' is neither <operation index> nor <rank>:<operation index> (integers >= 0)"));
+  };
+  if (parts.size() > 2) return bad();
+  if (parts.size() == 2 && (!absl::SimpleAtoi(parts[0], &point.rank) || point.rank < 0)) {
+    return bad();
+  }
+  if (!absl::SimpleAtoi(parts.back(), &point.op) || point.op < 0) return bad();
+  return point;
+}
+
+SL_PARAM(std::string, CheckpointKillAt, "CHECKPOINT_KILL_AT", "",
+         "Test hook for crash tests: \"<k>\" or \"<rank>:<k>\" makes every Checkpointer of this "
+         "process (of world rank <rank> only, if given) raise SIGKILL right before its k-th "
+         "(0-based) mutating file operation (create_dir, create_file, append, sync, close, "
+         "rename, sync_dir, counted as RecordingFileSystem counts them from the Checkpointer's "
+         "creation), in Save and in SaveAsync's background writer alike.",
+         [](const std::string& v) { return ParseKillPoint(v).status(); });
+
+// Calls fn(unit index, state index, piece, dtype size) for every piece of shard `shard`, in file
+// order.
+template <typename Fn>
+void ForEachPieceOfShard(const CheckpointManifest& manifest, int shard, Fn fn) {
+  for (size_t u = 0; u < manifest.units.size(); ++u) {
+    const CheckpointUnitRecord& unit = manifest.units[u];
+    // The pieces of a shard are contiguous: they follow the layout's slices.
+    const absl::Span<const ShardSlice> mine = unit.layout.ShardSlices(shard);
+    const size_t first = static_cast<size_t>(mine.data() - unit.layout.slices().data());
+    for (size_t k = 0; k < unit.states.size(); ++k) {
+      const CheckpointStateRecord& state = unit.states[k];
+      const size_t size = DTypeSize(state.dtype);
+      for (size_t i = first; i < first + mine.size(); ++i) fn(u, k, state.pieces[i], size);
+    }
+  }
+}
+
 }  // namespace
+
+// ---- Save job ------------------------------------------------------------------------------
+
+// One save between its agreement (BeginSave) and its end (FinishSave): everything FinishSave
+// needs, so that a background thread reads nothing the caller's thread may change.
+struct Checkpointer::SaveJob {
+  std::string dir;
+  std::string what;  // "checkpoint save '<dir>'"
+  std::string tmp;
+  CheckpointManifest manifest;
+  uint64_t fingerprint = 0;
+  bool writer = false;             // this rank writes a data file (replicate rank 0)
+  const char* snapshot = nullptr;  // background: the data file's bytes; null: the shards
+  uint64_t snapshot_bytes = 0;
+  absl::Duration snapshot_time = absl::ZeroDuration();
+  // Rank 0: the replicated states' bytes, back to back (copied at the call, so a background
+  // save writes the values of that moment).
+  std::string replicated;
+  absl::Time deadline;
+};
 
 // ---- Load plan ---------------------------------------------------------------------------
 
@@ -137,6 +210,12 @@ struct Checkpointer::LoadPlan {
   std::vector<std::unique_ptr<ReadableFile>> files;  // by saved shard; null if not needed
   std::vector<Task> tasks;
   std::vector<Padding> padding;
+  // Registered replicated states, read and verified by PlanLoad, copied by RunLoad.
+  struct Replicated {
+    void* dst;
+    std::string bytes;
+  };
+  std::vector<Replicated> replicated;
 };
 
 Checkpointer::Checkpointer(Scheduler& scheduler, CheckpointOptions options,
@@ -147,7 +226,16 @@ Checkpointer::Checkpointer(Scheduler& scheduler, CheckpointOptions options,
       world_(std::move(world)),
       stream_(std::move(stream)) {}
 
-Checkpointer::~Checkpointer() = default;
+Checkpointer::~Checkpointer() {
+  if (!background_.joinable()) return;
+  const std::string dir = pending_->dir;
+  // The background part's waits are bounded by its own deadline: this join is too.
+  const absl::Status outcome = WaitForSave(absl::InfiniteFuture());
+  if (!outcome.ok()) {
+    SL_LOG(WARN, SCHED) << "Checkpointer destroyed with the outcome of the background save '" << dir
+                        << "' not collected (WaitForSave): " << outcome;
+  }
+}
 
 absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(Scheduler& scheduler,
                                                                    CheckpointOptions options,
@@ -159,9 +247,18 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(Scheduler& sc
     return absl::InvalidArgumentError("Checkpointer: read_chunk_bytes is 0");
   }
   SL_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> world, scheduler.mesh().world()->Dup(deadline));
+  SL_ASSIGN_OR_RETURN(const std::string kill_text, ParamCheckpointKillAt().Get());
+  SL_ASSIGN_OR_RETURN(const KillPoint kill, ParseKillPoint(kill_text));
   SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, CreateCallerStream({.name = "checkpoint"}));
-  return std::unique_ptr<Checkpointer>(
+  const int rank = world->rank();
+  std::unique_ptr<Checkpointer> ckpt(
       new Checkpointer(scheduler, options, std::move(world), std::move(stream)));
+  if (kill.op >= 0 && (kill.rank < 0 || kill.rank == rank)) {
+    ckpt->killer_ = std::make_unique<RecordingFileSystem>(*ckpt->fs_);
+    ckpt->killer_->KillAt(kill.op);
+    ckpt->fs_ = ckpt->killer_.get();
+  }
+  return ckpt;
 }
 
 absl::Status Checkpointer::AddState(CheckpointState state) {
@@ -194,6 +291,34 @@ absl::Status Checkpointer::AddState(CheckpointState state) {
                                                    unit.layout().shard_elements(), " elements"));
   }
   states_.push_back(std::move(state));
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::AddReplicatedState(CheckpointReplicatedState state) {
+  const std::string what = absl::StrCat("Checkpointer::AddReplicatedState('", state.name, "')");
+  if (!ValidStateName(state.name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": a state name is 1-128 characters of [A-Za-z0-9._-]"));
+  }
+  for (const CheckpointReplicatedState& s : replicated_) {
+    if (s.name == state.name) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": a replicated state of that name exists"));
+    }
+  }
+  if (static_cast<size_t>(state.dtype) >= kAllDTypes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": invalid dtype"));
+  }
+  CheckpointManifest probe;
+  SL_RETURN_IF_ERROR(
+      Annotate(SetCheckpointReplicatedStates(
+                   &probe, {{.name = state.name, .shape = state.shape, .dtype = state.dtype}}),
+               what));
+  if (state.data == nullptr && probe.replicated_bytes > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": data is null for ", probe.replicated_bytes, " bytes"));
+  }
+  replicated_.push_back(std::move(state));
   return absl::OkStatus();
 }
 
@@ -230,6 +355,12 @@ uint64_t Checkpointer::RegistrationFingerprint() const {
       h = Fnv1a(h, s.name);
       h = Fnv1a(h, DTypeName(s.dtype));
     }
+  }
+  for (const CheckpointReplicatedState& r : replicated_) {
+    h = Fnv1a(h, "replicated");
+    h = Fnv1a(h, r.name);
+    h = Fnv1a(h, DTypeName(r.dtype));
+    h = Fnv1a(h, absl::StrJoin(r.shape, ","));
   }
   return h;
 }
@@ -304,31 +435,39 @@ absl::Status Checkpointer::Agree(absl::Status mine, absl::string_view what, uint
 // ---- Save --------------------------------------------------------------------------------
 
 absl::Status Checkpointer::WriteShardFile(const std::string& tmp,
-                                          const CheckpointManifest& manifest,
+                                          const CheckpointManifest& manifest, const char* snapshot,
                                           std::vector<uint32_t>* crcs) {
   const int shard = scheduler_.mesh().shard_rank();
   const std::string path = absl::StrCat(tmp, "/", manifest.files[shard].name);
   SL_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs_->CreateFile(path));
   const uint64_t block = manifest.checksum_block_bytes;
-  for (size_t u = 0; u < manifest.units.size(); ++u) {
-    const CheckpointUnitRecord& unit = manifest.units[u];
-    for (size_t k = 0; k < unit.states.size(); ++k) {
-      const CheckpointStateRecord& state = unit.states[k];
-      const char* base = static_cast<const char*>(StateData(static_cast<int>(u), k));
-      const size_t size = DTypeSize(state.dtype);
-      // The pieces of a shard are contiguous: they follow the layout's slices.
-      const absl::Span<const ShardSlice> mine = unit.layout.ShardSlices(shard);
-      const size_t first = static_cast<size_t>(mine.data() - unit.layout.slices().data());
-      for (size_t i = first; i < first + mine.size(); ++i) {
-        const CheckpointPiece& piece = state.pieces[i];
-        const char* data = base + piece.shard_offset * size;
+  absl::Status status;
+  // One append per piece, from the shards or the snapshot alike: the same file operations.
+  ForEachPieceOfShard(
+      manifest, shard, [&](size_t u, size_t k, const CheckpointPiece& piece, size_t size) {
+        if (!status.ok()) return;
+        const char* data = snapshot != nullptr
+                               ? snapshot + piece.file_offset
+                               : static_cast<const char*>(StateData(static_cast<int>(u), k)) +
+                                     piece.shard_offset * size;
         for (uint64_t b = 0; b < piece.bytes; b += block) {
           crcs->push_back(Crc32c(data + b, std::min(block, piece.bytes - b)));
         }
-        SL_RETURN_IF_ERROR(file->Append(data, piece.bytes));
-      }
-    }
+        status = file->Append(data, piece.bytes);
+      });
+  SL_RETURN_IF_ERROR(status);
+  SL_RETURN_IF_ERROR(file->Sync());
+  return file->Close();
+}
+
+absl::Status Checkpointer::WriteReplicatedFile(const std::string& tmp, const std::string& bytes,
+                                               CheckpointManifest* manifest) {
+  const std::string path = absl::StrCat(tmp, "/", kCheckpointReplicatedFileName);
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs_->CreateFile(path));
+  for (CheckpointReplicatedRecord& r : manifest->replicated) {
+    r.crc32c = Crc32c(bytes.data() + r.file_offset, r.bytes);
   }
+  SL_RETURN_IF_ERROR(file->Append(bytes.data(), bytes.size()));
   SL_RETURN_IF_ERROR(file->Sync());
   return file->Close();
 }
@@ -346,20 +485,24 @@ absl::Status Checkpointer::Publish(const std::string& dir, const std::string& tm
   return fs_->SyncDir(ParentDir(dir));
 }
 
-absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) {
-  const std::string dir = NormalizeDir(dir_arg);
-  const std::string what = absl::StrCat("checkpoint save '", dir, "'");
-  if (dir.empty()) {
+absl::Status Checkpointer::BeginSave(absl::string_view dir_arg, bool background,
+                                     absl::Time deadline, SaveJob* job) {
+  job->dir = NormalizeDir(dir_arg);
+  job->what = absl::StrCat("checkpoint save '", job->dir, "'");
+  job->deadline = deadline;
+  const std::string& what = job->what;
+  if (job->dir.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint save: bad directory '", dir_arg, "'"));
   }
   const ProcessMesh& mesh = scheduler_.mesh();
   const int rank = world_->rank();
+  const int shard = mesh.shard_rank();
+  job->writer = mesh.replicate_rank() == 0;
 
-  // Phase 1: every rank checks its units and computes the manifest (the same on every rank);
-  // rank 0 creates the temporary directory and draws its name.
+  // Every rank checks its units and computes the manifest (the same on every rank).
   absl::Status local = PrepareUnits(what, /*for_load=*/false, deadline);
-  CheckpointManifest manifest;
+  CheckpointManifest& manifest = job->manifest;
   if (local.ok()) {
     absl::StatusOr<CheckpointManifest> m =
         MakeCheckpointManifest(Contents(), mesh.replicate_size(), mesh.shard_size(),
@@ -370,29 +513,96 @@ absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) 
       local = Annotate(m.status(), what);
     }
   }
+  if (local.ok()) {
+    std::vector<CheckpointReplicatedRecord> records;
+    for (const CheckpointReplicatedState& r : replicated_) {
+      records.push_back({.name = r.name, .shape = r.shape, .dtype = r.dtype});
+    }
+    local = Annotate(SetCheckpointReplicatedStates(&manifest, std::move(records)), what);
+  }
+  if (local.ok() && rank == 0) {
+    job->replicated.resize(manifest.replicated_bytes);
+    for (size_t i = 0; i < replicated_.size(); ++i) {
+      const CheckpointReplicatedRecord& r = manifest.replicated[i];
+      if (r.bytes > 0) std::memcpy(&job->replicated[r.file_offset], replicated_[i].data, r.bytes);
+    }
+  }
+  // A background save copies each writer's data file into host memory. Every rank checks every
+  // shard's size against the cap, so that all fail alike before rank 0 creates anything.
+  if (local.ok() && background && options_.max_snapshot_bytes > 0) {
+    for (const CheckpointFileRecord& f : manifest.files) {
+      if (f.bytes > options_.max_snapshot_bytes) {
+        local = absl::ResourceExhaustedError(absl::StrCat(
+            what, ": the snapshot of shard ", f.shard, " would take ", f.bytes,
+            " bytes of host memory, more than max_snapshot_bytes (", options_.max_snapshot_bytes,
+            "); raise the cap or use Save, which writes from the shards without a snapshot"));
+        break;
+      }
+    }
+  }
+  if (local.ok() && background && job->writer) {
+    const uint64_t bytes = manifest.files[shard].bytes;
+    if (bytes > snapshot_capacity_) {
+      snapshot_.reset();
+      snapshot_capacity_ = 0;
+      snapshot_.reset(new (std::nothrow) char[bytes]);
+      if (snapshot_ == nullptr) {
+        local = absl::ResourceExhaustedError(absl::StrCat(what, ": cannot allocate the snapshot's ",
+                                                          bytes, " bytes of host memory"));
+      } else {
+        snapshot_capacity_ = bytes;
+      }
+    }
+    if (local.ok()) {
+      const absl::Time start = absl::Now();
+      char* out = snapshot_.get();
+      ForEachPieceOfShard(
+          manifest, shard, [&](size_t u, size_t k, const CheckpointPiece& piece, size_t size) {
+            std::memcpy(out + piece.file_offset,
+                        static_cast<const char*>(StateData(static_cast<int>(u), k)) +
+                            piece.shard_offset * size,
+                        piece.bytes);
+          });
+      job->snapshot = out;
+      job->snapshot_bytes = bytes;
+      job->snapshot_time = absl::Now() - start;
+    }
+  }
+  // Rank 0 creates the temporary directory and draws its name.
   std::string nonce;
   if (rank == 0 && local.ok()) {
     nonce = MakeNonce();
-    absl::StatusOr<bool> exists = fs_->Exists(dir);
+    absl::StatusOr<bool> exists = fs_->Exists(job->dir);
     if (!exists.ok()) {
       local = Annotate(exists.status(), what);
     } else if (*exists) {
-      local = absl::AlreadyExistsError(absl::StrCat(
-          what, ": '", dir, "' exists (a save never replaces anything; choose a new directory)"));
+      local = absl::AlreadyExistsError(
+          absl::StrCat(what, ": '", job->dir,
+                       "' exists (a save never replaces anything; choose a new directory)"));
     } else {
-      local = Annotate(fs_->CreateDir(absl::StrCat(dir, ".tmp-", nonce)), what);
+      local = Annotate(fs_->CreateDir(absl::StrCat(job->dir, ".tmp-", nonce)), what);
     }
   }
   std::vector<std::string> all;
+  job->fingerprint = RegistrationFingerprint();
   // The fingerprint check comes first: the next exchange's size depends on the registrations.
-  SL_RETURN_IF_ERROR(
-      Agree(local, what, RegistrationFingerprint(), nonce, kNonceBytes, &all, deadline));
-  const std::string tmp = absl::StrCat(dir, ".tmp-", all[0]);
+  SL_RETURN_IF_ERROR(Agree(local, what, job->fingerprint, nonce, kNonceBytes, &all, deadline));
+  job->tmp = absl::StrCat(job->dir, ".tmp-", all[0]);
+  return absl::OkStatus();
+}
 
+absl::Status Checkpointer::FinishSave(SaveJob& job) {
+  const std::string& what = job.what;
+  CheckpointManifest& manifest = job.manifest;
   // Phase 2: the first replica group writes one file per shard.
   std::vector<uint32_t> crcs;
   absl::Status written;
-  if (mesh.replicate_rank() == 0) written = Annotate(WriteShardFile(tmp, manifest, &crcs), what);
+  if (job.writer) {
+    written = Annotate(WriteShardFile(job.tmp, manifest, job.snapshot, &crcs), what);
+  }
+  if (written.ok() && world_->rank() == 0 && !manifest.replicated.empty()) {
+    written = Annotate(WriteReplicatedFile(job.tmp, job.replicated, &manifest), what);
+  }
   std::vector<uint64_t> blocks(manifest.files.size(), 0);
   for (const CheckpointUnitRecord& unit : manifest.units) {
     for (const CheckpointStateRecord& state : unit.states) {
@@ -402,13 +612,14 @@ absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) 
   const uint64_t max_blocks = *std::max_element(blocks.begin(), blocks.end());
   std::string extra(max_blocks * 4, '\0');
   for (size_t i = 0; i < crcs.size() && i < max_blocks; ++i) PutLe(&extra[4 * i], crcs[i], 4);
+  std::vector<std::string> all;
   SL_RETURN_IF_ERROR(
-      Agree(written, what, RegistrationFingerprint(), extra, extra.size(), &all, deadline));
+      Agree(written, what, job.fingerprint, extra, extra.size(), &all, job.deadline));
 
   // Phase 3: rank 0 completes the manifest with every writer's checksums (shard s's writer is
   // world rank s: row 0, column s of the mesh) and publishes the checkpoint.
   absl::Status published;
-  if (rank == 0) {
+  if (world_->rank() == 0) {
     // One pass in manifest order: each writer appended its checksums in that order.
     std::vector<size_t> next(manifest.files.size(), 0);
     for (CheckpointUnitRecord& unit : manifest.units) {
@@ -421,9 +632,108 @@ absl::Status Checkpointer::Save(absl::string_view dir_arg, absl::Time deadline) 
         }
       }
     }
-    published = Annotate(Publish(dir, tmp, manifest), what);
+    published = Annotate(Publish(job.dir, job.tmp, manifest), what);
   }
-  return Agree(published, what, 0, "", 0, nullptr, deadline);
+  return Agree(published, what, 0, "", 0, nullptr, job.deadline);
+}
+
+absl::Status Checkpointer::SettlePending(absl::Time deadline) {
+  if (!background_.joinable()) return absl::OkStatus();
+  const std::string dir = pending_->dir;
+  absl::Status outcome = WaitForSave(deadline);
+  if (outcome.ok() || save_pending()) return outcome;  // still running: DeadlineExceeded
+  return Annotate(outcome, absl::StrCat("the previous background save '", dir, "' failed"));
+}
+
+absl::Status Checkpointer::Save(absl::string_view dir, absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  SL_RETURN_IF_ERROR(SettlePending(deadline));
+  const absl::Duration waited = absl::Now() - start;
+  SaveJob job;
+  absl::Status status = BeginSave(dir, /*background=*/false, deadline, &job);
+  if (status.ok()) status = FinishSave(job);
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_ = CheckpointSaveStats{.dir = job.dir,
+                               .background = false,
+                               .finished = true,
+                               .snapshot_capacity_bytes = snapshot_capacity_,
+                               .blocked = absl::Now() - start,
+                               .waited = waited};
+  return status;
+}
+
+absl::Status Checkpointer::SaveAsync(absl::string_view dir, absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  SL_RETURN_IF_ERROR(SettlePending(deadline));
+  const absl::Duration waited = absl::Now() - start;
+  auto job = std::make_unique<SaveJob>();
+  const absl::Status status = BeginSave(dir, /*background=*/true, deadline, job.get());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_ = CheckpointSaveStats{.dir = job->dir,
+                                 .background = true,
+                                 .finished = !status.ok(),
+                                 .snapshot_bytes = job->snapshot_bytes,
+                                 .snapshot_capacity_bytes = snapshot_capacity_,
+                                 .blocked = absl::Now() - start,
+                                 .waited = waited,
+                                 .snapshot = job->snapshot_time};
+    done_ = false;
+    outcome_ = absl::OkStatus();
+  }
+  SL_RETURN_IF_ERROR(status);
+  pending_ = std::move(job);
+  const auto finish = [this]() -> absl::Status {
+    const absl::Time begin = absl::Now();
+    absl::Status outcome = FinishSave(*pending_);
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.write = absl::Now() - begin;
+    stats_.finished = true;
+    return outcome;
+  };
+  try {
+    background_ = std::thread([this, finish] {
+      absl::Status outcome = finish();
+      std::lock_guard<std::mutex> lock(mu_);
+      outcome_ = std::move(outcome);
+      done_ = true;
+      done_cv_.notify_all();
+    });
+  } catch (const std::system_error&) {
+    // No thread to be had: the save still completes (the other ranks' writers expect this
+    // rank's exchanges), on this thread, and its outcome is returned now.
+    absl::Status outcome = finish();
+    pending_.reset();
+    return outcome;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::WaitForSave(absl::Time deadline) {
+  if (!background_.joinable()) return absl::OkStatus();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // A finite horizon: the chrono conversion of an infinite deadline overflows.
+    const absl::Time until = std::min(deadline, absl::Now() + absl::Hours(24 * 365));
+    while (!done_) {
+      if (done_cv_.wait_until(lock, absl::ToChronoTime(until)) == std::cv_status::timeout &&
+          !done_ && absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(pending_->what, ": the background save is still running at the deadline"));
+      }
+    }
+  }
+  background_.join();
+  pending_.reset();
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(outcome_, absl::OkStatus());
+}
+
+bool Checkpointer::save_pending() const { return background_.joinable(); }
+
+CheckpointSaveStats Checkpointer::last_save_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
 }
 
 // ---- Load --------------------------------------------------------------------------------
@@ -580,10 +890,71 @@ absl::Status Checkpointer::PlanLoad(const std::string& dir, LoadPlan* plan) {
     }
     plan->files[f] = *std::move(file);
   }
+  return PlanReplicatedLoad(dir, plan);
+}
+
+absl::Status Checkpointer::PlanReplicatedLoad(const std::string& dir, LoadPlan* plan) {
+  if (replicated_.empty()) return absl::OkStatus();
+  const CheckpointManifest& m = plan->manifest;
+  const std::string file_name(kCheckpointReplicatedFileName);
+  std::unique_ptr<ReadableFile> file;
+  for (const CheckpointReplicatedState& state : replicated_) {
+    const CheckpointReplicatedRecord* record = nullptr;
+    for (const CheckpointReplicatedRecord& r : m.replicated) {
+      if (r.name == state.name) record = &r;
+    }
+    if (record == nullptr) {
+      std::vector<std::string> names;
+      for (const CheckpointReplicatedRecord& r : m.replicated) names.push_back(r.name);
+      return absl::NotFoundError(
+          absl::StrCat("the checkpoint has no replicated state '", state.name,
+                       "' (it has: ", names.empty() ? "none" : absl::StrJoin(names, ", "), ")"));
+    }
+    if (record->shape != state.shape || record->dtype != state.dtype) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("replicated state '", state.name, "': the checkpoint has [",
+                       absl::StrJoin(record->shape, ", "), "] ", DTypeName(record->dtype),
+                       ", the registered one [", absl::StrJoin(state.shape, ", "), "] ",
+                       DTypeName(state.dtype), " (a load copies bits, it does not cast)"));
+    }
+    if (file == nullptr) {
+      absl::StatusOr<std::unique_ptr<ReadableFile>> opened =
+          fs_->OpenFile(absl::StrCat(dir, "/", file_name));
+      if (!opened.ok()) {
+        if (absl::IsNotFound(opened.status())) {
+          return absl::NotFoundError(absl::StrCat("data file '", file_name,
+                                                  "' is missing (replicated state '", state.name,
+                                                  "' is in it)"));
+        }
+        return Annotate(opened.status(), absl::StrCat("data file '", file_name, "'"));
+      }
+      file = *std::move(opened);
+      if (file->size() != m.replicated_bytes) {
+        return absl::DataLossError(absl::StrCat(
+            "data file '", file_name, "' is ", file->size(), " bytes, the manifest says ",
+            m.replicated_bytes, file->size() < m.replicated_bytes ? " (truncated)" : " (altered)",
+            "; replicated state '", state.name, "' is in it"));
+      }
+    }
+    std::string bytes(record->bytes, '\0');
+    SL_RETURN_IF_ERROR(file->ReadAt(record->file_offset, bytes.size(), bytes.data()));
+    const uint32_t crc = Crc32c(bytes.data(), bytes.size());
+    if (crc != record->crc32c) {
+      return absl::DataLossError(absl::StrFormat(
+          "data file '%s' bytes [%d, %d) have CRC-32C %08x, the manifest says %08x: replicated "
+          "state '%s' is corrupt",
+          file_name, record->file_offset, record->file_offset + record->bytes, crc, record->crc32c,
+          state.name));
+    }
+    plan->replicated.push_back({state.data, std::move(bytes)});
+  }
   return absl::OkStatus();
 }
 
 absl::Status Checkpointer::RunLoad(LoadPlan& plan) {
+  for (const LoadPlan::Replicated& r : plan.replicated) {
+    if (!r.bytes.empty()) std::memcpy(r.dst, r.bytes.data(), r.bytes.size());
+  }
   const int shard = scheduler_.mesh().shard_rank();
   for (const LoadPlan::Padding& p : plan.padding) {
     const size_t begin = p.layout->ShardBegin(shard);
@@ -639,6 +1010,7 @@ absl::Status Checkpointer::Load(absl::string_view dir_arg, absl::Time deadline) 
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint load: bad directory '", dir_arg, "'"));
   }
+  SL_RETURN_IF_ERROR(SettlePending(deadline));
   LoadPlan plan;
   absl::Status local = PrepareUnits(what, /*for_load=*/true, deadline);
   if (local.ok()) local = Annotate(PlanLoad(dir, &plan), what);

@@ -2,9 +2,10 @@
 // -----------------------------------------------------------------------------
 // Sharded checkpoints of a Scheduler's units: every rank writes its own shard of every unit's
 // master shard and of any number of framework-registered shard-shaped states (an optimizer's
-// moments, say), rank 0 writes one manifest (scheduler/checkpoint/manifest.h); a load at any
-// world size or mesh shape has every rank read only the bytes its new shard needs, planned with
-// PlanReshard (runtime/reshard_plan.h), and gives back the saved bits exactly.
+// moments, say), rank 0 writes the replicated states (AddReplicatedState: a step counter, any
+// small tensor the same on every rank) once and one manifest (scheduler/checkpoint/manifest.h);
+// a load at any world size or mesh shape has every rank read only the bytes its new shard needs,
+// planned with PlanReshard (runtime/reshard_plan.h), and gives back the saved bits exactly.
 //
 //   SL_ASSIGN_OR_RETURN(auto ckpt, Checkpointer::Create(*sched, {}, deadline));
 //   SL_RETURN_IF_ERROR(ckpt->AddState({.unit = u, .name = "adam.m", .data = m, .dtype = kF32}));
@@ -12,19 +13,25 @@
 //   SL_RETURN_IF_ERROR(ckpt->Save("ckpt/step1000", deadline));
 //   ... in another job, of another world size, with the same units and states registered:
 //   SL_RETURN_IF_ERROR(ckpt->Load("ckpt/step1000", deadline));
+//   ... or in the background: the call returns after copying the shards into host memory
+//   SL_RETURN_IF_ERROR(ckpt->SaveAsync("ckpt/step2000", deadline));
+//   ... train on; later (or before the next save, which waits for it anyway):
+//   SL_RETURN_IF_ERROR(ckpt->WaitForSave(deadline));
 //
-// Both calls are collective over the scheduler's world (every rank calls them, with the same
+// The calls are collective over the scheduler's world (every rank calls them, with the same
 // path, between steps); they block the calling thread, every wait bounded by `deadline`, and
 // return the same outcome on every rank: a rank whose own operation failed returns its error,
 // the others the lowest failing rank's code and message, prefixed with its rank and marked as a
 // peer error (IsPeerError). A file system shared by all ranks is assumed (NFS, Lustre, a local
-// disk for one machine).
+// disk for one machine). A Checkpointer is used by one thread at a time (last_save_stats() may
+// be called from any); SaveAsync's background thread is its own.
 //
 // Save(dir):
 //   1. rank 0 checks that `dir` does not exist and creates "<dir>.tmp-<nonce>" beside it;
 //   2. under hybrid sharding only the first replica group (replicate rank 0) writes: shard s's
 //      writer writes "shard-SSSSS-of-NNNNN.bin" (every unit's states, see manifest.h), one file
-//      per shard, checksumming each block as it goes, fsyncs and closes it;
+//      per shard, checksumming each block as it goes, fsyncs and closes it; rank 0 then writes
+//      "replicated.bin" (the replicated states, if any) the same way;
 //   3. the ranks exchange their outcomes and checksums (an all-gather on the world, which is the
 //      barrier);
 //   4. rank 0 writes manifest.json last, fsyncs it, fsyncs the directory, renames it to `dir`
@@ -59,16 +66,31 @@
 // at a time; a save writes from the shards directly. File operations are plain blocking system
 // calls: `deadline` bounds the waits for streams and peers, not a hung file system.
 //
-// Not in this slice: background (asynchronous) saves, full-weight safetensors export/import,
-// the C API and Python surfaces.
+// SaveAsync(dir): phase 1 on the caller's thread, plus a copy of this rank's data file (its
+// shards and states, no padding) into host memory, capped by max_snapshot_bytes; phases 2-4 on
+// a background thread, from that copy, with the exchanges on the checkpointer's own communicator
+// (a Dup of the world), so training and its collectives go on meanwhile. The outcome, the same
+// on every rank as Save's, is WaitForSave's; a later Save, SaveAsync or Load (or the destructor)
+// waits for it first. last_save_stats() reports the snapshot's size and the blocked and writing
+// times.
+//
+// SHARDLINE_CHECKPOINT_KILL_AT=<k> or <rank>:<k> (a test hook) makes the process raise SIGKILL
+// right before its checkpointer's k-th mutating file operation, in Save and in the background
+// writer alike: crash tests kill a real process at every step of a save.
+//
+// Not in this slice: full-weight safetensors export/import (the C API, Python and PyTorch wrap
+// Save and Load; bindings/c/shardline.h, shardline.Checkpointer, shardline.torch).
 
 #ifndef SHARDLINE_SCHEDULER_CHECKPOINT_CHECKPOINT_H_
 #define SHARDLINE_SCHEDULER_CHECKPOINT_CHECKPOINT_H_
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -95,6 +117,17 @@ struct CheckpointState {
   DType dtype = DType::kF32;
 };
 
+// A state that is not shard-shaped and is the same on every rank (a step counter, a learning-rate
+// schedule's position, a data loader's offset), owned by the framework: numel(shape) elements
+// of `dtype`, row-major, in host memory that outlives the Checkpointer. A save stores rank 0's
+// copy once (in replicated.bin, checksummed); a load gives every rank that copy.
+struct CheckpointReplicatedState {
+  std::string name;            // 1-128 characters of [A-Za-z0-9._-]; unique among them
+  std::vector<int64_t> shape;  // {} is a scalar; dimensions >= 0
+  DType dtype = DType::kF32;
+  void* data = nullptr;  // may be null only for a state of no elements
+};
+
 struct CheckpointOptions {
   // Every file operation goes through it. Null: PosixFileSystem(). Must outlive the Checkpointer.
   FileSystem* file_system = nullptr;
@@ -103,6 +136,32 @@ struct CheckpointOptions {
   uint64_t checksum_block_bytes = uint64_t{1} << 20;
   // The most bytes a load reads at once: whole checksum blocks, at least one. >= 1.
   size_t read_chunk_bytes = size_t{8} << 20;
+  // The most host memory (bytes) a background save (SaveAsync) may copy this rank's shards into;
+  // 0: no cap. A rank's snapshot is exactly its data file: every unit's master shard and
+  // registered states, without padding (the manifest's files[shard].bytes), and nothing on
+  // ranks that write nothing (replicas other than the first under hybrid sharding). A SaveAsync
+  // whose largest snapshot exceeds the cap fails on every rank with ResourceExhausted before
+  // anything is written (Save, which writes from the shards directly, needs no snapshot).
+  uint64_t max_snapshot_bytes = 0;
+};
+
+// What the latest save (Save or SaveAsync) cost this rank: Checkpointer::last_save_stats().
+struct CheckpointSaveStats {
+  std::string dir;          // the save's target directory ("" before any save)
+  bool background = false;  // SaveAsync (true) or Save (false)
+  bool finished = false;    // false while a background save is pending
+  // The host copy of this rank's shards that SaveAsync made (0 for Save and for a rank that
+  // writes nothing), and the memory held for it (kept for the next background save).
+  uint64_t snapshot_bytes = 0;
+  uint64_t snapshot_capacity_bytes = 0;
+  // How long the call kept the caller: all of Save; for SaveAsync the wait for an earlier
+  // save, the agreement and the snapshot. `waited` and `snapshot` are parts of it: the wait for
+  // an earlier pending save, and the copy into the snapshot.
+  absl::Duration blocked = absl::ZeroDuration();
+  absl::Duration waited = absl::ZeroDuration();
+  absl::Duration snapshot = absl::ZeroDuration();
+  // SaveAsync: the background thread's time (files, the exchange, publishing); 0 for Save.
+  absl::Duration write = absl::ZeroDuration();
 };
 
 class Checkpointer {
@@ -113,6 +172,8 @@ class Checkpointer {
                                                               CheckpointOptions options,
                                                               absl::Time deadline);
 
+  // Waits for a pending background save (bounded by that save's own deadline; its outcome, if
+  // not collected by WaitForSave, is logged at WARN when it failed).
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
@@ -122,15 +183,45 @@ class Checkpointer {
   // unknown unit, a bad, reserved or duplicate name, or null data for a non-empty shard.
   absl::Status AddState(CheckpointState state);
   const std::vector<CheckpointState>& states() const { return states_; }
+  // Registers a replicated state, saved in registration order. Every rank registers the same
+  // ones in the same order (a save checks names, shapes and dtypes; only rank 0's values are
+  // written). InvalidArgument for a bad or duplicate name, a negative dimension, an invalid
+  // dtype, or null data for a non-empty state.
+  absl::Status AddReplicatedState(CheckpointReplicatedState state);
+  const std::vector<CheckpointReplicatedState>& replicated_states() const { return replicated_; }
 
   // Saves every unit of the scheduler and every registered state into the new directory `dir`
-  // (see the header comment). AlreadyExists if `dir` exists.
+  // (see the header comment). AlreadyExists if `dir` exists. Save, SaveAsync and Load first wait
+  // (until `deadline`) for a pending background save; if that one failed and WaitForSave has not
+  // returned its outcome, they return its error (prefixed "the previous background save '<dir>'
+  // failed: ") and do nothing else.
   absl::Status Save(absl::string_view dir, absl::Time deadline);
+  // Saves as Save does, in the background: the call (collective, between steps, as Save) has the
+  // ranks agree (rank 0 creates the temporary directory), copies this rank's shards and states
+  // into host memory (the snapshot, see CheckpointOptions::max_snapshot_bytes) and returns; a
+  // background thread then writes the data file from the snapshot, exchanges the outcomes on the
+  // checkpointer's own communicator (a Dup of the world: the scheduler's collectives go on
+  // meanwhile) and rank 0 publishes, with the same files, operations and atomicity as Save. The
+  // shards may change as soon as it returns. Every wait of the background part is bounded by
+  // `deadline`. An error returned here (the same on every rank) means nothing runs in the
+  // background; the outcome of what does is WaitForSave's. (Should the thread fail to start,
+  // the save completes on the calling thread and its outcome is returned here.)
+  absl::Status SaveAsync(absl::string_view dir, absl::Time deadline);
+  // Waits for the pending background save and returns its outcome, the same on every rank as
+  // Save's (OK if none is pending; each outcome is returned once). DeadlineExceeded if it is
+  // still running at `deadline` (it stays pending: wait again). Not collective.
+  absl::Status WaitForSave(absl::Time deadline);
+  // Whether a background save was started and its outcome not yet returned by WaitForSave.
+  bool save_pending() const;
+  // The latest save's figures (of the pending one while it runs).
+  CheckpointSaveStats last_save_stats() const;
+
   // Loads the checkpoint in `dir` into every unit's master shard and every registered state.
   absl::Status Load(absl::string_view dir, absl::Time deadline);
 
  private:
   struct LoadPlan;
+  struct SaveJob;
 
   Checkpointer(Scheduler& scheduler, CheckpointOptions options, std::shared_ptr<Communicator> world,
                std::unique_ptr<Stream> stream);
@@ -146,9 +237,23 @@ class Checkpointer {
   absl::Status Agree(absl::Status mine, absl::string_view what, uint64_t fingerprint,
                      const std::string& extra, size_t extra_bytes, std::vector<std::string>* all,
                      absl::Time deadline);
-  // Save phase 2: writes this rank's shard file; appends the block checksums in file order.
+  // Save phase 1 (on the caller's thread): checks, the manifest, rank 0's temporary directory,
+  // the agreement; for a background save also the snapshot limit and the snapshot itself.
+  absl::Status BeginSave(absl::string_view dir_arg, bool background, absl::Time deadline,
+                         SaveJob* job);
+  // Save phases 2-4: writes, exchanges the checksums, publishes (rank 0), agrees.
+  absl::Status FinishSave(SaveJob& job);
+  // Save phase 2: writes this rank's shard file (from the snapshot if `snapshot` is not null,
+  // else from the shards); appends the block checksums in file order.
   absl::Status WriteShardFile(const std::string& tmp, const CheckpointManifest& manifest,
-                              std::vector<uint32_t>* crcs);
+                              const char* snapshot, std::vector<uint32_t>* crcs);
+  // Save phase 2 on rank 0: writes replicated.bin from `bytes` (the states back to back) and
+  // sets the manifest's checksums.
+  absl::Status WriteReplicatedFile(const std::string& tmp, const std::string& bytes,
+                                   CheckpointManifest* manifest);
+  // Before Save, SaveAsync, Load: waits for a pending background save; its error if it failed
+  // and was not collected.
+  absl::Status SettlePending(absl::Time deadline);
   // Save phase 4 (rank 0): the manifest, the fsyncs and the rename.
   absl::Status Publish(const std::string& dir, const std::string& tmp,
                        const CheckpointManifest& manifest);
@@ -156,6 +261,8 @@ class Checkpointer {
   // the files. Load phase 2: zeroes the padding, reads, verifies and copies.
   absl::Status PlanLoad(const std::string& dir, LoadPlan* plan);
   absl::Status RunLoad(LoadPlan& plan);
+  // Load phase 1 for the replicated states: reads and verifies each registered one.
+  absl::Status PlanReplicatedLoad(const std::string& dir, LoadPlan* plan);
   // FNV-1a of the units (names, layouts) and states (names, dtypes), compared across ranks.
   uint64_t RegistrationFingerprint() const;
 
@@ -165,6 +272,22 @@ class Checkpointer {
   std::shared_ptr<Communicator> world_;
   std::unique_ptr<Stream> stream_;  // a caller stream for the exchanges
   std::vector<CheckpointState> states_;
+  std::vector<CheckpointReplicatedState> replicated_;
+  // Set when SHARDLINE_CHECKPOINT_KILL_AT names this rank: wraps the file system, fs_ points here.
+  std::unique_ptr<RecordingFileSystem> killer_;
+
+  // The background save. `background_` runs FinishSave on `pending_`; `mu_` guards `done_`,
+  // `outcome_` and `stats_`, `done_cv_` signals done_. `snapshot_` (capacity
+  // `snapshot_capacity_`) belongs to the background thread while one runs.
+  std::thread background_;
+  std::unique_ptr<SaveJob> pending_;
+  mutable std::mutex mu_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  absl::Status outcome_;
+  CheckpointSaveStats stats_;
+  std::unique_ptr<char[]> snapshot_;
+  uint64_t snapshot_capacity_ = 0;
 };
 
 }  // namespace shardline

@@ -8,6 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 
@@ -256,6 +258,11 @@ void RecordingFileSystem::FailFrom(int64_t k) {
   fail_from_ = k;
 }
 
+void RecordingFileSystem::KillAt(int64_t k) {
+  std::lock_guard<std::mutex> lock(mu_);
+  kill_at_ = k;
+}
+
 std::vector<FileOperation> RecordingFileSystem::operations() const {
   std::lock_guard<std::mutex> lock(mu_);
   return log_;
@@ -276,12 +283,19 @@ void RecordingFileSystem::Reset() {
   log_.clear();
   reads_.clear();
   fail_from_ = -1;
+  kill_at_ = -1;
 }
 
 absl::Status RecordingFileSystem::Record(FileOperation op) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t index = static_cast<int64_t>(log_.size());
   log_.push_back(op);
+  if (index == kill_at_) {
+    // Stderr is unbuffered: the line is out before the kill, for the test driver's log.
+    std::fprintf(stderr, "shardline: SIGKILL before file operation %lld (%s)\n",
+                 static_cast<long long>(index), FileOperationToString(op).c_str());
+    std::raise(SIGKILL);
+  }
   if (fail_from_ >= 0 && index >= fail_from_) {
     return absl::UnavailableError(absl::StrCat("injected failure at file operation ", index, " (",
                                                FileOperationToString(op), ")"));

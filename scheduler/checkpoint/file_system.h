@@ -7,7 +7,8 @@
 //
 //   PosixFileSystem()        the real one (open/pwrite/fsync/renameat2/...), process-wide.
 //   RecordingFileSystem      a decorator: logs every mutating operation, optionally failing
-//                            every operation from index k on (a process killed before it).
+//                            every operation from index k on (a process killed before it), or
+//                            raising SIGKILL right before operation k (a process killed there).
 //
 // Errors name the path and the errno text ("fsync 'ckpt.tmp-1f/shard-00001-of-00004.bin':
 // No space left on device"); codes follow errno (ENOENT NotFound, EEXIST AlreadyExists, ENOSPC
@@ -113,12 +114,16 @@ class RecordingFileSystem : public FileSystem {
 
   // k >= 0: operations from index k on fail; k < 0: none fails. Does not clear the log.
   void FailFrom(int64_t k);
+  // k >= 0: right before the operation of index k reaches `base`, the process raises SIGKILL
+  // (a real kill, for multi-process tests: SHARDLINE_CHECKPOINT_KILL_AT); k < 0: none. The log
+  // (and the count) include that operation; nothing after it runs.
+  void KillAt(int64_t k);
   // Every operation attempted so far, in order, the failed ones included; and their number.
   std::vector<FileOperation> operations() const;
   int64_t operation_count() const;
   // Every read so far, in order.
   std::vector<FileRead> reads() const;
-  // Forgets both logs (the count restarts at 0) and any FailFrom.
+  // Forgets both logs (the count restarts at 0), any FailFrom and any KillAt.
   void Reset();
 
   absl::Status CreateDir(const std::string& path) override;
@@ -139,6 +144,7 @@ class RecordingFileSystem : public FileSystem {
   std::vector<FileOperation> log_;
   std::vector<FileRead> reads_;
   int64_t fail_from_ = -1;
+  int64_t kill_at_ = -1;
 };
 
 }  // namespace shardline

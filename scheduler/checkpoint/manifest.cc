@@ -83,6 +83,63 @@ absl::StatusOr<CheckpointManifest> MakeCheckpointManifest(
   return m;
 }
 
+namespace {
+
+bool ValidReplicatedName(absl::string_view name) {
+  if (name.empty() || name.size() > 128) return false;
+  for (const char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// numel(shape) * size, or InvalidArgument naming the state.
+absl::StatusOr<uint64_t> ReplicatedBytes(const CheckpointReplicatedRecord& r) {
+  uint64_t n = DTypeSize(r.dtype);
+  for (const int64_t d : r.shape) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("replicated state '", r.name, "': dimension ", d, " is negative"));
+    }
+    if (d != 0 && n > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("replicated state '", r.name, "': its size exceeds 2^64 bytes"));
+    }
+    n *= static_cast<uint64_t>(d);
+  }
+  return n;
+}
+
+}  // namespace
+
+absl::Status SetCheckpointReplicatedStates(CheckpointManifest* m,
+                                           std::vector<CheckpointReplicatedRecord> states) {
+  uint64_t offset = 0;
+  absl::flat_hash_set<std::string> names;
+  for (CheckpointReplicatedRecord& r : states) {
+    if (!ValidReplicatedName(r.name)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "replicated state '", r.name, "': a name is 1-128 characters of [A-Za-z0-9._-]"));
+    }
+    if (!names.insert(r.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("replicated state '", r.name, "' appears twice"));
+    }
+    SL_ASSIGN_OR_RETURN(r.bytes, ReplicatedBytes(r));
+    if (offset > std::numeric_limits<uint64_t>::max() - r.bytes) {
+      return absl::InvalidArgumentError("the replicated states exceed 2^64 bytes");
+    }
+    r.file_offset = offset;
+    r.crc32c = 0;
+    offset += r.bytes;
+  }
+  m->replicated = std::move(states);
+  m->replicated_bytes = offset;
+  return absl::OkStatus();
+}
+
 // ---- Writing ---------------------------------------------------------------------------------
 
 std::string CheckpointManifestToJson(const CheckpointManifest& m) {
@@ -143,7 +200,22 @@ std::string CheckpointManifestToJson(const CheckpointManifest& m) {
     }
     absl::StrAppend(&out, unit.states.empty() ? "]\n    }" : "\n      ]\n    }");
   }
-  absl::StrAppend(&out, m.units.empty() ? "]\n}\n" : "\n  ]\n}\n");
+  absl::StrAppend(&out, m.units.empty() ? "]" : "\n  ]");
+  if (!m.replicated.empty()) {
+    absl::StrAppend(&out,
+                    ",\n  \"replicated\": {\"file\": ", JsonQuote(kCheckpointReplicatedFileName),
+                    ", \"bytes\": ", m.replicated_bytes, ", \"states\": [");
+    for (size_t i = 0; i < m.replicated.size(); ++i) {
+      const CheckpointReplicatedRecord& r = m.replicated[i];
+      absl::StrAppend(&out, i == 0 ? "\n" : ",\n", "    {\"name\": ", JsonQuote(r.name),
+                      ", \"shape\": [", absl::StrJoin(r.shape, ", "),
+                      "], \"dtype\": ", JsonQuote(DTypeName(r.dtype)),
+                      ", \"file_offset\": ", r.file_offset, ", \"bytes\": ", r.bytes,
+                      ", \"crc32c\": \"", absl::StrFormat("%08x", r.crc32c), "\"}");
+    }
+    absl::StrAppend(&out, "\n  ]}");
+  }
+  absl::StrAppend(&out, "\n}\n");
   return out;
 }
 
@@ -209,6 +281,43 @@ absl::StatusOr<DType> DTypeField(const JsonValue& object, absl::string_view path
 
 constexpr int64_t kMaxInt = std::numeric_limits<int64_t>::max();
 
+// A checksum: 8 lower-case hex digits.
+absl::StatusOr<uint32_t> ParseCrc(const JsonValue& c, const std::string& path) {
+  SL_RETURN_IF_ERROR(ExpectKind(c, JsonValue::Kind::kString, path));
+  uint32_t value = 0;
+  bool ok = c.string().size() == 8;
+  for (char h : c.string()) {
+    value <<= 4;
+    if (h >= '0' && h <= '9') {
+      value |= static_cast<uint32_t>(h - '0');
+    } else if (h >= 'a' && h <= 'f') {
+      value |= static_cast<uint32_t>(h - 'a' + 10);
+    } else {
+      ok = false;
+    }
+  }
+  if (!ok)
+    return FieldError(path, absl::StrCat("\"", c.string(), "\" is not 8 lower-case hex digits"));
+  return value;
+}
+
+// A shape: an array of at most kMaxFlatTensorRank integers.
+absl::StatusOr<std::vector<int64_t>> ParseShape(const JsonValue& object, const std::string& path) {
+  SL_ASSIGN_OR_RETURN(const JsonValue* shape,
+                      Typed(object, path, "shape", JsonValue::Kind::kArray));
+  if (shape->items().size() > kMaxFlatTensorRank) {
+    return FieldError(Sub(path, "shape"), absl::StrCat("rank ", shape->items().size(), " exceeds ",
+                                                       kMaxFlatTensorRank));
+  }
+  std::vector<int64_t> out;
+  for (size_t d = 0; d < shape->items().size(); ++d) {
+    const JsonValue& dim = shape->items()[d];
+    SL_RETURN_IF_ERROR(ExpectKind(dim, JsonValue::Kind::kInteger, Index(Sub(path, "shape"), d)));
+    out.push_back(dim.integer());
+  }
+  return out;
+}
+
 using NameIndex = absl::flat_hash_map<std::string, int>;
 
 absl::StatusOr<CheckpointPiece> ParsePiece(const JsonValue& v, const std::string& path,
@@ -244,24 +353,7 @@ absl::StatusOr<CheckpointPiece> ParsePiece(const JsonValue& v, const std::string
   piece.bytes = static_cast<uint64_t>(bytes);
   SL_ASSIGN_OR_RETURN(const JsonValue* crcs, Typed(v, path, "crc32c", JsonValue::Kind::kArray));
   for (size_t i = 0; i < crcs->items().size(); ++i) {
-    const JsonValue& c = crcs->items()[i];
-    const std::string cpath = Index(Sub(path, "crc32c"), i);
-    SL_RETURN_IF_ERROR(ExpectKind(c, JsonValue::Kind::kString, cpath));
-    uint32_t value = 0;
-    bool ok = c.string().size() == 8;
-    for (char h : c.string()) {
-      value <<= 4;
-      if (h >= '0' && h <= '9') {
-        value |= static_cast<uint32_t>(h - '0');
-      } else if (h >= 'a' && h <= 'f') {
-        value |= static_cast<uint32_t>(h - 'a' + 10);
-      } else {
-        ok = false;
-      }
-    }
-    if (!ok) {
-      return FieldError(cpath, absl::StrCat("\"", c.string(), "\" is not 8 lower-case hex digits"));
-    }
+    SL_ASSIGN_OR_RETURN(uint32_t value, ParseCrc(crcs->items()[i], Index(Sub(path, "crc32c"), i)));
     piece.crc32c.push_back(value);
   }
   return piece;
@@ -294,16 +386,7 @@ absl::StatusOr<CheckpointUnitRecord> ParseUnit(const JsonValue& v, const std::st
     SL_RETURN_IF_ERROR(ExpectKind(tv, JsonValue::Kind::kObject, p));
     TensorSpec spec;
     SL_ASSIGN_OR_RETURN(spec.name, String(tv, p, "name"));
-    SL_ASSIGN_OR_RETURN(const JsonValue* shape, Typed(tv, p, "shape", JsonValue::Kind::kArray));
-    if (shape->items().size() > kMaxFlatTensorRank) {
-      return FieldError(Sub(p, "shape"), absl::StrCat("rank ", shape->items().size(), " exceeds ",
-                                                      kMaxFlatTensorRank));
-    }
-    for (size_t d = 0; d < shape->items().size(); ++d) {
-      const JsonValue& dim = shape->items()[d];
-      SL_RETURN_IF_ERROR(ExpectKind(dim, JsonValue::Kind::kInteger, Index(Sub(p, "shape"), d)));
-      spec.shape.push_back(dim.integer());
-    }
+    SL_ASSIGN_OR_RETURN(spec.shape, ParseShape(tv, p));
     SL_ASSIGN_OR_RETURN(spec.dtype, DTypeField(tv, p, "dtype"));
     SL_ASSIGN_OR_RETURN(spec.tied_to, String(tv, p, "tied_to"));
     SL_ASSIGN_OR_RETURN(int64_t offset, Integer(tv, p, "offset", 0, kMaxInt));
@@ -410,6 +493,35 @@ absl::StatusOr<CheckpointManifest> ParseCheckpointManifest(absl::string_view jso
     }
     m.units.push_back(std::move(unit));
   }
+  // Optional: absent when the checkpoint has no replicated states.
+  if (const JsonValue* rep = root.Find("replicated"); rep != nullptr) {
+    SL_RETURN_IF_ERROR(ExpectKind(*rep, JsonValue::Kind::kObject, "replicated"));
+    SL_ASSIGN_OR_RETURN(std::string file, String(*rep, "replicated", "file"));
+    if (file != kCheckpointReplicatedFileName) {
+      return FieldError("replicated.file", absl::StrCat("\"", file, "\" is not \"",
+                                                        kCheckpointReplicatedFileName, "\""));
+    }
+    SL_ASSIGN_OR_RETURN(int64_t bytes, Integer(*rep, "replicated", "bytes", 0, kMaxInt));
+    m.replicated_bytes = static_cast<uint64_t>(bytes);
+    SL_ASSIGN_OR_RETURN(const JsonValue* states,
+                        Typed(*rep, "replicated", "states", JsonValue::Kind::kArray));
+    for (size_t i = 0; i < states->items().size(); ++i) {
+      const JsonValue& sv = states->items()[i];
+      const std::string p = Index("replicated.states", i);
+      SL_RETURN_IF_ERROR(ExpectKind(sv, JsonValue::Kind::kObject, p));
+      CheckpointReplicatedRecord r;
+      SL_ASSIGN_OR_RETURN(r.name, String(sv, p, "name"));
+      SL_ASSIGN_OR_RETURN(r.shape, ParseShape(sv, p));
+      SL_ASSIGN_OR_RETURN(r.dtype, DTypeField(sv, p, "dtype"));
+      SL_ASSIGN_OR_RETURN(int64_t offset, Integer(sv, p, "file_offset", 0, kMaxInt));
+      SL_ASSIGN_OR_RETURN(int64_t rbytes, Integer(sv, p, "bytes", 0, kMaxInt));
+      SL_ASSIGN_OR_RETURN(const JsonValue* crc, Member(sv, p, "crc32c"));
+      SL_ASSIGN_OR_RETURN(r.crc32c, ParseCrc(*crc, Sub(p, "crc32c")));
+      r.file_offset = static_cast<uint64_t>(offset);
+      r.bytes = static_cast<uint64_t>(rbytes);
+      m.replicated.push_back(std::move(r));
+    }
+  }
   return m;
 }
 
@@ -497,6 +609,24 @@ absl::Status ValidateCheckpointManifest(CheckpointManifest& m) {
                         absl::StrCat("\"", m.files[f].name, "\" has bytes ", m.files[f].bytes,
                                      ", its pieces add up to ", file_bytes[f]));
     }
+  }
+  // The replicated states: recompute offsets and sizes from names, shapes and dtypes.
+  CheckpointManifest derived;
+  std::vector<CheckpointReplicatedRecord> stated = m.replicated;
+  SL_RETURN_IF_ERROR(SetCheckpointReplicatedStates(&derived, stated));
+  for (size_t i = 0; i < stated.size(); ++i) {
+    const CheckpointReplicatedRecord& a = stated[i];
+    const CheckpointReplicatedRecord& b = derived.replicated[i];
+    if (a.file_offset != b.file_offset || a.bytes != b.bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "replicated state '", a.name, "': file_offset ", a.file_offset, " and bytes ", a.bytes,
+          ", its shape and dtype give ", b.file_offset, " and ", b.bytes));
+    }
+  }
+  if (derived.replicated_bytes != m.replicated_bytes) {
+    return FieldError(
+        "replicated.bytes",
+        absl::StrCat(m.replicated_bytes, ", its states add up to ", derived.replicated_bytes));
   }
   return absl::OkStatus();
 }

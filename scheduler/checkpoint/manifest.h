@@ -39,7 +39,15 @@
 //                          "shard_offset": 0, "file": "shard-00000-of-00004.bin",
 //                          "file_offset": 0, "bytes": 160, "crc32c": ["1a2b3c4d"]}, ... ] },
 //           ... ] },
-//       ... ] }
+//       ... ],
+//     "replicated": { "file": "replicated.bin", "bytes": 12,       (only with replicated states)
+//                     "states": [ {"name": "step", "shape": [], "dtype": "i64", "file_offset": 0,
+//                                  "bytes": 8, "crc32c": "1a2b3c4d"}, ... ] } }
+//
+// Replicated states (not shard-shaped, the same on every rank: a step counter) are stored whole,
+// back to back, in replicated.bin, which rank 0 writes; each has one CRC-32C over its bytes. The
+// member is optional and absent when there are none, so the format without them is unchanged;
+// readers of format_version 1 that predate it ignore it (they cannot register such states).
 
 #ifndef SHARDLINE_SCHEDULER_CHECKPOINT_MANIFEST_H_
 #define SHARDLINE_SCHEDULER_CHECKPOINT_MANIFEST_H_
@@ -63,6 +71,8 @@ inline constexpr absl::string_view kCheckpointFormat = "shardline.checkpoint";
 inline constexpr absl::string_view kCheckpointManifestName = "manifest.json";
 // The state name of a unit's master shard; registered states may not use it.
 inline constexpr absl::string_view kMasterStateName = "master";
+// The file of the replicated states (CheckpointManifest::replicated), written by rank 0.
+inline constexpr absl::string_view kCheckpointReplicatedFileName = "replicated.bin";
 // Largest manifest Read/ParseCheckpointManifest accept (bytes).
 inline constexpr uint64_t kMaxCheckpointManifestBytes = uint64_t{1} << 30;
 
@@ -110,6 +120,20 @@ struct CheckpointFileRecord {
   friend bool operator==(const CheckpointFileRecord&, const CheckpointFileRecord&) = default;
 };
 
+// A replicated state: not shard-shaped, the same on every rank (a step counter, a learning-rate
+// schedule's position), stored once, whole, in kCheckpointReplicatedFileName.
+struct CheckpointReplicatedRecord {
+  std::string name;            // 1-128 characters of [A-Za-z0-9._-], unique among them
+  std::vector<int64_t> shape;  // row-major; {} is a scalar
+  DType dtype = DType::kF32;
+  uint64_t file_offset = 0;  // first byte within the file: the states lie back to back, in order
+  uint64_t bytes = 0;        // numel(shape) * the dtype's size
+  uint32_t crc32c = 0;       // of the state's bytes
+
+  friend bool operator==(const CheckpointReplicatedRecord&,
+                         const CheckpointReplicatedRecord&) = default;
+};
+
 struct CheckpointManifest {
   int format_version = kCheckpointFormatVersion;
   std::string library_version;
@@ -119,6 +143,10 @@ struct CheckpointManifest {
   uint64_t checksum_block_bytes = 1 << 20;
   std::vector<CheckpointFileRecord> files;  // files[s] holds shard s
   std::vector<CheckpointUnitRecord> units;
+  // The replicated states, in kCheckpointReplicatedFileName of replicated_bytes bytes; none: no
+  // such file, and no "replicated" member in manifest.json.
+  std::vector<CheckpointReplicatedRecord> replicated;
+  uint64_t replicated_bytes = 0;
 };
 
 // What a save stores of one unit: its layout and its states (name and dtype, master first).
@@ -148,6 +176,12 @@ absl::StatusOr<CheckpointManifest> MakeCheckpointManifest(
     const std::vector<CheckpointUnitContents>& units, int replicate_size, int shard_size,
     uint64_t block_bytes, std::string library_version);
 
+// Sets manifest->replicated to `states` (name, shape, dtype) with their offsets and sizes
+// computed, checksums 0, and replicated_bytes. InvalidArgument for a bad or duplicate name, a
+// negative dimension or a size that overflows.
+absl::Status SetCheckpointReplicatedStates(CheckpointManifest* manifest,
+                                           std::vector<CheckpointReplicatedRecord> states);
+
 // The manifest as manifest.json text.
 std::string CheckpointManifestToJson(const CheckpointManifest& manifest);
 
@@ -159,8 +193,9 @@ absl::StatusOr<CheckpointManifest> ParseCheckpointManifest(absl::string_view jso
 
 // Builds every unit's layout and checks everything derived: the stated tensor offsets and
 // shard_elements, each layout's shard count against the mesh, the file list (one file per
-// shard, named as CheckpointShardFileName), and that each state's pieces are exactly the
-// layout's slices with the offsets, sizes and checksum counts a save computes. InvalidArgument
+// shard, named as CheckpointShardFileName), that each state's pieces are exactly the
+// layout's slices with the offsets, sizes and checksum counts a save computes, and the replicated
+// states' names, offsets and sizes. InvalidArgument
 // naming the unit, state, tensor and field that differ.
 absl::Status ValidateCheckpointManifest(CheckpointManifest& manifest);
 

@@ -10,6 +10,12 @@
 //     manifest written last, the directory fsynced before and its parent after the rename;
 //   * a failure injected at every file operation of every rank of a save: every rank fails, the
 //     earlier checkpoint still loads bit-identically, the partial one is reported incomplete;
+//   * background saves (SaveAsync): training steps on an asynchronous compute stream change
+//     every state and run collectives while the writer is held back, and the checkpoint holds
+//     the snapshot bit for bit; a second save waits for the first; a failure injected at every
+//     file operation of the background writer of every rank reaches every rank (through
+//     WaitForSave, or the next save if nobody collected it); the snapshot cap; destruction
+//     finishes a pending save;
 //   * corruption and mismatches, each a named error: a flipped byte, a truncated file, a deleted
 //     file, an edited shape in the manifest, a unit of another shape, a missing state, another
 //     master dtype, an incomplete directory, an existing target, a garbled manifest.
@@ -18,6 +24,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -34,6 +42,7 @@
 #include "absl/strings/str_cat.h"
 #include "collectives/local/local_communicator.h"
 #include "runtime/check.h"
+#include "runtime/config.h"
 #include "runtime/status.h"
 #include "scheduler/checkpoint/crc32c.h"
 #include "scheduler/checkpoint/file_system.h"
@@ -155,10 +164,12 @@ Model MakeModel() {
   return m;
 }
 
-// The saved bits of element i of tensor t of state k (0: the master shard) of unit u.
-void ElementBits(int u, int k, int t, size_t i, DType dtype, char* out) {
+// The saved bits of element i of tensor t of state k (0: the master shard) of unit u; `version`
+// salts them (0: what MakeRank fills in; others: the shards after a training step).
+void ElementBits(int u, int k, int t, size_t i, DType dtype, char* out, int version = 0) {
+  const uint64_t salt = 7919 * static_cast<uint64_t>(version);
   if (k == 0) {
-    const float f = HashFloat(1, u, t, i);
+    const float f = HashFloat(1 + salt, u, t, i);
     if (dtype == DType::kF64) {
       const double d = f;
       std::memcpy(out, &d, 8);
@@ -167,7 +178,7 @@ void ElementBits(int u, int k, int t, size_t i, DType dtype, char* out) {
     }
     return;
   }
-  const uint64_t h = Hash(100 + k, u, t, i);
+  const uint64_t h = Hash(100 + k + salt, u, t, i);
   std::memcpy(out, &h, DTypeSize(dtype));
 }
 
@@ -181,7 +192,35 @@ struct RunConfig {
   uint64_t block_bytes = 64;
   bool fill = true;  // false: shards and states hold garbage (0xCD) instead of the values
   std::function<void(Model&)> edit;
+  bool host_compute = false;  // the compute stream: a host stream (asynchronous), else a caller one
+  uint64_t max_snapshot_bytes = 0;
+  bool replicated = false;  // registers kReplicated (rank 0 filled with version 0, others 0xAB)
+  std::function<void(std::vector<CheckpointReplicatedState>&)> edit_replicated;
 };
+
+// The replicated states of the tests: a scalar step counter, a small f64 vector, odd-sized bytes
+// and an empty one (data filled in by MakeRank).
+std::vector<CheckpointReplicatedState> ReplicatedDefs() {
+  return {{.name = "step", .shape = {}, .dtype = DType::kI64},
+          {.name = "lr.schedule", .shape = {3}, .dtype = DType::kF64},
+          {.name = "rng", .shape = {5}, .dtype = DType::kU8},
+          {.name = "none", .shape = {0, 2}, .dtype = DType::kF32}};
+}
+
+size_t Numel(const std::vector<int64_t>& shape) {
+  size_t n = 1;
+  for (const int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+// The bytes of replicated state `i` at `version`.
+std::string ReplicatedBytes(size_t i, const CheckpointReplicatedState& def, int version) {
+  std::string out(Numel(def.shape) * DTypeSize(def.dtype), '\0');
+  for (size_t b = 0; b < out.size(); ++b) {
+    out[b] = static_cast<char>(Hash(900 + version, i, b, 0));
+  }
+  return out;
+}
 
 // One rank: its compute stream, scheduler, states and checkpointer (destroyed in reverse).
 struct Rank {
@@ -189,6 +228,8 @@ struct Rank {
   std::unique_ptr<Scheduler> sched;
   Model model;
   std::vector<std::vector<std::vector<char>>> states;  // [u][k - 1]
+  std::vector<CheckpointReplicatedState> replicated_defs;
+  std::vector<std::string> replicated;  // their memory
   std::unique_ptr<Checkpointer> ckpt;
 
   DType StateDType(int u, int k) const {
@@ -206,9 +247,10 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const RunConfig& setup,
   auto rank = std::make_unique<Rank>();
   rank->model = MakeModel();
   if (setup.edit) setup.edit(rank->model);
+  const StreamOptions compute{.name = absl::StrCat("rank", comm->rank(), ".compute"),
+                              .wait_timeout = kTimeout};
   SL_ASSIGN_OR_RETURN(rank->compute,
-                      CreateCallerStream({.name = absl::StrCat("rank", comm->rank(), ".compute"),
-                                          .wait_timeout = kTimeout}));
+                      setup.host_compute ? CreateHostStream(compute) : CreateCallerStream(compute));
   SL_ASSIGN_OR_RETURN(
       rank->sched,
       Scheduler::Create(comm, *rank->compute,
@@ -233,11 +275,13 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const RunConfig& setup,
       std::memset(master.data, 0xCD, master.elements * DTypeSize(master.dtype));
     }
   }
-  SL_ASSIGN_OR_RETURN(rank->ckpt, Checkpointer::Create(*rank->sched,
-                                                       {.file_system = fs,
-                                                        .checksum_block_bytes = setup.block_bytes,
-                                                        .read_chunk_bytes = 3 * setup.block_bytes},
-                                                       Deadline()));
+  SL_ASSIGN_OR_RETURN(rank->ckpt,
+                      Checkpointer::Create(*rank->sched,
+                                           {.file_system = fs,
+                                            .checksum_block_bytes = setup.block_bytes,
+                                            .read_chunk_bytes = 3 * setup.block_bytes,
+                                            .max_snapshot_bytes = setup.max_snapshot_bytes},
+                                           Deadline()));
   rank->states.resize(rank->model.units.size());
   for (size_t u = 0; u < rank->model.units.size(); ++u) {
     const FlatLayout& layout = rank->sched->unit(u).layout();
@@ -259,6 +303,22 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const RunConfig& setup,
                                                .name = def.name,
                                                .data = rank->states[u].back().data(),
                                                .dtype = def.dtype}));
+    }
+  }
+  if (setup.replicated) {
+    rank->replicated_defs = ReplicatedDefs();
+    if (setup.edit_replicated) setup.edit_replicated(rank->replicated_defs);
+    for (size_t i = 0; i < rank->replicated_defs.size(); ++i) {
+      const CheckpointReplicatedState& def = rank->replicated_defs[i];
+      rank->replicated.push_back(
+          comm->rank() == 0 && setup.fill
+              ? ReplicatedBytes(i, def, 0)
+              : std::string(Numel(def.shape) * DTypeSize(def.dtype), static_cast<char>(0xAB)));
+    }
+    for (size_t i = 0; i < rank->replicated_defs.size(); ++i) {
+      CheckpointReplicatedState def = rank->replicated_defs[i];
+      def.data = rank->replicated[i].data();
+      SL_RETURN_IF_ERROR(rank->ckpt->AddReplicatedState(def));
     }
   }
   return rank;
@@ -305,6 +365,48 @@ void Gather(const Rank& rank, Reference* ref, std::mutex* mu) {
       }
     }
   }
+}
+
+// Writes version `version` of every state's elements into this rank's shards (what a training
+// step does to them), padding as zeros.
+void FillShards(const Rank& rank, int version) {
+  const int shard = rank.sched->mesh().shard_rank();
+  for (size_t u = 0; u < rank.model.units.size(); ++u) {
+    const FlatLayout& layout = rank.sched->unit(u).layout();
+    for (int k = 0; k < rank.NumStates(u); ++k) {
+      const DType dtype = rank.StateDType(u, k);
+      const size_t size = DTypeSize(dtype);
+      char* data = rank.StateData(u, k);
+      std::memset(data, 0, layout.shard_elements() * size);
+      for (const ShardSlice& s : layout.ShardSlices(shard)) {
+        for (size_t j = 0; j < s.length; ++j) {
+          ElementBits(u, k, s.tensor, s.tensor_offset + j, dtype,
+                      data + (s.shard_offset + j) * size, version);
+        }
+      }
+    }
+  }
+}
+
+// The reference of version `version` of the model, straight from ElementBits.
+Reference MakeReference(const Rank& rank, int version) {
+  Reference ref(rank.model.units.size());
+  for (size_t u = 0; u < ref.size(); ++u) {
+    const FlatLayout& layout = rank.sched->unit(u).layout();
+    for (int k = 0; k < rank.NumStates(u); ++k) {
+      const DType dtype = rank.StateDType(u, k);
+      const size_t size = DTypeSize(dtype);
+      std::vector<std::string> tensors(layout.num_tensors());
+      for (int t = 0; t < layout.num_tensors(); ++t) {
+        tensors[t].resize(layout.tensor(t).numel * size);
+        for (size_t i = 0; i < layout.tensor(t).numel; ++i) {
+          ElementBits(u, k, t, i, dtype, &tensors[t][i * size], version);
+        }
+      }
+      ref[u].push_back(std::move(tensors));
+    }
+  }
+  return ref;
 }
 
 // Every element of this rank's shards equals the reference's bits; every padding byte is 0.
@@ -596,13 +698,13 @@ TEST_F(CheckpointTest, FilesAreSyncedBeforeTheRenameAndTheParentAfter) {
 
 TEST_F(CheckpointTest, FailureAtEveryOperationKeepsThePreviousCheckpoint) {
   const std::string previous = Dir("previous");
-  const Reference ref = SaveModel({.world = 4}, previous);
+  const Reference ref = SaveModel({.world = 4, .replicated = true}, previous);
 
   // How many file operations each rank performs in a save.
   std::vector<int64_t> counts(4, 0);
   ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) {
     RecordingFileSystem recorder;
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4}, comm, &recorder));
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4, .replicated = true}, comm, &recorder));
     SL_RETURN_IF_ERROR(rank->ckpt->Save(Dir("count"), Deadline()));
     counts[r] = recorder.operation_count();
     return absl::OkStatus();
@@ -625,7 +727,7 @@ TEST_F(CheckpointTest, FailureAtEveryOperationKeepsThePreviousCheckpoint) {
   std::vector<std::vector<absl::Status>> outcomes(cases.size(), std::vector<absl::Status>(4));
   ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) {
     RecordingFileSystem recorder;
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4}, comm, &recorder));
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4, .replicated = true}, comm, &recorder));
     for (size_t c = 0; c < cases.size(); ++c) {
       recorder.Reset();
       if (cases[c].rank == r) recorder.FailFrom(cases[c].op);
@@ -711,6 +813,535 @@ TEST_F(CheckpointTest, FailureAtEveryOperationKeepsThePreviousCheckpoint) {
     EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "incomplete checkpoint")) << s;
   }
+}
+
+// ---- Background saves ----------------------------------------------------------------------
+
+// Forwards to the POSIX file system; CreateFile (which only a save's writers call, on the
+// background thread in SaveAsync) waits until Open() (or its deadline: DeadlineExceeded).
+class GatedFileSystem : public RecordingFileSystem {
+ public:
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreateFile(const std::string& path) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!cv_.wait_until(lock, absl::ToChronoTime(Deadline()), [&] { return open_; })) {
+        return absl::DeadlineExceededError("GatedFileSystem: the gate was not opened");
+      }
+    }
+    return RecordingFileSystem::CreateFile(path);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// This rank's data file size in the manifest: what its snapshot holds.
+uint64_t DataFileBytes(const Rank& rank) {
+  const int shard = rank.sched->mesh().shard_rank();
+  uint64_t bytes = 0;
+  for (size_t u = 0; u < rank.model.units.size(); ++u) {
+    const FlatLayout& layout = rank.sched->unit(u).layout();
+    for (int k = 0; k < rank.NumStates(u); ++k) {
+      for (const ShardSlice& s : layout.ShardSlices(shard)) {
+        bytes += s.length * DTypeSize(rank.StateDType(u, k));
+      }
+    }
+  }
+  return bytes;
+}
+
+// A training step on the asynchronous compute stream: new values of every state written by the
+// stream's worker, then an all-reduce on the scheduler's world communicator (checked).
+absl::Status TrainingStep(Rank& rank, int version) {
+  SL_RETURN_IF_ERROR(rank.compute->Enqueue([&rank, version]() -> absl::Status {
+    FillShards(rank, version);
+    return absl::OkStatus();
+  }));
+  Communicator& world = *rank.sched->mesh().world();
+  std::vector<float> x(37);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(world.rank() + i + version);
+  SL_ASSIGN_OR_RETURN(
+      Work work, world.AllReduce(x.data(), x.data(), x.size(), DType::kF32, *rank.compute, {}));
+  SL_RETURN_IF_ERROR(work.Wait(Deadline()));
+  const int n = world.size();
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float want = static_cast<float>(n * (n - 1) / 2 + n * (i + version));
+    if (x[i] != want) return absl::InternalError(absl::StrCat("all-reduce element ", i));
+  }
+  return absl::OkStatus();
+}
+
+// At world 3, with an asynchronous compute stream: the step before the save is still queued
+// when SaveAsync is called (the snapshot must wait for it); three more steps change every state
+// and run collectives on the scheduler's communicator while the background writer is held back
+// (it cannot create its file until they are done); the checkpoint holds the snapshot bit for bit,
+// the shards the latest step.
+TEST_F(CheckpointTest, BackgroundSaveHoldsTheSnapshotWhileTrainingChangesTheShards) {
+  const std::string dir = Dir("background");
+  const RunConfig setup{.world = 3, .host_compute = true};
+  std::vector<CheckpointSaveStats> stats(3);
+  ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    GatedFileSystem gate;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &gate));
+    SL_RETURN_IF_ERROR(rank->compute->Enqueue([&]() -> absl::Status {
+      FillShards(*rank, 1);
+      return absl::OkStatus();
+    }));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    EXPECT_TRUE(rank->ckpt->save_pending());
+    const CheckpointSaveStats during = rank->ckpt->last_save_stats();
+    EXPECT_TRUE(during.background);
+    EXPECT_FALSE(during.finished);
+    EXPECT_EQ(during.snapshot_bytes, DataFileBytes(*rank));
+    for (int v = 2; v <= 4; ++v) SL_RETURN_IF_ERROR(TrainingStep(*rank, v));
+    SL_RETURN_IF_ERROR(rank->compute->Synchronize(Deadline()));
+    // Nothing of the save but rank 0's temporary directory exists yet.
+    EXPECT_FALSE(fs::exists(dir));
+    for (const FileOperation& op : gate.operations()) {
+      EXPECT_EQ(op.kind, FileOperation::Kind::kCreateDir) << op;
+    }
+    gate.Open();
+    SL_RETURN_IF_ERROR(rank->ckpt->WaitForSave(Deadline()));
+    EXPECT_FALSE(rank->ckpt->save_pending());
+    EXPECT_OK(rank->ckpt->WaitForSave(Deadline()));  // nothing pending: OK
+    stats[r] = rank->ckpt->last_save_stats();
+    ExpectMatches(*rank, MakeReference(*rank, 4), absl::StrCat("shards after step 4, rank ", r));
+    return absl::OkStatus();
+  }));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(stats[r].finished);
+    EXPECT_EQ(stats[r].dir, dir);
+    EXPECT_GT(stats[r].snapshot_bytes, 0u);
+    EXPECT_GE(stats[r].snapshot_capacity_bytes, stats[r].snapshot_bytes);
+    EXPECT_GT(stats[r].write, absl::ZeroDuration());
+    EXPECT_LE(stats[r].snapshot, stats[r].blocked);
+  }
+  // The reference is built independently from the hash, never read from the ranks.
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 1);
+    return absl::OkStatus();
+  }));
+  LoadAndCheck({.world = 2}, dir, ref, "background save at 3, load at 2");
+  LoadAndCheck({.world = 3}, dir, ref, "background save at 3, load at 3");
+}
+
+// A second save waits for the first: while the first's writer is held back, a Save with a short
+// deadline gives up without starting (no directory of its own), and once the first is done the
+// second runs after it (every operation of the first, its rename included, precedes the
+// second's).
+TEST_F(CheckpointTest, SecondSaveWaitsForTheFirst) {
+  const std::string first = Dir("first"), second = Dir("second"), third = Dir("third");
+  std::vector<std::vector<FileOperation>> logs(2);
+  ExpectAllOk(RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    GatedFileSystem gate;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 2, .host_compute = true}, comm, &gate));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(first, Deadline()));
+    const absl::Status early = rank->ckpt->Save(second, absl::Now() + absl::Milliseconds(50));
+    EXPECT_TRUE(absl::IsDeadlineExceeded(early)) << early;
+    EXPECT_TRUE(absl::StrContains(early.message(), "still running")) << early;
+    EXPECT_TRUE(rank->ckpt->save_pending());
+    gate.Open();
+    SL_RETURN_IF_ERROR(rank->ckpt->Save(second, Deadline()));
+    EXPECT_FALSE(rank->ckpt->save_pending());
+    // A SaveAsync after a SaveAsync waits too, then both outcomes are OK.
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(third, Deadline()));
+    SL_RETURN_IF_ERROR(rank->ckpt->WaitForSave(Deadline()));
+    logs[r] = gate.operations();
+    return absl::OkStatus();
+  }));
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<FileOperation>& ops = logs[r];
+    std::vector<int> save_of(ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const std::string& p = ops[i].path;
+      save_of[i] = absl::StartsWith(p, first)    ? 0
+                   : absl::StartsWith(p, second) ? 1
+                   : absl::StartsWith(p, third)  ? 2
+                                                 : -1;
+      if (ops[i].kind == FileOperation::Kind::kSyncDir && p == root_.string()) {
+        save_of[i] = i > 0 ? save_of[i - 1] : -1;  // the parent's fsync follows its rename
+      }
+      if (i > 0) {
+        EXPECT_GE(save_of[i], save_of[i - 1]) << "rank " << r << " op " << i;
+      }
+    }
+  }
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 0);
+    return absl::OkStatus();
+  }));
+  for (const std::string& dir : {first, second, third}) LoadAndCheck({.world = 3}, dir, ref, dir);
+}
+
+// A failure injected at every file operation of the background part of every rank: SaveAsync
+// returns OK everywhere (the failure comes later), WaitForSave returns it on every rank (the
+// failing rank its own, the others as peer errors); an outcome nobody collected is returned by
+// the next save instead, after which saves work again.
+TEST_F(CheckpointTest, BackgroundWriterFailureReachesEveryRank) {
+  const RunConfig setup{.world = 3, .host_compute = true};
+  std::vector<int64_t> counts(3, 0);
+  ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    RecordingFileSystem recorder;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &recorder));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(Dir("count"), Deadline()));
+    SL_RETURN_IF_ERROR(rank->ckpt->WaitForSave(Deadline()));
+    counts[r] = recorder.operation_count();
+    return absl::OkStatus();
+  }));
+  struct Case {
+    int rank;
+    int64_t op;
+  };
+  std::vector<Case> cases;
+  // Rank 0's operation 0 (creating the temporary directory) is SaveAsync's own, not the
+  // background writer's.
+  for (int r = 0; r < 3; ++r) {
+    for (int64_t k = r == 0 ? 1 : 0; k < counts[r]; ++k) cases.push_back({r, k});
+  }
+  std::vector<std::vector<absl::Status>> outcomes(cases.size(), std::vector<absl::Status>(3));
+  std::vector<absl::Status> uncollected(3), after(3);
+  ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    RecordingFileSystem recorder;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &recorder));
+    for (size_t c = 0; c < cases.size(); ++c) {
+      recorder.Reset();
+      if (cases[c].rank == r) recorder.FailFrom(cases[c].op);
+      SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(Dir(absl::StrCat("failed", c)), Deadline()));
+      outcomes[c][r] = rank->ckpt->WaitForSave(Deadline());
+    }
+    // Not collected: the next save reports it, does nothing, and the one after that works.
+    recorder.Reset();
+    if (r == 1) recorder.FailFrom(0);
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(Dir("uncollected"), Deadline()));
+    uncollected[r] = rank->ckpt->Save(Dir("next"), Deadline());
+    recorder.FailFrom(-1);
+    after[r] = rank->ckpt->Save(Dir("next"), Deadline());
+    return absl::OkStatus();
+  }));
+  for (size_t c = 0; c < cases.size(); ++c) {
+    SCOPED_TRACE(absl::StrCat("failure at operation ", cases[c].op, " of rank ", cases[c].rank));
+    for (int r = 0; r < 3; ++r) {
+      const absl::Status& s = outcomes[c][r];
+      ASSERT_FALSE(s.ok()) << "rank " << r;
+      EXPECT_TRUE(absl::StrContains(
+          s.message(), absl::StrCat("injected failure at file operation ", cases[c].op)))
+          << s;
+      EXPECT_EQ(IsPeerError(s), r != cases[c].rank) << s;
+    }
+    EXPECT_FALSE(fs::exists(Dir(absl::StrCat("failed", c))) &&
+                 !(cases[c].rank == 0 && cases[c].op == counts[0] - 1))
+        << "only a failure of the parent's fsync leaves the target";
+  }
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(absl::StrContains(uncollected[r].message(), "the previous background save '" +
+                                                                Dir("uncollected") + "' failed"))
+        << uncollected[r];
+    EXPECT_TRUE(absl::StrContains(uncollected[r].message(), "injected failure")) << uncollected[r];
+    EXPECT_OK(after[r]);
+  }
+  EXPECT_FALSE(fs::exists(Dir("uncollected")));
+  EXPECT_TRUE(fs::exists(Dir("next")));
+  std::cout << cases.size() << " injected failures in the background writer\n";
+}
+
+// The snapshot cap: a SaveAsync whose largest data file exceeds it fails on every rank with
+// ResourceExhausted before anything is created; at exactly the largest file it saves.
+TEST_F(CheckpointTest, SnapshotCapIsEnforcedOnEveryRank) {
+  std::vector<uint64_t> sizes(4, 0);
+  ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 4}, comm, nullptr));
+    sizes[r] = DataFileBytes(*rank);
+    return absl::OkStatus();
+  }));
+  const uint64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  const uint64_t smallest = *std::min_element(sizes.begin(), sizes.end());
+  ASSERT_LT(smallest, largest);  // so a cap between them fails on the ranks under it too
+  const std::vector<absl::Status> capped =
+      RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+        SL_ASSIGN_OR_RETURN(
+            auto rank, MakeRank({.world = 4, .max_snapshot_bytes = largest - 1}, comm, nullptr));
+        return rank->ckpt->SaveAsync(Dir("capped"), Deadline());
+      });
+  for (const absl::Status& s : capped) {
+    EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("would take ", largest, " bytes")))
+        << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "max_snapshot_bytes")) << s;
+  }
+  for (const auto& e : fs::directory_iterator(root_)) ADD_FAILURE() << "left behind: " << e.path();
+  ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank,
+                        MakeRank({.world = 4, .max_snapshot_bytes = largest}, comm, nullptr));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(Dir("fits"), Deadline()));
+    EXPECT_EQ(rank->ckpt->last_save_stats().snapshot_bytes, sizes[r]);
+    return rank->ckpt->WaitForSave(Deadline());
+  }));
+  EXPECT_OK(ReadCheckpointManifest(PosixFileSystem(), Dir("fits")).status());
+}
+
+// Under hybrid sharding only the first replica group snapshots and writes; the others copy
+// nothing and still return the common outcome.
+TEST_F(CheckpointTest, HybridBackgroundSaveSnapshotsOnTheWritersOnly) {
+  const std::string dir = Dir("hybrid_background");
+  const RunConfig hybrid{.world = 4,
+                         .strategy = ShardingStrategy::kHybridShard,
+                         .shard_size = 2,
+                         .host_compute = true,
+                         .replicated = true};
+  std::vector<uint64_t> snapshot(4), expected(4);
+  ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(hybrid, comm, nullptr));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    snapshot[r] = rank->ckpt->last_save_stats().snapshot_bytes;
+    expected[r] = rank->sched->mesh().replicate_rank() == 0 ? DataFileBytes(*rank) : 0;
+    SL_RETURN_IF_ERROR(TrainingStep(*rank, 5));
+    return rank->ckpt->WaitForSave(Deadline());
+  }));
+  EXPECT_EQ(snapshot, expected);
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 0);
+    return absl::OkStatus();
+  }));
+  LoadAndCheck({.world = 3}, dir, ref, "hybrid background save, load at 3");
+}
+
+// Destroying a Checkpointer with a save pending finishes the save first.
+TEST_F(CheckpointTest, DestructionFinishesAPendingSave) {
+  const std::string dir = Dir("destroyed");
+  ExpectAllOk(RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 2}, comm, nullptr));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    rank->ckpt.reset();
+    return absl::OkStatus();
+  }));
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 0);
+    return absl::OkStatus();
+  }));
+  LoadAndCheck({.world = 1}, dir, ref, "saved by a destroyed checkpointer");
+}
+
+// SHARDLINE_CHECKPOINT_KILL_AT is declared once (in the knob registry) and a value that does not
+// parse makes Create fail naming it. (Its effect, a SIGKILL, is tested across processes by
+// tests/scripts/checkpoint_kill_test.py.)
+TEST_F(CheckpointTest, InvalidKillVariableIsAnError) {
+  const ParamBase* knob = nullptr;
+  for (const ParamBase* p : AllParams()) {
+    if (p->env_name() == "SHARDLINE_CHECKPOINT_KILL_AT") knob = p;
+  }
+  ASSERT_NE(knob, nullptr);
+  for (const char* bad : {"x", "1:2:3", "-1", "0:-4"}) {
+    ASSERT_EQ(setenv("SHARDLINE_CHECKPOINT_KILL_AT", bad, 1), 0);
+    knob->ResetCacheForTesting();
+    for (const absl::Status& s : RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) {
+           return MakeRank({.world = 1}, comm, nullptr).status();
+         })) {
+      EXPECT_TRUE(absl::IsInvalidArgument(s)) << bad << ": " << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "SHARDLINE_CHECKPOINT_KILL_AT")) << s;
+    }
+  }
+  // A kill point for another rank (and one past the save's operations) changes nothing here.
+  ASSERT_EQ(setenv("SHARDLINE_CHECKPOINT_KILL_AT", "5:0", 1), 0);
+  knob->ResetCacheForTesting();
+  SaveModel({.world = 2}, Dir("other_rank"));
+  ASSERT_EQ(setenv("SHARDLINE_CHECKPOINT_KILL_AT", "100000", 1), 0);
+  knob->ResetCacheForTesting();
+  SaveModel({.world = 2}, Dir("past_the_end"));
+  unsetenv("SHARDLINE_CHECKPOINT_KILL_AT");
+  knob->ResetCacheForTesting();
+  EXPECT_OK(ReadCheckpointManifest(PosixFileSystem(), Dir("other_rank")).status());
+  EXPECT_OK(ReadCheckpointManifest(PosixFileSystem(), Dir("past_the_end")).status());
+}
+
+// ---- Replicated states ---------------------------------------------------------------------
+
+// Replicated states (a scalar step counter, a vector, odd bytes, an empty one) are written once,
+// from rank 0 (the other ranks hold other bytes), into replicated.bin, and every rank of a job of
+// another size loads rank 0's bytes; a background save writes the values of its call.
+TEST_F(CheckpointTest, ReplicatedStatesAreSavedOnceAndLoadedByEveryRank) {
+  const std::string dir = Dir("replicated"), later = Dir("later");
+  const RunConfig setup{.world = 4, .replicated = true};
+  const Reference ref = SaveModel(setup, dir);
+  ExpectAllOk(RunRanks(4, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, nullptr));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(later, Deadline()));
+    // Changed while the background save runs: the checkpoint keeps the values of the call.
+    for (std::string& bytes : rank->replicated) std::fill(bytes.begin(), bytes.end(), 'x');
+    return rank->ckpt->WaitForSave(Deadline());
+  }));
+  absl::StatusOr<CheckpointManifest> m = ReadCheckpointManifest(PosixFileSystem(), dir);
+  ASSERT_OK(m.status());
+  const std::vector<CheckpointReplicatedState> defs = ReplicatedDefs();
+  ASSERT_EQ(m->replicated.size(), defs.size());
+  uint64_t total = 0;
+  std::string file_bytes;
+  for (size_t i = 0; i < defs.size(); ++i) {
+    EXPECT_EQ(m->replicated[i].name, defs[i].name);
+    EXPECT_EQ(m->replicated[i].shape, defs[i].shape);
+    EXPECT_EQ(m->replicated[i].dtype, defs[i].dtype);
+    EXPECT_EQ(m->replicated[i].file_offset, total);
+    const std::string want = ReplicatedBytes(i, defs[i], 0);
+    EXPECT_EQ(m->replicated[i].bytes, want.size());
+    EXPECT_EQ(m->replicated[i].crc32c,
+              SlowCrc32c(reinterpret_cast<const unsigned char*>(want.data()), want.size()));
+    total += want.size();
+    file_bytes += want;
+  }
+  EXPECT_EQ(m->replicated_bytes, total);
+  {
+    std::ifstream in(fs::path(dir) / "replicated.bin", std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    EXPECT_EQ(ss.str(), file_bytes);  // rank 0's bytes, back to back
+  }
+  // A round trip through the JSON form keeps them.
+  absl::StatusOr<CheckpointManifest> again = ParseCheckpointManifest(CheckpointManifestToJson(*m));
+  ASSERT_OK(again.status());
+  EXPECT_EQ(again->replicated, m->replicated);
+
+  for (const std::string& d : {dir, later}) {
+    ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+      SL_ASSIGN_OR_RETURN(auto rank,
+                          MakeRank({.world = 3, .fill = false, .replicated = true}, comm, nullptr));
+      SL_RETURN_IF_ERROR(rank->ckpt->Load(d, Deadline()));
+      ExpectMatches(*rank, ref, absl::StrCat("rank ", r));
+      for (size_t i = 0; i < defs.size(); ++i) {
+        EXPECT_EQ(rank->replicated[i], ReplicatedBytes(i, defs[i], 0))
+            << d << " rank " << r << " state " << defs[i].name;
+      }
+      return absl::OkStatus();
+    }));
+  }
+  // A job that registers none loads the rest; a checkpoint without them has no replicated.bin.
+  LoadAndCheck({.world = 2}, dir, ref, "without replicated states");
+  const std::string plain = Dir("plain");
+  SaveModel({.world = 2}, plain);
+  EXPECT_FALSE(fs::exists(fs::path(plain) / "replicated.bin"));
+  std::ifstream in(fs::path(plain) / "manifest.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_FALSE(absl::StrContains(text.str(), "replicated")) << text.str();
+}
+
+TEST_F(CheckpointTest, ReplicatedStateRegistrationErrors) {
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1, .replicated = true}, comm, nullptr));
+    int64_t x = 0;
+    const auto expect_invalid = [&](CheckpointReplicatedState s, absl::string_view fragment) {
+      const absl::Status st = rank->ckpt->AddReplicatedState(std::move(s));
+      EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+      EXPECT_TRUE(absl::StrContains(st.message(), fragment)) << st;
+    };
+    expect_invalid({.name = "step", .dtype = DType::kI64, .data = &x}, "exists");
+    expect_invalid({.name = "bad name", .dtype = DType::kI64, .data = &x}, "[A-Za-z0-9._-]");
+    expect_invalid({.name = "neg", .shape = {2, -1}, .dtype = DType::kI64, .data = &x},
+                   "dimension -1");
+    expect_invalid({.name = "null", .shape = {2}, .dtype = DType::kI64}, "data is null");
+    EXPECT_OK(rank->ckpt->AddReplicatedState({.name = "empty", .shape = {0}}));
+    return absl::OkStatus();
+  }));
+  // Ranks that register other replicated states fail together.
+  for (const absl::Status& s : RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) {
+         RunConfig config{.world = 2, .replicated = true};
+         if (r == 1) config.edit_replicated = [](auto& defs) { defs[1].shape = {4}; };
+         SL_ASSIGN_OR_RETURN(auto rank, MakeRank(config, comm, nullptr));
+         return rank->ckpt->Save(Dir("mixed"), Deadline());
+       })) {
+    EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 has other units or checkpoint states")) << s;
+  }
+}
+
+// The replicated states' errors name the state: a missing one, another shape or dtype, a flipped
+// byte, a truncated or deleted replicated.bin, edited sizes in the manifest.
+TEST_F(CheckpointTest, ReplicatedStateErrorsAreNamed) {
+  const std::string good = Dir("good");
+  SaveModel({.world = 2, .replicated = true}, good);
+  const auto try_load = [&](const std::string& dir, RunConfig config) {
+    config.fill = false;
+    config.replicated = true;
+    return RunRanks(config.world, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+      SL_ASSIGN_OR_RETURN(auto rank, MakeRank(config, comm, nullptr));
+      absl::Status s = rank->ckpt->Load(dir, Deadline());
+      // Errors found before any byte is copied leave the replicated states untouched.
+      for (const std::string& bytes : rank->replicated) {
+        EXPECT_EQ(bytes, std::string(bytes.size(), static_cast<char>(0xAB)));
+      }
+      return s;
+    });
+  };
+  const auto expect_named = [](const std::vector<absl::Status>& statuses, absl::StatusCode code,
+                               const std::vector<std::string>& fragments) {
+    for (const absl::Status& s : statuses) {
+      EXPECT_EQ(s.code(), code) << s;
+      for (const std::string& f : fragments) EXPECT_TRUE(absl::StrContains(s.message(), f)) << s;
+    }
+  };
+  RunConfig extra{.world = 2};
+  extra.edit_replicated = [](auto& defs) {
+    defs.push_back({.name = "epoch", .shape = {}, .dtype = DType::kI32});
+  };
+  expect_named(try_load(good, extra), absl::StatusCode::kNotFound,
+               {"no replicated state 'epoch'", "step, lr.schedule, rng, none"});
+  RunConfig shape{.world = 2};
+  shape.edit_replicated = [](auto& defs) { defs[1].shape = {4}; };
+  expect_named(try_load(good, shape), absl::StatusCode::kInvalidArgument,
+               {"replicated state 'lr.schedule'", "[3] f64", "[4] f64"});
+
+  const auto copy = [&](absl::string_view name) {
+    const std::string dir = Dir(name);
+    fs::copy(good, dir, fs::copy_options::recursive);
+    return dir;
+  };
+  const std::string flipped = copy("flipped");
+  {
+    std::fstream f(fs::path(flipped) / "replicated.bin",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8 + 24 + 2);  // in "rng", after step (8 bytes) and lr.schedule (24)
+    f.put('!');
+  }
+  expect_named(try_load(flipped, {.world = 3}), absl::StatusCode::kDataLoss,
+               {"replicated.bin", "bytes [32, 37)", "replicated state 'rng' is corrupt"});
+  const std::string truncated = copy("truncated");
+  fs::resize_file(fs::path(truncated) / "replicated.bin", 30);
+  expect_named(try_load(truncated, {.world = 1}), absl::StatusCode::kDataLoss,
+               {"replicated.bin", "truncated"});
+  const std::string deleted = copy("deleted");
+  fs::remove(fs::path(deleted) / "replicated.bin");
+  expect_named(try_load(deleted, {.world = 2}), absl::StatusCode::kNotFound,
+               {"data file 'replicated.bin' is missing", "replicated state 'step'"});
+  const std::string edited = copy("edited");
+  {
+    const fs::path path = fs::path(edited) / "manifest.json";
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string text = ss.str();
+    const std::string from = "\"shape\": [3], \"dtype\": \"f64\"";
+    const size_t at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, from.size(), "\"shape\": [4], \"dtype\": \"f64\"");
+    in.close();
+    std::ofstream(path, std::ios::trunc) << text;
+  }
+  absl::Status alone = ReadCheckpointManifest(PosixFileSystem(), edited).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(alone)) << alone;
+  EXPECT_TRUE(absl::StrContains(alone.message(), "replicated state 'lr.schedule'")) << alone;
 }
 
 // ---- Corruption and mismatches --------------------------------------------------------------
