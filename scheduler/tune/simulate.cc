@@ -556,6 +556,16 @@ class TopologyCluster final : public SimCluster {
   }
   uint64_t device_memory_bytes() const override { return topology_->device_memory_bytes; }
   std::shared_ptr<const Topology> topology() const override { return topology_; }
+  VirtualTimelineOptions TimelineOptions() const override {
+    const MemoryOpsModel& m = topology_->memory_ops;
+    VirtualTimelineOptions o;
+    o.copy_bytes_per_s = m.copy_bytes_per_s;
+    o.cast_bytes_per_s = m.cast_bytes_per_s;
+    o.reduce_bytes_per_s = m.reduce_bytes_per_s;
+    o.fill_bytes_per_s = m.fill_bytes_per_s;
+    o.op_overhead = absl::Seconds(m.op_overhead_s);
+    return o;
+  }
 
  private:
   absl::StatusOr<SimOptions> Network(int world_size) const {
@@ -618,8 +628,9 @@ absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions
 absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
                                           const SimulationConfig& config,
                                           const SimCluster& cluster) {
-  SL_ASSIGN_OR_RETURN(std::unique_ptr<VirtualTimeline> timeline,
-                      VirtualTimeline::Create({.run_ops = false}));
+  VirtualTimelineOptions options = cluster.TimelineOptions();
+  options.run_ops = false;
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<VirtualTimeline> timeline, VirtualTimeline::Create(options));
   VirtualBackend backend(cluster, std::move(timeline));
   return Run(backend, model, config, &cluster);
 }

@@ -110,6 +110,10 @@ class SimCluster {
   virtual uint64_t device_memory_bytes() const = 0;
   // The topology the cluster simulates; null for the flat cluster.
   virtual std::shared_ptr<const Topology> topology() const { return nullptr; }
+  // How long the scheduler's memory ops (casts, copies, reductions, fills) take on its virtual
+  // streams: the timeline's cost model (run_ops is set false by Simulate). The flat cluster keeps
+  // the timeline's defaults; a topology cluster takes its memory_ops (topology.h).
+  virtual VirtualTimelineOptions TimelineOptions() const { return {}; }
 };
 
 // Every group, of whatever size and placement, costs what SimOptions' ring model says
