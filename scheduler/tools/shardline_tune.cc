@@ -340,7 +340,7 @@ absl::StatusOr<Topology> FindTopology(const std::string& name, const char* argv0
   }
   return absl::NotFoundError(absl::StrCat(
       "--topology: '", name,
-      "' is neither a file nor a shipped topology (dgx-h100, h100-128-nodes, dgx-a100, "
+      "' is neither a file nor a shipped topology (dgx-h100, h100-128-nodes, dgx-a100, dgx-a100-cluster, "
       "this-machine)"));
 }
 
