@@ -431,6 +431,10 @@ absl::Status ValidateTopology(const Topology& t) {
                         absl::StrCat("must be positive and finite, got ", value / kGB));
     }
   }
+  if (!(t.host_link_bytes_per_s >= 0) || std::isinf(t.host_link_bytes_per_s)) {
+    return FieldError(t, "host_link_GBps",
+                      absl::StrCat("must be >= 0 and finite, got ", t.host_link_bytes_per_s / kGB));
+  }
   if (!(mem.op_overhead_s >= 0) || std::isinf(mem.op_overhead_s)) {
     return FieldError(t, "memory_ops.op_overhead_us",
                       absl::StrCat("must be >= 0 and finite, got ", mem.op_overhead_s / kUs));
@@ -509,6 +513,8 @@ absl::StatusOr<Topology> ParseTopology(absl::string_view json) {
   if (const JsonValue* coll = top.Find("collectives"); coll != nullptr) {
     SL_RETURN_IF_ERROR(ParseCollectives(t, *coll));
   }
+  SL_ASSIGN_OR_RETURN(const double host_link, top.OptionalNumber("host_link_GBps", 0.0));
+  t.host_link_bytes_per_s = host_link * kGB;
   if (const JsonValue* mem = top.Find("memory_ops"); mem != nullptr) {
     SL_ASSIGN_OR_RETURN(Fields m, Fields::Of(t, *mem, "memory_ops"));
     MemoryOpsModel& o = t.memory_ops;

@@ -150,6 +150,9 @@ struct Topology {
   int nics_per_node = 0;  // >= 1 when nodes > 1
   LinkModel inter_node;   // bandwidth per NIC; used only when nodes > 1
   MemoryOpsModel memory_ops;
+  // A device's link to host memory, bytes/s each way (JSON "host_link_GBps", optional, >= 0;
+  // 0: not described): what CPU offload's copies take in a simulation.
+  double host_link_bytes_per_s = 0;
   // Indexed by CollectiveKind: the algorithms considered, "ring" among them.
   std::array<std::vector<AlgorithmModel>, kNumCollectiveKinds> collectives;
 

@@ -88,7 +88,12 @@ constexpr char kSweepUsage[] =
     "  --param-dtypes LIST       f32, bf16, f16, model (default model)\n"
     "  --reduce-dtypes LIST      f32, bf16, f16, model (default model)\n"
     "  --checkpointing LIST      off, on (default off,on)\n"
-    "  (micro-batch accumulation and CPU offload are not modelled yet)\n"
+    "  --micro-batches LIST      micro-batches per optimizer step (default 1; each of the model's\n"
+    "                            --micro-batch sequences)\n"
+    "  --accumulation LIST       no_sync, sync: reduce on the last micro-batch only, or on every\n"
+    "                            one (default no_sync; one value where micro-batches is 1)\n"
+    "  --cpu-offload LIST        off, on: master shards, gradients and optimizer state in host\n"
+    "                            memory, copied over the topology's host_link_GBps (default off)\n"
     "simulation:\n"
     "  --host-lead one_use|whole_step      (default one_use)\n"
     "  --ranks auto|all|representative     (default auto: one representative rank where the\n"
@@ -262,6 +267,31 @@ absl::StatusOr<SweepFlags> ParseSweepFlags(int argc, char** argv) {
     } else if (arg == "--reduce-dtypes") {
       SL_ASSIGN_OR_RETURN(f.space.reduce_dtypes,
                           ParseList<std::optional<DType>>(arg, value, dtype));
+    } else if (arg == "--micro-batches") {
+      SL_ASSIGN_OR_RETURN(
+          f.space.micro_batches,
+          ParseList<int>(arg, value, [&](absl::string_view s) -> absl::StatusOr<int> {
+            SL_ASSIGN_OR_RETURN(int v, non_negative(s));
+            if (v < 1) return Bad(arg, s, "is not a positive integer");
+            return v;
+          }));
+    } else if (arg == "--accumulation") {
+      SL_ASSIGN_OR_RETURN(
+          f.space.accumulation,
+          ParseList<GradientAccumulation>(
+              arg, value, [&](absl::string_view s) -> absl::StatusOr<GradientAccumulation> {
+                if (s == "no_sync") return GradientAccumulation::kNoSync;
+                if (s == "sync") return GradientAccumulation::kSync;
+                return Bad(arg, s, "is not no_sync or sync");
+              }));
+    } else if (arg == "--cpu-offload") {
+      SL_ASSIGN_OR_RETURN(
+          f.space.cpu_offload,
+          ParseList<bool>(arg, value, [&](absl::string_view s) -> absl::StatusOr<bool> {
+            if (s == "on") return true;
+            if (s == "off") return false;
+            return Bad(arg, s, "is not on or off");
+          }));
     } else if (arg == "--checkpointing") {
       SL_ASSIGN_OR_RETURN(
           f.space.activation_checkpointing,
@@ -338,10 +368,10 @@ absl::StatusOr<Topology> FindTopology(const std::string& name, const char* argv0
     const std::string path = absl::StrCat(dir, "/", name, ".json");
     if (std::ifstream(path).good()) return LoadTopology(path);
   }
-  return absl::NotFoundError(absl::StrCat(
-      "--topology: '", name,
-      "' is neither a file nor a shipped topology (dgx-h100, h100-128-nodes, dgx-a100, dgx-a100-cluster, "
-      "this-machine)"));
+  return absl::NotFoundError(absl::StrCat("--topology: '", name,
+                                          "' is neither a file nor a shipped topology (dgx-h100, "
+                                          "h100-128-nodes, dgx-a100, dgx-a100-cluster, "
+                                          "this-machine)"));
 }
 
 absl::StatusOr<ModelDescription> BuildModel(const SweepFlags& f) {
@@ -430,8 +460,8 @@ absl::Status Sweep(int argc, char** argv) {
               static_cast<double>(model.ParameterCount()) / 1e9,
               static_cast<long long>(model.tokens_per_micro_batch));
   std::printf("# cluster %s; world %d ranks\n", cluster->Describe().c_str(), f.space.world_size);
-  std::printf("# %zu configurations, %d at once; not modelled: %s, %s\n", grid.size(),
-              options.threads, kNotModelled[0], kNotModelled[1]);
+  std::printf("# %zu configurations, %d at once; not modelled: %s\n", grid.size(), options.threads,
+              absl::StrJoin(kNotModelled, "; ").c_str());
   std::fflush(stdout);
   SL_ASSIGN_OR_RETURN(SweepResult result, RunSweep(model, grid, *cluster, options));
 
