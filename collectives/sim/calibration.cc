@@ -160,14 +160,21 @@ absl::StatusOr<PerfRun> LoadPerfJson(const std::string& path, PerfParseOptions o
   return ParsePerfJson(text.str(), options);
 }
 
-std::vector<PerfRun> MinOverRepeats(const std::vector<PerfRun>& runs) {
+namespace {
+
+enum class Merge : uint8_t { kMin, kMedian };
+
+double MedianOf(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+std::vector<PerfRun> MergeRepeats(const std::vector<PerfRun>& runs, Merge merge) {
   std::vector<PerfRun> out;
   std::vector<int> repeats;
-  auto smaller = [](double a, double b) {
-    if (a < 0) return b;
-    if (b < 0) return a;
-    return std::min(a, b);
-  };
+  // Per merged run and size: every repeat's out-of-place and in-place times (< 0: absent).
+  std::vector<std::map<double, std::pair<std::vector<double>, std::vector<double>>>> cells;
   for (const PerfRun& run : runs) {
     size_t i = 0;
     while (i < out.size() && !(out[i].kind == run.kind && out[i].nranks == run.nranks)) ++i;
@@ -175,26 +182,47 @@ std::vector<PerfRun> MinOverRepeats(const std::vector<PerfRun>& runs) {
       out.push_back(run);
       out.back().rows.clear();
       repeats.push_back(0);
+      cells.emplace_back();
     }
     ++repeats[i];
     for (const PerfRun::Row& row : run.rows) {
       auto it = std::find_if(out[i].rows.begin(), out[i].rows.end(),
                              [&](const PerfRun::Row& r) { return r.size_bytes == row.size_bytes; });
-      if (it == out[i].rows.end()) {
-        out[i].rows.push_back(row);
-      } else {
-        it->out_of_place_s = smaller(it->out_of_place_s, row.out_of_place_s);
-        it->in_place_s = smaller(it->in_place_s, row.in_place_s);
-      }
+      if (it == out[i].rows.end()) out[i].rows.push_back(row);
+      auto& [outs, ins] = cells[i][row.size_bytes];
+      if (row.out_of_place_s >= 0) outs.push_back(row.out_of_place_s);
+      if (row.in_place_s >= 0) ins.push_back(row.in_place_s);
     }
   }
+  auto pick = [merge](const std::vector<double>& v) {
+    if (v.empty()) return -1.0;
+    return merge == Merge::kMin ? *std::min_element(v.begin(), v.end()) : MedianOf(v);
+  };
   for (size_t i = 0; i < out.size(); ++i) {
+    for (PerfRun::Row& row : out[i].rows) {
+      const auto& [outs, ins] = cells[i][row.size_bytes];
+      row.out_of_place_s = pick(outs);
+      row.in_place_s = pick(ins);
+    }
     std::sort(
         out[i].rows.begin(), out[i].rows.end(),
         [](const PerfRun::Row& a, const PerfRun::Row& b) { return a.size_bytes < b.size_bytes; });
-    if (repeats[i] > 1) absl::StrAppend(&out[i].source, " +", repeats[i] - 1, " repeats");
+    if (repeats[i] > 1) {
+      absl::StrAppend(&out[i].source, " +", repeats[i] - 1, " repeats",
+                      merge == Merge::kMedian ? " (median)" : "");
+    }
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<PerfRun> MinOverRepeats(const std::vector<PerfRun>& runs) {
+  return MergeRepeats(runs, Merge::kMin);
+}
+
+std::vector<PerfRun> MedianOverRepeats(const std::vector<PerfRun>& runs) {
+  return MergeRepeats(runs, Merge::kMedian);
 }
 
 namespace {

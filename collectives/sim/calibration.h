@@ -74,6 +74,10 @@ absl::StatusOr<PerfRun> LoadPerfJson(const std::string& path, PerfParseOptions o
 // time, so the minimum over repeats is the least disturbed estimate. Runs appear in the order
 // of their first repeat; sizes in ascending order.
 std::vector<PerfRun> MinOverRepeats(const std::vector<PerfRun>& runs);
+// The same merge with the median over the repeats at each size (the mean of the middle two for
+// an even count; a cell a repeat lacks does not count): the typical time under the machine's
+// load, for predicting medians measured under the same load (scripts/validate-sim).
+std::vector<PerfRun> MedianOverRepeats(const std::vector<PerfRun>& runs);
 
 struct CalibrationOptions {
   enum class Cell { kMin, kOutOfPlace, kInPlace };

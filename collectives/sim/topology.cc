@@ -421,6 +421,24 @@ absl::Status ValidateTopology(const Topology& t) {
   if (t.nodes > 1 || t.nics_per_node > 0) {
     SL_RETURN_IF_ERROR(ValidateLink(t, t.inter_node, "inter_node", "nic_bandwidth_GBps"));
   }
+  const MemoryOpsModel& mem = t.memory_ops;
+  for (const auto& [value, field] :
+       {std::pair{mem.copy_bytes_per_s, "copy_GBps"}, std::pair{mem.cast_bytes_per_s, "cast_GBps"},
+        std::pair{mem.reduce_bytes_per_s, "reduce_GBps"},
+        std::pair{mem.fill_bytes_per_s, "fill_GBps"}}) {
+    if (!(value > 0) || std::isinf(value)) {
+      return FieldError(t, absl::StrCat("memory_ops.", field),
+                        absl::StrCat("must be positive and finite, got ", value / kGB));
+    }
+  }
+  if (!(t.host_link_bytes_per_s >= 0) || std::isinf(t.host_link_bytes_per_s)) {
+    return FieldError(t, "host_link_GBps",
+                      absl::StrCat("must be >= 0 and finite, got ", t.host_link_bytes_per_s / kGB));
+  }
+  if (!(mem.op_overhead_s >= 0) || std::isinf(mem.op_overhead_s)) {
+    return FieldError(t, "memory_ops.op_overhead_us",
+                      absl::StrCat("must be >= 0 and finite, got ", mem.op_overhead_s / kUs));
+  }
   for (const CollectiveKind kind : kKinds) {
     const std::vector<AlgorithmModel>& models = t.algorithms(kind);
     const std::string field = absl::StrCat("collectives.", CollectiveName(kind));
@@ -495,6 +513,25 @@ absl::StatusOr<Topology> ParseTopology(absl::string_view json) {
   if (const JsonValue* coll = top.Find("collectives"); coll != nullptr) {
     SL_RETURN_IF_ERROR(ParseCollectives(t, *coll));
   }
+  SL_ASSIGN_OR_RETURN(const double host_link, top.OptionalNumber("host_link_GBps", 0.0));
+  t.host_link_bytes_per_s = host_link * kGB;
+  if (const JsonValue* mem = top.Find("memory_ops"); mem != nullptr) {
+    SL_ASSIGN_OR_RETURN(Fields m, Fields::Of(t, *mem, "memory_ops"));
+    MemoryOpsModel& o = t.memory_ops;
+    SL_ASSIGN_OR_RETURN(const double copy, m.OptionalNumber("copy_GBps", o.copy_bytes_per_s / kGB));
+    SL_ASSIGN_OR_RETURN(const double cast, m.OptionalNumber("cast_GBps", o.cast_bytes_per_s / kGB));
+    SL_ASSIGN_OR_RETURN(const double reduce,
+                        m.OptionalNumber("reduce_GBps", o.reduce_bytes_per_s / kGB));
+    SL_ASSIGN_OR_RETURN(const double fill, m.OptionalNumber("fill_GBps", o.fill_bytes_per_s / kGB));
+    SL_ASSIGN_OR_RETURN(const double overhead,
+                        m.OptionalNumber("op_overhead_us", o.op_overhead_s / kUs));
+    o.copy_bytes_per_s = copy * kGB;
+    o.cast_bytes_per_s = cast * kGB;
+    o.reduce_bytes_per_s = reduce * kGB;
+    o.fill_bytes_per_s = fill * kGB;
+    o.op_overhead_s = overhead * kUs;
+    SL_RETURN_IF_ERROR(m.Finish());
+  }
   SL_RETURN_IF_ERROR(top.Finish());
   SL_RETURN_IF_ERROR(ValidateTopology(t));
   return t;
@@ -540,6 +577,13 @@ std::string TopologyToJson(const Topology& t) {
                     link(t.inter_node, absl::StrCat("\"nics_per_node\": ", t.nics_per_node, ", "),
                          "nic_bandwidth_GBps"));
   }
+  const MemoryOpsModel& mem = t.memory_ops;
+  absl::StrAppend(&out,
+                  ",\n  \"memory_ops\": {\"copy_GBps\": ", JsonNumber(mem.copy_bytes_per_s / kGB),
+                  ", \"cast_GBps\": ", JsonNumber(mem.cast_bytes_per_s / kGB),
+                  ", \"reduce_GBps\": ", JsonNumber(mem.reduce_bytes_per_s / kGB),
+                  ", \"fill_GBps\": ", JsonNumber(mem.fill_bytes_per_s / kGB),
+                  ", \"op_overhead_us\": ", JsonNumber(mem.op_overhead_s / kUs), "}");
   absl::StrAppend(&out, ",\n  \"collectives\": {");
   for (size_t i = 0; i < kKinds.size(); ++i) {
     absl::StrAppend(&out, i == 0 ? "\n" : ",\n", "    \"", CollectiveName(kKinds[i]), "\": {");

@@ -124,6 +124,21 @@ struct AlgorithmModel {
   bool operator==(const AlgorithmModel&) const = default;
 };
 
+// How long a device's memory ops take: the casts, copies, reductions and zero-fills the
+// scheduler submits to its streams (runtime/stream.h's StreamOpKind; an op of `bytes` takes
+// op_overhead + bytes / throughput, bytes being the op's input). JSON: the optional
+// "memory_ops" object, {"copy_GBps", "cast_GBps", "reduce_GBps", "fill_GBps",
+// "op_overhead_us"}, each optional; a missing one keeps the default below, which is the virtual
+// timeline's own (runtime/virtual_time.h).
+struct MemoryOpsModel {
+  double copy_bytes_per_s = 100e9;
+  double cast_bytes_per_s = 50e9;
+  double reduce_bytes_per_s = 50e9;
+  double fill_bytes_per_s = 200e9;
+  double op_overhead_s = 0;
+  bool operator==(const MemoryOpsModel&) const = default;
+};
+
 struct Topology {
   std::string name;
   std::string description;
@@ -134,6 +149,10 @@ struct Topology {
   LinkModel intra_node;
   int nics_per_node = 0;  // >= 1 when nodes > 1
   LinkModel inter_node;   // bandwidth per NIC; used only when nodes > 1
+  MemoryOpsModel memory_ops;
+  // A device's link to host memory, bytes/s each way (JSON "host_link_GBps", optional, >= 0;
+  // 0: not described): what CPU offload's copies take in a simulation.
+  double host_link_bytes_per_s = 0;
   // Indexed by CollectiveKind: the algorithms considered, "ring" among them.
   std::array<std::vector<AlgorithmModel>, kNumCollectiveKinds> collectives;
 

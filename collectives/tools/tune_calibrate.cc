@@ -16,6 +16,9 @@
 //     --cell min|out|in      which time of each row (min of out-of-place and in-place)
 //     --min-transfer-share X a sample counts towards the peak bandwidth if its time beyond
 //                            the latency is at least this share of it (0.5)
+//     --repeats min|median|keep  how repeats of one collective on one rank count merge: the
+//                            smallest time per size (default), the median (the typical time
+//                            under the machine's load), or not at all (= --keep-repeats)
 //     --keep-repeats         fit every run as it is (default: repeats of one collective on one
 //                            rank count merge into their minimum time per size, MinOverRepeats)
 //     --check FILE           (repeatable) also print the fitted model's error on this run,
@@ -47,12 +50,14 @@ constexpr char kUsage[] =
     "         [--devices-per-node D] --memory-GiB G --compute-TFLOPs C]\n"
     "         [--level intra|inter] [--ranks-per-node K] [--nranks N] [--collective NAME]\n"
     "         [--cell min|out|in] [--min-transfer-share X] [--keep-repeats]\n"
+    "         [--repeats min|median|keep]\n"
     "         [--check FILE]... [-o FILE] perf.json...\n";
 
 struct Flags {
   std::string base, name, description, level = "intra", collective, cell = "min", output;
   int devices_per_node = 0, ranks_per_node = 1, nranks = 0;
   bool keep_repeats = false;
+  std::string repeats = "min";
   double memory_gib = 0, compute_tflops = 0, min_transfer_share = 0.5;
   std::vector<std::string> inputs, checks;
 };
@@ -102,6 +107,12 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv, const char* program) {
       f.collective = value;
     } else if (arg == "--cell") {
       f.cell = value;
+    } else if (arg == "--repeats") {
+      if (value != "min" && value != "median" && value != "keep") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--repeats: '", value, "' is not min, median or keep"));
+      }
+      f.repeats = value;
     } else if (arg == "-o") {
       f.output = value;
     } else if (arg == "--devices-per-node") {
@@ -155,7 +166,11 @@ absl::Status TuneCalibrateMain(int argc, char** argv, const char* program) {
   options.cell = f.cell == "out"  ? CalibrationOptions::Cell::kOutOfPlace
                  : f.cell == "in" ? CalibrationOptions::Cell::kInPlace
                                   : CalibrationOptions::Cell::kMin;
-  if (!f.keep_repeats) runs = MinOverRepeats(runs);
+  auto merge = [&f](const std::vector<PerfRun>& r) {
+    if (f.keep_repeats || f.repeats == "keep") return r;
+    return f.repeats == "median" ? MedianOverRepeats(r) : MinOverRepeats(r);
+  };
+  runs = merge(runs);
   SL_ASSIGN_OR_RETURN(const CalibrationResult result, FitLink(runs, options));
   std::fputs(FormatCalibration(result).c_str(), stdout);
   if (!f.checks.empty()) {
@@ -165,7 +180,7 @@ absl::Status TuneCalibrateMain(int argc, char** argv, const char* program) {
                           LoadPerfJson(path, {.nranks = f.nranks, .collective = f.collective}));
       checks.push_back(std::move(run));
     }
-    if (!f.keep_repeats) checks = MinOverRepeats(checks);
+    checks = merge(checks);
     std::printf("# check (not fitted):\n%s",
                 FormatSamples(EvaluateLink(result.link, checks, options)).c_str());
   }

@@ -21,15 +21,18 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "collectives/sim/topology.h"
 #include "runtime/status.h"
 #include "runtime/trace.h"
 #include "scheduler/tune/model.h"
+#include "scheduler/tune/overlap_validation.h"
 #include "scheduler/tune/simulate.h"
 #include "scheduler/tune/sweep.h"
 
@@ -44,7 +47,21 @@ constexpr char kUsage[] =
     "usage: shardline-tune sweep (--model PRESET | --model-json FILE) --topology NAME|FILE\n"
     "                            [options]\n"
     "       shardline-tune calibrate [options] -o topology.json perf.json...\n"
-    "                            (shardline-tune calibrate --help)\n";
+    "                            (shardline-tune calibrate --help)\n"
+    "       shardline-tune validate --topology NAME|FILE [options] overlap.json...\n"
+    "                            (shardline-tune validate --help)\n";
+
+constexpr char kValidateUsage[] =
+    "usage: shardline-tune validate --topology NAME|FILE [--zero-fill] [--markdown FILE]\n"
+    "                               overlap.json...\n"
+    "Simulates every configuration of overlap_bench runs (their --json output) on the topology\n"
+    "(calibrated from the collective benchmarks) and sets the predicted step time against the\n"
+    "measured one. Runs of the same --ratio and unit size are repeats: per (ratio, unit,\n"
+    "configuration) the table has"
+    " the median measured and the median predicted step over them.\n"
+    "  --zero-fill       add the run's measured zero-fill per unit to the compute stream where\n"
+    "                    the scheduler fills there (no backward prefetch)\n"
+    "  --markdown FILE   also write the table to FILE\n";
 
 constexpr char kSweepUsage[] =
     "usage: shardline-tune sweep [options]\n"
@@ -71,7 +88,12 @@ constexpr char kSweepUsage[] =
     "  --param-dtypes LIST       f32, bf16, f16, model (default model)\n"
     "  --reduce-dtypes LIST      f32, bf16, f16, model (default model)\n"
     "  --checkpointing LIST      off, on (default off,on)\n"
-    "  (micro-batch accumulation and CPU offload are not modelled yet)\n"
+    "  --micro-batches LIST      micro-batches per optimizer step (default 1; each of the model's\n"
+    "                            --micro-batch sequences)\n"
+    "  --accumulation LIST       no_sync, sync: reduce on the last micro-batch only, or on every\n"
+    "                            one (default no_sync; one value where micro-batches is 1)\n"
+    "  --cpu-offload LIST        off, on: master shards, gradients and optimizer state in host\n"
+    "                            memory, copied over the topology's host_link_GBps (default off)\n"
     "simulation:\n"
     "  --host-lead one_use|whole_step      (default one_use)\n"
     "  --ranks auto|all|representative     (default auto: one representative rank where the\n"
@@ -245,6 +267,31 @@ absl::StatusOr<SweepFlags> ParseSweepFlags(int argc, char** argv) {
     } else if (arg == "--reduce-dtypes") {
       SL_ASSIGN_OR_RETURN(f.space.reduce_dtypes,
                           ParseList<std::optional<DType>>(arg, value, dtype));
+    } else if (arg == "--micro-batches") {
+      SL_ASSIGN_OR_RETURN(
+          f.space.micro_batches,
+          ParseList<int>(arg, value, [&](absl::string_view s) -> absl::StatusOr<int> {
+            SL_ASSIGN_OR_RETURN(int v, non_negative(s));
+            if (v < 1) return Bad(arg, s, "is not a positive integer");
+            return v;
+          }));
+    } else if (arg == "--accumulation") {
+      SL_ASSIGN_OR_RETURN(
+          f.space.accumulation,
+          ParseList<GradientAccumulation>(
+              arg, value, [&](absl::string_view s) -> absl::StatusOr<GradientAccumulation> {
+                if (s == "no_sync") return GradientAccumulation::kNoSync;
+                if (s == "sync") return GradientAccumulation::kSync;
+                return Bad(arg, s, "is not no_sync or sync");
+              }));
+    } else if (arg == "--cpu-offload") {
+      SL_ASSIGN_OR_RETURN(
+          f.space.cpu_offload,
+          ParseList<bool>(arg, value, [&](absl::string_view s) -> absl::StatusOr<bool> {
+            if (s == "on") return true;
+            if (s == "off") return false;
+            return Bad(arg, s, "is not on or off");
+          }));
     } else if (arg == "--checkpointing") {
       SL_ASSIGN_OR_RETURN(
           f.space.activation_checkpointing,
@@ -321,10 +368,10 @@ absl::StatusOr<Topology> FindTopology(const std::string& name, const char* argv0
     const std::string path = absl::StrCat(dir, "/", name, ".json");
     if (std::ifstream(path).good()) return LoadTopology(path);
   }
-  return absl::NotFoundError(absl::StrCat(
-      "--topology: '", name,
-      "' is neither a file nor a shipped topology (dgx-h100, h100-128-nodes, dgx-a100, "
-      "this-machine)"));
+  return absl::NotFoundError(absl::StrCat("--topology: '", name,
+                                          "' is neither a file nor a shipped topology (dgx-h100, "
+                                          "h100-128-nodes, dgx-a100, dgx-a100-cluster, "
+                                          "this-machine)"));
 }
 
 absl::StatusOr<ModelDescription> BuildModel(const SweepFlags& f) {
@@ -413,8 +460,8 @@ absl::Status Sweep(int argc, char** argv) {
               static_cast<double>(model.ParameterCount()) / 1e9,
               static_cast<long long>(model.tokens_per_micro_batch));
   std::printf("# cluster %s; world %d ranks\n", cluster->Describe().c_str(), f.space.world_size);
-  std::printf("# %zu configurations, %d at once; not modelled: %s, %s\n", grid.size(),
-              options.threads, kNotModelled[0], kNotModelled[1]);
+  std::printf("# %zu configurations, %d at once; not modelled: %s\n", grid.size(), options.threads,
+              absl::StrJoin(kNotModelled, "; ").c_str());
   std::fflush(stdout);
   SL_ASSIGN_OR_RETURN(SweepResult result, RunSweep(model, grid, *cluster, options));
 
@@ -496,6 +543,121 @@ absl::Status Sweep(int argc, char** argv) {
   return absl::OkStatus();
 }
 
+double MedianOf(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  if (n == 0) return 0;
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+absl::Status Validate(int argc, char** argv) {
+  std::string topology_name;
+  std::string markdown;
+  bool zero_fill = false;
+  std::vector<std::string> inputs;
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&](const char* flag) -> absl::StatusOr<std::string> {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(flag, ": missing value"));
+      return std::string(argv[++i]);
+    };
+    if (arg == "-h" || arg == "--help") {
+      std::fputs(kValidateUsage, stdout);
+      return absl::OkStatus();
+    } else if (arg == "--topology") {
+      SL_ASSIGN_OR_RETURN(topology_name, value("--topology"));
+    } else if (arg == "--markdown") {
+      SL_ASSIGN_OR_RETURN(markdown, value("--markdown"));
+    } else if (arg == "--zero-fill") {
+      zero_fill = true;
+    } else if (absl::StartsWith(arg, "-")) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", arg));
+    } else {
+      inputs.push_back(arg);
+    }
+  }
+  if (topology_name.empty()) return absl::InvalidArgumentError("--topology is required");
+  if (inputs.empty()) return absl::InvalidArgumentError("no overlap_bench JSON file given");
+  SL_ASSIGN_OR_RETURN(Topology topology, FindTopology(topology_name, argv[0]));
+
+  // (ratio, configuration) in first-seen order -> measured and predicted per run.
+  struct Row {
+    double ratio = 0;
+    OverlapBenchConfig config;
+    uint64_t unit_bytes = 0;
+    std::vector<double> measured, predicted, compute, exposed;
+    std::string predicted_counts;
+  };
+  std::vector<Row> rows;
+  std::vector<std::string> loads;
+  int units = 0;
+  int ranks = 0;
+  for (const std::string& path : inputs) {
+    SL_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "overlap_bench JSON"));
+    absl::StatusOr<OverlapBenchRun> run = ParseOverlapBenchJson(text);
+    if (!run.ok()) return Annotate(run.status(), path);
+    absl::StatusOr<std::vector<OverlapPrediction>> predictions =
+        PredictOverlapBench(topology, *run, {.zero_fill = zero_fill});
+    if (!predictions.ok()) return Annotate(predictions.status(), path);
+    loads.push_back(absl::StrCat(run->load_before, " -> ", run->load_after));
+    units = run->units;
+    ranks = run->ranks;
+    for (size_t i = 0; i < run->configs.size(); ++i) {
+      const OverlapBenchConfig& c = run->configs[i];
+      const OverlapPrediction& p = (*predictions)[i];
+      auto it = std::find_if(rows.begin(), rows.end(), [&](const Row& r) {
+        return r.ratio == run->ratio && r.unit_bytes == run->unit_bytes && r.config.name == c.name;
+      });
+      if (it == rows.end()) {
+        rows.push_back({.ratio = run->ratio, .config = c, .unit_bytes = run->unit_bytes});
+        it = rows.end() - 1;
+      }
+      it->measured.push_back(p.measured_step_ms);
+      it->predicted.push_back(p.predicted_step_ms);
+      it->compute.push_back(p.compute_ms);
+      it->exposed.push_back(p.predicted_exposed_ms);
+      it->predicted_counts =
+          absl::StrFormat("%.0f/%.0f vs %.0f/%.0f", p.measured_gathers, p.measured_reductions,
+                          p.predicted_gathers, p.predicted_reductions);
+    }
+  }
+  std::string out = absl::StrFormat(
+      "# topology %s: latency %.2f us, bus bandwidth %.2f GB/s, %zu curve points; %zu runs, %d "
+      "ranks, %d units; zero-fills %s\n",
+      topology.name, topology.intra_node.latency_s * 1e6,
+      topology.intra_node.bandwidth_bytes_per_s / 1e9, topology.intra_node.efficiency.size(),
+      inputs.size(), ranks, units, zero_fill ? "modelled" : "not modelled");
+  absl::StrAppend(&out, "# load average per run (before -> after): ", absl::StrJoin(loads, "; "),
+                  "\n\n");
+  absl::StrAppend(&out,
+                  "| ratio | config | fwd / bwd prefetch | budget MiB | unit MiB | compute ms | "
+                  "measured step ms | predicted step ms | error | predicted exposed ms | "
+                  "AG/RS measured vs simulated |\n"
+                  "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|\n");
+  double worst = 0;
+  for (const Row& r : rows) {
+    const double measured = MedianOf(r.measured);
+    const double predicted = MedianOf(r.predicted);
+    const double error = (predicted - measured) / measured;
+    worst = std::max(worst, std::abs(error));
+    absl::StrAppend(
+        &out,
+        absl::StrFormat(
+            "| %.2f | %s | %d / %s:%d | %s | %.1f | %.1f | %.1f | %.1f | %+.1f%% | %.1f | %s |\n",
+            r.ratio, r.config.name, r.config.forward_prefetch,
+            BackwardPrefetchName(r.config.backward_prefetch), r.config.backward_depth,
+            r.config.budget_bytes == 0 ? std::string("none")
+                                       : absl::StrFormat("%.1f", r.config.budget_bytes / 1048576.0),
+            r.unit_bytes / 1048576.0, MedianOf(r.compute), measured, predicted, 100 * error,
+            MedianOf(r.exposed), r.predicted_counts));
+  }
+  absl::StrAppend(&out, absl::StrFormat("\n# largest |error|: %.1f%% (%zu settings)\n", 100 * worst,
+                                        rows.size()));
+  std::fputs(out.c_str(), stdout);
+  if (!markdown.empty()) SL_RETURN_IF_ERROR(WriteFile(markdown, out));
+  return absl::OkStatus();
+}
+
 }  // namespace
 }  // namespace shardline
 
@@ -508,6 +670,8 @@ int main(int argc, char** argv) {
   absl::Status status;
   if (command == "sweep") {
     status = shardline::Sweep(argc, argv);
+  } else if (command == "validate") {
+    status = shardline::Validate(argc, argv);
   } else if (command == "calibrate") {
     status = shardline::TuneCalibrateMain(argc - 1, argv + 1, "shardline-tune calibrate");
   } else if (command == "-h" || command == "--help") {
@@ -515,7 +679,7 @@ int main(int argc, char** argv) {
     return 0;
   } else {
     std::fprintf(stderr, "shardline-tune: %s\n%s",
-                 command.empty() ? "no subcommand (sweep or calibrate)"
+                 command.empty() ? "no subcommand (sweep, calibrate or validate)"
                                  : absl::StrCat("unknown subcommand '", command, "'").c_str(),
                  shardline::kUsage);
     return 2;

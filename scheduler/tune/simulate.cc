@@ -57,6 +57,9 @@ class SubAllocator final : public Allocator {
 struct Rank {
   std::unique_ptr<Allocator> device;
   std::unique_ptr<SubAllocator> shards, gather_blocks, reduce_blocks, optimizer, activations;
+  // CPU offload: host memory, with the offloaded shards and the optimizer state.
+  std::unique_ptr<Allocator> host;
+  std::unique_ptr<SubAllocator> host_shards, host_optimizer;
   std::unique_ptr<CachingPool> gather_pool, reduce_pool;
   std::unique_ptr<Stream> compute;
   std::shared_ptr<CollectiveCounter> counter;
@@ -77,6 +80,7 @@ class Backend {
   virtual absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> Representative(
       int size, int shard_size) = 0;
   virtual std::unique_ptr<Allocator> DeviceMemory(int rank) = 0;
+  virtual std::unique_ptr<Allocator> HostMemory(int rank) = 0;
   virtual absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) = 0;
   // SchedulerOptions::stream_factory (null: the scheduler's default).
   virtual std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory() = 0;
@@ -108,6 +112,9 @@ class VirtualBackend final : public Backend {
   }
   std::unique_ptr<Allocator> DeviceMemory(int rank) override {
     return CreatePhantomAllocator(Device::Host(), absl::StrCat("rank", rank, ".device"));
+  }
+  std::unique_ptr<Allocator> HostMemory(int rank) override {
+    return CreatePhantomAllocator(Device::Host(), absl::StrCat("rank", rank, ".host"));
   }
   absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) override {
     return CreateVirtualStream(*timeline_, std::move(options));
@@ -142,6 +149,9 @@ class HostBackend final : public Backend {
   }
   std::unique_ptr<Allocator> DeviceMemory(int rank) override {
     return CreateHostAllocator(64, absl::StrCat("rank", rank, ".host"));
+  }
+  std::unique_ptr<Allocator> HostMemory(int rank) override {
+    return CreateHostAllocator(64, absl::StrCat("rank", rank, ".offload"));
   }
   absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) override {
     return CreateHostStream(std::move(options));
@@ -178,6 +188,9 @@ struct Ranks {
       r.reduce_blocks.reset();
       r.optimizer.reset();
       r.activations.reset();
+      r.host_shards.reset();
+      r.host_optimizer.reset();
+      r.host.reset();
       r.compute.reset();
       r.device.reset();
     }
@@ -199,6 +212,7 @@ absl::Status CheckConfig(const ModelDescription& model, const SimulationConfig& 
     return bad("prefetch depths must not be negative (forward ", c.forward_prefetch, ", backward ",
                c.backward_prefetch_depth, ")");
   }
+  if (c.micro_batches < 1) return bad("micro_batches must be at least 1, got ", c.micro_batches);
   if (c.root_unit < -1 || c.root_unit >= static_cast<int>(model.units.size())) {
     return bad("root_unit ", c.root_unit, " is not -1 or a unit (", model.units.size(), " units)");
   }
@@ -335,6 +349,11 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     r.optimizer = std::make_unique<SubAllocator>(*r.device, absl::StrCat("rank", i, ".optimizer"));
     r.activations =
         std::make_unique<SubAllocator>(*r.device, absl::StrCat("rank", i, ".activations"));
+    r.host = backend.HostMemory(i);
+    r.host_shards =
+        std::make_unique<SubAllocator>(*r.host, absl::StrCat("rank", i, ".host shards"));
+    r.host_optimizer =
+        std::make_unique<SubAllocator>(*r.host, absl::StrCat("rank", i, ".host optimizer"));
     r.gather_pool = std::make_unique<CachingPool>(
         *r.gather_blocks, CachingPoolOptions{.name = absl::StrCat("rank", i, ".gather pool")});
     r.reduce_pool = std::make_unique<CachingPool>(
@@ -360,6 +379,8 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     o.gather_pool = r.gather_pool.get();
     o.reduce_pool = r.reduce_pool.get();
     o.shard_allocator = r.shards.get();
+    o.cpu_offload = c.cpu_offload;
+    o.offload_allocator = c.cpu_offload ? r.host_shards.get() : nullptr;
     o.trace = trace;
   }
 
@@ -398,14 +419,44 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     for (int u = 0; u < r.scheduler->num_units(); ++u) {
       shard_elements += r.scheduler->unit(u).layout().shard_elements();
     }
-    SL_ASSIGN_OR_RETURN(
-        r.optimizer_state,
-        r.optimizer->Allocate(shard_elements * model.optimizer_state_bytes_per_param));
-    r.master_shard_bytes = static_cast<uint64_t>(r.shards->stats().current_bytes);
+    SubAllocator& optimizer = c.cpu_offload ? *r.host_optimizer : *r.optimizer;
+    SL_ASSIGN_OR_RETURN(r.optimizer_state,
+                        optimizer.Allocate(shard_elements * model.optimizer_state_bytes_per_param));
+    r.master_shard_bytes =
+        static_cast<uint64_t>((c.cpu_offload ? *r.host_shards : *r.shards).stats().current_bytes);
   }
 
+  // One optimizer step: c.micro_batches forward and backward passes. With `sums`, per rank the
+  // sums over the micro-batches of the scheduler's step, exposed and communication times, and
+  // its last metrics.
+  struct Sums {
+    std::optional<absl::Duration> step, exposed, communication;
+    StepMetrics last;
+  };
+  auto add = [](std::optional<absl::Duration>& sum, const std::optional<absl::Duration>& d) {
+    if (d.has_value()) sum = sum.value_or(absl::ZeroDuration()) + *d;
+  };
+  auto run_step = [&](std::vector<Sums>* sums) -> absl::Status {
+    for (int mb = 0; mb < c.micro_batches; ++mb) {
+      if (c.micro_batches > 1 && c.accumulation == GradientAccumulation::kNoSync) {
+        for (Rank& r : ranks) r.scheduler->SetRequiresGradientSync(mb == c.micro_batches - 1);
+      }
+      SL_RETURN_IF_ERROR(RunStep(backend, ranks, model, c));
+      if (sums == nullptr) continue;
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        SL_ASSIGN_OR_RETURN(StepMetrics m, ranks[i].scheduler->LastStepMetrics(backend.Deadline()));
+        Sums& s = (*sums)[i];
+        add(s.step, m.step_time);
+        add(s.exposed, m.exposed_communication);
+        add(s.communication, m.communication_time);
+        s.last = std::move(m);
+      }
+    }
+    return absl::OkStatus();
+  };
+
   // Warm-up: records the forward order.
-  SL_RETURN_IF_ERROR(RunStep(backend, ranks, model, c));
+  SL_RETURN_IF_ERROR(run_step(nullptr));
   for (Rank& r : ranks) {
     SL_RETURN_IF_ERROR(r.scheduler->ZeroGrad());
     r.counter->Reset();
@@ -414,7 +465,8 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
   for (Rank& r : ranks) {
     for (Allocator* a : std::initializer_list<Allocator*>{
              r.gather_pool.get(), r.reduce_pool.get(), r.shards.get(), r.gather_blocks.get(),
-             r.reduce_blocks.get(), r.optimizer.get(), r.activations.get(), r.device.get()}) {
+             r.reduce_blocks.get(), r.optimizer.get(), r.activations.get(), r.device.get(),
+             r.host_shards.get(), r.host_optimizer.get(), r.host.get()}) {
       a->Collect();
       a->ResetPeak();
     }
@@ -422,7 +474,8 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
 
   // The measured step.
   const std::vector<SimLinkTraffic> traffic_before = Traffic(world);
-  SL_RETURN_IF_ERROR(RunStep(backend, ranks, model, c));
+  std::vector<Sums> sums(ranks.size());
+  SL_RETURN_IF_ERROR(run_step(&sums));
   const std::vector<SimLinkTraffic> traffic_after = Traffic(world);
 
   SimulationReport report;
@@ -443,22 +496,27 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     report.step_flops +=
         use.forward_flops + use.backward_flops + (Recomputes(c, use) ? use.forward_flops : 0);
   }
+  report.step_flops *= static_cast<uint64_t>(c.micro_batches);
   if (cluster != nullptr) {
     report.compute_time = cluster->ComputeDuration(report.step_flops);
   }
   for (int i = 0; i < simulated; ++i) {
     Rank& r = ranks[i];
-    SL_ASSIGN_OR_RETURN(StepMetrics m, r.scheduler->LastStepMetrics(backend.Deadline()));
-    if (m.step_time.has_value() && cluster != nullptr) {
-      report.step_time = std::max(report.step_time.value_or(absl::ZeroDuration()), *m.step_time);
+    const StepMetrics& m = sums[i].last;
+    if (sums[i].step.has_value() && cluster != nullptr) {
+      report.step_time = std::max(report.step_time.value_or(absl::ZeroDuration()), *sums[i].step);
     }
     MemoryReport& mem = report.memory;
     auto peak = [](const Allocator& a) { return static_cast<uint64_t>(a.stats().peak_bytes); };
+    SubAllocator& shards = c.cpu_offload ? *r.host_shards : *r.shards;
+    shards.Collect();  // buffers released after events that have completed (CPU offload's copies)
     mem.master_shards = std::max(mem.master_shards, r.master_shard_bytes);
     mem.sharded_grads =
         std::max(mem.sharded_grads,
-                 static_cast<uint64_t>(r.shards->stats().current_bytes) - r.master_shard_bytes);
-    mem.optimizer_state = std::max(mem.optimizer_state, peak(*r.optimizer));
+                 static_cast<uint64_t>(shards.stats().current_bytes) - r.master_shard_bytes);
+    mem.optimizer_state =
+        std::max(mem.optimizer_state, peak(c.cpu_offload ? *r.host_optimizer : *r.optimizer));
+    mem.host_peak = std::max(mem.host_peak, peak(*r.host));
     mem.unsharded_params_peak = std::max(mem.unsharded_params_peak, peak(*r.gather_blocks));
     mem.grad_buffers_peak = std::max(mem.grad_buffers_peak, peak(*r.reduce_blocks));
     mem.activations_peak = std::max(mem.activations_peak, peak(*r.activations));
@@ -468,8 +526,8 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     if (i == 0) {
       report.metrics = m;
       if (cluster != nullptr) {
-        report.exposed_communication = m.exposed_communication;
-        report.communication_time = m.communication_time;
+        report.exposed_communication = sums[i].exposed;
+        report.communication_time = sums[i].communication;
       }
       report.collectives = r.counter->Totals();
       report.ring_sent_bytes_per_rank = r.counter->RingSentBytes();
@@ -477,8 +535,8 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     report.event_logs.push_back(std::move(r.logs));
   }
   if (report.step_time.has_value() && model.tokens_per_micro_batch > 0) {
-    report.tokens_per_s_per_device = static_cast<double>(model.tokens_per_micro_batch) /
-                                     absl::ToDoubleSeconds(*report.step_time);
+    report.tokens_per_s_per_device = static_cast<double>(model.tokens_per_micro_batch) *
+                                     c.micro_batches / absl::ToDoubleSeconds(*report.step_time);
   }
   if (cluster != nullptr && cluster->device_memory_bytes() > 0) {
     report.fits = report.memory.total_peak <= cluster->device_memory_bytes();
@@ -514,6 +572,7 @@ class FlatCluster final : public SimCluster {
   bool RanksSymmetric(int, int) const override { return true; }
   double compute_flops_per_s() const override { return options_.compute_flops_per_s; }
   uint64_t device_memory_bytes() const override { return options_.device_memory_bytes; }
+  double host_link_bytes_per_s() const override { return options_.host_link_bytes_per_s; }
 
  private:
   FlatClusterOptions options_;
@@ -556,6 +615,17 @@ class TopologyCluster final : public SimCluster {
   }
   uint64_t device_memory_bytes() const override { return topology_->device_memory_bytes; }
   std::shared_ptr<const Topology> topology() const override { return topology_; }
+  double host_link_bytes_per_s() const override { return topology_->host_link_bytes_per_s; }
+  VirtualTimelineOptions TimelineOptions() const override {
+    const MemoryOpsModel& m = topology_->memory_ops;
+    VirtualTimelineOptions o;
+    o.copy_bytes_per_s = m.copy_bytes_per_s;
+    o.cast_bytes_per_s = m.cast_bytes_per_s;
+    o.reduce_bytes_per_s = m.reduce_bytes_per_s;
+    o.fill_bytes_per_s = m.fill_bytes_per_s;
+    o.op_overhead = absl::Seconds(m.op_overhead_s);
+    return o;
+  }
 
  private:
   absl::StatusOr<SimOptions> Network(int world_size) const {
@@ -584,6 +654,16 @@ absl::string_view HostLeadName(HostLead lead) {
       return "one_use";
     case HostLead::kWholeStep:
       return "whole_step";
+  }
+  return "?";
+}
+
+absl::string_view GradientAccumulationName(GradientAccumulation accumulation) {
+  switch (accumulation) {
+    case GradientAccumulation::kNoSync:
+      return "no_sync";
+    case GradientAccumulation::kSync:
+      return "sync";
   }
   return "?";
 }
@@ -618,8 +698,19 @@ absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions
 absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
                                           const SimulationConfig& config,
                                           const SimCluster& cluster) {
-  SL_ASSIGN_OR_RETURN(std::unique_ptr<VirtualTimeline> timeline,
-                      VirtualTimeline::Create({.run_ops = false}));
+  VirtualTimelineOptions options = cluster.TimelineOptions();
+  options.run_ops = false;
+  if (config.cpu_offload) {
+    // The scheduler's only copy ops are CPU offload's host transfers (flat_parameter.cc).
+    if (!(cluster.host_link_bytes_per_s() > 0)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "simulation config: cpu_offload needs the bandwidth of the devices' host link "
+          "(a topology's host_link_GBps), and ",
+          cluster.Describe(), " has none"));
+    }
+    options.copy_bytes_per_s = cluster.host_link_bytes_per_s();
+  }
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<VirtualTimeline> timeline, VirtualTimeline::Create(options));
   VirtualBackend backend(cluster, std::move(timeline));
   return Run(backend, model, config, &cluster);
 }

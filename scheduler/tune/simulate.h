@@ -110,6 +110,12 @@ class SimCluster {
   virtual uint64_t device_memory_bytes() const = 0;
   // The topology the cluster simulates; null for the flat cluster.
   virtual std::shared_ptr<const Topology> topology() const { return nullptr; }
+  // A device's link to host memory, bytes/s each way (CPU offload's copies); 0: none known.
+  virtual double host_link_bytes_per_s() const { return 0; }
+  // How long the scheduler's memory ops (casts, copies, reductions, fills) take on its virtual
+  // streams: the timeline's cost model (run_ops is set false by Simulate). The flat cluster keeps
+  // the timeline's defaults; a topology cluster takes its memory_ops (topology.h).
+  virtual VirtualTimelineOptions TimelineOptions() const { return {}; }
 };
 
 // Every group, of whatever size and placement, costs what SimOptions' ring model says
@@ -120,6 +126,7 @@ struct FlatClusterOptions {
   SimOptions network;
   double compute_flops_per_s = 400e12;
   uint64_t device_memory_bytes = 80ull << 30;
+  double host_link_bytes_per_s = 0;  // CPU offload's copies; 0: none (offload is an error)
 };
 // InvalidArgument for a non-positive throughput or SimOptions' own errors (at CreateWorld).
 absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions options);
@@ -157,6 +164,16 @@ enum class RankMode : uint8_t {
 // "all", "representative", "auto".
 absl::string_view RankModeName(RankMode mode);
 
+// How the micro-batches of one optimizer step reduce their gradients
+// (SimulationConfig::micro_batches > 1).
+enum class GradientAccumulation : uint8_t {
+  kNoSync,  // FSDP2's set_requires_gradient_sync(false) on all but the last micro-batch: the
+            // unsharded gradients accumulate (in the reduce pool), the last one reduces them
+  kSync,    // every micro-batch reduces (reduce-scatter, and all-reduce for hybrid/no-shard)
+};
+// "no_sync", "sync".
+absl::string_view GradientAccumulationName(GradientAccumulation accumulation);
+
 struct SimulationConfig {
   int world_size = 8;
   RankMode ranks = RankMode::kAll;
@@ -177,6 +194,17 @@ struct SimulationConfig {
   std::optional<bool> reshard_after_forward;
   int root_unit = 0;  // -1: no root
   bool activation_checkpointing = false;
+  // Micro-batches per optimizer step (>= 1): the step runs the forward and backward of the
+  // model's micro-batch this many times, each ending with FinishBackward; `accumulation` decides
+  // which of them reduce.
+  int micro_batches = 1;
+  GradientAccumulation accumulation = GradientAccumulation::kNoSync;
+  // FSDP's CPUOffload (SchedulerOptions::cpu_offload): the master shards, the sharded gradients
+  // and the optimizer state in host memory (MemoryReport::host_peak, not the device's); each
+  // gather copies its shard to the device and each reduction its reduced shard back. Those
+  // copies are the scheduler's only copy ops, so on virtual time they take
+  // SimCluster::host_link_bytes_per_s() (FailedPrecondition where the cluster has none).
+  bool cpu_offload = false;
   HostLead host_lead = HostLead::kOneUse;
   // Rank 0's streams and the scheduler's spans, on virtual time. Null: none. Must outlive the
   // call.
@@ -196,6 +224,9 @@ struct MemoryReport {
   // The gather pool's peak of requested bytes (no class rounding, no cache): the unsharded
   // parameters in flight.
   uint64_t unsharded_params_requested_peak = 0;
+  // Host memory per rank (CPU offload: master shards, sharded gradients, optimizer state; they
+  // are then not in total_peak). 0 without offload.
+  uint64_t host_peak = 0;
 };
 
 struct SimulationReport {
@@ -209,7 +240,11 @@ struct SimulationReport {
   std::optional<absl::Duration> communication_time;     // rank 0's collectives' busy time
   absl::Duration compute_time;  // the compute ops' declared durations, per rank
   uint64_t step_flops = 0;      // per rank: forward + backward (+ recomputation)
-  // Tokens per second per device (tokens_per_micro_batch / step_time); 0 without either.
+  // With micro_batches > 1: step_time, exposed_communication and communication_time are sums
+  // over the micro-batches (each from its first PreForward to the end of its FinishBackward's
+  // waits; the next one starts after), compute_time and step_flops cover all of them.
+  // Tokens per second per device (micro_batches x tokens_per_micro_batch / step_time); 0
+  // without either.
   double tokens_per_s_per_device = 0;
   // Rank 0's collectives of the measured step, per communicator and kind, and the bytes it sent
   // (ring convention, counting_communicator.h).
@@ -222,8 +257,8 @@ struct SimulationReport {
   MemoryReport memory;
   bool fits = true;     // memory.total_peak <= the cluster's device memory
   StepMetrics metrics;  // rank 0's scheduler metrics of the measured step
-  // Per rank, per step (warm-up, measured): the scheduler's issue log interleaved with the
-  // driver's compute ("AG layer0", "f layer0", "RS layer0", "b layer0").
+  // Per rank, per micro-batch of each step (warm-up, measured): the scheduler's issue log
+  // interleaved with the driver's compute ("AG layer0", "f layer0", "RS layer0", "b layer0").
   std::vector<std::vector<std::vector<std::string>>> event_logs;
 };
 

@@ -77,6 +77,9 @@ std::vector<Field> RowFields(const SweepRow& row, int index) {
   text("param_dtype", DTypeOr(c.param_dtype));
   text("reduce_dtype", DTypeOr(c.reduce_dtype));
   boolean("activation_checkpointing", c.activation_checkpointing);
+  integer("micro_batches", c.micro_batches);
+  text("accumulation", std::string(GradientAccumulationName(c.accumulation)));
+  boolean("cpu_offload", c.cpu_offload);
   boolean("ok", row.status.ok());
   text("error", row.status.ok() ? "" : std::string(row.status.message()));
   integer("ranks_simulated", r.ranks_simulated);
@@ -99,6 +102,7 @@ std::vector<Field> RowFields(const SweepRow& row, int index) {
   integer("mem_grad_buffers_peak_bytes", static_cast<int64_t>(m.grad_buffers_peak));
   integer("mem_activations_peak_bytes", static_cast<int64_t>(m.activations_peak));
   integer("mem_total_peak_bytes", static_cast<int64_t>(m.total_peak));
+  integer("mem_host_peak_bytes", static_cast<int64_t>(m.host_peak));
   boolean("fits", row.status.ok() && r.fits);
   return f;
 }
@@ -120,11 +124,16 @@ absl::StatusOr<std::vector<SimulationConfig>> ExpandSweep(const SweepSpace& s) {
         Dim{"backward_prefetch_depth", s.backward_prefetch_depth.size()},
         Dim{"budget_units", s.budget_units.size()}, Dim{"budget_bytes", s.budget_bytes.size()},
         Dim{"param_dtypes", s.param_dtypes.size()}, Dim{"reduce_dtypes", s.reduce_dtypes.size()},
-        Dim{"activation_checkpointing", s.activation_checkpointing.size()}}) {
+        Dim{"activation_checkpointing", s.activation_checkpointing.size()},
+        Dim{"micro_batches", s.micro_batches.size()}, Dim{"accumulation", s.accumulation.size()},
+        Dim{"cpu_offload", s.cpu_offload.size()}}) {
     if (d.size == 0) return bad("dimension '", d.name, "' has no values");
   }
   for (const int v : s.forward_prefetch) {
     if (v < 0) return bad("forward_prefetch ", v, " is negative");
+  }
+  for (const int v : s.micro_batches) {
+    if (v < 1) return bad("micro_batches ", v, " is below 1");
   }
   for (const int v : s.backward_prefetch_depth) {
     if (v < 0) return bad("backward_prefetch_depth ", v, " is negative");
@@ -160,21 +169,33 @@ absl::StatusOr<std::vector<SimulationConfig>> ExpandSweep(const SweepSpace& s) {
               for (const std::optional<DType>& pd : s.param_dtypes) {
                 for (const std::optional<DType>& rd : s.reduce_dtypes) {
                   for (const bool ckpt : s.activation_checkpointing) {
-                    SimulationConfig c;
-                    c.world_size = s.world_size;
-                    c.ranks = s.ranks;
-                    c.strategy = strategy;
-                    c.shard_size = k;
-                    c.forward_prefetch = fp;
-                    c.backward_prefetch = bp;
-                    c.backward_prefetch_depth = bd;
-                    c.budget_units = bu;
-                    c.budget_bytes = bb;
-                    c.param_dtype = pd;
-                    c.reduce_dtype = rd;
-                    c.activation_checkpointing = ckpt;
-                    c.host_lead = s.host_lead;
-                    out.push_back(c);
+                    for (const int mb : s.micro_batches) {
+                      // With one micro-batch the accumulation mode does nothing: one value.
+                      std::vector<GradientAccumulation> modes = s.accumulation;
+                      if (mb == 1) modes = {modes.front()};
+                      for (const GradientAccumulation acc : modes) {
+                        for (const bool offload : s.cpu_offload) {
+                          SimulationConfig c;
+                          c.world_size = s.world_size;
+                          c.ranks = s.ranks;
+                          c.strategy = strategy;
+                          c.shard_size = k;
+                          c.forward_prefetch = fp;
+                          c.backward_prefetch = bp;
+                          c.backward_prefetch_depth = bd;
+                          c.budget_units = bu;
+                          c.budget_bytes = bb;
+                          c.param_dtype = pd;
+                          c.reduce_dtype = rd;
+                          c.activation_checkpointing = ckpt;
+                          c.micro_batches = mb;
+                          c.accumulation = acc;
+                          c.cpu_offload = offload;
+                          c.host_lead = s.host_lead;
+                          out.push_back(c);
+                        }
+                      }
+                    }
                   }
                 }
               }
@@ -255,6 +276,10 @@ std::string DescribeConfig(const SimulationConfig& c) {
                   ":", c.backward_prefetch_depth, " bu=", c.budget_units, " bb=", c.budget_bytes,
                   " p=", DTypeOr(c.param_dtype), " r=", DTypeOr(c.reduce_dtype));
   if (c.activation_checkpointing) absl::StrAppend(&s, " ckpt");
+  if (c.micro_batches > 1) {
+    absl::StrAppend(&s, " mb=", c.micro_batches, ":", GradientAccumulationName(c.accumulation));
+  }
+  if (c.cpu_offload) absl::StrAppend(&s, " offload");
   return s;
 }
 

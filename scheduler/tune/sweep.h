@@ -13,10 +13,11 @@
 //
 // Dimensions: sharding strategy (and, for hybrid, the shard-group size), forward prefetch
 // depth, backward prefetch mode and depth (one depth where the mode is off), the budget's unit
-// count and byte caps, param and reduce dtypes, activation checkpointing. Micro-batch
-// accumulation and CPU offload are not modelled by the driver (kNotModelled says so in every
-// output). Configurations the scheduler refuses (a byte budget below what the units need, say)
-// are rows with an error, not failures of the sweep.
+// count and byte caps, param and reduce dtypes, activation checkpointing, micro-batches per step
+// and their accumulation mode (one mode where there is one micro-batch), CPU offload.
+// kNotModelled names what the driver leaves out, in every output. Configurations the scheduler
+// refuses (a byte budget below what the units need, say) are rows with an error, not failures of
+// the sweep.
 //
 // The best row: the highest tokens/s per device among those that ran and fit the device
 // memory (ties: the lower peak memory, then the earlier row); -1 if none.
@@ -37,8 +38,10 @@
 
 namespace shardline {
 
-// What a sweep cannot vary yet (the driver runs one micro-batch per step, on device memory).
-inline constexpr const char* kNotModelled[] = {"micro-batch accumulation", "CPU offload"};
+// What the simulated step leaves out (every output says so).
+inline constexpr const char* kNotModelled[] = {
+    "the optimizer step (its compute; with CPU offload, on the host)",
+    "selective activation checkpointing (only none or every use)"};
 
 struct SweepSpace {
   int world_size = 8;
@@ -54,6 +57,9 @@ struct SweepSpace {
   std::vector<std::optional<DType>> param_dtypes = {std::nullopt};
   std::vector<std::optional<DType>> reduce_dtypes = {std::nullopt};
   std::vector<bool> activation_checkpointing = {false};
+  std::vector<int> micro_batches = {1};
+  std::vector<GradientAccumulation> accumulation = {GradientAccumulation::kNoSync};
+  std::vector<bool> cpu_offload = {false};
   HostLead host_lead = HostLead::kOneUse;
   RankMode ranks = RankMode::kAuto;
 };
@@ -98,14 +104,14 @@ std::string DescribeConfig(const SimulationConfig& config);
 // The table. JSON: {"model", "cluster", "world_size", "peak_TFLOPs", "not_modelled", "best",
 // "seconds", "rows": [{"index", "strategy", "shard_size", "forward_prefetch",
 // "backward_prefetch", "backward_prefetch_depth", "budget_units", "budget_bytes", "param_dtype",
-// "reduce_dtype", "activation_checkpointing", "ok", "error", "ranks_simulated", "representative",
-// "step_time_s", "compute_time_s", "exposed_communication_s", "communication_time_s",
-// "tokens_per_s_per_device", "mfu", "ring_sent_bytes_per_rank", "intra_node_bytes_per_device",
-// "inter_node_bytes_per_device", "budget_overshoots", "memory": {"master_shards",
-// "sharded_grads", "optimizer_state", "unsharded_params_peak", "grad_buffers_peak",
-// "activations_peak", "total_peak"}, "fits"}]}. dtypes "model" where the model's own is used.
-// CSV: one header line and a line per row with the same fields (memory flattened to
-// mem_<name>_bytes), errors quoted.
+// "reduce_dtype", "activation_checkpointing", "micro_batches", "accumulation", "cpu_offload", "ok",
+// "error", "ranks_simulated", "representative", "step_time_s", "compute_time_s",
+// "exposed_communication_s", "communication_time_s", "tokens_per_s_per_device", "mfu",
+// "ring_sent_bytes_per_rank", "intra_node_bytes_per_device", "inter_node_bytes_per_device",
+// "budget_overshoots", "memory": {"master_shards", "sharded_grads", "optimizer_state",
+// "unsharded_params_peak", "grad_buffers_peak", "activations_peak", "total_peak", "host_peak"},
+// "fits"}]}. dtypes "model" where the model's own is used. CSV: one header line and a line per row
+// with the same fields (memory flattened to mem_<name>_bytes), errors quoted.
 std::string SweepToJson(const SweepResult& result, const ModelDescription& model,
                         const SimCluster& cluster);
 std::string SweepToCsv(const SweepResult& result);

@@ -173,8 +173,8 @@ TEST(TopologyTest, JsonRoundTrip) {
 }
 
 TEST(TopologyTest, ShippedExamplesLoad) {
-  for (const char* file :
-       {"dgx-h100.json", "h100-128-nodes.json", "dgx-a100.json", "this-machine.json"}) {
+  for (const char* file : {"dgx-h100.json", "h100-128-nodes.json", "dgx-a100.json",
+                           "dgx-a100-cluster.json", "this-machine.json"}) {
     absl::StatusOr<Topology> t = LoadTopology(std::string(SHARDLINE_TOPOLOGIES_DIR) + "/" + file);
     ASSERT_TRUE(t.ok()) << file << ": " << t.status();
     EXPECT_FALSE(t->description.empty()) << file;

@@ -115,8 +115,7 @@ TEST(TuneCliTest, SweepRowsEqualSimulateAndCsvEqualsJson) {
       "--json ", dir, "/out.json --csv ", dir, "/out.csv --trace ", dir, "/trace.json"));
   ASSERT_EQ(run.status, 0) << run.output;
   EXPECT_TRUE(absl::StrContains(run.output, "# recommended: row ")) << run.output;
-  EXPECT_TRUE(absl::StrContains(run.output, "not modelled: micro-batch accumulation, CPU offload"))
-      << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "not modelled: the optimizer step")) << run.output;
   EXPECT_FALSE(absl::StrContains(run.output, "/240 configurations")) << "no progress bar asked for";
 
   absl::StatusOr<JsonValue> table = ParseJson(Read(dir + "/out.json"));
@@ -335,7 +334,15 @@ TEST(TuneCliTest, BadFlagsAreClearErrors) {
       {base + "--ranks some", "'some' is not auto, all or representative"},
       {"sweep --model llama3-8b --topology no-such-machine", "'no-such-machine' is neither"},
       {"sweep --model llama3-8b --topology /nonexistent/t.json", "/nonexistent/t.json"},
+      {base + "--micro-batches 2,0", "'0' is not a positive integer"},
+      {base + "--accumulation lazy", "'lazy' is not no_sync or sync"},
+      {base + "--cpu-offload yes", "'yes' is not on or off"},
       {"calibrate", "no perf JSON given"},
+      {"calibrate --repeats mean x.json", "--repeats: 'mean' is not min, median or keep"},
+      {"validate /nonexistent/o.json", "--topology is required"},
+      {"validate --topology this-machine", "no overlap_bench JSON file given"},
+      {"validate --topology this-machine /nonexistent/o.json", "/nonexistent/o.json"},
+      {"validate --topology this-machine --frob", "unknown flag --frob"},
   };
   for (const Case& c : cases) {
     const ToolRun run = RunTool(c.args);
