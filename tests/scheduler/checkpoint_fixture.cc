@@ -49,7 +49,11 @@ int Main(int argc, char** argv) {
     } else if (key == "--dtype" || key == "--file-dtype") {
       absl::StatusOr<DType> d = ParseDType(value);
       if (!d.ok()) return 2;
-      (key == "--dtype" ? dtype : file_dtype) = *d;
+      if (key == "--dtype") {
+        dtype = *d;
+      } else {
+        file_dtype = *d;
+      }
     } else {
       return 2;
     }
