@@ -679,3 +679,58 @@ TEST_F(FullWeightsTest, ExportIsAtomicThroughTheFileLayer) {
 
 }  // namespace
 }  // namespace shardline
+
+namespace shardline {
+namespace {
+
+// A file of the model's storage tensors, each in the dtype `dtype_of(name)` gives: f64 holds the
+// f32 values exactly; integer dtypes hold zeros.
+void WriteModelFile(const std::string& path,
+                    const std::function<SafetensorsDType(const std::string&)>& dtype_of) {
+  std::vector<SafetensorsTensorInfo> infos;
+  std::vector<std::string> data;
+  const std::vector<UnitDef> model = MakeModel();
+  for (size_t u = 0; u < model.size(); ++u) {
+    for (size_t t = 0; t < model[u].tensors.size(); ++t) {
+      const TensorSpec& spec = model[u].tensors[t];
+      if (!spec.tied_to.empty()) continue;
+      const SafetensorsDType d = dtype_of(spec.name);
+      size_t numel = 1;
+      for (int64_t dim : spec.shape) numel *= dim;
+      std::string bytes(numel * SafetensorsDTypeSize(d), '\0');
+      for (size_t i = 0; i < numel && (d == SafetensorsDType::kF64 || d == SafetensorsDType::kF32);
+           ++i) {
+        Expected(u, t, i, d == SafetensorsDType::kF64 ? DType::kF64 : DType::kF32,
+                 &bytes[i * SafetensorsDTypeSize(d)]);
+      }
+      infos.push_back({.name = spec.name, .dtype = d, .shape = spec.shape});
+      data.push_back(bytes);
+    }
+  }
+  auto w = SafetensorsWriter::Create(PosixFileSystem(), path, infos, {});
+  SL_CHECK(w.ok());
+  for (const std::string& d : data) SL_CHECK((*w)->Append(d.data(), d.size()).ok());
+  SL_CHECK((*w)->Finish().ok());
+}
+
+TEST_F(FullWeightsTest, FileDtypesAreCastOrRefused) {
+  // F64 everywhere: narrowed into the f32 masters (exactly: the values are f32 values).
+  const std::string f64 = Path("f64.safetensors");
+  WriteModelFile(f64, [](const std::string&) { return SafetensorsDType::kF64; });
+  ExpectAllOk(Import({.world = 3}, f64));
+  // F32 everywhere: widened into the f64 master of 'tail'.
+  const std::string f32 = Path("f32.safetensors");
+  WriteModelFile(f32, [](const std::string&) { return SafetensorsDType::kF32; });
+  ExpectAllOk(Import({.world = 2}, f32));
+  // An integer tensor cannot go into a floating master.
+  const std::string i32 = Path("i32.safetensors");
+  WriteModelFile(i32, [](const std::string& name) {
+    return name == "w" ? SafetensorsDType::kI32 : SafetensorsDType::kF32;
+  });
+  ExpectAllFail(Import({.world = 2}, i32), absl::StatusCode::kInvalidArgument,
+                "tensor 'w' (unit 'block'): the file's dtype I32 cannot be loaded into the master "
+                "dtype f32");
+}
+
+}  // namespace
+}  // namespace shardline
