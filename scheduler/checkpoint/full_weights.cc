@@ -108,10 +108,9 @@ bool CastAllowed(DType from, DType to) {
 
 }  // namespace
 
-absl::StatusOr<
-    std::pair<std::vector<SafetensorsTensorInfo>, std::vector<std::pair<std::string, std::string>>>>
-PlanFullWeightFile(const std::vector<FullWeightUnit>& units,
-                   const std::vector<std::pair<std::string, std::string>>& extra) {
+absl::StatusOr<FullWeightFilePlan> PlanFullWeightFile(
+    const std::vector<FullWeightUnit>& units,
+    const std::vector<std::pair<std::string, std::string>>& extra) {
   std::vector<SafetensorsTensorInfo> tensors;
   std::vector<std::pair<std::string, std::string>> metadata = {{"format", "pt"}};
   absl::flat_hash_map<std::string, size_t> owner;  // tensor name -> unit index
@@ -145,7 +144,7 @@ PlanFullWeightFile(const std::vector<FullWeightUnit>& units,
     }
   }
   metadata.insert(metadata.end(), extra.begin(), extra.end());
-  return std::make_pair(std::move(tensors), std::move(metadata));
+  return FullWeightFilePlan{.tensors = std::move(tensors), .metadata = std::move(metadata)};
 }
 
 absl::Status AppendCast(SafetensorsWriter& writer, const void* src, DType src_dtype,
@@ -210,7 +209,7 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
       local = plan.status();
     } else if (rank == options.writer_rank) {
       absl::StatusOr<std::unique_ptr<SafetensorsWriter>> w =
-          SafetensorsWriter::Create(fs, path, plan->first, plan->second);
+          SafetensorsWriter::Create(fs, path, plan->tensors, plan->metadata);
       if (w.ok()) {
         writer = *std::move(w);
       } else {

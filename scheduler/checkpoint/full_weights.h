@@ -107,13 +107,17 @@ struct FullWeightUnit {
   const FlatLayout* layout = nullptr;
   DType dtype = DType::kF32;  // the file's dtype for the unit's tensors
 };
-// The file's tensors (every storage-owning tensor, units and tensors in order) and its metadata
-// ("format": "pt", the ties, then `extra`). InvalidArgument for a tensor name used twice across
-// units (ties included), naming both units, or an `extra` key that repeats one of ours.
-absl::StatusOr<
-    std::pair<std::vector<SafetensorsTensorInfo>, std::vector<std::pair<std::string, std::string>>>>
-PlanFullWeightFile(const std::vector<FullWeightUnit>& units,
-                   const std::vector<std::pair<std::string, std::string>>& extra);
+// The header of a full-weight file of `units`: every storage-owning tensor (units and tensors in
+// order) and the metadata ("format": "pt", the ties, then `extra`).
+struct FullWeightFilePlan {
+  std::vector<SafetensorsTensorInfo> tensors;
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+// InvalidArgument for a tensor name used twice across units (ties included), naming both units,
+// or an `extra` key that repeats one of ours.
+absl::StatusOr<FullWeightFilePlan> PlanFullWeightFile(
+    const std::vector<FullWeightUnit>& units,
+    const std::vector<std::pair<std::string, std::string>>& extra);
 
 // Appends `count` elements at `src` (of `src_dtype`) to `writer` as `dst_dtype`: directly if the
 // dtypes are the same, else cast through `staging` (resized to at most chunk_bytes).

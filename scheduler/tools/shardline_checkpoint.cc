@@ -233,7 +233,7 @@ absl::Status Export(const std::string& dir, const std::string& out, const std::s
   }
   SL_ASSIGN_OR_RETURN(auto plan, PlanFullWeightFile(units, {}));
   SL_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
-                      SafetensorsWriter::Create(fs, out, plan.first, plan.second));
+                      SafetensorsWriter::Create(fs, out, plan.tensors, plan.metadata));
 
   std::vector<std::unique_ptr<ReadableFile>> files(m.files.size());
   std::vector<char> buffer, pending, staging;
@@ -284,7 +284,7 @@ absl::Status Export(const std::string& dir, const std::string& out, const std::s
   }
   SL_RETURN_IF_ERROR(writer->Finish());
   absl::PrintF("%s: state '%s' of %d units, %d tensors, %d data bytes written to %s\n", dir,
-               state_name, m.units.size(), plan.first.size(), writer->header().data_bytes, out);
+               state_name, m.units.size(), plan.tensors.size(), writer->header().data_bytes, out);
   return absl::OkStatus();
 }
 
