@@ -9,6 +9,7 @@
 #   3. Python: .venv/ (scripts/install-python.sh: build tools, pytest, numpy, torch from PyPI,
 #      once per machine), `pip install .` into it (build-pip/, beside build/: ccache serves the
 #      C++ layers stage 1 compiled, so only the module's own sources compile), pytest tests/python
+#      (test_safetensors.py also runs build/bin's checkpoint_fixture and shardline-checkpoint)
 #   4. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer): ctest -L unit
 #   5. build-tsan/ (ThreadSanitizer): ctest -L threads (streams, pools, collectives, the store)
 #   6. clang-format of every tracked C++ file
@@ -50,6 +51,8 @@ if want 3; then
   scripts/install-python.sh
   .venv/bin/python -m pip install --no-build-isolation --disable-pip-version-check -q . \
     >build-pip.log 2>&1 || { cat build-pip.log; exit 1; }
+  # tests/python/test_safetensors.py runs build/bin/checkpoint_fixture and shardline-checkpoint.
+  [[ -x build/bin/checkpoint_fixture && -x build/bin/shardline-checkpoint ]] || scripts/build.sh build
   # From tests/python, so that `import shardline` is the installed package.
   (cd tests/python && "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider .)
 fi

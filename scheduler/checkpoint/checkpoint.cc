@@ -22,6 +22,7 @@
 #include "runtime/logging.h"
 #include "runtime/reshard_plan.h"
 #include "runtime/status.h"
+#include "scheduler/checkpoint/agree.h"
 #include "scheduler/checkpoint/crc32c.h"
 
 #ifndef SHARDLINE_LIBRARY_VERSION
@@ -31,10 +32,6 @@
 namespace shardline {
 namespace {
 
-// Per rank in every exchange: u32 status code, u32 message length, u64 registration
-// fingerprint, the message (truncated), then the phase's extra bytes.
-constexpr size_t kMessageBytes = 496;
-constexpr size_t kHeaderBytes = 16 + kMessageBytes;
 constexpr size_t kNonceBytes = 16;
 
 void PutLe(char* out, uint64_t v, int bytes) {
@@ -391,45 +388,10 @@ absl::Status Checkpointer::PrepareUnits(absl::string_view what, bool for_load,
 absl::Status Checkpointer::Agree(absl::Status mine, absl::string_view what, uint64_t fingerprint,
                                  const std::string& extra, size_t extra_bytes,
                                  std::vector<std::string>* all, absl::Time deadline) {
-  const int n = world_->size();
-  const size_t per = kHeaderBytes + extra_bytes;
-  std::string send(per, '\0');
-  const absl::string_view message = mine.message().substr(0, kMessageBytes);
-  PutLe(&send[0], static_cast<uint32_t>(mine.code()), 4);
-  PutLe(&send[4], message.size(), 4);
-  PutLe(&send[8], fingerprint, 8);
-  if (!message.empty()) std::memcpy(&send[16], message.data(), message.size());
-  std::memcpy(&send[kHeaderBytes], extra.data(), std::min(extra.size(), extra_bytes));
-  std::string recv(per * n, '\0');
-  CollectiveOptions options;
-  options.timeout = std::max(deadline - absl::Now(), absl::Milliseconds(1));
-  absl::StatusOr<Work> work =
-      world_->AllGather(send.data(), recv.data(), per, DType::kU8, *stream_, options);
-  absl::Status exchanged = work.ok() ? work->Wait(deadline) : work.status();
-  if (!mine.ok()) return mine;
-  if (!exchanged.ok()) return Annotate(exchanged, absl::StrCat(what, ": exchanging outcomes"));
-  const uint64_t fingerprint0 = GetLe(&recv[8], 8);
-  for (int r = 0; r < n; ++r) {
-    const char* p = &recv[per * r];
-    const auto code = static_cast<absl::StatusCode>(GetLe(p, 4));
-    if (code != absl::StatusCode::kOk) {
-      const size_t length = std::min<size_t>(GetLe(p + 4, 4), kMessageBytes);
-      return MarkPeerError(absl::Status(code, absl::StrCat("failed on rank ", r, ": ",
-                                                           absl::string_view(p + 16, length))),
-                           absl::StrCat(r));
-    }
-    if (GetLe(p + 8, 8) != fingerprint0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(what, ": rank ", r,
-                       " has other units or checkpoint states than rank 0 (every rank "
-                       "registers the same units and states in the same order)"));
-    }
-  }
-  if (all != nullptr) {
-    all->assign(n, std::string());
-    for (int r = 0; r < n; ++r) (*all)[r] = recv.substr(per * r + kHeaderBytes, extra_bytes);
-  }
-  return absl::OkStatus();
+  return AgreeOnOutcome(*world_, *stream_, std::move(mine), what, fingerprint,
+                        "has other units or checkpoint states than rank 0 (every rank registers "
+                        "the same units and states in the same order)",
+                        extra, extra_bytes, all, deadline);
 }
 
 // ---- Save --------------------------------------------------------------------------------
