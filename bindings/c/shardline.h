@@ -448,12 +448,36 @@ typedef struct {
    * load uses the manifest's): how much a load may read beyond what it needs. */
   uint64_t checksum_block_bytes; /* 1 MiB */
   size_t read_chunk_bytes;       /* the most a load reads at once (>= 1): 8 MiB */
+  /* The most host memory (bytes) a background save (shardline_checkpointer_save_async) may copy
+   * this rank's shards and states into; 0: no cap (the default). A save_async whose largest
+   * snapshot would exceed it fails on every rank with shardlineResourceExhausted before anything
+   * is written. */
+  uint64_t max_snapshot_bytes;
 } shardlineCheckpointConfig_t;
 #define SHARDLINE_CHECKPOINT_CONFIG_INIT                                            \
   {                                                                                 \
     sizeof(shardlineCheckpointConfig_t), SHARDLINE_VERSION_CODE, (uint64_t)1 << 20, \
-        (size_t)8 << 20                                                             \
+        (size_t)8 << 20, 0                                                          \
   }
+
+/* What the latest save (save or save_async) cost this rank: shardline_checkpointer_last_save_stats.
+ */
+typedef struct {
+  size_t struct_size;
+  int version;
+  int background; /* 1: save_async; 0: save */
+  int finished;   /* 0 while a background save is pending */
+  /* The host copy of this rank's shards save_async made (0 for save and for ranks that write
+   * nothing), and the memory held for it (kept for the next background save). */
+  uint64_t snapshot_bytes;
+  uint64_t snapshot_capacity_bytes;
+  double blocked_s;  /* how long the call kept the caller (all of a save) */
+  double waited_s;   /* of it: the wait for an earlier pending save */
+  double snapshot_s; /* of it: the copy into the snapshot */
+  double write_s;    /* save_async: the background thread's time; 0 for save */
+} shardlineCheckpointSaveStats_t;
+#define SHARDLINE_CHECKPOINT_SAVE_STATS_INIT \
+  { sizeof(shardlineCheckpointSaveStats_t), SHARDLINE_VERSION_CODE, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0 }
 
 /* Collective over the scheduler's world, after its units are registered. The scheduler must
  * outlive the checkpointer. config NULL: the defaults. */
@@ -485,8 +509,107 @@ SHARDLINE_API shardlineResult_t shardline_checkpointer_save(shardlineCheckpointe
  * unspecified). Each message names the checkpoint, file, unit, state and tensor concerned. */
 SHARDLINE_API shardlineResult_t shardline_checkpointer_load(shardlineCheckpointer_t checkpointer,
                                                             const char* dir, double timeout_s);
+/* Registers a replicated state: the same on every rank, any shape (a step counter, a learning
+ * rate schedule's position): numel(shape) elements of `dtype`, row-major, at `data` (host memory
+ * that outlives the checkpointer; may be NULL only with no elements). ndim 0 is a scalar (shape
+ * may then be NULL). A save writes rank 0's copy once; a load gives every rank that copy. `name`:
+ * 1-128 characters of [A-Za-z0-9._-], unique among the replicated states. Every rank registers the
+ * same ones (names, shapes, dtypes) in the same order. */
+SHARDLINE_API shardlineResult_t shardline_checkpointer_add_replicated_state(
+    shardlineCheckpointer_t checkpointer, const char* name, void* data, const int64_t* shape,
+    int ndim, shardlineDataType_t dtype);
+/* shardline_checkpointer_save in the background: the call (collective, between steps, as save)
+ * copies this rank's shards and states into host memory (the snapshot; max_snapshot_bytes caps
+ * it) and returns; a background thread writes the files, the ranks exchange their outcomes on the
+ * checkpointer's own communicator, and rank 0 publishes, as save does. The shards and states may
+ * change as soon as it returns (the next step may run). An error returned here (the same on every
+ * rank) means nothing runs in the background. A later save, save_async or load waits for the
+ * pending one first (and returns its error if it failed and nobody collected it). Every wait of
+ * the background part is bounded by timeout_s. */
+SHARDLINE_API shardlineResult_t shardline_checkpointer_save_async(
+    shardlineCheckpointer_t checkpointer, const char* dir, double timeout_s);
+/* Waits for the pending background save and returns its outcome, the same on every rank as
+ * save's (shardlineSuccess if none is pending; each outcome is returned once). shardlineTimeout if
+ * it is still running after timeout_s (it stays pending: wait again). Not collective. */
+SHARDLINE_API shardlineResult_t
+shardline_checkpointer_wait_for_save(shardlineCheckpointer_t checkpointer, double timeout_s);
+/* *pending = 1 while a background save was started and its outcome not yet returned. */
+SHARDLINE_API shardlineResult_t
+shardline_checkpointer_save_pending(shardlineCheckpointer_t checkpointer, int* pending);
+/* The latest save's figures (of the pending one while it runs); stats initialised with
+ * SHARDLINE_CHECKPOINT_SAVE_STATS_INIT (only struct_size bytes are written). */
+SHARDLINE_API shardlineResult_t shardline_checkpointer_last_save_stats(
+    shardlineCheckpointer_t checkpointer, shardlineCheckpointSaveStats_t* stats);
+/* Waits for a pending background save (bounded by its own timeout; a failure nobody collected is
+ * logged), then frees the checkpointer. */
 SHARDLINE_API shardlineResult_t
 shardline_checkpointer_destroy(shardlineCheckpointer_t checkpointer);
+
+/* ---- Full weights as safetensors (scheduler/checkpoint/full_weights.h) ---------------------
+ * One safetensors file of every unit's master weights, the form inference stacks load. Tensors are
+ * named as registered (shardlineTensorSpec_t.name; names unique across units), units and tensors
+ * in registration order; a tied tensor is written once, under its target's name. Both calls are
+ * collective over the scheduler's world, between steps, with the same path and options on every
+ * rank; every rank returns the same result (a peer's as shardlineRemoteError). */
+typedef struct {
+  size_t struct_size;
+  int version;
+  int writer_rank; /* the world rank that writes the file: 0 */
+  /* 0: every tensor in its unit's master dtype (the bits as they are); 1: in `dtype`, a floating
+   * dtype (narrowing rounds to nearest even). */
+  int cast;
+  shardlineDataType_t dtype;
+  /* Entries added to the header's "__metadata__" (after "format": "pt" and the ties). */
+  const char* const* metadata_keys;
+  const char* const* metadata_values;
+  int num_metadata;
+  size_t cast_chunk_bytes; /* the writer's staging buffer when casting (>= 1): 8 MiB */
+} shardlineSafetensorsExportConfig_t;
+#define SHARDLINE_SAFETENSORS_EXPORT_CONFIG_INIT                                                \
+  {                                                                                             \
+    sizeof(shardlineSafetensorsExportConfig_t), SHARDLINE_VERSION_CODE, 0, 0, shardlineFloat32, \
+        NULL, NULL, 0, (size_t)8 << 20                                                          \
+  }
+/* Writes the new file `path` (AlreadyExists if it exists: never replaced) atomically: a temporary
+ * file beside it, fsynced, renamed. One unit at a time is gathered to the writer. config NULL:
+ * the defaults. */
+SHARDLINE_API shardlineResult_t
+shardline_export_safetensors(shardlineScheduler_t scheduler, const char* path,
+                             const shardlineSafetensorsExportConfig_t* config, double timeout_s);
+typedef struct {
+  size_t struct_size;
+  int version;
+  /* Tensors in the file that belong to no unit: 0, InvalidArgument naming them; 1, skipped. */
+  int ignore_unknown_tensors;
+} shardlineSafetensorsImportConfig_t;
+#define SHARDLINE_SAFETENSORS_IMPORT_CONFIG_INIT \
+  { sizeof(shardlineSafetensorsImportConfig_t), SHARDLINE_VERSION_CODE, 0 }
+/* Loads every unit's master shard from the safetensors file `path` (written by any tool): each
+ * rank maps the file and copies only its shard's elements, casting floating dtypes. NotFound: no
+ * file, or a tensor of the units missing from it; InvalidArgument: another shape, a dtype that
+ * cannot be cast, tensors of no unit; DataLoss: a truncated file. Nothing is written on error. */
+SHARDLINE_API shardlineResult_t
+shardline_import_safetensors(shardlineScheduler_t scheduler, const char* path,
+                             const shardlineSafetensorsImportConfig_t* config, double timeout_s);
+
+/* ---- sync_module_states (scheduler/sync_states.h) ------------------------------------------
+ * Broadcasts rank `root`'s tensors to every rank of `comm` before they are sharded (a framework
+ * that initialises on one rank, or with a seed per rank), in buckets of at most bucket_bytes. */
+typedef struct {
+  size_t struct_size;
+  int version;
+  int root;            /* the rank whose values every rank receives: 0 */
+  size_t bucket_bytes; /* the most bytes one broadcast moves (>= 1): 25 MiB */
+} shardlineSyncConfig_t;
+#define SHARDLINE_SYNC_CONFIG_INIT \
+  { sizeof(shardlineSyncConfig_t), SHARDLINE_VERSION_CODE, 0, (size_t)25 << 20 }
+/* Tensor t is counts[t] elements of dtypes[t] at data[t] (host memory). Collective over `comm`:
+ * every rank passes tensors of the same sizes (else InvalidArgument on every rank, naming the rank
+ * that differs). config NULL: the defaults. */
+SHARDLINE_API shardlineResult_t
+shardline_sync_module_states(shardlineComm_t comm, void* const* data, const size_t* counts,
+                             const shardlineDataType_t* dtypes, int num_tensors,
+                             const shardlineSyncConfig_t* config, double timeout_s);
 
 #ifdef __cplusplus
 } /* extern "C" */
