@@ -2,8 +2,13 @@
 shards and three states per unit (f32, i64, f64) with values from seeded numpy generators; jobs
 of 1, 2 and 3 processes (full shard) and of 4 (hybrid 2 x 2) load it and compare every element of
 every shard with the same generators (tests/python/workers/checkpoint_worker.py); the ranks'
-checked elements must cover every tensor (once per replica). A job of 2 checks the exceptions;
-in one process (init_local(1)) the argument errors and that the Checkpointer keeps its arrays.
+checked elements must cover every tensor (once per replica). The same holds for a background save
+(save_async, everything overwritten right after the call) and for two replicated states. The
+world-4 job exports the weights as safetensors (as saved and as bf16), read here with
+safetensors.numpy and compared with the generators (bf16: a numpy round-to-nearest-even); a file
+written here by safetensors.numpy imports at every loading world. A job of 2 checks the
+exceptions and sync_module_states; in one process (init_local(1)) the argument errors and that
+the Checkpointer keeps its arrays.
 """
 import gc
 import json
@@ -14,7 +19,7 @@ import pytest
 
 import shardline
 
-from checkpoint_worker import STATES, UNITS
+from checkpoint_worker import STATES, UNITS, values
 
 NUMEL = {f"{u}/{s}/{t}": int(np.prod(shape, dtype=np.int64))
          for u, tensors in UNITS for s in ["master"] + [n for n, _, _ in STATES]
@@ -51,8 +56,53 @@ def save_once(launch, base):
         ranks = run(launch, base / "save", 4, ckpt, "save")
         assert coverage(ranks) == NUMEL
         assert sorted(p.name for p in ckpt.iterdir()) == [
-            "manifest.json"] + [f"shard-0000{s}-of-00004.bin" for s in range(4)]
+            "manifest.json", "replicated.bin"] + [f"shard-0000{s}-of-00004.bin" for s in range(4)]
+        # The file a plain writer makes, for the loading jobs to import (other values).
+        st = pytest.importorskip("safetensors.numpy")
+        st.save_file({t: values(u, i, 0, np.float32, shape).reshape(shape)
+                      for u, (_, tensors) in enumerate(UNITS)
+                      for i, (t, shape) in enumerate(tensors)},
+                     str(base / "step3-plain.safetensors"))
     return ckpt
+
+
+def bf16_round(x):
+    """float32 -> the float32 value of its bfloat16 rounding (nearest, ties to even)."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def test_export_read_by_safetensors(launch, saved):
+    save_once(launch, saved)
+    st = pytest.importorskip("safetensors.numpy")
+    exact = st.load_file(str(saved / "step3.safetensors"))
+    bf16 = __import__("safetensors.torch", fromlist=["load_file"]).load_file(
+        str(saved / "step3-bf16.safetensors")) if _has_torch() else None
+    names = [t for _, tensors in UNITS for t, _ in tensors]
+    assert sorted(exact) == sorted(names)
+    for u, (_, tensors) in enumerate(UNITS):
+        for i, (t, shape) in enumerate(tensors):
+            want = values(u, i, 0, np.float32, shape).reshape(shape)
+            assert exact[t].dtype == np.float32 and np.array_equal(exact[t], want), t
+            if bf16 is not None:
+                got = bf16[t].float().numpy()
+                assert str(bf16[t].dtype) == "torch.bfloat16" and got.shape == shape, t
+                assert np.array_equal(got, bf16_round(want)), t
+    # The header's metadata: the format, and ours.
+    import json as _json
+    raw = (saved / "step3-bf16.safetensors").read_bytes()
+    header = _json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert header["__metadata__"] == {"format": "pt", "step": "3"}
+    assert {header[t]["dtype"] for t in names} == {"BF16"}
+
+
+def _has_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3])

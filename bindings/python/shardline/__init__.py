@@ -65,17 +65,20 @@ from ._core import (  # noqa: E402
     UnitStepMetrics,
     Work,
     __version__,
+    export_safetensors,
     host_stream,
+    import_safetensors,
     init_local,
     init_with_store,
+    sync_module_states,
 )
 
 __all__ = [
     "AlreadyExistsError", "Checkpointer", "Communicator", "DataLossError", "DeadlineExceededError", "Error", "FailedPreconditionError",
     "InvalidArgumentError", "Mesh", "NotFoundError", "RemoteError", "ResourceExhaustedError",
     "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "Unit", "UnitStepMetrics",
-    "Work", "__version__", "empty", "host_stream", "init", "init_local", "init_with_store",
-    "zeros",
+    "Work", "__version__", "empty", "export_safetensors", "host_stream", "import_safetensors", "init",
+    "init_local", "init_with_store", "sync_module_states", "zeros",
 ]
 
 

@@ -7,7 +7,13 @@ moment, an i64 counter, an f64 accumulator). `save` gives the master shards (set
 states (through shard_slices) values drawn from numpy generators seeded by (unit, tensor, kind)
 and saves them to CKPT_DIR. `load` (any world size; hybrid with --shard-size) starts from other
 values and garbage, loads CKPT_DIR, and compares every element of every shard with the same
-generators' values (padding: zero). `errors` checks the exceptions. Each rank writes
+generators' values (padding: zero). Two replicated states (an i64 step, a 3 x 5 f64 table: rank
+0's values from a generator, the other ranks' garbage) come back as rank 0's on every rank.
+`save` also saves CKPT_DIR-async with save_async and overwrites every shard, state and replicated
+state right after the call (the next step), and exports CKPT_DIR.safetensors (as saved) and
+CKPT_DIR-bf16.safetensors; `load` loads CKPT_DIR-async too, and imports CKPT_DIR-plain.safetensors
+(written by the test with safetensors.numpy) into the master shards, checking every element.
+`errors` checks the exceptions and sync_module_states. Each rank writes
 OUT_DIR/rank<r>.json: per (unit, state, tensor) the elements it checked, so the test can see
 that the ranks covered every tensor.
 """
@@ -59,6 +65,34 @@ def add_states(ckpt, sched, units, fill):
     return arrays
 
 
+def replicated(rank):
+    """The replicated states' saved values (rank 0's) and this rank's values (garbage unless 0)."""
+    rng = np.random.default_rng([77, 2026])
+    step, table = np.array(rng.integers(1, 2**40), np.int64), rng.standard_normal((3, 5))
+    if rank == 0:
+        return (step, table), (step.copy(), table.copy())
+    return (step, table), (np.array(-rank, np.int64), np.full((3, 5), -1.0 * rank))
+
+
+def add_replicated(ckpt, mine):
+    step, table = mine
+    ckpt.add_replicated_state("step", step)
+    ckpt.add_replicated_state("table", table)
+    assert ckpt.replicated_states == [("step", [], "i64"), ("table", [3, 5], "f64")]
+
+
+def check_replicated(want, got):
+    for name, w, g in zip(["step", "table"], want, got):
+        assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w), (name, g, w)
+
+
+def scribble(sched, units, arrays, mine):
+    for unit in units:
+        sched.master_shard(unit)[:] = 5
+    for a in list(arrays.values()) + list(mine):
+        a[...] = -9
+
+
 def barrier(world):
     out = np.zeros(world.size, np.float32)
     world.all_gather(out, np.ones(1, np.float32)).wait()
@@ -71,6 +105,8 @@ def save(world, ckpt_dir, shard_size):
                                     for t, (_, shape) in enumerate(tensors)])
     ckpt = shardline.Checkpointer(sched, checksum_block_bytes=40, read_chunk_bytes=120)
     arrays = add_states(ckpt, sched, units, fill=False)
+    saved, mine = replicated(world.rank)
+    add_replicated(ckpt, mine)
     for u, (_, tensors) in enumerate(UNITS):
         index = {n: t for t, (n, _) in enumerate(tensors)}
         for tensor, tensor_offset, shard_offset, length in sched.shard_slices(units[u]):
@@ -80,7 +116,30 @@ def save(world, ckpt_dir, shard_size):
                 arrays[(u, name)][shard_offset:shard_offset + length] = \
                     full[tensor_offset:tensor_offset + length]
     ckpt.save(ckpt_dir)
-    return check(sched, units, arrays)
+    stats = ckpt.last_save_stats
+    assert stats["background"] is False and stats["finished"] and stats["snapshot_bytes"] == 0, \
+        stats
+    assert stats["dir"] == ckpt_dir and stats["blocked"] > 0, stats
+    checked = check(sched, units, arrays)
+    shardline.export_safetensors(sched, ckpt_dir + ".safetensors")
+    shardline.export_safetensors(sched, ckpt_dir + "-bf16.safetensors", dtype="bf16",
+                                 writer_rank=world.size - 1, metadata={"step": "3"},
+                                 cast_chunk_bytes=6)
+    # A background save holds the values at the call: the next step overwrites everything.
+    assert not ckpt.save_pending
+    ckpt.save_async(ckpt_dir + "-async")
+    scribble(sched, units, arrays, mine)
+    ckpt.wait(timeout=60)
+    assert not ckpt.save_pending
+    ckpt.wait()  # nothing pending
+    stats = ckpt.last_save_stats
+    # This rank's pieces: the tensor elements its shards hold, of the master and every state.
+    pieces = sum(length * (4 + sum(np.dtype(d).itemsize for _, d, _ in STATES))
+                 for unit in units for _, _, _, length in sched.shard_slices(unit))
+    assert stats["background"] is True and stats["finished"], stats
+    assert stats["snapshot_bytes"] == pieces <= stats["snapshot_capacity_bytes"], (stats, pieces)
+    assert stats["write"] > 0 and 0 <= stats["snapshot"] <= stats["blocked"], stats
+    return checked
 
 
 def check(sched, units, arrays):
@@ -121,10 +180,33 @@ def load(world, ckpt_dir, shard_size):
         sched.master_shard(units[u])[:] = 9  # the padding too
     ckpt = shardline.Checkpointer(sched, read_chunk_bytes=64)
     arrays = add_states(ckpt, sched, units, fill=True)
+    saved, mine = replicated(world.rank)
+    add_replicated(ckpt, mine)
     assert [s[1] for s in ckpt.states] == [n for n, _, _ in STATES] * len(UNITS)
     assert ckpt.states[1][2] == "i64"
     ckpt.load(ckpt_dir)
-    return check(sched, units, arrays)
+    check_replicated(saved, mine)
+    checked = check(sched, units, arrays)
+    scribble(sched, units, arrays, mine)
+    ckpt.load(ckpt_dir + "-async")
+    check_replicated(saved, mine)
+    assert check(sched, units, arrays) == checked
+    # A file written by safetensors.numpy (the test) imports into the master shards.
+    scribble(sched, units, arrays, mine)
+    shardline.import_safetensors(sched, ckpt_dir + "-plain.safetensors")
+    for u, (uname, tensors) in enumerate(UNITS):
+        index = {n: t for t, (n, _) in enumerate(tensors)}
+        master = sched.master_shard(units[u])
+        covered = np.zeros(master.size, bool)
+        for tensor, tensor_offset, shard_offset, length in sched.shard_slices(units[u]):
+            covered[shard_offset:shard_offset + length] = True
+            shape = tensors[index[tensor]][1]
+            want = values(u, index[tensor], 0, np.float32, shape)[tensor_offset:
+                                                                  tensor_offset + length]
+            assert np.array_equal(master[shard_offset:shard_offset + length], want), (uname,
+                                                                                      tensor)
+        assert np.all(master[~covered] == 0), uname
+    return checked
 
 
 def expect(exc, text, fn, *args, **kwargs):
@@ -182,7 +264,46 @@ def errors(world, ckpt_dir, out_dir):
     assert isinstance(e, shardline.DataLossError) != e.peer_error, (type(e), e.peer_error)
     # The arrays registered stay usable: a good load still works afterwards.
     ckpt.load(ckpt_dir)
-    return check(sched, units, arrays)
+    checked = check(sched, units, arrays)
+    # A background save over max_snapshot_bytes fails on every rank before anything is written.
+    capped = shardline.Checkpointer(sched, max_snapshot_bytes=8)
+    e = expect(shardline.Error, "max_snapshot_bytes (8)", capped.save_async, ckpt_dir + "-capped")
+    assert e.code == "RESOURCE_EXHAUSTED", e.code
+    assert not os.path.exists(ckpt_dir + "-capped") and not capped.save_pending
+    expect(shardline.InvalidArgumentError, "'bad name'", ckpt.add_replicated_state, "bad name",
+           np.zeros(2))
+    # Full weights: never replaces a file; a missing file; a dtype that is not one.
+    e = expect(shardline.Error, "safetensors export", shardline.export_safetensors, sched,
+               ckpt_dir + ".safetensors")
+    assert e.code == "ALREADY_EXISTS", e.code
+    expect(shardline.NotFoundError, "nothing.safetensors", shardline.import_safetensors, sched,
+           os.path.join(out_dir, "nothing.safetensors"))
+    expect(shardline.InvalidArgumentError, "float7", shardline.export_safetensors, sched,
+           os.path.join(out_dir, "x.safetensors"), dtype="float7")
+    expect(TypeError, "shardline.Scheduler", shardline.export_safetensors, world, "x")
+    sync(world)
+    return checked
+
+
+def sync(world):
+    """sync_module_states: each rank's own values before, root 1's after (buckets of 24 bytes:
+    inside one array and across several); a rank with other sizes fails every rank."""
+    root = 1
+
+    def arrays(rank):
+        rng = np.random.default_rng([rank, 99])
+        return [rng.standard_normal(1001).astype(np.float32),
+                rng.integers(-2**60, 2**60, 37, dtype=np.int64), rng.standard_normal((3, 7)),
+                rng.integers(0, 255, 13, dtype=np.uint8)]
+
+    mine = arrays(world.rank)
+    shardline.sync_module_states(world, mine, root=root, bucket_bytes=24, timeout=60)
+    for got, want in zip(mine, arrays(root)):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    if world.rank == 0:
+        mine[1] = mine[1][:36].copy()
+    e = expect(shardline.Error, "rank 0", shardline.sync_module_states, world, mine, root=root)
+    assert e.code == "INVALID_ARGUMENT", e.code
 
 
 def main():
