@@ -10,6 +10,16 @@ saved ones bit for bit (exp_avg, exp_avg_sq, step); the continued losses and fin
 match the uninterrupted run within 1e-5 (the gradient reductions add in another order). The
 trained model's full_state_dict(rank0_only=True) loads into a plain torch model (strict) whose
 outputs equal the sharded model's. In one process: the errors.
+
+Background save: the training job also saves with background=True right after the synchronous
+save and trains on while it is written; a job of 2 resumes from it with the same checks (the
+checkpoint holds the state at the call, not the one after). Full weights: the trained model's
+export_safetensors read by safetensors.torch.load_file equals full_state_dict, loads (strict) into
+a plain model with the sharded model's outputs, and its bf16 export equals torch's own rounding;
+a file written by safetensors.torch.save_file from a plain model imports at world 2 and 3 (every
+element of every shard compared with the file; the outputs with the plain model's).
+sync_module_states: ranks seeded differently end with rank 0's parameters and buffers exactly and
+train as the plain model does on the global batches.
 """
 import json
 import math
@@ -116,6 +126,46 @@ def test_train_at_four_resume_hybrid_2x2(launch, trained):
     check_resumed(trained, train_ranks, out, ranks, 4, 2)
 
 
+def test_background_save_resume_at_two(launch, trained):
+    ckpt, train_ranks = train_once(launch, trained)
+    out = trained / "resume_bg"
+    ranks = run(launch, out, 2, ckpt.parent / (ckpt.name + "-bg"), "resume")
+    check_resumed(trained, train_ranks, out, ranks, 2, 1)
+
+
+def test_export_safetensors_into_a_plain_model(launch, trained):
+    _, train_ranks = train_once(launch, trained)
+    r0 = train_ranks[0]
+    assert r0["export_max_output_difference"] <= 1e-6 * r0["output_norm"], r0
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_import_a_plain_models_file(launch, tmp_path, nprocs):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(99)
+    plain = Net()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    path = tmp_path / "plain.safetensors"
+    safetensors_torch.save_file(plain.state_dict(), str(path))
+    ranks = run(launch, tmp_path / "out", nprocs, path, "import")
+    for name, shape in SHAPES.items():
+        assert sum(r["checked"][name] for r in ranks) == math.prod(shape), name
+    r0 = ranks[0]
+    assert r0["output_norm"] > 0
+    assert r0["max_output_difference"] <= 1e-6 * r0["output_norm"], r0
+
+
+def test_sync_module_states(launch, tmp_path):
+    ranks = run(launch, tmp_path / "out", 2, tmp_path / "unused", "sync", "--after", "3")
+    assert "stat" in ranks[0]["checked"] and "blocks.1.count" in ranks[0]["checked"]
+    want = ranks[0]["reference_losses"]
+    got = [sum(r["losses"][s] for r in ranks) / 2 for s in range(3)]
+    for g, w in zip(got, want):
+        assert abs(g - w) <= TOLERANCE * abs(w), (got, want)
+
+
 def test_full_state_dict_into_a_plain_model(launch, trained):
     _, train_ranks = train_once(launch, trained)
     r0 = train_ranks[0]
@@ -178,3 +228,60 @@ def test_errors_and_round_trip_in_process(tmp_path):
     x = torch.randn(6, 5)
     with torch.no_grad():
         assert torch.equal(plain(x), model(x))
+
+
+def test_background_steps_weights_and_sync_in_process(tmp_path):
+    """One rank: per-parameter AdamW steps that differ survive a background save; a save waits
+    for a pending one; import's strictness; the argument errors."""
+    world = shardline.init_local(1, timeout=30)[0]
+    torch.manual_seed(5)
+    model = Small()
+    slt.fully_shard(model.a, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(3):
+        model(torch.randn(4, 5)).sum().backward()
+        if step == 0:
+            model.b.bias.grad = None  # b.bias steps twice, the others three times
+        opt.step()
+        opt.zero_grad()
+    steps = {n: opt.state[p]["step"].clone() for n, p in model.named_parameters()}
+    assert steps["b.bias"].item() == 2 and steps["a.weight"].item() == 3
+    saved = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+             for n, p in model.named_parameters()}
+    handle = slt.save_checkpoint(model, opt, tmp_path / "bg", background=True)
+    model(torch.randn(4, 5)).sum().backward()  # training goes on meanwhile
+    opt.step()
+    opt.zero_grad()
+    # The next save waits for the pending one (its handle is then done).
+    slt.save_checkpoint(model, None, tmp_path / "after")
+    assert handle.done and handle.stats["finished"]
+    slt.load_checkpoint(model, opt, tmp_path / "bg")
+    for n, p in model.named_parameters():
+        param, state = saved[n]
+        assert torch.equal(p.detach(), param), n
+        assert sorted(opt.state[p]) == sorted(state), n
+        for k, v in state.items():
+            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), (n, k)
+    # Full weights: a plain model's file, with an extra tensor only strict=False skips.
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    plain = Small()
+    extra = dict(plain.state_dict())
+    extra["unused"] = torch.ones(3)
+    safetensors_torch.save_file(extra, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(shardline.InvalidArgumentError, match="unused"):
+        slt.import_safetensors(model, tmp_path / "extra.safetensors")
+    slt.import_safetensors(model, tmp_path / "extra.safetensors", strict=False)
+    x = torch.randn(6, 5)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+    with pytest.raises(ValueError, match="dtype"):
+        slt.export_safetensors(model, tmp_path / "x.safetensors", torch.int32)
+    with pytest.raises(TypeError, match="root module"):
+        slt.export_safetensors(nn.Linear(2, 2), tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="before fully_shard"):
+        slt.sync_module_states(model, mesh=world)
+    lone = nn.Linear(3, 2)
+    before = lone.weight.detach().clone()
+    slt.sync_module_states(lone, mesh=world)  # one rank: its own values
+    assert torch.equal(lone.weight.detach(), before)

@@ -17,11 +17,13 @@ The second way in is shardline's own FSDP: `fully_shard` (FSDP2's interface: the
 arguments and module methods) on shardline's scheduler, with `clip_grad_norm_` for the global
 norm of its sharded gradients (see _fully_shard.py and docs/pytorch.md), and `save_checkpoint` /
 `load_checkpoint` for sharded checkpoints of a fully_shard'ed model and its optimizer, loadable at
-another world size (see _checkpoint.py and docs/checkpoints.md).
+another world size (see _checkpoint.py and docs/checkpoints.md), `export_safetensors` /
+`import_safetensors` for its full weights as one safetensors file and `sync_module_states` for rank
+0's initial values on every rank (see _weights.py).
 """
 
 from ._backend import BACKEND_NAME, BackendShardline, ProcessGroupShardline, register
-from ._checkpoint import load_checkpoint, save_checkpoint
+from ._checkpoint import CheckpointSave, load_checkpoint, save_checkpoint
 from ._fully_shard import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -31,11 +33,13 @@ from ._fully_shard import (
     full_state_dict,
     fully_shard,
 )
+from ._weights import export_safetensors, import_safetensors, sync_module_states
 
 __all__ = [
-    "BACKEND_NAME", "BackendShardline", "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy",
-    "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_", "full_state_dict", "fully_shard",
-    "load_checkpoint", "register", "save_checkpoint",
+    "BACKEND_NAME", "BackendShardline", "CheckpointSave", "CPUOffloadPolicy", "FSDPModule",
+    "MixedPrecisionPolicy", "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_",
+    "export_safetensors", "full_state_dict", "fully_shard", "import_safetensors",
+    "load_checkpoint", "register", "save_checkpoint", "sync_module_states",
 ]
 
 register()

@@ -4,16 +4,19 @@ sharded shardline checkpoint (docs/checkpoints.md), loadable at another world si
     save_checkpoint(model, optimizer, "ckpt/step1000")     # every rank, between steps
     ... a job of any world size, same model code, fully_shard calls and optimizer class:
     load_checkpoint(model, optimizer, "ckpt/step1000")
+    # or in the background: returns once the shards are copied into host memory
+    handle = save_checkpoint(model, optimizer, "ckpt/step2000", background=True)
+    ... train on; handle.wait() (the next save_checkpoint / load_checkpoint waits for it too)
 
-What is written, per fully_shard unit (a shardline.Checkpointer over the root's Scheduler):
+What is written, per fully_shard unit u (a shardline.Checkpointer over the root's Scheduler):
   * "master": the unit's flat master shard (the parameters);
   * "optim.t.<key>": every optimizer state tensor shaped like its parameter (AdamW's exp_avg and
     exp_avg_sq, SGD's momentum_buffer) as a shard-shaped state: each parameter's state is its
     slice of a flat buffer laid out like the master shard, so a load reshards it exactly;
-  * "optim.s.<key>": every 0-d state tensor (AdamW's `step`), in its own dtype, as a shard-shaped
-    state whose elements of each parameter all hold that parameter's value (see _pack_scalars:
-    the checkpoint format has no place for replicated values yet);
-  * "optim.present" (u8): 1 on the elements of parameters that had optimizer state.
+  * replicated states (written once, from rank 0; every rank loads them):
+    "optim.present.<u>" (u8, one element per parameter of the unit: 1 if it had optimizer state)
+    and "optim.s.<u>.<i>.<key>", every 0-d state tensor (AdamW's `step`) of parameter i, in its
+    own dtype (so parameters that stepped a different number of times keep their own counts).
 Not written: the optimizer's param_groups (learning rate and other hyperparameters: construct the
 optimizer as the saving job did; an LR scheduler's state is the caller's), buffers (module
 buffers such as BatchNorm statistics), and non-tensor optimizer state (refused, naming it).
@@ -26,13 +29,15 @@ import torch
 
 import shardline
 
+import weakref
+
 from ._fully_shard import FSDPModule, _lazy_root
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointSave", "load_checkpoint", "save_checkpoint"]
 
 _TENSOR = "optim.t."
 _SCALAR = "optim.s."
-_PRESENT = "optim.present"
+_PRESENT = "optim.present."
 
 
 def _root_of(model, what):
@@ -76,16 +81,15 @@ def _check_key(key, what):
 
 
 def _unit_keys(st, optimizer, what):
-    """The unit's optimizer state as {name: dtype} of its checkpoint states (sorted by name, so
-    every rank registers them in the same order)."""
-    names = {}
+    """The unit's optimizer state: ({shard-shaped state name: dtype} sorted by name, so every
+    rank registers them in the same order; [(param index, key, 0-d value)] sorted)."""
+    names, scalars = {}, []
     if optimizer is None:
-        return names
-    for p in st.params:
+        return names, scalars
+    for i, p in enumerate(st.params):
         state = optimizer.state.get(p)
         if not state:
             continue
-        names[_PRESENT] = torch.uint8
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 if value is None:
@@ -96,7 +100,7 @@ def _unit_keys(st, optimizer, what):
                     "are saved")
             _check_key(key, what)
             if value.dim() == 0:
-                names[_SCALAR + key] = value.dtype
+                scalars.append((i, key, value))
             elif value.shape == p.shape:
                 names[_TENSOR + key] = value.dtype
             else:
@@ -104,75 +108,57 @@ def _unit_keys(st, optimizer, what):
                     f"{what}: optimizer state '{key}' of '{st.name}' has shape "
                     f"{tuple(value.shape)}; only states shaped like the sharded parameter "
                     f"{tuple(p.shape)} or 0-d are saved")
-    return dict(sorted(names.items()))
-
-
-# ---- Scalars as shard-shaped states ------------------------------------------------------------
-# The checkpoint format holds shard-shaped states only, so a 0-d state (AdamW's step) is stored
-# as a shard-shaped one whose elements of each parameter all hold the parameter's value. A rank
-# whose shard holds no element of a parameter learns its values from the others (_share_scalars).
-# Replicated states in the format will replace these two functions.
-
-def _pack_scalars(st, optimizer, name, buffer):
-    key = name[len(_SCALAR):]
-    for p, (offset, length) in zip(st.params, st.slices):
-        state = optimizer.state.get(p) or {}
-        if key in state:
-            buffer[offset:offset + length] = state[key]
-
-
-def _share_scalars(world, unknowns):
-    """unknowns: [(param, key, dtype, value or None)]; returns the values with every None
-    replaced by the maximum over the ranks that know it (one all-reduce), or None if none does."""
-    if not unknowns:
-        return []
-    # float64 holds every float32 / int32 value exactly; -inf marks "not known here".
-    known = torch.tensor([v if v is not None else float("-inf") for _, _, _, v in unknowns],
-                         dtype=torch.float64)
-    world.all_reduce(known, op="max").wait()
-    return [None if x == float("-inf") else x for x in known.tolist()]
+    return dict(sorted(names.items())), sorted(scalars, key=lambda e: (e[0], e[1]))
 
 
 # ---- Building the Checkpointer, and the optimizer from it ------------------------------------
 # save_checkpoint and load_checkpoint are each one collective call between these: a background
-# save (or an export) builds the same Checkpointer with _saving_checkpointer and keeps it (and so
-# its buffers) alive until its write is done.
+# save builds the same Checkpointer with _saving_checkpointer and keeps it (and so its buffers)
+# alive in a CheckpointSave until its write is done.
 
 def _saving_checkpointer(root, optimizer, what, timeout):
     """A Checkpointer over the root's scheduler with the optimizer's state copied into
-    shard-shaped buffers and registered (the master shards are always saved)."""
+    shard-shaped buffers and 0-d tensors and registered (the master shards are always saved)."""
     ckpt = shardline.Checkpointer(root.scheduler, timeout=timeout)
+    replicated = []
     for st in root.units:
         n = root.scheduler.unit(st.unit).shard_elements
-        for name, dtype in _unit_keys(st, optimizer, what).items():
+        names, scalars = _unit_keys(st, optimizer, what)
+        for name, dtype in names.items():
             buffer = torch.zeros(n, dtype=dtype)
-            if name == _PRESENT:
-                for p, (offset, length) in zip(st.params, st.slices):
-                    if optimizer.state.get(p):
-                        buffer[offset:offset + length] = 1
-            elif name.startswith(_SCALAR):
-                _pack_scalars(st, optimizer, name, buffer)
-            else:
-                key = name[len(_TENSOR):]
-                for p, (offset, length) in zip(st.params, st.slices):
-                    value = (optimizer.state.get(p) or {}).get(key)
-                    if value is not None:
-                        buffer[offset:offset + length] = value.detach().reshape(-1)
+            key = name[len(_TENSOR):]
+            for p, (offset, length) in zip(st.params, st.slices):
+                value = (optimizer.state.get(p) or {}).get(key)
+                if value is not None:
+                    buffer[offset:offset + length] = value.detach().reshape(-1)
             ckpt.add_state(st.unit, name, buffer)
+        if optimizer is not None:
+            present = torch.tensor([1 if optimizer.state.get(p) else 0 for p in st.params],
+                                   dtype=torch.uint8)
+            if present.any():
+                replicated.append((f"{_PRESENT}{st.unit}", present))
+        for i, key, value in scalars:
+            replicated.append((f"{_SCALAR}{st.unit}.{i}.{key}", value.detach().clone()))
+    for name, value in replicated:
+        ckpt.add_replicated_state(name, value)
     return ckpt
 
 
-def _manifest_states(dir):
-    """{unit name: {state name: dtype name}} of the checkpoint's manifest, or None without one
-    (the Checkpointer's load then names what is missing)."""
+def _manifest(dir):
+    """({unit name: {state name: dtype name}}, {replicated name: (shape, dtype name)}) of the
+    checkpoint's manifest, or (None, {}) without one (the Checkpointer's load then names what
+    is missing)."""
     path = os.path.join(os.fspath(dir), "manifest.json")
     try:
         with open(path) as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        return None
-    return {u["name"]: {s["name"]: s["dtype"] for s in u["states"]}
-            for u in manifest.get("units", [])}
+        return None, {}
+    units = {u["name"]: {s["name"]: s["dtype"] for s in u["states"]}
+             for u in manifest.get("units", [])}
+    replicated = {s["name"]: (s["shape"], s["dtype"])
+                  for s in manifest.get("replicated", {}).get("states", [])}
+    return units, replicated
 
 
 _DTYPES = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16,
@@ -182,8 +168,9 @@ _DTYPES = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16,
 
 def _loading_checkpointer(root, optimizer, dir, timeout):
     """A Checkpointer with a buffer registered for every optimizer state the checkpoint in `dir`
-    has (none when `optimizer` is None); returns it and [(unit state, name, buffer)]."""
-    saved = _manifest_states(dir) if optimizer is not None else {}
+    has (none when `optimizer` is None); returns it, [(unit state, name, buffer)] of the
+    shard-shaped ones and {name: buffer} of the replicated ones."""
+    saved, replicated = _manifest(dir) if optimizer is not None else ({}, {})
     ckpt = shardline.Checkpointer(root.scheduler, timeout=timeout)
     buffers = []
     for st in root.units:
@@ -196,58 +183,129 @@ def _loading_checkpointer(root, optimizer, dir, timeout):
                 buffer = torch.zeros(n, dtype=_DTYPES[dtype])
                 ckpt.add_state(st.unit, name, buffer)
                 buffers.append((st, name, buffer))
-    return ckpt, buffers
+    scalars = {}
+    for name, (shape, dtype) in replicated.items():
+        if name.startswith("optim."):
+            scalars[name] = torch.zeros(shape, dtype=_DTYPES[dtype])
+            ckpt.add_replicated_state(name, scalars[name])
+    return ckpt, buffers, scalars
 
 
-def _restore_optimizer(root, optimizer, buffers):
-    """Replaces the optimizer's state with the loaded buffers' (collective: _share_scalars)."""
+def _restore_optimizer(root, optimizer, buffers, scalars):
+    """Replaces the optimizer's state with the loaded buffers'."""
     by_unit = {}
     for st, name, buffer in buffers:
-        by_unit.setdefault(id(st), (st, {}))[1][name] = buffer
-    # This rank's values; scalars and presence of parameters it holds no element of are shared.
-    unknowns = []
-    for st, named in by_unit.values():
-        present = named.get(_PRESENT)
-        for p, (offset, length) in zip(st.params, st.slices):
-            here = length > 0
-            flag = float(present[offset]) if (present is not None and here) else None
-            unknowns.append((p, _PRESENT, None, flag))
-            for name, buffer in named.items():
-                if name.startswith(_SCALAR):
-                    value = buffer[offset].item() if here else None
-                    unknowns.append((p, name[len(_SCALAR):], buffer.dtype, value))
-    shared = _share_scalars(root.world, unknowns)
-    present = {}
-    scalars = {}
-    for (p, key, dtype, _), value in zip(unknowns, shared):
-        if key == _PRESENT:
-            present[id(p)] = value == 1.0
-        elif value is not None:
-            scalars.setdefault(id(p), {})[key] = torch.tensor(value, dtype=dtype)
+        by_unit.setdefault(id(st), {})[name] = buffer
     optimizer.state.clear()
-    for st, named in by_unit.values():
-        for p, (offset, length) in zip(st.params, st.slices):
-            if not present.get(id(p)):
+    for st in root.units:
+        present = scalars.get(f"{_PRESENT}{st.unit}")
+        if present is None:
+            continue
+        if present.shape != (len(st.params),):
+            raise shardline.InvalidArgumentError(
+                f"load_checkpoint: replicated state '{_PRESENT}{st.unit}' has shape "
+                f"{list(present.shape)}; unit '{st.name}' has {len(st.params)} parameters")
+        named = by_unit.get(id(st), {})
+        prefix = f"{_SCALAR}{st.unit}."
+        for i, (p, (offset, length)) in enumerate(zip(st.params, st.slices)):
+            if not present[i]:
                 continue
             state = {name[len(_TENSOR):]: buffer[offset:offset + length].clone().reshape(p.shape)
                      for name, buffer in named.items() if name.startswith(_TENSOR)}
-            state.update(scalars.get(id(p), {}))
+            mine = f"{prefix}{i}."
+            state.update({name[len(mine):]: value.clone() for name, value in scalars.items()
+                          if name.startswith(mine)})
             # torch's optimizers look their state up by key: the order is not recorded.
             optimizer.state[p] = state
 
 
+# ---- Background saves ----------------------------------------------------------------------------
+
+_pending = weakref.WeakKeyDictionary()  # _Root -> its CheckpointSave still running
+
+
+class CheckpointSave:
+    """A background save_checkpoint: its Checkpointer (and so the copied optimizer state) lives
+    until the write is done. wait() returns its outcome."""
+
+    def __init__(self, root, ckpt, dir):
+        self._root = weakref.ref(root)
+        self._ckpt = ckpt
+        self.dir = dir
+        self._stats = None
+
+    @property
+    def done(self):
+        """Whether the background write has finished (wait() still raises its error, if any)."""
+        return self._ckpt is None or self._ckpt.last_save_stats["finished"]
+
+    @property
+    def stats(self):
+        """The save's figures (Checkpointer.last_save_stats): snapshot_bytes, and in seconds
+        blocked (how long save_checkpoint kept the caller), snapshot, write."""
+        return self._stats if self._ckpt is None else self._ckpt.last_save_stats
+
+    def wait(self, timeout=None):
+        """Waits for the write and raises its error (the same on every rank; once). Not
+        collective. shardline.DeadlineExceededError if it still runs after `timeout` seconds
+        (it stays pending: wait again). Returns the stats."""
+        ckpt = self._ckpt
+        if ckpt is None:
+            return self._stats
+        try:
+            ckpt.wait(timeout=timeout)
+        except shardline.DeadlineExceededError:
+            if ckpt.save_pending:
+                raise  # still running
+            self._finish()
+            raise
+        except BaseException:
+            self._finish()
+            raise
+        self._finish()
+        return self._stats
+
+    def _finish(self):
+        self._stats = self._ckpt.last_save_stats
+        self._ckpt = None
+        root = self._root()
+        if root is not None and _pending.get(root) is self:
+            del _pending[root]
+
+
+def _settle(root, timeout):
+    """A save or load first waits for the root's pending background save (raising its error
+    if it failed and nobody waited for it)."""
+    pending = _pending.get(root)
+    if pending is not None:
+        pending.wait(timeout=timeout)
+
+
 # ---- The calls ---------------------------------------------------------------------------------
 
-def save_checkpoint(model, optimizer, dir, *, timeout=None):
+def save_checkpoint(model, optimizer, dir, *, background=False, timeout=None):
     """Saves `model` (the root fully_shard'ed module) and `optimizer`'s state (None: the
     parameters only) as a new sharded checkpoint directory `dir` (shardline.AlreadyExistsError if
     it exists). Collective: every rank calls it with the same `dir`, between steps. Atomic: a
-    save that fails or is killed leaves no `dir` (see docs/checkpoints.md)."""
+    save that fails or is killed leaves no `dir` (see docs/checkpoints.md).
+
+    background=True: returns a CheckpointSave once the shards and the optimizer's state are
+    copied into host memory; training may go on (and change them) while a thread writes the
+    files. handle.wait() gives the outcome; the next save_checkpoint or load_checkpoint of this
+    model waits for it first (and raises its error if it failed and nobody waited). `timeout`
+    bounds every wait, the background part's included."""
     what = "save_checkpoint"
     root = _root_of(model, what)
     _optimizer_params(root, optimizer, what)
+    _settle(root, timeout)
     ckpt = _saving_checkpointer(root, optimizer, what, timeout)
-    ckpt.save(os.fspath(dir), timeout=timeout)
+    if not background:
+        ckpt.save(os.fspath(dir), timeout=timeout)
+        return None
+    ckpt.save_async(os.fspath(dir), timeout=timeout)
+    handle = CheckpointSave(root, ckpt, os.fspath(dir))
+    _pending[root] = handle
+    return handle
 
 
 def load_checkpoint(model, optimizer, dir, *, timeout=None):
@@ -260,7 +318,8 @@ def load_checkpoint(model, optimizer, dir, *, timeout=None):
     what = "load_checkpoint"
     root = _root_of(model, what)
     _optimizer_params(root, optimizer, what)
-    ckpt, buffers = _loading_checkpointer(root, optimizer, dir, timeout)
+    _settle(root, timeout)
+    ckpt, buffers, scalars = _loading_checkpointer(root, optimizer, dir, timeout)
     ckpt.load(os.fspath(dir), timeout=timeout)
     if optimizer is not None:
-        _restore_optimizer(root, optimizer, buffers)
+        _restore_optimizer(root, optimizer, buffers, scalars)

@@ -148,6 +148,7 @@ class _UnitState:
         self.shapes = []  # the parameters' original shapes
         self.params = []  # the nn.Parameter objects, in registration order
         self.names = []   # their names relative to the module (the first slot's)
+        self.fqns = []    # their names relative to the root module (the registered names)
         self.slots = []   # per parameter, every (submodule, attribute name) that holds it
         self.slot_names = []  # per parameter, those slots' names relative to the module
         self.root = None  # the _Root, once initialised
@@ -485,8 +486,13 @@ class _Root:
             if not st.params:
                 continue  # a module with no parameters of its own: no unit, no hooks' work
             reshard = False if st is self.root_state else st.reshard_after_forward
+            # The tensors are registered under their names in the root module (the unsharded
+            # model's state-dict keys), unique across units: checkpoints and safetensors
+            # exports carry them.
+            prefix = names.get(id(st.module), "")
+            st.fqns = [f"{prefix}.{n}" if prefix else n for n in st.names]
             st.unit = s.register_unit(
-                f"{i}:{st.name}", [(n, tuple(p.shape)) for n, p in zip(st.names, st.params)],
+                f"{i}:{st.name}", [(n, tuple(p.shape)) for n, p in zip(st.fqns, st.params)],
                 reshard_after_forward=reshard, reduce_op="avg")
         self.units = [st for st in self.states if st.params]
         for st in self.states:
@@ -496,7 +502,7 @@ class _Root:
             with torch.no_grad():
                 s.set_values(st.unit, [p.detach().contiguous() for p in st.params])
             master = s.master_shard(st.unit)
-            index = {n: i for i, n in enumerate(st.names)}
+            index = {n: i for i, n in enumerate(st.fqns)}
             st.slices = [(0, 0)] * len(st.params)
             st.tensor_offsets = [0] * len(st.params)
             for name, tensor_offset, shard_offset, length in s.shard_slices(st.unit):
