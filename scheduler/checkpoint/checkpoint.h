@@ -78,8 +78,9 @@
 // right before its checkpointer's k-th mutating file operation, in Save and in the background
 // writer alike: crash tests kill a real process at every step of a save.
 //
-// Not in this slice: full-weight safetensors export/import (the C API, Python and PyTorch wrap
-// Save and Load; bindings/c/shardline.h, shardline.Checkpointer, shardline.torch).
+// Full weights as safetensors are in full_weights.h. The C API (bindings/c/shardline.h), Python
+// (shardline.Checkpointer) and PyTorch (shardline.torch.save_checkpoint) wrap Save, SaveAsync,
+// WaitForSave, Load and the replicated states.
 
 #ifndef SHARDLINE_SCHEDULER_CHECKPOINT_CHECKPOINT_H_
 #define SHARDLINE_SCHEDULER_CHECKPOINT_CHECKPOINT_H_
