@@ -22,8 +22,10 @@ optimizer as the saving job did; an LR scheduler's state is the caller's), buffe
 buffers such as BatchNorm statistics), and non-tensor optimizer state (refused, naming it).
 """
 
+import atexit
 import json
 import os
+import warnings
 
 import torch
 
@@ -271,6 +273,18 @@ class CheckpointSave:
         root = self._root()
         if root is not None and _pending.get(root) is self:
             del _pending[root]
+
+
+@atexit.register
+def _finish_pending():
+    """At exit (before fully_shard's own release, registered earlier): background saves nobody
+    waited for are finished; a failure is reported as a warning."""
+    for handle in list(_pending.values()):
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001 - at exit there is no caller to raise to
+            warnings.warn(f"shardline.torch: the background save '{handle.dir}' failed: {e}")
+    _pending.clear()
 
 
 def _settle(root, timeout):
