@@ -553,3 +553,36 @@ def test_train_gpt_example_matches_one_process(launch):
     for g, w in zip(got, want):
         assert abs(g - w) <= 1e-5 * w + 2e-6, (got, want)
     assert len(sharded.lines("rank ")) == 2, sharded.output
+
+
+def test_shardline_trace_has_the_units_and_the_streams(world):
+    """set_shardline_trace: the trace holds each unit's forward and backward use on "compute"
+    (in the step's order) and the scheduler's all-gathers and reduce-scatters on "gather" and
+    "reduce"."""
+    torch.manual_seed(1)
+    model = Stack()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    with pytest.raises(TypeError, match="shardline.Trace"):
+        model.set_shardline_trace("trace.json")
+    trace = shardline.Trace(0)
+    model.set_shardline_trace(trace)
+    for _ in range(2):
+        model(torch.randn(3, 6)).sum().backward()
+    assert model.shardline_trace is trace
+    with pytest.raises(RuntimeError, match="first forward"):
+        model.set_shardline_trace(None)
+    doc = json.loads(trace.to_json())
+    tracks = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"]
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = sorted((e for e in doc["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+    compute = [e["name"] for e in spans if tracks[e["tid"]] == "compute" and e["cat"] == "compute"]
+    one_step = ([f"forward blocks.{i}" for i in range(3)]
+                + [f"backward blocks.{i}" for i in (2, 1, 0)])
+    assert compute == one_step * 2, compute
+    collectives = {(tracks[e["tid"]], e["name"]) for e in spans if e["cat"] == "collective"}
+    assert {("gather", "all_gather"), ("reduce", "reduce_scatter")} <= collectives, collectives
+    for e in spans:
+        assert e["dur"] >= 0 and e["pid"] == 0
+

@@ -153,8 +153,8 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
   precision.keep_low_precision_grads = keep_low_precision_grads;
   ThrowIfError(precision.Validate());
 
-  std::unique_ptr<Stream> compute =
-      Unwrap(CreateCallerStream({.name = absl::StrCat(name, ".compute")}));
+  std::unique_ptr<Stream> compute = Unwrap(CreateCallerStream(
+      {.name = absl::StrCat(name, ".compute"), .trace = options.trace, .track = "compute"}));
   const absl::Time deadline = DeadlineIn(timeout_s);
   absl::StatusOr<std::unique_ptr<Scheduler>> scheduler;
   {

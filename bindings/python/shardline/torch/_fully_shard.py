@@ -35,6 +35,7 @@ import atexit
 import dataclasses
 import gc
 import os
+import time
 import weakref
 from typing import Optional
 
@@ -157,6 +158,7 @@ class _UnitState:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.name = ""
+        self.trace = None  # a shardline.Trace for the root's scheduler (set_shardline_trace)
 
     @property
     def module(self):
@@ -400,6 +402,11 @@ class _Root:
         # lies at another address (for tests).
         self.saved_unpacked = 0
         self.saved_moved = 0
+        # set_shardline_trace: the scheduler's streams write their spans into it, and each
+        # unit's forward and backward use becomes a "forward <unit>" / "backward <unit>" span on
+        # its "compute" track (from the hook's return to the end of the use).
+        self.trace = root_state.trace
+        self.span_start = {}  # unit -> time.time_ns() at the start of its open use
 
     # -- lazy initialisation
     def initialize(self):
@@ -464,7 +471,7 @@ class _Root:
             backward_prefetch_depth=depth,
             param_dtype=_DTYPE_NAMES[self.param_dtype], reduce_dtype=_DTYPE_NAMES[reduce_dtype],
             cpu_offload=isinstance(first.offload_policy, CPUOffloadPolicy), name="fully_shard",
-            framework="torch", root_unit=0 if self.root_state.params else -1)
+            framework="torch", root_unit=0 if self.root_state.params else -1, trace=self.trace)
         self.world = world
         self.strategy = strategy
         s = self.scheduler
@@ -537,6 +544,8 @@ class _Root:
                     mod._parameters[name] = v
             return
         s.pre_forward(st.unit)
+        if self.trace is not None:
+            self.span_start[st.unit] = time.time_ns()
         views = s.params(st.unit)
         for i, v in enumerate(views):
             if v.numel():
@@ -556,6 +565,8 @@ class _Root:
                 mod._parameters[name] = p
         if self.recomputing and not st.recompute_open:
             return
+        if not self.recomputing:
+            self._end_span("forward", st)
         self.scheduler.post_forward(st.unit)
 
     def begin_step(self, st):
@@ -594,6 +605,7 @@ class _Root:
         s.set_requires_all_reduce(reduces.pop())
         self.step_open = True
         self.backward_started = False
+        self.span_start.clear()
         self.pack_map.clear()
         self.views.clear()
         self.pending.clear()
@@ -708,6 +720,12 @@ class _Root:
             self.saved_hooks = None
         self.in_forward = False
 
+    def _end_span(self, phase, st):
+        start = self.span_start.pop(st.unit, None)
+        if self.trace is not None and start is not None:
+            self.trace.add_span("compute", f"{phase} {st.name}", "compute", start,
+                                time.time_ns() - start)
+
     # -- saved tensors
     def _pack(self, t):
         if t.numel() and t.device.type == "cpu" and not t.is_sparse:
@@ -749,6 +767,8 @@ class _Root:
         if not st.params:
             return
         self.scheduler.pre_backward(st.unit)
+        if self.trace is not None:
+            self.span_start[st.unit] = time.time_ns()
         self.views[st.unit] = self.scheduler.params(st.unit)
         for grads in self.pending.pop(st.unit, []):
             self._add_grads(st, grads)
@@ -757,6 +777,7 @@ class _Root:
         if not st.params:
             return
         self.views.pop(st.unit, None)
+        self._end_span("backward", st)
         self.scheduler.post_backward(st.unit)
 
     def _on_pre_backward(self, st, step):
@@ -925,6 +946,29 @@ class FSDPModule:
         raise NotImplementedError(
             "set_modules_to_backward_prefetch: shardline's scheduler prefetches along the reverse "
             "of the recorded forward order (depth 1), not along per-module lists")
+
+    def set_shardline_trace(self, trace):
+        """shardline's own (not an FSDP2 method): a shardline.Trace(rank) that the root's
+        scheduler writes its spans into (tracks "gather", "reduce", "all_reduce", and "compute"
+        for the compute stream's waits for gathers), and that gets a "forward <module>" /
+        "backward <module>" span on "compute" for each forward and backward use of a unit
+        (activation recomputations are not drawn apart). Call it on the root module before
+        its first forward; write the trace with trace.write(path) (merge ranks' files with
+        scripts/merge_traces.py). None: no trace."""
+        st = self._shardline_state
+        if st.root is not None:
+            raise RuntimeError("set_shardline_trace: after the first forward; the scheduler "
+                               "takes its trace when the root creates it")
+        if trace is not None and not isinstance(trace, shardline.Trace):
+            raise TypeError(f"set_shardline_trace: trace must be a shardline.Trace, not "
+                            f"{type(trace).__name__}")
+        st.trace = trace
+
+    @property
+    def shardline_trace(self):
+        """The shardline.Trace given by set_shardline_trace (None: no trace)."""
+        root = self._shardline_state.root
+        return self._shardline_state.trace if root is None else root.trace
 
     def set_post_optim_event(self, event):
         """Accepted for FSDP2 compatibility. On the CPU the optimizer has finished when
