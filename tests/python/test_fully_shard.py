@@ -586,3 +586,39 @@ def test_shardline_trace_has_the_units_and_the_streams(world):
     for e in spans:
         assert e["dur"] >= 0 and e["pid"] == 0
 
+
+def scaler_run(launch, tmp_path, *args):
+    result = launch(2, ["grad_scaler_worker.py", tmp_path, *args], timeout=150)
+    assert result.returncode == 0, result.describe()
+    return [json.loads((tmp_path / f"rank{r}.json").read_text())["steps"] for r in range(2)]
+
+
+def test_sharded_grad_scaler_skips_an_inf_step_on_every_rank(launch, tmp_path):
+    """f16 parameters, two ranks; in step 1 only the last rank's shard gets inf gradients (rank
+    0's loss overflows one output column). Every rank skips that step and halves the scale; the
+    other steps track the unsharded float32 run within f16 tolerance."""
+    ranks = scaler_run(launch, tmp_path)
+    for steps in ranks:
+        assert [s["scale"] for s in steps] == [1024.0, 512.0, 512.0], steps
+        for name in steps[0]["slices"]:
+            # Skipped: step 1 left every slice as step 0 did.
+            assert steps[1]["slices"][name] == steps[0]["slices"][name]
+    for k in (0, 2):
+        covered = {}
+        for steps in ranks:
+            for name, (offset, values) in steps[k]["slices"].items():
+                want = steps[k]["reference"][name]
+                covered[name] = covered.get(name, 0) + len(values)
+                for i, v in enumerate(values):
+                    assert math.isfinite(v)
+                    assert abs(v - want[offset + i]) <= 2e-3 * (abs(want[offset + i]) + 0.1), (
+                        k, name, offset + i, v, want[offset + i])
+        assert covered == {n: len(v) for n, v in ranks[0][k]["reference"].items()}
+
+
+def test_plain_grad_scaler_lets_the_ranks_disagree(launch, tmp_path):
+    """The same run with torch.amp.GradScaler: rank 0's slices are finite, so it steps while the
+    last rank skips (the case ShardedGradScaler exists for)."""
+    ranks = scaler_run(launch, tmp_path, "--plain-scaler")
+    assert [s["scale"] for s in ranks[0]] == [1024.0, 1024.0, 1024.0]
+    assert [s["scale"] for s in ranks[1]] == [1024.0, 512.0, 512.0]

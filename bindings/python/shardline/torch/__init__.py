@@ -28,10 +28,11 @@ from ._fully_shard import (
     full_state_dict,
     fully_shard,
 )
+from ._grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy",
-    "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_", "full_state_dict", "fully_shard",
+    "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler", "clip_grad_norm_", "full_state_dict", "fully_shard",
     "register",
 ]
 
