@@ -27,13 +27,14 @@ from ._fully_shard import (
     clip_grad_norm_,
     full_state_dict,
     fully_shard,
+    original_shape,
 )
 from ._grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy",
     "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler", "clip_grad_norm_", "full_state_dict", "fully_shard",
-    "register",
+    "original_shape", "register",
 ]
 
 register()

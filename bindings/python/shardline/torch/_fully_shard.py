@@ -46,7 +46,7 @@ import shardline
 
 __all__ = [
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "clip_grad_norm_",
-    "full_state_dict", "fully_shard",
+    "full_state_dict", "fully_shard", "original_shape",
 ]
 
 
@@ -159,6 +159,9 @@ class _UnitState:
         self.requires_all_reduce = True
         self.name = ""
         self.trace = None  # a shardline.Trace for the root's scheduler (set_shardline_trace)
+        # set_modules_to_forward_prefetch / _backward_prefetch: lists of _UnitStates, or None
+        self.forward_prefetch = None
+        self.backward_prefetch = None
 
     @property
     def module(self):
@@ -216,6 +219,22 @@ def _collect_parameters(state, module):
                              "shardline.torch.fully_shard computes on the CPU")
     for p in state.params:
         p._shardline_unit = state
+
+
+def original_shape(p):
+    """The shape a parameter had when fully_shard took it (torch.Size). After the first forward
+    a fully_shard'ed parameter is this rank's 1-D slice of its unit's flat shard, so p.shape and
+    p.dim() describe the slice; group parameters by this instead (weight decay for
+    len(original_shape(p)) >= 2). A parameter no fully_shard call manages: its own shape."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"original_shape: p must be a Tensor (a parameter), not "
+                        f"{type(p).__name__}")
+    st = _owner(p)
+    if st is not None:
+        for q, shape in zip(st.params, st.shapes):
+            if q is p:
+                return torch.Size(shape)
+    return p.shape
 
 
 _CLASS_CACHE = {}
@@ -465,10 +484,18 @@ class _Root:
                               for m in st.module.modules())
             for st in self.states if st is not self.root_state) or (
             self.root_state.params and len(self.states) > 1)
-        depth = 2 if interleaved else 1
+        self.per_block = 2 if interleaved else 1
+        # Explicit prefetch lists (set_modules_to_*_prefetch) of k modules: the scheduler
+        # prefetches k blocks along its order; the first step checks that each list names the
+        # units that follow its module there (check_prefetch_lists).
+        depths = []
+        for field in ("forward_prefetch", "backward_prefetch"):
+            lists = [getattr(st, field) for st in self.states if getattr(st, field) is not None]
+            depths.append(self.per_block * max(map(len, lists)) if lists else self.per_block)
+        self.forward_depth, self.backward_depth = depths
         self.scheduler = shardline.Scheduler(
-            world, strategy=strategy, shard_size=shard_size, forward_prefetch=depth,
-            backward_prefetch_depth=depth,
+            world, strategy=strategy, shard_size=shard_size, forward_prefetch=self.forward_depth,
+            backward_prefetch_depth=self.backward_depth,
             param_dtype=_DTYPE_NAMES[self.param_dtype], reduce_dtype=_DTYPE_NAMES[reduce_dtype],
             cpu_offload=isinstance(first.offload_policy, CPUOffloadPolicy), name="fully_shard",
             framework="torch", root_unit=0 if self.root_state.params else -1, trace=self.trace)
@@ -610,7 +637,72 @@ class _Root:
         self.views.clear()
         self.pending.clear()
 
+    def check_prefetch_lists(self):
+        """After the first step (the order recorded): every explicit prefetch list must name the
+        units that follow its module in the forward order (the backward: its reverse), skipping
+        units kept gathered, within the depth the scheduler was given."""
+        order = list(self.scheduler.forward_order)
+        kept = {st.unit for st in self.units
+                if st is self.root_state or not st.reshard_after_forward}
+        for field, sequence, depth, method in (
+                ("forward_prefetch", order, self.forward_depth,
+                 "set_modules_to_forward_prefetch"),
+                ("backward_prefetch", order[::-1], self.backward_depth,
+                 "set_modules_to_backward_prefetch")):
+            for st in self.units:
+                wanted = getattr(st, field)
+                if wanted is None or st.unit not in sequence:
+                    continue
+                start = sequence.index(st.unit)
+                following = []
+                for pos in range(start + 1, len(sequence)):
+                    u = sequence[pos]
+                    if u != st.unit and u not in kept and u not in [f for f, _ in following]:
+                        following.append((u, pos - start))
+                expected = following[:len(wanted)]
+                if ([w.unit for w in wanted] != [u for u, _ in expected]
+                        or any(distance > depth for _, distance in expected)):
+                    names = {x.unit: x.name for x in self.units}
+                    raise NotImplementedError(
+                        f"fully_shard: {method} on '{st.name}' names "
+                        f"{[w.name for w in wanted]}, but the units that follow it in the "
+                        f"{field.split('_')[0]} order are "
+                        f"{[names[u] for u, _ in following]}; shardline's scheduler prefetches "
+                        "a fixed depth along its recorded order, so each list must name the "
+                        "next units there (fewer at the end)")
+
+    def settle(self):
+        """Ends the step of a backward that raised: autograd no longer runs it (no graph task
+        on this thread), but its uses are still open and FinishBackward never ran."""
+        if self.backward_started and torch._C._current_graph_task_id() == -1:
+            self.abort_backward()
+
+    def abort_backward(self):
+        """Closes the open backward uses and ends the scheduler's step. The gradients that
+        reached the scheduler before the error are reduced into the sharded gradient, as torch
+        leaves the partial sums in .grad; .grad is not re-pointed, so after zero_grad() (.grad
+        None) the next step starts from zero."""
+        try:
+            while self.backward_stack:
+                st, is_open = self.backward_stack.pop()
+                if is_open:
+                    self._close(st)
+            self.pending.clear()
+            self.scheduler.finish_backward()
+        finally:
+            self.step_open = False
+            self.backward_started = False
+            self.recomputing = False
+            self.forward_stack.clear()
+            self.backward_stack.clear()
+            self.pack_map.clear()
+            self.views.clear()
+            self.pending.clear()
+            self.span_start.clear()
+            self.step_id += 1
+
     def pre_forward(self, st, args, kwargs):
+        self.settle()
         if self.backward_started and (self.recomputing or not self.forward_stack):
             # A forward inside the backward: torch.utils.checkpoint recomputing activations.
             if self.forward_stack:
@@ -852,6 +944,8 @@ class _Root:
             self.views.clear()
             self.pending.clear()
             self.step_id += 1
+        if self.scheduler.steps == 1:
+            self.check_prefetch_lists()
         if self.sync and backward_ran:
             s = self.scheduler
             for st in self.units:
@@ -938,14 +1032,33 @@ class FSDPModule:
             st.reshard_after_forward = bool(reshard_after_forward)
 
     def set_modules_to_forward_prefetch(self, modules):
-        raise NotImplementedError(
-            "set_modules_to_forward_prefetch: shardline's scheduler prefetches along the forward "
-            "order it recorded in the first step (depth 1), not along per-module lists")
+        """FSDP2's explicit forward prefetch: when this module's forward starts, the gathers
+        of `modules` are issued too. shardline's scheduler prefetches a fixed depth along its
+        recorded order: the longest list sets that depth (k modules: k blocks ahead, for every
+        unit), and the first step checks that each list names the units that follow this one
+        in the forward order, skipping those kept gathered (NotImplementedError otherwise).
+        Before the first forward only."""
+        self._set_prefetch("forward_prefetch", "set_modules_to_forward_prefetch", modules)
 
     def set_modules_to_backward_prefetch(self, modules):
-        raise NotImplementedError(
-            "set_modules_to_backward_prefetch: shardline's scheduler prefetches along the reverse "
-            "of the recorded forward order (depth 1), not along per-module lists")
+        """FSDP2's explicit backward prefetch: as set_modules_to_forward_prefetch, along the
+        backward order (the reverse of the forward order)."""
+        self._set_prefetch("backward_prefetch", "set_modules_to_backward_prefetch", modules)
+
+    def _set_prefetch(self, field, method, modules):
+        st = self._shardline_state
+        if st.root is not None:
+            raise RuntimeError(f"{method}: after the first forward; the scheduler's prefetch "
+                               "depth is fixed when the root creates it")
+        states = []
+        for m in modules:
+            if not isinstance(m, FSDPModule):
+                raise TypeError(f"{method}: {type(m).__name__} is not a fully_shard'ed module")
+            if not m._shardline_state.params:
+                raise ValueError(f"{method}: {type(m).__name__} has no parameters of its own "
+                                 "(no unit to gather)")
+            states.append(m._shardline_state)
+        setattr(st, field, states)
 
     def set_shardline_trace(self, trace):
         """shardline's own (not an FSDP2 method): a shardline.Trace(rank) that the root's
@@ -984,6 +1097,7 @@ class FSDPModule:
         st = self._shardline_state
         root = st.root
         if root is not None and st.params and st.full is None:
+            root.settle()
             if root.step_open or root.forward_stack:
                 raise RuntimeError("unshard(): inside a step (between the root's forward and "
                                    "the end of its backward)")
