@@ -500,7 +500,7 @@ def test_clip_grad_norm_matches_torch_and_clips(world):
 
 
 def test_errors_name_what_is_wrong(world):
-    with pytest.raises(NotImplementedError, match="int"):
+    with pytest.raises(ValueError, match="factor of the shard group's size 1"):
         slt.fully_shard(nn.Linear(2, 2), mesh=world, reshard_after_forward=2)
     with pytest.raises(TypeError, match="mesh"):
         slt.fully_shard(nn.Linear(2, 2), mesh="world")
@@ -512,8 +512,7 @@ def test_errors_name_what_is_wrong(world):
     m = slt.fully_shard(nn.Linear(2, 2), mesh=world)
     with pytest.raises(ValueError, match="already"):
         slt.fully_shard(m, mesh=world)
-    with pytest.raises(NotImplementedError, match="reshard"):
-        m.set_reshard_after_backward(False)
+    m.set_reshard_after_backward(False)
     m.set_reshard_after_backward(True)
     m.set_post_optim_event(None)
     assert isinstance(m, slt.FSDPModule) and isinstance(m, nn.Linear)
@@ -778,3 +777,52 @@ def test_a_prefetch_list_off_the_order_is_refused(world):
         model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
     with pytest.raises(RuntimeError, match="after the first forward"):
         model.blocks[1].set_modules_to_forward_prefetch([model.blocks[2]])
+
+
+def test_reshard_after_backward_false_keeps_the_units_for_the_next_forward(world):
+    """Gradient accumulation over 3 micro-batches with set_requires_gradient_sync(False) and
+    set_reshard_after_backward(False) on all but the last: the forwards of micro-batches 2 and 3
+    gather nothing (the blocks stay gathered from the backward before), and the training matches
+    a plain model accumulating the same micro-batches."""
+    ref, model, (ref_opt, opt) = sharded_and_plain(world)
+    for step in range(2):
+        forward_gathers = []
+        for mb in range(3):
+            last = mb == 2
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            g = torch.Generator().manual_seed(10 * step + mb)
+            tokens = torch.randint(0, 23, (3, 5), generator=g)
+            target = torch.randint(0, 23, (3, 5), generator=g)
+            for m in (ref, model):
+                before = (len(model.shardline_scheduler.issue_log)
+                          if m is model and model.shardline_scheduler else 0)
+                out = m(tokens)
+                if m is model and model.shardline_scheduler:
+                    forward_gathers.append([e for e in model.shardline_scheduler.issue_log[before:]
+                                            if e.startswith("AG ")])
+                (F.cross_entropy(out.float().reshape(-1, 23), target.reshape(-1)) / 3).backward()
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        if step == 1:
+            assert len(forward_gathers[0]) == 5, forward_gathers  # the root and four blocks
+            assert forward_gathers[1:] == [[], []], forward_gathers
+    assert_same_parameters(ref, model)
+
+
+def test_reshard_after_forward_as_an_int():
+    """FSDP2's int form: 1 is False, the shard group's size is True, another factor (a smaller
+    reshard group) is refused by name, a non-factor is a ValueError. No collective runs until the
+    first forward, so a 4-rank local world's first communicator serves."""
+    comms = shardline.init_local(4, timeout=30)
+    for k, kept in ((1, False), (4, True)):
+        m = slt.fully_shard(nn.Linear(2, 2), mesh=comms[0], reshard_after_forward=k)
+        assert m._shardline_state.reshard_after_forward is kept
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=2 .*one shard group"):
+        slt.fully_shard(nn.Linear(2, 2), mesh=comms[0], reshard_after_forward=2)
+    for k in (0, 3, 8):
+        with pytest.raises(ValueError, match="factor of the shard group's size 4"):
+            slt.fully_shard(nn.Linear(2, 2), mesh=comms[0], reshard_after_forward=k)
+    with pytest.raises(TypeError, match="bool or an int"):
+        slt.fully_shard(nn.Linear(2, 2), mesh=comms[0], reshard_after_forward="yes")

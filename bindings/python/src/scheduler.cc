@@ -344,6 +344,14 @@ void RegisterScheduler(nb::module_& m) {
           [](PyScheduler& s, bool all_reduce) { s.scheduler->SetRequiresAllReduce(all_reduce); },
           nb::arg("all_reduce"))
       .def(
+          "set_reshard_after_backward",
+          [](PyScheduler& s, int unit, bool reshard) {
+            ThrowIfError(s.scheduler->SetReshardAfterBackward(unit, reshard));
+          },
+          nb::arg("unit"), nb::arg("reshard"),
+          "False: after a backward that does not reduce, the unit stays gathered into the next "
+          "forward (scheduler.h).")
+      .def(
           "params",
           [](PyScheduler& s, int unit) {
             CheckUnit(s, unit, "params");

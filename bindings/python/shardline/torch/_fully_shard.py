@@ -157,6 +157,7 @@ class _UnitState:
         self.tensor_offsets = []  # per parameter, the flat index of its first element here
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
+        self.reshard_after_backward = True
         self.name = ""
         self.trace = None  # a shardline.Trace for the root's scheduler (set_shardline_trace)
         # set_modules_to_forward_prefetch / _backward_prefetch: lists of _UnitStates, or None
@@ -237,6 +238,25 @@ def original_shape(p):
     return p.shape
 
 
+def _reshard_size(k, mesh_config):
+    """FSDP2's int reshard_after_forward: reshard to a group of k ranks after forward. As in
+    FSDP2, 1 is False and the shard group's size is True; other factors would need a second,
+    smaller shard group per unit, which shardline's scheduler does not have."""
+    world, strategy, shard_size = mesh_config
+    shard = {"full_shard": world.size, "no_shard": 1}.get(strategy, shard_size)
+    if k < 1 or k > shard or shard % k:
+        raise ValueError(f"fully_shard: reshard_after_forward={k}: as an int it must be a "
+                         f"factor of the shard group's size {shard}")
+    if k == 1:
+        return False
+    if k == shard:
+        return True
+    raise NotImplementedError(
+        f"fully_shard: reshard_after_forward={k} (reshard to groups of {k} of the {shard} "
+        "shard ranks after forward) is not supported: shardline's scheduler has one shard group "
+        f"per unit; pass True (or {shard}) or False (or 1)")
+
+
 _CLASS_CACHE = {}
 
 
@@ -258,12 +278,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
         raise TypeError(f"fully_shard: module must be an nn.Module, not {type(module).__name__}")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard: {type(module).__name__} was already fully_shard'ed")
-    if type(reshard_after_forward) is not bool:
-        if isinstance(reshard_after_forward, int):
-            raise NotImplementedError(
-                "fully_shard: reshard_after_forward as an int (reshard to a smaller group after "
-                "forward) is not supported by shardline's scheduler; pass True or False")
-        raise TypeError("fully_shard: reshard_after_forward must be a bool")
+    if type(reshard_after_forward) is not bool and not isinstance(reshard_after_forward, int):
+        raise TypeError("fully_shard: reshard_after_forward must be a bool or an int")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError("fully_shard: mp_policy must be a shardline.torch.MixedPrecisionPolicy")
     for field in ("param_dtype", "reduce_dtype"):
@@ -275,6 +291,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
         raise TypeError("fully_shard: offload_policy must be a shardline.torch.OffloadPolicy or "
                         "CPUOffloadPolicy")
     mesh_config = _mesh_config(mesh)
+    if type(reshard_after_forward) is not bool:
+        reshard_after_forward = _reshard_size(int(reshard_after_forward), mesh_config)
 
     state = _UnitState(module, mesh_config, reshard_after_forward, mp_policy, offload_policy)
     _collect_parameters(state, module)
@@ -628,6 +646,8 @@ class _Root:
                 "between the modules of one root; shardline's scheduler sets them per step "
                 "(call them on the root with recurse=True)")
         self.sync = syncs.pop()
+        for unit in self.units:
+            s.set_reshard_after_backward(unit.unit, unit.reshard_after_backward)
         s.set_requires_gradient_sync(self.sync)
         s.set_requires_all_reduce(reduces.pop())
         self.step_open = True
@@ -1015,13 +1035,13 @@ class FSDPModule:
             st.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
-        """shardline's scheduler always reshards after a unit's backward (its unsharded gradient
-        stays when gradient sync is off), so only True is accepted."""
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                "set_reshard_after_backward(False): shardline's scheduler reshards the "
-                "parameters after each unit's backward (the unsharded gradient is what it keeps "
-                "across micro-batches without gradient sync)")
+        """False: after a backward that does not reduce (set_requires_gradient_sync(False)),
+        the units stay gathered into the next forward, which then runs without all-gathers
+        (gradient accumulation: more memory, less communication). Taken at the next forward. A
+        backward that reduces reshards as usual. As in FSDP2, do not step the optimizer while
+        units are kept gathered: the next forward would use the parameters from before it."""
+        for st in self._shardline_states(recurse):
+            st.reshard_after_backward = bool(reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
         for st in self._shardline_states(recurse):
