@@ -30,12 +30,15 @@ from ._fully_shard import (
     clip_grad_norm_,
     full_state_dict,
     fully_shard,
+    original_shape,
 )
+from ._grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy",
-    "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_", "full_state_dict", "fully_shard",
-    "load_checkpoint", "register", "save_checkpoint",
+    "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler", "clip_grad_norm_",
+    "full_state_dict", "fully_shard", "load_checkpoint", "original_shape", "register",
+    "save_checkpoint",
 ]
 
 register()
