@@ -13,7 +13,10 @@ the ranks) and the step time; at the end: the median step time, peak RSS, and fo
 scheduler's last-step metrics (exposed communication, overlap), and the CPU time per step of
 all the rank's threads (on a machine with fewer cores than threads, communication threads take
 cycles from the compute). --trace PATH writes a Chrome
-trace of the last step (torch.profiler; per rank PATH.rank<r>.json).
+trace of the last step (torch.profiler; per rank PATH.rank<r>.json); with --impl shardline also
+shardline's own trace of every step (per rank PATH.shardline.rank<r>.json: the scheduler's
+gather and reduce streams, the compute stream's waits, each unit's forward and backward use;
+bench/torch/timeline.py draws it).
 """
 import argparse
 import math
@@ -110,6 +113,10 @@ def main():
         for block in model.blocks:
             slt.fully_shard(block)
         slt.fully_shard(model)
+        if args.trace:
+            import shardline
+            shardline_trace = shardline.Trace(rank)
+            model.set_shardline_trace(shardline_trace)
         world_comm = slt._fully_shard._default_world()
 
         def all_reduce_mean(x):
@@ -164,6 +171,8 @@ def main():
             f"CPU time {statistics.median(cpu) * 1e3:.1f} ms per step (all threads), "
             f"peak RSS {rss_mib:.0f} MiB")
     if args.impl == "shardline":
+        if args.trace:
+            shardline_trace.write(f"{args.trace}.shardline.rank{rank}.json")
         metrics = model.shardline_scheduler.metrics()
         exposed = metrics.exposed_communication
         line += (f", exposed communication "

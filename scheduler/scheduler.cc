@@ -535,6 +535,11 @@ absl::Status Scheduler::ReshardUnit(int u, std::shared_ptr<Event> last_use) {
   return absl::OkStatus();
 }
 
+void Scheduler::KeepAfterBackward(Unit& unit) {
+  unit.backward_gather = false;
+  Discharge(unit, unit.charged > unit.param_bytes ? unit.charged - unit.param_bytes : 0);
+}
+
 // --- Steps ----------------------------------------------------------------------------------
 
 absl::Status Scheduler::BeginStep() {
@@ -766,6 +771,10 @@ absl::Status Scheduler::PostBackward(int u) {
   }
   if (!sync_grads_) {
     // No reduction this micro-batch: the unsharded gradient accumulates.
+    if (!unit->reshard_after_backward) {
+      KeepAfterBackward(*unit);
+      return absl::OkStatus();
+    }
     return HookError("PostBackward", u, ReshardUnit(u, std::move(ready)));
   }
   unit->grad_ready = true;
@@ -890,9 +899,16 @@ absl::Status Scheduler::FinishBackward() {
     }
     if (absl::Status status = IssueReadyReductions(); !status.ok()) return fail(status);
   }
-  // Whatever is still unsharded (kept units without a reduction, skipped units without sync).
+  // Whatever is still unsharded (kept units without a reduction, skipped units without sync),
+  // except the units kept after their backward (SetReshardAfterBackward).
   for (int w = 0; w < num_units(); ++w) {
-    if (units_[w].gathered) {
+    Unit& unit = units_[w];
+    if (unit.gathered && !sync_grads_ && !unit.reshard_after_backward && unit.forward_uses > 0 &&
+        unit.backward_left == 0) {
+      if (unit.backward_gather) KeepAfterBackward(unit);
+      continue;
+    }
+    if (unit.gathered) {
       if (absl::Status status = ReshardUnit(w, nullptr); !status.ok()) return fail(status);
     }
   }
@@ -1078,6 +1094,16 @@ absl::Status Scheduler::SetBudget(size_t bytes, int units) {
   }
   options_.budget_bytes = bytes;
   options_.budget_units = units;
+  return absl::OkStatus();
+}
+
+absl::Status Scheduler::SetReshardAfterBackward(int unit, bool reshard) {
+  SL_ASSIGN_OR_RETURN(Unit * u, Lookup(unit, "SetReshardAfterBackward"));
+  if (phase_ != Phase::kIdle) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "scheduler '", options_.name, "': SetReshardAfterBackward('", u->name, "') during a step"));
+  }
+  u->reshard_after_backward = reshard;
   return absl::OkStatus();
 }
 

@@ -308,6 +308,14 @@ class Scheduler {
   // the replicate all-reduce; the next step with true all-reduces the accumulated sharded
   // gradient once.
   void SetRequiresAllReduce(bool all_reduce);
+  // FSDP2's set_reshard_after_backward, per unit (default true). False: after the unit's last
+  // backward use in a step that does not reduce (gradient sync off), its parameters stay
+  // gathered (charged like a unit kept after forward) into the next step, whose forward then
+  // uses them without a gather. The optimizer must not change the master shard in between (the
+  // kept parameters would be stale), as in FSDP2. A step that reduces reshards as usual: the
+  // reduction takes the unit back to sharded. InvalidArgument for an unknown unit,
+  // FailedPrecondition during a step.
+  absl::Status SetReshardAfterBackward(int unit, bool reshard);
   // Changes the budget (SchedulerOptions::budget_bytes/budget_units; 0: unlimited) between steps.
   // InvalidArgument below MinimumBudgetBytes()/MinimumBudgetUnits(), FailedPrecondition during a
   // step.
@@ -348,6 +356,7 @@ class Scheduler {
     std::string name;
     std::unique_ptr<FlatParameter> param;
     bool reshard_after_forward = true;
+    bool reshard_after_backward = true;  // SetReshardAfterBackward
     ReduceOp reduce_op = ReduceOp::kAvg;
     uint64_t param_bytes = 0;     // unsharded parameters
     uint64_t backward_bytes = 0;  // parameters + gradient (+ its reduce_dtype copies)
@@ -417,6 +426,9 @@ class Scheduler {
   absl::Status AcquireForCompute(int u);
   bool PrefetchedAgain(int u) const;
   absl::Status ReshardUnit(int u, std::shared_ptr<Event> last_use);
+  // Ends a backward without resharding (SetReshardAfterBackward(u, false), no reduction): the
+  // parameters stay charged, the gradient goes outside the budget as when resharded.
+  void KeepAfterBackward(Unit& unit);
   absl::Status IssueReadyReductions();
   absl::Status IssueReduction(int u);
   absl::Status StartOrderCheck();

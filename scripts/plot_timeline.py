@@ -202,11 +202,15 @@ COLLECTIVE_LABELS = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "
 
 
 def short_label(name):
-    """'forward block3' -> 'F3', 'backward embed' -> 'Bembed', 'all_gather' -> 'AG'."""
+    """'forward block3' -> 'F3', 'forward blocks.3' -> 'F3', 'backward embed' -> 'Bembed',
+    'all_gather' -> 'AG'."""
     for long, short in (("forward ", "F"), ("backward ", "B")):
         if name.startswith(long):
             unit = name[len(long):]
-            return short + (unit[len("block"):] if unit.startswith("block") else unit)
+            for prefix in ("blocks.", "block"):  # torch's "blocks.3", train_fsdp's "block3"
+                if unit.startswith(prefix):
+                    return short + unit[len(prefix):]
+            return short + unit
     return COLLECTIVE_LABELS.get(name, name)
 
 

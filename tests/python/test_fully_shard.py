@@ -500,7 +500,7 @@ def test_clip_grad_norm_matches_torch_and_clips(world):
 
 
 def test_errors_name_what_is_wrong(world):
-    with pytest.raises(NotImplementedError, match="int"):
+    with pytest.raises(ValueError, match="factor of the shard group's size 1"):
         slt.fully_shard(nn.Linear(2, 2), mesh=world, reshard_after_forward=2)
     with pytest.raises(TypeError, match="mesh"):
         slt.fully_shard(nn.Linear(2, 2), mesh="world")
@@ -512,11 +512,7 @@ def test_errors_name_what_is_wrong(world):
     m = slt.fully_shard(nn.Linear(2, 2), mesh=world)
     with pytest.raises(ValueError, match="already"):
         slt.fully_shard(m, mesh=world)
-    for call in (lambda: m.set_modules_to_forward_prefetch([]),
-                 lambda: m.set_modules_to_backward_prefetch([]),
-                 lambda: m.set_reshard_after_backward(False)):
-        with pytest.raises(NotImplementedError):
-            call()
+    m.set_reshard_after_backward(False)
     m.set_reshard_after_backward(True)
     m.set_post_optim_event(None)
     assert isinstance(m, slt.FSDPModule) and isinstance(m, nn.Linear)
@@ -553,3 +549,280 @@ def test_train_gpt_example_matches_one_process(launch):
     for g, w in zip(got, want):
         assert abs(g - w) <= 1e-5 * w + 2e-6, (got, want)
     assert len(sharded.lines("rank ")) == 2, sharded.output
+
+
+def test_shardline_trace_has_the_units_and_the_streams(world):
+    """set_shardline_trace: the trace holds each unit's forward and backward use on "compute"
+    (in the step's order) and the scheduler's all-gathers and reduce-scatters on "gather" and
+    "reduce"."""
+    torch.manual_seed(1)
+    model = Stack()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    with pytest.raises(TypeError, match="shardline.Trace"):
+        model.set_shardline_trace("trace.json")
+    trace = shardline.Trace(0)
+    model.set_shardline_trace(trace)
+    for _ in range(2):
+        model(torch.randn(3, 6)).sum().backward()
+    assert model.shardline_trace is trace
+    with pytest.raises(RuntimeError, match="first forward"):
+        model.set_shardline_trace(None)
+    doc = json.loads(trace.to_json())
+    tracks = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"]
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = sorted((e for e in doc["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+    compute = [e["name"] for e in spans if tracks[e["tid"]] == "compute" and e["cat"] == "compute"]
+    one_step = ([f"forward blocks.{i}" for i in range(3)]
+                + [f"backward blocks.{i}" for i in (2, 1, 0)])
+    assert compute == one_step * 2, compute
+    collectives = {(tracks[e["tid"]], e["name"]) for e in spans if e["cat"] == "collective"}
+    assert {("gather", "all_gather"), ("reduce", "reduce_scatter")} <= collectives, collectives
+    for e in spans:
+        assert e["dur"] >= 0 and e["pid"] == 0
+
+
+def scaler_run(launch, tmp_path, *args):
+    result = launch(2, ["grad_scaler_worker.py", tmp_path, *args], timeout=150)
+    assert result.returncode == 0, result.describe()
+    return [json.loads((tmp_path / f"rank{r}.json").read_text())["steps"] for r in range(2)]
+
+
+def test_sharded_grad_scaler_skips_an_inf_step_on_every_rank(launch, tmp_path):
+    """f16 parameters, two ranks; in step 1 only the last rank's shard gets inf gradients (rank
+    0's loss overflows one output column). Every rank skips that step and halves the scale; the
+    other steps track the unsharded float32 run within f16 tolerance."""
+    ranks = scaler_run(launch, tmp_path)
+    for steps in ranks:
+        assert [s["scale"] for s in steps] == [1024.0, 512.0, 512.0], steps
+        for name in steps[0]["slices"]:
+            # Skipped: step 1 left every slice as step 0 did.
+            assert steps[1]["slices"][name] == steps[0]["slices"][name]
+    for k in (0, 2):
+        covered = {}
+        for steps in ranks:
+            for name, (offset, values) in steps[k]["slices"].items():
+                want = steps[k]["reference"][name]
+                covered[name] = covered.get(name, 0) + len(values)
+                for i, v in enumerate(values):
+                    assert math.isfinite(v)
+                    assert abs(v - want[offset + i]) <= 2e-3 * (abs(want[offset + i]) + 0.1), (
+                        k, name, offset + i, v, want[offset + i])
+        assert covered == {n: len(v) for n, v in ranks[0][k]["reference"].items()}
+
+
+def test_plain_grad_scaler_lets_the_ranks_disagree(launch, tmp_path):
+    """The same run with torch.amp.GradScaler: rank 0's slices are finite, so it steps while the
+    last rank skips (the case ShardedGradScaler exists for)."""
+    ranks = scaler_run(launch, tmp_path, "--plain-scaler")
+    assert [s["scale"] for s in ranks[0]] == [1024.0, 1024.0, 1024.0]
+    assert [s["scale"] for s in ranks[1]] == [1024.0, 512.0, 512.0]
+
+
+def run_steps(model, opt, plan, boom=None):
+    """Trains `model` with one step per entry of plan ("train", "eval": a forward under
+    torch.no_grad(), "fail": a backward that raises inside `boom` and is caught); returns the
+    training losses."""
+    losses = []
+
+    def fail(*args):
+        raise ValueError("boom")
+
+    for step, kind in enumerate(plan):
+        # The training steps see the same batches with or without the other steps.
+        g = torch.Generator().manual_seed(len(losses) if kind == "train" else 100 + step)
+        tokens = torch.randint(0, 23, (3, 5), generator=g)
+        target = torch.randint(0, 23, (3, 5), generator=g)
+        if kind == "eval":
+            with torch.no_grad():
+                model(tokens)
+            continue
+        handle = boom.register_full_backward_hook(fail) if kind == "fail" else None
+        loss = F.cross_entropy(model(tokens).float().reshape(-1, 23), target.reshape(-1))
+        if kind == "fail":
+            with pytest.raises(ValueError, match="boom"):
+                loss.backward()
+            handle.remove()
+            opt.zero_grad()
+            continue
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def sharded_and_plain(world):
+    torch.manual_seed(7)
+    ref = Tied()
+    torch.manual_seed(7)
+    model = Tied()
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    return ref, model, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+
+
+@pytest.mark.parametrize("plan", [["train", "eval", "train", "eval", "train"],
+                                  ["train", "fail", "train", "train"]])
+def test_an_eval_or_a_failed_backward_leaves_training_exact(world, plan):
+    """A forward under torch.no_grad() between training steps, or a backward that raises in a
+    block's backward hook (caught, then zero_grad), leaves the next steps as a plain model's."""
+    ref, model, (ref_opt, opt) = sharded_and_plain(world)
+    want = run_steps(ref, ref_opt, plan, boom=ref.blocks[2])
+    got = run_steps(model, opt, plan, boom=model.blocks[2])
+    assert len(got) == len(want) >= 3
+    for a, b in zip(got, want):
+        assert abs(a - b) <= TOLERANCE * b, (got, want)
+    assert_same_parameters(ref, model)
+    # The same training without the eval/failed steps: those changed nothing.
+    _, clean, (_, clean_opt) = sharded_and_plain(world)
+    assert run_steps(clean, clean_opt, [k for k in plan if k == "train"]) == pytest.approx(
+        got, rel=1e-6)
+
+
+def test_original_shape_groups_weight_decay(world):
+    """original_shape(p): the full shape of a sharded (1-D) parameter, for grouping by rank."""
+    torch.manual_seed(7)
+    model = Tied()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    model(torch.zeros(1, 2, dtype=torch.long))  # the first forward shards
+    for name, p in model.named_parameters():
+        assert p.dim() == 1
+        assert slt.original_shape(p) == torch.Size(shapes[name]), name
+    decay = [n for n, p in model.named_parameters() if len(slt.original_shape(p)) >= 2]
+    assert decay == ["embed.weight"] + [f"blocks.{i}.fc{j}.weight" for i in range(4)
+                                        for j in (1, 2)]
+    plain = nn.Linear(3, 2)
+    assert slt.original_shape(plain.weight) == torch.Size([3, 2])[::-1]
+    with pytest.raises(TypeError, match="Tensor"):
+        slt.original_shape("embed.weight")
+
+
+
+def gathers_at_hooks(world, monkeypatch, lists, steps=2):
+    """Trains Tied (4 blocks) with `lists(model)` setting prefetch lists, next to a plain model;
+    returns, for the last step, per block hook ("forward"/"backward", block name), the blocks
+    whose all-gathers that step had issued by the time the hook returned."""
+    seen = []
+    start = [0]
+
+    def gathered(root):
+        return [e.split(":", 1)[1] for e in root.scheduler.issue_log if e.startswith("AG ")]
+
+    def record(phase, original):
+        def hook(self, st):
+            original(self, st)
+            if st.params and st is not self.root_state and self.scheduler.steps == steps - 1:
+                seen.append((phase, st.name,
+                             [n for n in gathered(self)[start[0]:] if n.startswith("blocks.")]))
+        return hook
+
+    def begin(original):
+        def hook(self, st):
+            original(self, st)
+            start[0] = len(gathered(self))
+        return hook
+
+    monkeypatch.setattr(_fully_shard._Root, "_begin_unit",
+                        record("forward", _fully_shard._Root._begin_unit))
+    monkeypatch.setattr(_fully_shard._Root, "_open_unit",
+                        record("backward", _fully_shard._Root._open_unit))
+    monkeypatch.setattr(_fully_shard._Root, "begin_step", begin(_fully_shard._Root.begin_step))
+    ref, model, opts = sharded_and_plain(world)
+    lists(model)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 23, (3, 5), generator=g)
+        for m, opt in zip((ref, model), opts):
+            m(tokens).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(ref, model)  # prefetching changes no value
+    return seen
+
+
+def test_prefetch_lists_steer_the_gathers(world, monkeypatch):
+    """set_modules_to_forward_prefetch([next two blocks]) on each block: when block i's forward
+    starts, the gathers of blocks i+1 and i+2 have been issued (without lists: only i+1); the
+    backward lists likewise along the reverse order."""
+    def two_ahead(model):
+        b = model.blocks
+        for i in range(4):
+            b[i].set_modules_to_forward_prefetch(list(b[i + 1:i + 3]))
+            b[i].set_modules_to_backward_prefetch(list(b[max(i - 2, 0):i])[::-1])
+
+    names = [f"blocks.{i}" for i in range(4)]
+    seen = gathers_at_hooks(world, monkeypatch, two_ahead)
+    # Forward: block i's own gather and the next two. Backward (after the forward's four):
+    # block i's and the two before it.
+    want = ([("forward", names[i], names[:min(i + 3, 4)]) for i in range(4)]
+            + [("backward", names[i], names + [names[j] for j in (3, 2, 1, 0) if j >= i - 2])
+               for i in (3, 2, 1, 0)])
+    assert seen == want, seen
+    default = gathers_at_hooks(world, monkeypatch, lambda model: None)
+    assert default[0] == ("forward", "blocks.0", names[:2]), default
+
+
+def test_a_prefetch_list_off_the_order_is_refused(world):
+    ref, model, (ref_opt, opt) = sharded_and_plain(world)
+    with pytest.raises(TypeError, match="Linear"):
+        model.blocks[1].set_modules_to_backward_prefetch([nn.Linear(2, 2)])
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[2]])
+    with pytest.raises(NotImplementedError, match=r"'blocks.0' names \['blocks.2'\]"):
+        model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
+    with pytest.raises(RuntimeError, match="after the first forward"):
+        model.blocks[1].set_modules_to_forward_prefetch([model.blocks[2]])
+
+
+def test_reshard_after_backward_false_keeps_the_units_for_the_next_forward(world):
+    """Gradient accumulation over 3 micro-batches with set_requires_gradient_sync(False) and
+    set_reshard_after_backward(False) on all but the last: the forwards of micro-batches 2 and 3
+    gather nothing (the blocks stay gathered from the backward before), and the training matches
+    a plain model accumulating the same micro-batches."""
+    ref, model, (ref_opt, opt) = sharded_and_plain(world)
+    for step in range(2):
+        forward_gathers = []
+        for mb in range(3):
+            last = mb == 2
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            g = torch.Generator().manual_seed(10 * step + mb)
+            tokens = torch.randint(0, 23, (3, 5), generator=g)
+            target = torch.randint(0, 23, (3, 5), generator=g)
+            for m in (ref, model):
+                before = (len(model.shardline_scheduler.issue_log)
+                          if m is model and model.shardline_scheduler else 0)
+                out = m(tokens)
+                if m is model and model.shardline_scheduler:
+                    forward_gathers.append([e for e in model.shardline_scheduler.issue_log[before:]
+                                            if e.startswith("AG ")])
+                (F.cross_entropy(out.float().reshape(-1, 23), target.reshape(-1)) / 3).backward()
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        if step == 1:
+            assert len(forward_gathers[0]) == 5, forward_gathers  # the root and four blocks
+            assert forward_gathers[1:] == [[], []], forward_gathers
+    assert_same_parameters(ref, model)
+
+
+def test_reshard_after_forward_as_an_int():
+    """FSDP2's int form: 1 is False, the shard group's size is True, another factor (a smaller
+    reshard group) is refused by name, a non-factor is a ValueError. No collective runs until the
+    first forward, so a 4-rank local world's first communicator serves."""
+    comms = shardline.init_local(4, timeout=30)
+    for k, kept in ((1, False), (4, True)):
+        m = slt.fully_shard(nn.Linear(2, 2), mesh=comms[0], reshard_after_forward=k)
+        assert m._shardline_state.reshard_after_forward is kept
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=2 .*one shard group"):
+        slt.fully_shard(nn.Linear(2, 2), mesh=comms[0], reshard_after_forward=2)
+    for k in (0, 3, 8):
+        with pytest.raises(ValueError, match="factor of the shard group's size 4"):
+            slt.fully_shard(nn.Linear(2, 2), mesh=comms[0], reshard_after_forward=k)
+    with pytest.raises(TypeError, match="bool or an int"):
+        slt.fully_shard(nn.Linear(2, 2), mesh=comms[0], reshard_after_forward="yes")

@@ -17,6 +17,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -207,7 +208,9 @@ struct RunOptions {
   // SetRequiresGradientSync(false)), kDeferAllReduce (hybrid: SetRequiresAllReduce(false)).
   enum class Accumulation { kSync, kNoSync, kDeferAllReduce } accumulation = Accumulation::kNoSync;
   bool recompute = false;  // re-run each unit's forward inside its backward
-  double clip = 0;         // > 0: ClipGradNorm(clip) before the optimizer
+  // SetReshardAfterBackward(u, false) for every unit before each micro-batch but the last.
+  bool keep_after_backward = false;
+  double clip = 0;  // > 0: ClipGradNorm(clip) before the optimizer
   // CPU offload into these allocators (one per rank); empty: no offload.
   std::vector<Allocator*> offload;
   std::pair<int, int> skip = {-1, -1};  // (world rank, unit) whose backward is skipped
@@ -302,6 +305,11 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
         sched->SetRequiresGradientSync(o.accumulation != RunOptions::Accumulation::kNoSync || last);
         sched->SetRequiresAllReduce(o.accumulation != RunOptions::Accumulation::kDeferAllReduce ||
                                     last);
+        if (o.keep_after_backward) {
+          for (int u = 0; u < sched->num_units(); ++u) {
+            SL_RETURN_IF_ERROR(sched->SetReshardAfterBackward(u, last));
+          }
+        }
         auto acts = std::make_shared<std::vector<double>>(uses.size(), 0.0);
         for (size_t k = 0; k < uses.size(); ++k) {
           const int u = uses[k];
@@ -691,6 +699,42 @@ TEST(SchedulerAccumulationTest, MicroBatchesMatchOneBigBatch) {
       const StepMetrics& first = r.metrics.front();
       (void)first;
     }
+  }
+}
+
+// SetReshardAfterBackward(false) while accumulating: the micro-batches after the first run their
+// forward on the parameters their predecessor's backward left gathered (no all-gather), and the
+// training still matches one big batch.
+TEST(SchedulerAccumulationTest, KeptAfterBackwardSkipsTheNextForwardsGathers) {
+  ToyModel m = MakeToy(4, /*tied=*/true);
+  RunOptions o;
+  o.micro = 3;
+  o.accumulation = RunOptions::Accumulation::kNoSync;
+  std::vector<RankResult> plain = Train(m, o);
+  o.keep_after_backward = true;
+  std::vector<RankResult> kept = Train(m, o);
+  ExpectMatchesReference(m, kept, Reference(m, 2, o.steps, 3));
+  auto gathers = [](const std::vector<std::string>& log, size_t end) {
+    return std::count_if(log.begin(), log.begin() + end,
+                         [](const std::string& e) { return e.rfind("AG ", 0) == 0; });
+  };
+  for (size_t r = 0; r < kept.size(); ++r) {
+    ASSERT_OK(plain[r].status);
+    ASSERT_OK(kept[r].status);
+    const std::vector<std::string>& log = plain[r].issue_log;
+    // The gathers of one micro-batch's forward: those before its last forward marker.
+    size_t end = 0, forwards = 0;
+    for (size_t i = 0; i < log.size() && forwards < m.uses.size(); ++i) {
+      if (log[i][0] == 'f') {
+        ++forwards;
+        end = i;
+      }
+    }
+    const auto per_forward = gathers(log, end);
+    ASSERT_GT(per_forward, 0);
+    EXPECT_EQ(gathers(kept[r].issue_log, kept[r].issue_log.size()),
+              gathers(log, log.size()) - 2 * per_forward)
+        << absl::StrJoin(kept[r].issue_log, " ");
   }
 }
 

@@ -820,6 +820,22 @@ void RegisterCollectives(nb::module_& m) {
       .def_prop_ro("num_events", &TraceWriter::num_events)
       .def("to_json", &TraceWriter::ToJson)
       .def(
+          "add_span",
+          [](TraceWriter& t, const std::string& track, const std::string& name,
+             const std::string& category, int64_t start_ns, int64_t duration_ns) {
+            if (duration_ns < 0) {
+              ThrowInvalid(absl::StrCat("Trace.add_span('", name, "'): duration_ns ", duration_ns,
+                                        " is negative"));
+            }
+            t.AddComplete(t.Track(track), name, category, absl::FromUnixNanos(start_ns),
+                          absl::Nanoseconds(duration_ns));
+          },
+          nb::arg("track"), nb::arg("name"), nb::arg("category"), nb::arg("start_ns"),
+          nb::arg("duration_ns"),
+          "A span on `track` (a lane, e.g. \"compute\"): starting at `start_ns` nanoseconds since "
+          "the Unix epoch (time.time_ns(), the clock of the scheduler's spans), lasting "
+          "`duration_ns`.")
+      .def(
           "write",
           [](const TraceWriter& t, const std::string& path) { ThrowIfError(t.WriteFile(path)); },
           nb::arg("path"), "Writes the trace as JSON (atomically).");

@@ -153,8 +153,8 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
   precision.keep_low_precision_grads = keep_low_precision_grads;
   ThrowIfError(precision.Validate());
 
-  std::unique_ptr<Stream> compute =
-      Unwrap(CreateCallerStream({.name = absl::StrCat(name, ".compute")}));
+  std::unique_ptr<Stream> compute = Unwrap(CreateCallerStream(
+      {.name = absl::StrCat(name, ".compute"), .trace = options.trace, .track = "compute"}));
   const absl::Time deadline = DeadlineIn(timeout_s);
   absl::StatusOr<std::unique_ptr<Scheduler>> scheduler;
   {
@@ -347,6 +347,14 @@ void RegisterScheduler(nb::module_& m) {
           "set_requires_all_reduce",
           [](PyScheduler& s, bool all_reduce) { s.scheduler->SetRequiresAllReduce(all_reduce); },
           nb::arg("all_reduce"))
+      .def(
+          "set_reshard_after_backward",
+          [](PyScheduler& s, int unit, bool reshard) {
+            ThrowIfError(s.scheduler->SetReshardAfterBackward(unit, reshard));
+          },
+          nb::arg("unit"), nb::arg("reshard"),
+          "False: after a backward that does not reduce, the unit stays gathered into the next "
+          "forward (scheduler.h).")
       .def(
           "params",
           [](PyScheduler& s, int unit) {

@@ -32,14 +32,17 @@ from ._fully_shard import (
     clip_grad_norm_,
     full_state_dict,
     fully_shard,
+    original_shape,
 )
+from ._grad_scaler import ShardedGradScaler
 from ._weights import export_safetensors, import_safetensors, sync_module_states
 
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "CheckpointSave", "CPUOffloadPolicy", "FSDPModule",
-    "MixedPrecisionPolicy", "OffloadPolicy", "ProcessGroupShardline", "clip_grad_norm_",
-    "export_safetensors", "full_state_dict", "fully_shard", "import_safetensors",
-    "load_checkpoint", "register", "save_checkpoint", "sync_module_states",
+    "MixedPrecisionPolicy", "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler",
+    "clip_grad_norm_", "export_safetensors", "full_state_dict", "fully_shard",
+    "import_safetensors", "load_checkpoint", "original_shape", "register", "save_checkpoint",
+    "sync_module_states",
 ]
 
 register()

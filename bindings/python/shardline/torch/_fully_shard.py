@@ -35,6 +35,7 @@ import atexit
 import dataclasses
 import gc
 import os
+import time
 import weakref
 from typing import Optional
 
@@ -45,7 +46,7 @@ import shardline
 
 __all__ = [
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "clip_grad_norm_",
-    "full_state_dict", "fully_shard",
+    "full_state_dict", "fully_shard", "original_shape",
 ]
 
 
@@ -157,7 +158,12 @@ class _UnitState:
         self.tensor_offsets = []  # per parameter, the flat index of its first element here
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
+        self.reshard_after_backward = True
         self.name = ""
+        self.trace = None  # a shardline.Trace for the root's scheduler (set_shardline_trace)
+        # set_modules_to_forward_prefetch / _backward_prefetch: lists of _UnitStates, or None
+        self.forward_prefetch = None
+        self.backward_prefetch = None
 
     @property
     def module(self):
@@ -217,6 +223,41 @@ def _collect_parameters(state, module):
         p._shardline_unit = state
 
 
+def original_shape(p):
+    """The shape a parameter had when fully_shard took it (torch.Size). After the first forward
+    a fully_shard'ed parameter is this rank's 1-D slice of its unit's flat shard, so p.shape and
+    p.dim() describe the slice; group parameters by this instead (weight decay for
+    len(original_shape(p)) >= 2). A parameter no fully_shard call manages: its own shape."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"original_shape: p must be a Tensor (a parameter), not "
+                        f"{type(p).__name__}")
+    st = _owner(p)
+    if st is not None:
+        for q, shape in zip(st.params, st.shapes):
+            if q is p:
+                return torch.Size(shape)
+    return p.shape
+
+
+def _reshard_size(k, mesh_config):
+    """FSDP2's int reshard_after_forward: reshard to a group of k ranks after forward. As in
+    FSDP2, 1 is False and the shard group's size is True; other factors would need a second,
+    smaller shard group per unit, which shardline's scheduler does not have."""
+    world, strategy, shard_size = mesh_config
+    shard = {"full_shard": world.size, "no_shard": 1}.get(strategy, shard_size)
+    if k < 1 or k > shard or shard % k:
+        raise ValueError(f"fully_shard: reshard_after_forward={k}: as an int it must be a "
+                         f"factor of the shard group's size {shard}")
+    if k == 1:
+        return False
+    if k == shard:
+        return True
+    raise NotImplementedError(
+        f"fully_shard: reshard_after_forward={k} (reshard to groups of {k} of the {shard} "
+        "shard ranks after forward) is not supported: shardline's scheduler has one shard group "
+        f"per unit; pass True (or {shard}) or False (or 1)")
+
+
 _CLASS_CACHE = {}
 
 
@@ -238,12 +279,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
         raise TypeError(f"fully_shard: module must be an nn.Module, not {type(module).__name__}")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard: {type(module).__name__} was already fully_shard'ed")
-    if type(reshard_after_forward) is not bool:
-        if isinstance(reshard_after_forward, int):
-            raise NotImplementedError(
-                "fully_shard: reshard_after_forward as an int (reshard to a smaller group after "
-                "forward) is not supported by shardline's scheduler; pass True or False")
-        raise TypeError("fully_shard: reshard_after_forward must be a bool")
+    if type(reshard_after_forward) is not bool and not isinstance(reshard_after_forward, int):
+        raise TypeError("fully_shard: reshard_after_forward must be a bool or an int")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError("fully_shard: mp_policy must be a shardline.torch.MixedPrecisionPolicy")
     for field in ("param_dtype", "reduce_dtype"):
@@ -255,6 +292,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
         raise TypeError("fully_shard: offload_policy must be a shardline.torch.OffloadPolicy or "
                         "CPUOffloadPolicy")
     mesh_config = _mesh_config(mesh)
+    if type(reshard_after_forward) is not bool:
+        reshard_after_forward = _reshard_size(int(reshard_after_forward), mesh_config)
 
     state = _UnitState(module, mesh_config, reshard_after_forward, mp_policy, offload_policy)
     _collect_parameters(state, module)
@@ -412,6 +451,11 @@ class _Root:
         # lies at another address (for tests).
         self.saved_unpacked = 0
         self.saved_moved = 0
+        # set_shardline_trace: the scheduler's streams write their spans into it, and each
+        # unit's forward and backward use becomes a "forward <unit>" / "backward <unit>" span on
+        # its "compute" track (from the hook's return to the end of the use).
+        self.trace = root_state.trace
+        self.span_start = {}  # unit -> time.time_ns() at the start of its open use
 
     # -- lazy initialisation
     def initialize(self):
@@ -470,13 +514,21 @@ class _Root:
                               for m in st.module.modules())
             for st in self.states if st is not self.root_state) or (
             self.root_state.params and len(self.states) > 1)
-        depth = 2 if interleaved else 1
+        self.per_block = 2 if interleaved else 1
+        # Explicit prefetch lists (set_modules_to_*_prefetch) of k modules: the scheduler
+        # prefetches k blocks along its order; the first step checks that each list names the
+        # units that follow its module there (check_prefetch_lists).
+        depths = []
+        for field in ("forward_prefetch", "backward_prefetch"):
+            lists = [getattr(st, field) for st in self.states if getattr(st, field) is not None]
+            depths.append(self.per_block * max(map(len, lists)) if lists else self.per_block)
+        self.forward_depth, self.backward_depth = depths
         self.scheduler = shardline.Scheduler(
-            world, strategy=strategy, shard_size=shard_size, forward_prefetch=depth,
-            backward_prefetch_depth=depth,
+            world, strategy=strategy, shard_size=shard_size, forward_prefetch=self.forward_depth,
+            backward_prefetch_depth=self.backward_depth,
             param_dtype=_DTYPE_NAMES[self.param_dtype], reduce_dtype=_DTYPE_NAMES[reduce_dtype],
             cpu_offload=isinstance(first.offload_policy, CPUOffloadPolicy), name="fully_shard",
-            framework="torch", root_unit=0 if self.root_state.params else -1)
+            framework="torch", root_unit=0 if self.root_state.params else -1, trace=self.trace)
         self.world = world
         self.strategy = strategy
         s = self.scheduler
@@ -554,6 +606,8 @@ class _Root:
                     mod._parameters[name] = v
             return
         s.pre_forward(st.unit)
+        if self.trace is not None:
+            self.span_start[st.unit] = time.time_ns()
         views = s.params(st.unit)
         for i, v in enumerate(views):
             if v.numel():
@@ -573,6 +627,8 @@ class _Root:
                 mod._parameters[name] = p
         if self.recomputing and not st.recompute_open:
             return
+        if not self.recomputing:
+            self._end_span("forward", st)
         self.scheduler.post_forward(st.unit)
 
     def begin_step(self, st):
@@ -607,15 +663,83 @@ class _Root:
                 "between the modules of one root; shardline's scheduler sets them per step "
                 "(call them on the root with recurse=True)")
         self.sync = syncs.pop()
+        for unit in self.units:
+            s.set_reshard_after_backward(unit.unit, unit.reshard_after_backward)
         s.set_requires_gradient_sync(self.sync)
         s.set_requires_all_reduce(reduces.pop())
         self.step_open = True
         self.backward_started = False
+        self.span_start.clear()
         self.pack_map.clear()
         self.views.clear()
         self.pending.clear()
 
+    def check_prefetch_lists(self):
+        """After the first step (the order recorded): every explicit prefetch list must name the
+        units that follow its module in the forward order (the backward: its reverse), skipping
+        units kept gathered, within the depth the scheduler was given."""
+        order = list(self.scheduler.forward_order)
+        kept = {st.unit for st in self.units
+                if st is self.root_state or not st.reshard_after_forward}
+        for field, sequence, depth, method in (
+                ("forward_prefetch", order, self.forward_depth,
+                 "set_modules_to_forward_prefetch"),
+                ("backward_prefetch", order[::-1], self.backward_depth,
+                 "set_modules_to_backward_prefetch")):
+            for st in self.units:
+                wanted = getattr(st, field)
+                if wanted is None or st.unit not in sequence:
+                    continue
+                start = sequence.index(st.unit)
+                following = []
+                for pos in range(start + 1, len(sequence)):
+                    u = sequence[pos]
+                    if u != st.unit and u not in kept and u not in [f for f, _ in following]:
+                        following.append((u, pos - start))
+                expected = following[:len(wanted)]
+                if ([w.unit for w in wanted] != [u for u, _ in expected]
+                        or any(distance > depth for _, distance in expected)):
+                    names = {x.unit: x.name for x in self.units}
+                    raise NotImplementedError(
+                        f"fully_shard: {method} on '{st.name}' names "
+                        f"{[w.name for w in wanted]}, but the units that follow it in the "
+                        f"{field.split('_')[0]} order are "
+                        f"{[names[u] for u, _ in following]}; shardline's scheduler prefetches "
+                        "a fixed depth along its recorded order, so each list must name the "
+                        "next units there (fewer at the end)")
+
+    def settle(self):
+        """Ends the step of a backward that raised: autograd no longer runs it (no graph task
+        on this thread), but its uses are still open and FinishBackward never ran."""
+        if self.backward_started and torch._C._current_graph_task_id() == -1:
+            self.abort_backward()
+
+    def abort_backward(self):
+        """Closes the open backward uses and ends the scheduler's step. The gradients that
+        reached the scheduler before the error are reduced into the sharded gradient, as torch
+        leaves the partial sums in .grad; .grad is not re-pointed, so after zero_grad() (.grad
+        None) the next step starts from zero."""
+        try:
+            while self.backward_stack:
+                st, is_open = self.backward_stack.pop()
+                if is_open:
+                    self._close(st)
+            self.pending.clear()
+            self.scheduler.finish_backward()
+        finally:
+            self.step_open = False
+            self.backward_started = False
+            self.recomputing = False
+            self.forward_stack.clear()
+            self.backward_stack.clear()
+            self.pack_map.clear()
+            self.views.clear()
+            self.pending.clear()
+            self.span_start.clear()
+            self.step_id += 1
+
     def pre_forward(self, st, args, kwargs):
+        self.settle()
         if self.backward_started and (self.recomputing or not self.forward_stack):
             # A forward inside the backward: torch.utils.checkpoint recomputing activations.
             if self.forward_stack:
@@ -725,6 +849,12 @@ class _Root:
             self.saved_hooks = None
         self.in_forward = False
 
+    def _end_span(self, phase, st):
+        start = self.span_start.pop(st.unit, None)
+        if self.trace is not None and start is not None:
+            self.trace.add_span("compute", f"{phase} {st.name}", "compute", start,
+                                time.time_ns() - start)
+
     # -- saved tensors
     def _pack(self, t):
         if t.numel() and t.device.type == "cpu" and not t.is_sparse:
@@ -766,6 +896,8 @@ class _Root:
         if not st.params:
             return
         self.scheduler.pre_backward(st.unit)
+        if self.trace is not None:
+            self.span_start[st.unit] = time.time_ns()
         self.views[st.unit] = self.scheduler.params(st.unit)
         for grads in self.pending.pop(st.unit, []):
             self._add_grads(st, grads)
@@ -774,6 +906,7 @@ class _Root:
         if not st.params:
             return
         self.views.pop(st.unit, None)
+        self._end_span("backward", st)
         self.scheduler.post_backward(st.unit)
 
     def _on_pre_backward(self, st, step):
@@ -848,6 +981,8 @@ class _Root:
             self.views.clear()
             self.pending.clear()
             self.step_id += 1
+        if self.scheduler.steps == 1:
+            self.check_prefetch_lists()
         if self.sync and backward_ran:
             s = self.scheduler
             for st in self.units:
@@ -917,13 +1052,13 @@ class FSDPModule:
             st.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
-        """shardline's scheduler always reshards after a unit's backward (its unsharded gradient
-        stays when gradient sync is off), so only True is accepted."""
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                "set_reshard_after_backward(False): shardline's scheduler reshards the "
-                "parameters after each unit's backward (the unsharded gradient is what it keeps "
-                "across micro-batches without gradient sync)")
+        """False: after a backward that does not reduce (set_requires_gradient_sync(False)),
+        the units stay gathered into the next forward, which then runs without all-gathers
+        (gradient accumulation: more memory, less communication). Taken at the next forward. A
+        backward that reduces reshards as usual. As in FSDP2, do not step the optimizer while
+        units are kept gathered: the next forward would use the parameters from before it."""
+        for st in self._shardline_states(recurse):
+            st.reshard_after_backward = bool(reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
         for st in self._shardline_states(recurse):
@@ -934,14 +1069,56 @@ class FSDPModule:
             st.reshard_after_forward = bool(reshard_after_forward)
 
     def set_modules_to_forward_prefetch(self, modules):
-        raise NotImplementedError(
-            "set_modules_to_forward_prefetch: shardline's scheduler prefetches along the forward "
-            "order it recorded in the first step (depth 1), not along per-module lists")
+        """FSDP2's explicit forward prefetch: when this module's forward starts, the gathers
+        of `modules` are issued too. shardline's scheduler prefetches a fixed depth along its
+        recorded order: the longest list sets that depth (k modules: k blocks ahead, for every
+        unit), and the first step checks that each list names the units that follow this one
+        in the forward order, skipping those kept gathered (NotImplementedError otherwise).
+        Before the first forward only."""
+        self._set_prefetch("forward_prefetch", "set_modules_to_forward_prefetch", modules)
 
     def set_modules_to_backward_prefetch(self, modules):
-        raise NotImplementedError(
-            "set_modules_to_backward_prefetch: shardline's scheduler prefetches along the reverse "
-            "of the recorded forward order (depth 1), not along per-module lists")
+        """FSDP2's explicit backward prefetch: as set_modules_to_forward_prefetch, along the
+        backward order (the reverse of the forward order)."""
+        self._set_prefetch("backward_prefetch", "set_modules_to_backward_prefetch", modules)
+
+    def _set_prefetch(self, field, method, modules):
+        st = self._shardline_state
+        if st.root is not None:
+            raise RuntimeError(f"{method}: after the first forward; the scheduler's prefetch "
+                               "depth is fixed when the root creates it")
+        states = []
+        for m in modules:
+            if not isinstance(m, FSDPModule):
+                raise TypeError(f"{method}: {type(m).__name__} is not a fully_shard'ed module")
+            if not m._shardline_state.params:
+                raise ValueError(f"{method}: {type(m).__name__} has no parameters of its own "
+                                 "(no unit to gather)")
+            states.append(m._shardline_state)
+        setattr(st, field, states)
+
+    def set_shardline_trace(self, trace):
+        """shardline's own (not an FSDP2 method): a shardline.Trace(rank) that the root's
+        scheduler writes its spans into (tracks "gather", "reduce", "all_reduce", and "compute"
+        for the compute stream's waits for gathers), and that gets a "forward <module>" /
+        "backward <module>" span on "compute" for each forward and backward use of a unit
+        (activation recomputations are not drawn apart). Call it on the root module before
+        its first forward; write the trace with trace.write(path) (merge ranks' files with
+        scripts/merge_traces.py). None: no trace."""
+        st = self._shardline_state
+        if st.root is not None:
+            raise RuntimeError("set_shardline_trace: after the first forward; the scheduler "
+                               "takes its trace when the root creates it")
+        if trace is not None and not isinstance(trace, shardline.Trace):
+            raise TypeError(f"set_shardline_trace: trace must be a shardline.Trace, not "
+                            f"{type(trace).__name__}")
+        st.trace = trace
+
+    @property
+    def shardline_trace(self):
+        """The shardline.Trace given by set_shardline_trace (None: no trace)."""
+        root = self._shardline_state.root
+        return self._shardline_state.trace if root is None else root.trace
 
     def set_post_optim_event(self, event):
         """Accepted for FSDP2 compatibility. On the CPU the optimizer has finished when
@@ -957,6 +1134,7 @@ class FSDPModule:
         st = self._shardline_state
         root = st.root
         if root is not None and st.params and st.full is None:
+            root.settle()
             if root.step_open or root.forward_stack:
                 raise RuntimeError("unshard(): inside a step (between the root's forward and "
                                    "the end of its backward)")
