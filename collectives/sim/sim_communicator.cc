@@ -283,24 +283,28 @@ void SimGroup::Complete(std::vector<Arrival> ranks) {
   const std::vector<int> own = representative_ >= 0
                                    ? std::vector<int>{options_.devices[representative_]}
                                    : std::vector<int>{};
+  // Host sharing: every rank copies with one thread on its node's host while the transfer runs.
+  std::map<int, int> host_threads;
+  const bool host_sharing = timeline_.options().host_cores > 0;
   for (const int device : representative_ >= 0 ? own : options_.devices) {
     if (size_ > 1) arbiter_->Count(device, cost->intra_bytes, cost->inter_bytes);
     if (cost->uses_intra()) ports.push_back(sim_internal::LinkArbiter::Port(device, 0));
     if (cost->uses_inter()) ports.push_back(sim_internal::LinkArbiter::Port(device, 1));
+    if (host_sharing && size_ > 1) ++host_threads[device / options_.topology->devices_per_node];
   }
   // The latency phase shares nothing; the transfer phase shares the ports.
-  timeline_.ScheduleAt(last + absl::Seconds(cost->latency_s),
-                       [self = shared_from_this(), ranks = std::move(ranks),
-                        ports = std::move(ports), transfer = cost->transfer_s]() mutable {
-                         if (transfer <= 0) {
-                           self->Finish(std::move(ranks));
-                           return;
-                         }
-                         self->arbiter_->Start(std::move(ports), transfer,
-                                               [self, ranks = std::move(ranks)]() mutable {
-                                                 self->Finish(std::move(ranks));
-                                               });
-                       });
+  timeline_.ScheduleAt(
+      last + absl::Seconds(cost->latency_s),
+      [self = shared_from_this(), ranks = std::move(ranks), ports = std::move(ports),
+       host_threads = std::move(host_threads), transfer = cost->transfer_s]() mutable {
+        if (transfer <= 0) {
+          self->Finish(std::move(ranks));
+          return;
+        }
+        self->arbiter_->Start(
+            ports, host_threads, transfer,
+            [self, ranks = std::move(ranks)]() mutable { self->Finish(std::move(ranks)); });
+      });
 }
 
 void SimGroup::Finish(std::vector<Arrival> ranks) {
