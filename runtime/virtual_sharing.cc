@@ -3,6 +3,7 @@
 #include "runtime/virtual_sharing.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "runtime/check.h"
@@ -54,7 +55,10 @@ void VirtualSharing::Rebalance(absl::Time now) {
       const double capacity = CapacityLocked(d.resource);
       // Written as a division of capacity by load so that ports (capacity 1, demand 1 each) get
       // exactly 1 / flows, as the link arbiter always had.
-      if (load > capacity) rate = std::min(rate, capacity / load);
+      if (load > capacity) {
+        const double share = capacity / load;
+        rate = std::min(rate, d.lockstep > 1 ? std::pow(share, d.lockstep) : share);
+      }
     }
     if (rate == flow.rate) continue;
     flow.rate = rate;

@@ -10,10 +10,12 @@
 // `load` in all gives each unit of demand min(1, capacity / load) of its full speed, and a flow
 // progresses at the smallest share it gets on any of its resources. So k single-thread flows on
 // a host of c cores each take max(1, k / c) times their time alone, and with capacity 1 and
-// demand 1 a port is split equally among its flows. Rates change only when a flow starts or
-// ends; then the flows whose rate changed get a new end time. The engine's event order (time,
-// then scheduling order) makes it deterministic. Capacity left idle by a flow that is held back
-// on another resource is not handed to the others.
+// demand 1 a port is split equally among its flows. A demand may be in lock-step
+// (VirtualDemand::lockstep = r > 1: r threads that progress only while all of them run, as a
+// collective's ranks on one host): its share there is then (min(1, capacity / load))^r. Rates
+// change only when a flow starts or ends; then the flows whose rate changed get a new end time. The
+// engine's event order (time, then scheduling order) makes it deterministic. Capacity left idle by
+// a flow that is held back on another resource is not handed to the others.
 //
 // Resources are (space, id) pairs. Space 0 holds the timeline's hosts (Host(h)), whose capacity
 // is VirtualTimelineOptions::host_cores; every other space comes from NewSpace() (a user's own
@@ -49,6 +51,9 @@ struct VirtualResource {
 struct VirtualDemand {
   VirtualResource resource;
   double amount = 1;  // > 0: the capacity the flow uses at full speed (threads, ports)
+  // >= 1: how many threads of the flow must run at once for it to progress (a collective's
+  // ranks on a host, in lock-step): its share on this resource is share^lockstep.
+  double lockstep = 1;
 };
 
 class VirtualSharing : public std::enable_shared_from_this<VirtualSharing> {

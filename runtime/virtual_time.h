@@ -120,6 +120,10 @@ struct VirtualTimelineOptions {
   // threads there too (collectives/sim/). 0: ops take their time alone (GPU-like devices, whose
   // copies do not take the host's cores).
   double host_cores = 0;
+  // With host_cores: a sim collective progresses only while all of its ranks' threads on a host
+  // run at once (they work in lock-step), so its share there is (cores / threads)^ranks instead
+  // of cores / threads.
+  bool host_lockstep = false;
 };
 
 // The end of an asynchronous op: call it exactly once, from within the engine (an op's start, a

@@ -284,13 +284,29 @@ void SimGroup::Complete(std::vector<Arrival> ranks) {
                                    ? std::vector<int>{options_.devices[representative_]}
                                    : std::vector<int>{};
   // Host sharing: every rank copies with one thread on its node's host while the transfer runs.
-  std::map<int, int> host_threads;
-  const bool host_sharing = timeline_.options().host_cores > 0;
+  // With host_lockstep, the threads of all the group's ranks on a host (the representative's
+  // peers included) must run at once.
+  std::map<int, std::pair<int, int>> host_threads;
+  const bool host_sharing = timeline_.options().host_cores > 0 && size_ > 1;
+  const int per_node = options_.topology->devices_per_node;
   for (const int device : representative_ >= 0 ? own : options_.devices) {
     if (size_ > 1) arbiter_->Count(device, cost->intra_bytes, cost->inter_bytes);
     if (cost->uses_intra()) ports.push_back(sim_internal::LinkArbiter::Port(device, 0));
     if (cost->uses_inter()) ports.push_back(sim_internal::LinkArbiter::Port(device, 1));
-    if (host_sharing && size_ > 1) ++host_threads[device / options_.topology->devices_per_node];
+    if (host_sharing)
+      host_threads[device / per_node] = {host_threads[device / per_node].first + 1, 1};
+  }
+  if (host_sharing && timeline_.options().host_lockstep) {
+    for (const int device : options_.devices) {
+      if (auto it = host_threads.find(device / per_node); it != host_threads.end()) {
+        it->second.second = 0;
+      }
+    }
+    for (const int device : options_.devices) {
+      if (auto it = host_threads.find(device / per_node); it != host_threads.end()) {
+        ++it->second.second;
+      }
+    }
   }
   // The latency phase shares nothing; the transfer phase shares the ports.
   timeline_.ScheduleAt(

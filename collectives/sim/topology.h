@@ -161,6 +161,9 @@ struct Topology {
   // collective transfers running at once on a node each progress at min(1, cores / their
   // threads) of their speed alone. GPU nodes leave it 0: their copies run on the devices.
   double host_cores = 0;
+  // With host_cores (JSON "host_lockstep", optional, default false): a collective's ranks on a
+  // node progress only while all of them run at once (VirtualTimelineOptions::host_lockstep).
+  bool host_lockstep = false;
   // Indexed by CollectiveKind: the algorithms considered, "ring" among them.
   std::array<std::vector<AlgorithmModel>, kNumCollectiveKinds> collectives;
 

@@ -646,6 +646,7 @@ class TopologyCluster final : public SimCluster {
     o.fill_bytes_per_s = m.fill_bytes_per_s;
     o.op_overhead = absl::Seconds(m.op_overhead_s);
     o.host_cores = topology_->host_cores;
+    o.host_lockstep = topology_->host_lockstep;
     return o;
   }
   int HostOf(int rank) const override {

@@ -167,6 +167,27 @@ TEST(VirtualSharingTest, FlowsWithSeveralThreadsAndPorts) {
   EXPECT_EQ(t->sharing().active(), 0);
   EXPECT_EQ(t->sharing().load(VirtualSharing::Host(0)), 0);
 
+  // Lock-step: the same flow with its 2 threads in lock-step progresses at (2/3)^2 = 4/9 while
+  // the op runs: by 1.5 us it has done 2/3 us of its 3, then 7/3 us alone.
+  double lockstep_end = -1;
+  const double start_ns = absl::ToDoubleNanoseconds(t->Now() - kEpoch);
+  ASSERT_TRUE(t->SubmitAsync(*a, {.name = "lockstep",
+                                  .start =
+                                      [&](absl::Time, VirtualAsyncDone done) {
+                                        t->sharing().Start(
+                                            {{VirtualSharing::Host(0), 2.0, 2.0}}, 3e-6,
+                                            [&, done = std::move(done)]() mutable {
+                                              lockstep_end =
+                                                  absl::ToDoubleNanoseconds(t->Now() - kEpoch);
+                                              std::move(done)(absl::OkStatus(), t->Now());
+                                            });
+                                      }})
+                  .ok());
+  eb = SubmitAndRecord(*b, Mem(StreamOpKind::kCopy, 1000));
+  ASSERT_TRUE(t->RunUntilIdle().ok());
+  EXPECT_NEAR(EndNs(*eb) - start_ns, 1500, 0.5);
+  EXPECT_NEAR(lockstep_end - start_ns, 1500 + 3000 - 1500 * 4.0 / 9.0, 0.5);
+
   // Ports of a user's own space: capacity 1 each, split equally; spaces are disjoint.
   const uint64_t s1 = t->sharing().NewSpace(), s2 = t->sharing().NewSpace();
   EXPECT_NE(s1, s2);

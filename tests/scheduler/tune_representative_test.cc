@@ -2,7 +2,8 @@
 // RankMode): one rank standing for a symmetric world gives the same figures as simulating every
 // rank. Checked at 64 ranks on a flat cluster and on a topology of 8 nodes x 8 devices (two link
 // levels, size-efficiency curves, contention; and as a host-memory machine whose nodes' 3 cores
-// are shared by the memory ops and collective copies of their 8 ranks), across strategies (full,
+// are shared by the memory ops and collective copies of their 8 ranks, with and without
+// lock-step collectives), across strategies (full,
 // shard-grad-op, no shard, hybrid with shard groups inside a node, across two nodes and several per
 // node), prefetch depths, budgets, checkpointing and host lead: step time, exposed communication,
 // communication time, rank 0's collectives and ring bytes, the bytes per link level, every memory
@@ -25,7 +26,7 @@ namespace {
 // 8 nodes of 8 devices, distinct intra/inter figures and curves (so placement matters).
 // host_cores > 0: a host-memory machine whose memory ops and collective copies share each node's
 // cores (fewer than its ranks, so that they contend).
-std::shared_ptr<const Topology> TestTopology(double host_cores = 0) {
+std::shared_ptr<const Topology> TestTopology(double host_cores = 0, bool lockstep = false) {
   Topology t;
   t.name = "test-8x8";
   t.nodes = 8;
@@ -43,6 +44,7 @@ std::shared_ptr<const Topology> TestTopology(double host_cores = 0) {
       .efficiency = {{.bytes = 8192, .efficiency = 0.1}, {.bytes = 4 << 20, .efficiency = 0.85}}};
   t.collectives = DefaultCollectiveAlgorithms();
   t.host_cores = host_cores;
+  t.host_lockstep = lockstep;
   if (host_cores > 0) {
     t.name = "test-8x8-host";
     // Memory ops slow enough to matter beside the collectives.
@@ -69,6 +71,10 @@ std::vector<std::unique_ptr<SimCluster>> Clusters() {
   absl::StatusOr<std::unique_ptr<SimCluster>> host = CreateTopologyCluster(TestTopology(3));
   EXPECT_TRUE(host.ok()) << host.status();
   out.push_back(*std::move(host));
+  absl::StatusOr<std::unique_ptr<SimCluster>> lockstep =
+      CreateTopologyCluster(TestTopology(3, true));
+  EXPECT_TRUE(lockstep.ok()) << lockstep.status();
+  out.push_back(*std::move(lockstep));
   return out;
 }
 

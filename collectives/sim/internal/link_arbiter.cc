@@ -10,13 +10,15 @@
 
 namespace shardline::sim_internal {
 
-void LinkArbiter::Start(const std::vector<int64_t>& ports, const std::map<int, int>& host_threads,
-                        double seconds, absl::AnyInvocable<void() &&> done) {
+void LinkArbiter::Start(const std::vector<int64_t>& ports,
+                        const std::map<int, std::pair<int, int>>& host_threads, double seconds,
+                        absl::AnyInvocable<void() &&> done) {
   std::vector<VirtualDemand> demands;
   demands.reserve(ports.size() + host_threads.size());
   for (const int64_t port : ports) demands.push_back({{space_, port}, 1.0});
   for (const auto& [host, threads] : host_threads) {
-    demands.push_back({VirtualSharing::Host(host), static_cast<double>(threads)});
+    demands.push_back({VirtualSharing::Host(host), static_cast<double>(threads.first),
+                       static_cast<double>(threads.second)});
   }
   sharing_.Start(std::move(demands), seconds, std::move(done));
 }

@@ -36,8 +36,10 @@ class LinkArbiter {
   // Starts a flow now (on the engine's thread): `seconds` of transfer at share 1 over `ports`
   // (distinct), and `host_threads` (host -> threads, each > 0) on the timeline's hosts. `done`
   // runs on the engine when it has moved them all. seconds > 0.
-  void Start(const std::vector<int64_t>& ports, const std::map<int, int>& host_threads,
-             double seconds, absl::AnyInvocable<void() &&> done);
+  // host_threads: host -> (threads counted there, threads in lock-step there).
+  void Start(const std::vector<int64_t>& ports,
+             const std::map<int, std::pair<int, int>>& host_threads, double seconds,
+             absl::AnyInvocable<void() &&> done);
 
   // Traffic accounting (SimTrafficByDevice): `device` sent these bytes in one collective.
   void Count(int device, double intra_bytes, double inter_bytes);
