@@ -27,6 +27,7 @@
 #include "runtime/internal/stream_internal.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
+#include "runtime/virtual_sharing.h"
 
 namespace shardline {
 namespace {
@@ -88,8 +89,8 @@ using EventKey = std::pair<absl::Time, uint64_t>;
 
 // The engine's view of one virtual stream. Guarded by the timeline's mutex.
 struct VStream {
-  VStream(std::string n, uint64_t i, absl::Duration timeout, StreamTracer t)
-      : name(std::move(n)), id(i), wait_timeout(timeout), tracer(t) {}
+  VStream(std::string n, uint64_t i, absl::Duration timeout, StreamTracer t, int h)
+      : name(std::move(n)), id(i), wait_timeout(timeout), tracer(t), host(h) {}
 
   enum class State : uint8_t {
     kIdle,       // nothing queued
@@ -102,6 +103,7 @@ struct VStream {
   const uint64_t id;
   const absl::Duration wait_timeout;
   const StreamTracer tracer;
+  const int host;  // -1: none (its ops never share a host)
 
   State state = State::kIdle;
   bool dead = false;  // the Stream was destroyed
@@ -132,6 +134,8 @@ struct VStream {
 class VirtualTimeline::Impl : public std::enable_shared_from_this<VirtualTimeline::Impl> {
  public:
   explicit Impl(const VirtualTimelineOptions& options) : options_(options) {}
+  // Host sharing (options_.host_cores > 0): set once, before any stream exists.
+  void SetSharing(VirtualSharing* sharing) { sharing_ = sharing; }
 
   absl::Time Now() const { return clock_.Now(); }
   const ManualClock& clock() const { return clock_; }
@@ -229,8 +233,12 @@ class VirtualTimeline::Impl : public std::enable_shared_from_this<VirtualTimelin
   void Unblock(const std::shared_ptr<VStream>& s, absl::Status status, bool timed_out);
   bool HasUnfinishedWork() const;
 
+  // Whether `op` on `s` is a flow on its host's cores rather than a fixed duration.
+  bool SharesHost(const VStream& s, const StreamOp& op) const;
+
   const VirtualTimelineOptions options_;
-  ManualClock clock_;  // moved only by the driving thread, under mu_
+  VirtualSharing* sharing_ = nullptr;  // owned by the timeline, which outlives the engine's use
+  ManualClock clock_;                  // moved only by the driving thread, under mu_
   mutable std::mutex mu_;
   std::condition_variable driver_cv_;  // a second driver waits for the first
   bool driving_ = false;
@@ -243,6 +251,19 @@ class VirtualTimeline::Impl : public std::enable_shared_from_this<VirtualTimelin
   std::map<uint64_t, std::shared_ptr<VStream>> streams_;  // by id: creation order
   std::vector<absl::AnyInvocable<void()>> trash_;
 };
+
+bool VirtualTimeline::Impl::SharesHost(const VStream& s, const StreamOp& op) const {
+  if (sharing_ == nullptr || s.host < 0 || op.duration > absl::ZeroDuration()) return false;
+  switch (op.kind) {
+    case StreamOpKind::kCopy:
+    case StreamOpKind::kCast:
+    case StreamOpKind::kReduce:
+    case StreamOpKind::kFill:
+      return true;
+    default:
+      return false;
+  }
+}
 
 absl::Duration VirtualTimeline::Impl::OpDuration(const StreamOp& op) const {
   if (op.duration > absl::ZeroDuration()) return op.duration;
@@ -436,14 +457,28 @@ void VirtualTimeline::Impl::Pump(const std::shared_ptr<VStream>& sp, Lock& lock)
           break;
         }
         const absl::Duration duration = OpDuration(item.op);
+        const bool shared = SharesHost(s, item.op) && duration > absl::ZeroDuration();
         const uint64_t token = ++s.token;
         s.state = VStream::State::kBusy;
+        // A shared op ends through FinishAsync, as an async op does.
         s.running = VStream::Running{item.op.name, item.op.kind,     item.op.bytes, item.op.flops,
-                                     now,          absl::OkStatus(), false,         nullptr};
+                                     now,          absl::OkStatus(), shared,        nullptr};
         absl::Status result;
         lock.unlock();
         if (options_.run_ops && item.op.run != nullptr) result = std::move(item.op.run)();
         item.op = StreamOp();
+        if (shared) {
+          sharing_->Start({{VirtualSharing::Host(s.host), 1.0}}, absl::ToDoubleSeconds(duration),
+                          [impl = weak_from_this(), stream = std::weak_ptr<VStream>(sp), token,
+                           result = std::move(result)]() mutable {
+                            if (std::shared_ptr<Impl> self = impl.lock()) {
+                              const absl::Time end = self->Now();
+                              self->FinishAsync(stream, token, std::move(result), end);
+                            }
+                          });
+          lock.lock();
+          break;
+        }
         lock.lock();
         if (s.dead || s.token != token) break;
         s.running.result = std::move(result);
@@ -861,10 +896,10 @@ class VirtualEvent final : public Event {
 class VirtualStream final : public Stream {
  public:
   VirtualStream(const VirtualTimeline& timeline, std::shared_ptr<VirtualTimeline::Impl> impl,
-                std::string name, absl::Duration wait_timeout, StreamTracer tracer)
+                std::string name, absl::Duration wait_timeout, StreamTracer tracer, int host)
       : timeline_(timeline),
         impl_(std::move(impl)),
-        state_(std::make_shared<VStream>(std::move(name), id(), wait_timeout, tracer)) {
+        state_(std::make_shared<VStream>(std::move(name), id(), wait_timeout, tracer, host)) {
     impl_->AddStream(state_);
   }
   ~VirtualStream() override { impl_->DestroyStream(state_); }
@@ -967,7 +1002,12 @@ absl::Status VirtualStream::WaitEvent(Event& event) {
 VirtualTimeline::VirtualTimeline() : VirtualTimeline(VirtualTimelineOptions()) {}
 
 VirtualTimeline::VirtualTimeline(VirtualTimelineOptions options)
-    : options_(std::move(options)), impl_(std::make_shared<Impl>(options_)) {}
+    : options_(std::move(options)),
+      impl_(std::make_shared<Impl>(options_)),
+      sharing_(std::make_shared<VirtualSharing>(
+          *this, options_.host_cores > 0 ? options_.host_cores : 1.0)) {
+  if (options_.host_cores > 0) impl_->SetSharing(sharing_.get());
+}
 
 absl::StatusOr<std::unique_ptr<VirtualTimeline>> VirtualTimeline::Create(
     VirtualTimelineOptions options) {
@@ -984,6 +1024,11 @@ absl::StatusOr<std::unique_ptr<VirtualTimeline>> VirtualTimeline::Create(
       return absl::InvalidArgumentError(
           absl::StrCat("VirtualTimelineOptions.", name, " must be positive, got ", rate));
     }
+  }
+  if (!(options.host_cores >= 0) || std::isinf(options.host_cores)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("VirtualTimelineOptions.host_cores must be finite and not negative, got ",
+                     options.host_cores));
   }
   if (options.op_overhead < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -1044,8 +1089,11 @@ VirtualTimer VirtualTimeline::ScheduleAt(absl::Time at, absl::AnyInvocable<void(
 
 void VirtualTimeline::Cancel(const VirtualTimer& timer) { impl_->Cancel(timer); }
 
-absl::StatusOr<std::unique_ptr<Stream>> CreateVirtualStream(VirtualTimeline& timeline,
-                                                            StreamOptions options) {
+namespace {
+
+absl::StatusOr<std::unique_ptr<Stream>> MakeVirtualStream(
+    VirtualTimeline& timeline, const std::shared_ptr<VirtualTimeline::Impl>& impl,
+    StreamOptions options, int host) {
   if (options.clock != nullptr && options.clock != &timeline) {
     return absl::InvalidArgumentError(absl::StrCat(
         "virtual stream '", options.name, "': its clock is its timeline, but StreamOptions.clock ",
@@ -1055,7 +1103,23 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateVirtualStream(VirtualTimeline& tim
                       stream_internal::ResolveWaitTimeout(options));
   const StreamTracer tracer(options);
   return std::unique_ptr<Stream>(std::make_unique<VirtualStream>(
-      timeline, timeline.impl_, std::move(options.name), wait_timeout, tracer));
+      timeline, impl, std::move(options.name), wait_timeout, tracer, host));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Stream>> CreateVirtualStream(VirtualTimeline& timeline,
+                                                            StreamOptions options) {
+  return MakeVirtualStream(timeline, timeline.impl_, std::move(options), -1);
+}
+
+absl::StatusOr<std::unique_ptr<Stream>> CreateVirtualStream(VirtualTimeline& timeline,
+                                                            StreamOptions options, int host) {
+  if (host < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("virtual stream '", options.name, "': host must not be negative, got ", host));
+  }
+  return MakeVirtualStream(timeline, timeline.impl_, std::move(options), host);
 }
 
 }  // namespace shardline

@@ -25,7 +25,9 @@
 // top of them, an op occupies its stream for a duration:
 //   * StreamOp::duration if set, else the timeline's cost model (VirtualTimelineOptions):
 //     overhead + bytes / the kind's throughput (copy, cast, reduce, fill, collective),
-//     overhead + flops / compute throughput, overhead alone for host work;
+//     overhead + flops / compute throughput, overhead alone for host work; with host sharing
+//     (VirtualTimelineOptions::host_cores) a memory op's time is that alone, stretched while
+//     more ops and collectives than the host has cores run on it;
 //   * `run` is called at the op's virtual start (unless VirtualTimelineOptions::run_ops is
 //     false: phantom-memory simulations); a failure poisons the stream at the op's end;
 //   * a wait blocks the stream until the captured work completes, at that completion's time;
@@ -109,6 +111,19 @@ struct VirtualTimelineOptions {
   // false: ops' `run` closures are never called (the memory may be phantom); ops still take
   // their time, and sim communicators move no data.
   bool run_ops = true;
+  // Host sharing (runtime/virtual_sharing.h), for machines whose memory ops and collectives
+  // are copies by the host's cores (the UCX backend in host memory): the cores of each host,
+  // > 0 (may be fractional). Every copy, cast, reduce and fill op without a declared duration
+  // on a stream created with a host (CreateVirtualStream's `host`) is then a flow of demand 1
+  // on that host: k such ops at once on a host of c cores each progress at min(1, c / k) of
+  // their speed alone (their time alone is the cost model's). Sim collectives add their ranks'
+  // threads there too (collectives/sim/). 0: ops take their time alone (GPU-like devices, whose
+  // copies do not take the host's cores).
+  double host_cores = 0;
+  // With host_cores: a sim collective progresses only while all of its ranks' threads on a host
+  // run at once (they work in lock-step), so its share there is (cores / threads)^ranks instead
+  // of cores / threads.
+  bool host_lockstep = false;
 };
 
 // The end of an asynchronous op: call it exactly once, from within the engine (an op's start, a
@@ -139,6 +154,8 @@ struct VirtualTimer {
   absl::Time at;
   uint64_t seq = 0;
 };
+
+class VirtualSharing;  // runtime/virtual_sharing.h
 
 class VirtualTimeline final : public Clock {
  public:
@@ -196,15 +213,23 @@ class VirtualTimeline final : public Clock {
   // Drops a callback that has not run yet (nothing if it has).
   void Cancel(const VirtualTimer& timer);
 
+  // The capacity sharing of this simulation (runtime/virtual_sharing.h): hosts (with
+  // options().host_cores > 0) and the sim backend's link ports.
+  VirtualSharing& sharing() const { return *sharing_; }
+
   class Impl;  // runtime/virtual_time.cc
 
  private:
   explicit VirtualTimeline(VirtualTimelineOptions options);
   friend absl::StatusOr<std::unique_ptr<Stream>> CreateVirtualStream(VirtualTimeline& timeline,
                                                                      StreamOptions options);
+  friend absl::StatusOr<std::unique_ptr<Stream>> CreateVirtualStream(VirtualTimeline& timeline,
+                                                                     StreamOptions options,
+                                                                     int host);
 
   const VirtualTimelineOptions options_;
   std::shared_ptr<Impl> impl_;
+  std::shared_ptr<VirtualSharing> sharing_;
 };
 
 // A stream on `timeline`. InvalidArgument if options.clock is neither null nor `timeline`, or if
@@ -212,6 +237,12 @@ class VirtualTimeline final : public Clock {
 // ignored. The stream's clock() is the timeline.
 absl::StatusOr<std::unique_ptr<Stream>> CreateVirtualStream(VirtualTimeline& timeline,
                                                             StreamOptions options = {});
+// The same on host `host` (>= 0; InvalidArgument otherwise): with options().host_cores > 0 its
+// copy, cast, reduce and fill ops without a declared duration share that host's cores with every
+// other such op and collective on it (VirtualTimelineOptions::host_cores); otherwise the host
+// changes nothing.
+absl::StatusOr<std::unique_ptr<Stream>> CreateVirtualStream(VirtualTimeline& timeline,
+                                                            StreamOptions options, int host);
 
 }  // namespace shardline
 

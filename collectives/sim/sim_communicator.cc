@@ -283,24 +283,44 @@ void SimGroup::Complete(std::vector<Arrival> ranks) {
   const std::vector<int> own = representative_ >= 0
                                    ? std::vector<int>{options_.devices[representative_]}
                                    : std::vector<int>{};
+  // Host sharing: every rank copies with one thread on its node's host while the transfer runs.
+  // With host_lockstep, the threads of all the group's ranks on a host (the representative's
+  // peers included) must run at once.
+  std::map<int, std::pair<int, int>> host_threads;
+  const bool host_sharing = timeline_.options().host_cores > 0 && size_ > 1;
+  const int per_node = options_.topology->devices_per_node;
   for (const int device : representative_ >= 0 ? own : options_.devices) {
     if (size_ > 1) arbiter_->Count(device, cost->intra_bytes, cost->inter_bytes);
     if (cost->uses_intra()) ports.push_back(sim_internal::LinkArbiter::Port(device, 0));
     if (cost->uses_inter()) ports.push_back(sim_internal::LinkArbiter::Port(device, 1));
+    if (host_sharing)
+      host_threads[device / per_node] = {host_threads[device / per_node].first + 1, 1};
+  }
+  if (host_sharing && timeline_.options().host_lockstep) {
+    for (const int device : options_.devices) {
+      if (auto it = host_threads.find(device / per_node); it != host_threads.end()) {
+        it->second.second = 0;
+      }
+    }
+    for (const int device : options_.devices) {
+      if (auto it = host_threads.find(device / per_node); it != host_threads.end()) {
+        ++it->second.second;
+      }
+    }
   }
   // The latency phase shares nothing; the transfer phase shares the ports.
-  timeline_.ScheduleAt(last + absl::Seconds(cost->latency_s),
-                       [self = shared_from_this(), ranks = std::move(ranks),
-                        ports = std::move(ports), transfer = cost->transfer_s]() mutable {
-                         if (transfer <= 0) {
-                           self->Finish(std::move(ranks));
-                           return;
-                         }
-                         self->arbiter_->Start(std::move(ports), transfer,
-                                               [self, ranks = std::move(ranks)]() mutable {
-                                                 self->Finish(std::move(ranks));
-                                               });
-                       });
+  timeline_.ScheduleAt(
+      last + absl::Seconds(cost->latency_s),
+      [self = shared_from_this(), ranks = std::move(ranks), ports = std::move(ports),
+       host_threads = std::move(host_threads), transfer = cost->transfer_s]() mutable {
+        if (transfer <= 0) {
+          self->Finish(std::move(ranks));
+          return;
+        }
+        self->arbiter_->Start(
+            ports, host_threads, transfer,
+            [self, ranks = std::move(ranks)]() mutable { self->Finish(std::move(ranks)); });
+      });
 }
 
 void SimGroup::Finish(std::vector<Arrival> ranks) {

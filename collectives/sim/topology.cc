@@ -112,6 +112,15 @@ class Fields {
     if (v == nullptr) return fallback;
     return NumberOf(*v, Path(key));
   }
+  absl::StatusOr<bool> OptionalBool(absl::string_view key, bool fallback) {
+    const JsonValue* v = Find(key);
+    if (v == nullptr) return fallback;
+    if (v->kind() != JsonValue::Kind::kBool) {
+      return FieldError(t_, Path(key),
+                        absl::StrCat("must be true or false, got ", JsonKindName(v->kind())));
+    }
+    return v->boolean();
+  }
   absl::StatusOr<int> Int(absl::string_view key) {
     SL_ASSIGN_OR_RETURN(const JsonValue* v, Required(key));
     if (v->kind() != JsonValue::Kind::kInteger || v->integer() < 0 || v->integer() > (1 << 30)) {
@@ -435,6 +444,9 @@ absl::Status ValidateTopology(const Topology& t) {
     return FieldError(t, "host_link_GBps",
                       absl::StrCat("must be >= 0 and finite, got ", t.host_link_bytes_per_s / kGB));
   }
+  if (!(t.host_cores >= 0) || std::isinf(t.host_cores)) {
+    return FieldError(t, "host_cores", absl::StrCat("must be >= 0 and finite, got ", t.host_cores));
+  }
   if (!(mem.op_overhead_s >= 0) || std::isinf(mem.op_overhead_s)) {
     return FieldError(t, "memory_ops.op_overhead_us",
                       absl::StrCat("must be >= 0 and finite, got ", mem.op_overhead_s / kUs));
@@ -515,6 +527,8 @@ absl::StatusOr<Topology> ParseTopology(absl::string_view json) {
   }
   SL_ASSIGN_OR_RETURN(const double host_link, top.OptionalNumber("host_link_GBps", 0.0));
   t.host_link_bytes_per_s = host_link * kGB;
+  SL_ASSIGN_OR_RETURN(t.host_cores, top.OptionalNumber("host_cores", 0.0));
+  SL_ASSIGN_OR_RETURN(t.host_lockstep, top.OptionalBool("host_lockstep", false));
   if (const JsonValue* mem = top.Find("memory_ops"); mem != nullptr) {
     SL_ASSIGN_OR_RETURN(Fields m, Fields::Of(t, *mem, "memory_ops"));
     MemoryOpsModel& o = t.memory_ops;
@@ -577,6 +591,11 @@ std::string TopologyToJson(const Topology& t) {
                     link(t.inter_node, absl::StrCat("\"nics_per_node\": ", t.nics_per_node, ", "),
                          "nic_bandwidth_GBps"));
   }
+  if (t.host_link_bytes_per_s > 0) {
+    absl::StrAppend(&out, ",\n  \"host_link_GBps\": ", JsonNumber(t.host_link_bytes_per_s / kGB));
+  }
+  if (t.host_cores > 0) absl::StrAppend(&out, ",\n  \"host_cores\": ", JsonNumber(t.host_cores));
+  if (t.host_lockstep) absl::StrAppend(&out, ",\n  \"host_lockstep\": true");
   const MemoryOpsModel& mem = t.memory_ops;
   absl::StrAppend(&out,
                   ",\n  \"memory_ops\": {\"copy_GBps\": ", JsonNumber(mem.copy_bytes_per_s / kGB),

@@ -66,7 +66,8 @@
 //    "inter_node": {"nics_per_node": k, "nic_bandwidth_GBps": b, "latency_us": a,
 //                   "efficiency": [...]},
 //    "collectives": {"all_reduce": {"ring": {}, "tree": {"bandwidth_factor": f,
-//                                                        "latency_us": l}}, ...}}
+//                                                        "latency_us": l}}, ...},
+//    "host_link_GBps": h, "host_cores": c, "memory_ops": {...}}   (the last three optional)
 // GBps is 10^9 bytes/s, TFLOPs 10^12 FLOP/s, GiB 2^30 bytes. inter_node is required when
 // nodes > 1. Unknown members are errors (a typo must not silently fall back to a default).
 
@@ -153,6 +154,16 @@ struct Topology {
   // A device's link to host memory, bytes/s each way (JSON "host_link_GBps", optional, >= 0;
   // 0: not described): what CPU offload's copies take in a simulation.
   double host_link_bytes_per_s = 0;
+  // A host-memory machine (JSON "host_cores", optional, >= 0; 0: not one): the cores of each
+  // node's host, which run every memory op of the node's ranks and the copies of their
+  // collectives (the UCX backend copies with the CPU). A simulation on it shares them
+  // (VirtualTimelineOptions::host_cores, runtime/virtual_sharing.h): the memory ops and
+  // collective transfers running at once on a node each progress at min(1, cores / their
+  // threads) of their speed alone. GPU nodes leave it 0: their copies run on the devices.
+  double host_cores = 0;
+  // With host_cores (JSON "host_lockstep", optional, default false): a collective's ranks on a
+  // node progress only while all of them run at once (VirtualTimelineOptions::host_lockstep).
+  bool host_lockstep = false;
   // Indexed by CollectiveKind: the algorithms considered, "ring" among them.
   std::array<std::vector<AlgorithmModel>, kNumCollectiveKinds> collectives;
 

@@ -61,7 +61,10 @@ constexpr char kValidateUsage[] =
     " the median measured and the median predicted step over them.\n"
     "  --zero-fill       add the run's measured zero-fill per unit to the compute stream where\n"
     "                    the scheduler fills there (no backward prefetch)\n"
-    "  --markdown FILE   also write the table to FILE\n";
+    "  --markdown FILE   also write the table to FILE\n"
+    "  --trace FILE --trace-config NAME\n"
+    "                    the simulated timeline (Chrome trace, rank 0) of configuration NAME\n"
+    "                    of the first run\n";
 
 constexpr char kSweepUsage[] =
     "usage: shardline-tune sweep [options]\n"
@@ -552,7 +555,7 @@ double MedianOf(std::vector<double> v) {
 
 absl::Status Validate(int argc, char** argv) {
   std::string topology_name;
-  std::string markdown;
+  std::string markdown, trace_path, trace_config;
   bool zero_fill = false;
   std::vector<std::string> inputs;
   for (int i = 2; i < argc; ++i) {
@@ -570,6 +573,10 @@ absl::Status Validate(int argc, char** argv) {
       SL_ASSIGN_OR_RETURN(markdown, value("--markdown"));
     } else if (arg == "--zero-fill") {
       zero_fill = true;
+    } else if (arg == "--trace") {
+      SL_ASSIGN_OR_RETURN(trace_path, value("--trace"));
+    } else if (arg == "--trace-config") {
+      SL_ASSIGN_OR_RETURN(trace_config, value("--trace-config"));
     } else if (absl::StartsWith(arg, "-")) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", arg));
     } else {
@@ -578,7 +585,15 @@ absl::Status Validate(int argc, char** argv) {
   }
   if (topology_name.empty()) return absl::InvalidArgumentError("--topology is required");
   if (inputs.empty()) return absl::InvalidArgumentError("no overlap_bench JSON file given");
+  if (trace_path.empty() != trace_config.empty()) {
+    return absl::InvalidArgumentError("--trace and --trace-config go together");
+  }
   SL_ASSIGN_OR_RETURN(Topology topology, FindTopology(topology_name, argv[0]));
+  std::unique_ptr<TraceWriter> trace;
+  if (!trace_path.empty()) {
+    trace = std::make_unique<TraceWriter>(
+        0, absl::StrCat("shardline-tune validate: ", trace_config, " on ", topology.name));
+  }
 
   // (ratio, configuration) in first-seen order -> measured and predicted per run.
   struct Row {
@@ -596,9 +611,21 @@ absl::Status Validate(int argc, char** argv) {
     SL_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "overlap_bench JSON"));
     absl::StatusOr<OverlapBenchRun> run = ParseOverlapBenchJson(text);
     if (!run.ok()) return Annotate(run.status(), path);
+    const bool traced = trace != nullptr && &path == &inputs.front();
     absl::StatusOr<std::vector<OverlapPrediction>> predictions =
-        PredictOverlapBench(topology, *run, {.zero_fill = zero_fill});
+        PredictOverlapBench(topology, *run,
+                            {.zero_fill = zero_fill,
+                             .trace = traced ? trace.get() : nullptr,
+                             .trace_config = trace_config});
     if (!predictions.ok()) return Annotate(predictions.status(), path);
+    if (traced) {
+      if (std::none_of(run->configs.begin(), run->configs.end(),
+                       [&](const OverlapBenchConfig& c) { return c.name == trace_config; })) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--trace-config ", trace_config, ": no such configuration in ", path));
+      }
+      SL_RETURN_IF_ERROR(trace->WriteFile(trace_path));
+    }
     loads.push_back(absl::StrCat(run->load_before, " -> ", run->load_after));
     units = run->units;
     ranks = run->ranks;
@@ -622,10 +649,12 @@ absl::Status Validate(int argc, char** argv) {
     }
   }
   std::string out = absl::StrFormat(
-      "# topology %s: latency %.2f us, bus bandwidth %.2f GB/s, %zu curve points; %zu runs, %d "
-      "ranks, %d units; zero-fills %s\n",
+      "# topology %s: latency %.2f us, bus bandwidth %.2f GB/s, %zu curve points, host cores "
+      "%s; %zu runs, %d ranks, %d units; zero-fills %s\n",
       topology.name, topology.intra_node.latency_s * 1e6,
       topology.intra_node.bandwidth_bytes_per_s / 1e9, topology.intra_node.efficiency.size(),
+      topology.host_cores > 0 ? absl::StrFormat("%.2f", topology.host_cores)
+                              : std::string("none (not shared)"),
       inputs.size(), ranks, units, zero_fill ? "modelled" : "not modelled");
   absl::StrAppend(&out, "# load average per run (before -> after): ", absl::StrJoin(loads, "; "),
                   "\n\n");

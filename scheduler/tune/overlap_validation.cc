@@ -200,6 +200,7 @@ absl::StatusOr<std::vector<OverlapPrediction>> PredictOverlapBench(
     config.root_unit = run.root_unit;
     // The benchmark's host only enqueues (its compute is a stream): it runs the step ahead.
     config.host_lead = HostLead::kWholeStep;
+    if (options.trace != nullptr && c.name == options.trace_config) config.trace = options.trace;
     SL_ASSIGN_OR_RETURN(SimulationReport r, Simulate(model, config, *cluster));
     if (!r.step_time.has_value()) {
       return absl::InternalError(absl::StrCat("overlap model '", c.name, "': no step time"));

@@ -83,6 +83,10 @@ struct OverlapModelOptions {
   // where the scheduler fills on the compute stream) or to nothing (with it, the fill runs on
   // the grad stream under the gather). Off: fills take no time.
   bool zero_fill = false;
+  // Optional: the simulated timeline (rank 0's streams, both simulated steps) of the
+  // configuration named trace_config goes to this writer (runtime/trace.h).
+  TraceWriter* trace = nullptr;
+  std::string trace_config;
 };
 
 struct OverlapPrediction {

@@ -17,6 +17,7 @@
 #include "runtime/config.h"
 #include "runtime/phantom_allocator.h"
 #include "runtime/status.h"
+#include "runtime/virtual_sharing.h"
 
 namespace shardline {
 namespace {
@@ -81,9 +82,13 @@ class Backend {
       int size, int shard_size) = 0;
   virtual std::unique_ptr<Allocator> DeviceMemory(int rank) = 0;
   virtual std::unique_ptr<Allocator> HostMemory(int rank) = 0;
-  virtual absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) = 0;
-  // SchedulerOptions::stream_factory (null: the scheduler's default).
-  virtual std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory() = 0;
+  virtual absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(int rank,
+                                                                StreamOptions options) = 0;
+  // SchedulerOptions::stream_factory of rank `rank` (null: the scheduler's default).
+  virtual std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory(
+      int rank) = 0;
+  // Representative mode (virtual time): one rank stands for the `world_size` ranks.
+  virtual void UseRepresentative(int /*world_size*/) {}
   virtual absl::Status Compute(Stream& stream, std::string name, uint64_t flops) = 0;
   // Runs everything enqueued so far to completion.
   virtual absl::Status Drain(std::vector<Rank>& ranks) = 0;
@@ -116,12 +121,21 @@ class VirtualBackend final : public Backend {
   std::unique_ptr<Allocator> HostMemory(int rank) override {
     return CreatePhantomAllocator(Device::Host(), absl::StrCat("rank", rank, ".host"));
   }
-  absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) override {
-    return CreateVirtualStream(*timeline_, std::move(options));
+  absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(int rank, StreamOptions options) override {
+    return Create(*timeline_, cluster_.HostOf(rank), std::move(options));
   }
-  std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory() override {
+  std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory(int rank) override {
     VirtualTimeline* tl = timeline_.get();
-    return [tl](StreamOptions so) { return CreateVirtualStream(*tl, std::move(so)); };
+    return [tl, host = cluster_.HostOf(rank)](StreamOptions so) {
+      return Create(*tl, host, std::move(so));
+    };
+  }
+  void UseRepresentative(int world_size) override {
+    const int host = cluster_.HostOf(0);
+    if (host < 0 || !(timeline_->options().host_cores > 0)) return;
+    timeline_->sharing().SetCapacity(
+        VirtualSharing::Host(host),
+        timeline_->options().host_cores / cluster_.RanksOnHost(world_size));
   }
   absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
     return stream.Submit({.name = std::move(name),
@@ -134,6 +148,12 @@ class VirtualBackend final : public Backend {
   absl::Time Deadline() override { return absl::InfiniteFuture(); }
 
  private:
+  static absl::StatusOr<std::unique_ptr<Stream>> Create(VirtualTimeline& timeline, int host,
+                                                        StreamOptions options) {
+    if (host < 0) return CreateVirtualStream(timeline, std::move(options));
+    return CreateVirtualStream(timeline, std::move(options), host);
+  }
+
   const SimCluster& cluster_;
   std::unique_ptr<VirtualTimeline> timeline_;
 };
@@ -153,10 +173,10 @@ class HostBackend final : public Backend {
   std::unique_ptr<Allocator> HostMemory(int rank) override {
     return CreateHostAllocator(64, absl::StrCat("rank", rank, ".offload"));
   }
-  absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(StreamOptions options) override {
+  absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(int, StreamOptions options) override {
     return CreateHostStream(std::move(options));
   }
-  std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory() override {
+  std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory(int) override {
     return nullptr;
   }
   absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
@@ -332,6 +352,7 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
   std::vector<std::shared_ptr<Communicator>> world;
   if (representative) {
     SL_ASSIGN_OR_RETURN(world, backend.Representative(c.world_size, MeshShardSize(c)));
+    backend.UseRepresentative(c.world_size);
   } else {
     SL_ASSIGN_OR_RETURN(world, backend.World(c.world_size));
   }
@@ -362,7 +383,7 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     SL_ASSIGN_OR_RETURN(
         r.compute,
         backend.ComputeStream(
-            {.name = absl::StrCat("rank", i, ".compute"), .trace = trace, .track = "compute"}));
+            i, {.name = absl::StrCat("rank", i, ".compute"), .trace = trace, .track = "compute"}));
     r.counter = std::make_shared<CollectiveCounter>();
     r.activations_held.resize(model.forward.size());
     SchedulerOptions& o = options[i];
@@ -375,7 +396,7 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
     o.budget_bytes = c.budget_bytes;
     o.budget_units = c.budget_units;
     o.root_unit = c.root_unit;
-    o.stream_factory = backend.Factory();
+    o.stream_factory = backend.Factory(i);
     o.gather_pool = r.gather_pool.get();
     o.reduce_pool = r.reduce_pool.get();
     o.shard_allocator = r.shards.get();
@@ -624,7 +645,15 @@ class TopologyCluster final : public SimCluster {
     o.reduce_bytes_per_s = m.reduce_bytes_per_s;
     o.fill_bytes_per_s = m.fill_bytes_per_s;
     o.op_overhead = absl::Seconds(m.op_overhead_s);
+    o.host_cores = topology_->host_cores;
+    o.host_lockstep = topology_->host_lockstep;
     return o;
+  }
+  int HostOf(int rank) const override {
+    return topology_->host_cores > 0 ? rank / topology_->devices_per_node : -1;
+  }
+  int RanksOnHost(int world_size) const override {
+    return std::max(1, std::min(world_size, topology_->devices_per_node));
   }
 
  private:

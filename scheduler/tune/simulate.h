@@ -116,6 +116,13 @@ class SimCluster {
   // streams: the timeline's cost model (run_ops is set false by Simulate). The flat cluster keeps
   // the timeline's defaults; a topology cluster takes its memory_ops (topology.h).
   virtual VirtualTimelineOptions TimelineOptions() const { return {}; }
+  // Host sharing (a topology's host_cores, VirtualTimelineOptions::host_cores): the host whose
+  // cores rank `rank`'s memory ops take, and how many ranks of a world of `world_size` share it;
+  // host -1: no host sharing (the flat cluster, GPU topologies). In representative mode the one
+  // simulated rank gets host_cores / ranks of its host (its peers there, which do the same at the
+  // same time, take the rest).
+  virtual int HostOf(int /*rank*/) const { return -1; }
+  virtual int RanksOnHost(int /*world_size*/) const { return 1; }
 };
 
 // Every group, of whatever size and placement, costs what SimOptions' ring model says

@@ -114,6 +114,12 @@ TEST(TopologyTest, ValidationErrorsNameTheField) {
       {R"("nodes": 4)", R"("nodes": 4, "collectives": {"allreduce": {"ring": {}}})",
        "field 'collectives.allreduce' is not a topology field"},
       {R"("nodes": 4,)", R"("nodes": 4,,)", "topology: JSON line 4 column 14"},
+      {R"("nodes": 4,)", R"("nodes": 4, "host_cores": -2,)",
+       "field 'host_cores' must be >= 0 and finite, got -2"},
+      {R"("nodes": 4,)", R"("nodes": 4, "host_cores": "2",)",
+       "field 'host_cores' must be a number, got string"},
+      {R"("nodes": 4,)", R"("nodes": 4, "host_lockstep": 1,)",
+       "field 'host_lockstep' must be true or false, got integer"},
   };
   for (const Case& c : cases) {
     const std::string json = absl::StrReplaceAll(kBase, {{c.from, c.to}});
@@ -150,6 +156,9 @@ TEST(TopologyTest, JsonRoundTrip) {
       {.algorithm = CollectiveAlgorithm::kTree, .bandwidth_factor = 0.85, .latency_s = 3e-6},
       {.algorithm = CollectiveAlgorithm::kRing}};
   t.device_memory_bytes = 85520809984;  // 79.65 GiB
+  t.host_link_bytes_per_s = 12.5e9;
+  t.host_cores = 1.5;
+  t.host_lockstep = true;
   const std::string json = TopologyToJson(t);
   absl::StatusOr<Topology> back = ParseTopology(json);
   ASSERT_TRUE(back.ok()) << back.status() << "\n" << json;
@@ -168,6 +177,11 @@ TEST(TopologyTest, JsonRoundTrip) {
   EXPECT_EQ(back->collectives[2][0].bandwidth_factor, 0.85);
   EXPECT_TRUE(near(back->collectives[2][0].latency_s, 3e-6));
   EXPECT_EQ(back->collectives[0], t.collectives[0]);
+  EXPECT_TRUE(near(back->host_link_bytes_per_s, t.host_link_bytes_per_s));
+  EXPECT_EQ(back->host_cores, 1.5);
+  EXPECT_TRUE(back->host_lockstep);
+  EXPECT_EQ(Base().host_cores, 0);  // absent: not a host-memory machine
+  EXPECT_FALSE(Base().host_lockstep);
   // And once more: the text is a fixed point.
   EXPECT_EQ(TopologyToJson(*back), json);
 }

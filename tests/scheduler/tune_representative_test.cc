@@ -1,13 +1,15 @@
 // The representative-rank shortcut of the simulation driver (scheduler/tune/simulate.h,
 // RankMode): one rank standing for a symmetric world gives the same figures as simulating every
 // rank. Checked at 64 ranks on a flat cluster and on a topology of 8 nodes x 8 devices (two link
-// levels, size-efficiency curves, contention), across strategies (full, shard-grad-op, no shard,
-// hybrid with shard groups inside a node, across two nodes and several per node), prefetch
-// depths, budgets, checkpointing and host lead: step time, exposed communication, communication
-// time, rank 0's collectives and ring bytes, the bytes per link level, every memory figure and
-// rank 0's issue log must be equal (exactly: the representative's collectives complete at the
-// same virtual times as the full run's, whose ranks all arrive together). Where the placement is
-// not symmetric, kRepresentative is refused and kAuto runs every rank.
+// levels, size-efficiency curves, contention; and as a host-memory machine whose nodes' 3 cores
+// are shared by the memory ops and collective copies of their 8 ranks, with and without
+// lock-step collectives), across strategies (full,
+// shard-grad-op, no shard, hybrid with shard groups inside a node, across two nodes and several per
+// node), prefetch depths, budgets, checkpointing and host lead: step time, exposed communication,
+// communication time, rank 0's collectives and ring bytes, the bytes per link level, every memory
+// figure and rank 0's issue log must be equal (exactly: the representative's collectives complete
+// at the same virtual times as the full run's, whose ranks all arrive together). Where the
+// placement is not symmetric, kRepresentative is refused and kAuto runs every rank.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -22,7 +24,9 @@ namespace shardline {
 namespace {
 
 // 8 nodes of 8 devices, distinct intra/inter figures and curves (so placement matters).
-std::shared_ptr<const Topology> TestTopology() {
+// host_cores > 0: a host-memory machine whose memory ops and collective copies share each node's
+// cores (fewer than its ranks, so that they contend).
+std::shared_ptr<const Topology> TestTopology(double host_cores = 0, bool lockstep = false) {
   Topology t;
   t.name = "test-8x8";
   t.nodes = 8;
@@ -39,6 +43,17 @@ std::shared_ptr<const Topology> TestTopology() {
       .latency_s = 7e-6,
       .efficiency = {{.bytes = 8192, .efficiency = 0.1}, {.bytes = 4 << 20, .efficiency = 0.85}}};
   t.collectives = DefaultCollectiveAlgorithms();
+  t.host_cores = host_cores;
+  t.host_lockstep = lockstep;
+  if (host_cores > 0) {
+    t.name = "test-8x8-host";
+    // Memory ops slow enough to matter beside the collectives.
+    t.memory_ops = {.copy_bytes_per_s = 20e9,
+                    .cast_bytes_per_s = 10e9,
+                    .reduce_bytes_per_s = 15e9,
+                    .fill_bytes_per_s = 30e9,
+                    .op_overhead_s = 4e-6};
+  }
   return std::make_shared<const Topology>(std::move(t));
 }
 
@@ -53,6 +68,13 @@ std::vector<std::unique_ptr<SimCluster>> Clusters() {
   absl::StatusOr<std::unique_ptr<SimCluster>> topo = CreateTopologyCluster(TestTopology());
   EXPECT_TRUE(topo.ok()) << topo.status();
   out.push_back(*std::move(topo));
+  absl::StatusOr<std::unique_ptr<SimCluster>> host = CreateTopologyCluster(TestTopology(3));
+  EXPECT_TRUE(host.ok()) << host.status();
+  out.push_back(*std::move(host));
+  absl::StatusOr<std::unique_ptr<SimCluster>> lockstep =
+      CreateTopologyCluster(TestTopology(3, true));
+  EXPECT_TRUE(lockstep.ok()) << lockstep.status();
+  out.push_back(*std::move(lockstep));
   return out;
 }
 
@@ -172,6 +194,35 @@ TEST(TuneRepresentativeTest, OneRankGivesTheFiguresOfEveryRankAt64) {
       EXPECT_GT(*rep->step_time, rep->compute_time) << what;
     }
   }
+}
+
+// Host sharing changes the step where cores are scarce, and nothing where they are plentiful
+// (every rank's memory ops and collective copies then run at their speed alone).
+TEST(TuneRepresentativeTest, HostCoresSlowTheStepOnlyWhenScarce) {
+  const ModelDescription m = TestModel();
+  SimulationConfig config{.world_size = 64, .forward_prefetch = 2, .backward_prefetch_depth = 2};
+  config.ranks = RankMode::kAll;
+  auto step = [&](double cores) {
+    absl::StatusOr<std::unique_ptr<SimCluster>> c = CreateTopologyCluster(TestTopology(cores));
+    EXPECT_TRUE(c.ok()) << c.status();
+    absl::StatusOr<SimulationReport> r = Simulate(m, config, **c);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return absl::ToDoubleSeconds(r.ok() ? *r->step_time : absl::ZeroDuration());
+  };
+  Topology unshared = *TestTopology(3);
+  unshared.host_cores = 0;
+  absl::StatusOr<std::unique_ptr<SimCluster>> c0 =
+      CreateTopologyCluster(std::make_shared<const Topology>(unshared));
+  ASSERT_TRUE(c0.ok());
+  absl::StatusOr<SimulationReport> r0 = Simulate(m, config, **c0);
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  const double alone = absl::ToDoubleSeconds(*r0->step_time);
+  // Plenty of cores: the same step (up to the clock's rounding of re-rated flows).
+  EXPECT_NEAR(step(1000), alone, 1e-8);
+  // 3 cores for 8 ranks: slower; 1 core: slower still.
+  const double three = step(3), one = step(1);
+  EXPECT_GT(three, alone * 1.01);
+  EXPECT_GT(one, three * 1.01);
 }
 
 TEST(TuneRepresentativeTest, TopologyClusterCountsBothLinkLevels) {

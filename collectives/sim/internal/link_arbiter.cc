@@ -1,5 +1,5 @@
 // Fair-share bandwidth between overlapping sim collectives
-// (collectives/sim/internal/link_arbiter.h).
+// (collectives/sim/internal/link_arbiter.h), on the timeline's capacity sharing.
 
 #include "collectives/sim/internal/link_arbiter.h"
 
@@ -10,59 +10,17 @@
 
 namespace shardline::sim_internal {
 
-void LinkArbiter::Advance(absl::Time now) {
-  const double elapsed = absl::ToDoubleSeconds(now - last_);
-  if (elapsed > 0) {
-    for (auto& [id, flow] : flows_) flow.remaining_s -= elapsed * flow.rate;
-  }
-  last_ = std::max(last_, now);
-}
-
-void LinkArbiter::Rebalance(absl::Time now) {
-  for (auto& [id, flow] : flows_) {
-    int most = 1;
-    for (const int64_t port : flow.ports) most = std::max(most, users_[port]);
-    const double rate = 1.0 / most;
-    if (rate == flow.rate) continue;
-    flow.rate = rate;
-    if (flow.timer.has_value()) timeline_.Cancel(*flow.timer);
-    const double left = std::max(0.0, flow.remaining_s) / rate;
-    flow.timer = timeline_.ScheduleAt(now + absl::Seconds(left),
-                                      [self = shared_from_this(), id = id] { self->End(id); });
-  }
-}
-
-void LinkArbiter::Start(std::vector<int64_t> ports, double seconds,
+void LinkArbiter::Start(const std::vector<int64_t>& ports,
+                        const std::map<int, std::pair<int, int>>& host_threads, double seconds,
                         absl::AnyInvocable<void() &&> done) {
-  SL_CHECK(seconds > 0);
-  std::lock_guard<std::mutex> lock(mu_);
-  const absl::Time now = timeline_.Now();
-  Advance(now);
-  for (const int64_t port : ports) ++users_[port];
-  Flow flow;
-  flow.ports = std::move(ports);
-  flow.remaining_s = seconds;
-  flow.done = std::move(done);
-  flows_.emplace(next_id_++, std::move(flow));
-  Rebalance(now);
-}
-
-void LinkArbiter::End(uint64_t id) {
-  absl::AnyInvocable<void() &&> done;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = flows_.find(id);
-    SL_CHECK(it != flows_.end());
-    const absl::Time now = timeline_.Now();
-    Advance(now);
-    for (const int64_t port : it->second.ports) {
-      if (--users_[port] == 0) users_.erase(port);
-    }
-    done = std::move(it->second.done);
-    flows_.erase(it);
-    Rebalance(now);
+  std::vector<VirtualDemand> demands;
+  demands.reserve(ports.size() + host_threads.size());
+  for (const int64_t port : ports) demands.push_back({{space_, port}, 1.0});
+  for (const auto& [host, threads] : host_threads) {
+    demands.push_back({VirtualSharing::Host(host), static_cast<double>(threads.first),
+                       static_cast<double>(threads.second)});
   }
-  std::move(done)();
+  sharing_.Start(std::move(demands), seconds, std::move(done));
 }
 
 void LinkArbiter::Count(int device, double intra_bytes, double inter_bytes) {
@@ -77,11 +35,6 @@ void LinkArbiter::Count(int device, double intra_bytes, double inter_bytes) {
 std::vector<SimLinkTraffic> LinkArbiter::Traffic() const {
   std::lock_guard<std::mutex> lock(mu_);
   return traffic_;
-}
-
-int LinkArbiter::active() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int>(flows_.size());
 }
 
 }  // namespace shardline::sim_internal
