@@ -62,7 +62,7 @@ def main():
         s = {"round": r, "bytes": size, "dd_bytes": count * block, "dd_write_s": dd_write,
              "dd_read_s": dd_read, **{k: ck[k] for k in ("save_s", "load_s", "memcpy_s")},
              "loadavg": os.getloadavg()[0]}
-        for k in ("blocked_s", "blocked_first_s", "background_s", "memcpy_fresh_s"):
+        for k in ("blocked_s", "blocked_first_s", "snapshot_s", "background_s", "memcpy_fresh_s"):
             s[k] = ck[k]
         samples.append(s)
         print(f"round {r}: save {size / ck['save_s'] / 1e6:.0f} MB/s, dd write "
@@ -95,6 +95,8 @@ def main():
              "memcpy_fresh_s", "memcpy into fresh memory")):
         print(f"| {label} | {med(lambda s: s[key]) * 1e3:.0f} ms | {ref_label} "
               f"{med(lambda s: s[ref]) * 1e3:.0f} ms | {med(lambda s: s[key] / s[ref]):.2f} |")
+    print(f"| of which the copy into the reused snapshot buffer | "
+          f"{med(lambda s: s['snapshot_s']) * 1e3:.0f} ms | | |")
     print(f"| background write of a save (not blocking) | "
           f"{med(lambda s: s['background_s']) * 1e3:.0f} ms | | |")
     if a.json:
