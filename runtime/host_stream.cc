@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -210,24 +211,43 @@ absl::StatusOr<absl::Duration> ResolveWaitTimeout(const StreamOptions& options) 
   return *timeout;
 }
 
+namespace {
+// `stream` as a HostCaptureRecorder, or null if it is not one (defined below the streams).
+HostCaptureRecorder* AsRecorder(Stream& stream);
+}  // namespace
+
 absl::Status HostEvent::Record(Stream& stream) {
-  auto* recorder = dynamic_cast<HostCaptureRecorder*>(&stream);
+  HostCaptureRecorder* recorder = AsRecorder(stream);
   if (recorder == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("a host event cannot be recorded on stream '",
                                                    stream.name(), "' (", stream.device().ToString(),
                                                    "); create the event with its CreateEvent()"));
   }
-  auto capture = std::make_shared<HostCapture>(stream);
+  std::shared_ptr<HostCapture> capture;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    current_ = capture;
+    bool embedded = false;
+    if (!embedded_.has_value()) {
+      if (std::shared_ptr<HostEvent> self = weak_from_this().lock()) {
+        embedded_.emplace(stream);
+        capture = std::shared_ptr<HostCapture>(std::move(self), &*embedded_);
+        embedded = true;
+      }
+    }
+    if (!embedded) capture = std::make_shared<HostCapture>(stream);
+    current_embedded_ = embedded;
+    current_ = embedded ? nullptr : capture;
   }
   return recorder->RecordHostCapture(std::move(capture));
 }
 
 std::shared_ptr<HostCapture> HostEvent::current() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return current_;
+  if (!current_embedded_) return current_;
+  // The event is alive (this is one of its methods), so some shared_ptr owns it.
+  std::shared_ptr<const HostEvent> self = weak_from_this().lock();
+  if (self == nullptr) return nullptr;  // unreachable but for a call from the destructor
+  return std::shared_ptr<HostCapture>(std::move(self), const_cast<HostCapture*>(&*embedded_));
 }
 
 absl::StatusOr<bool> HostEvent::Query() {
@@ -276,7 +296,8 @@ struct WaitTarget {
 
 absl::StatusOr<WaitTarget> SnapshotWaitTarget(Event& event, const Stream& waiter) {
   WaitTarget target;
-  if (auto* host = dynamic_cast<HostEvent*>(&event)) {
+  // HostEvent is final: comparing the type is exact, and cheaper than a dynamic_cast.
+  if (auto* host = typeid(event) == typeid(HostEvent) ? static_cast<HostEvent*>(&event) : nullptr) {
     target.capture = host->current();
     if (target.capture != nullptr) target.source = target.capture->stream_name();
   } else if (auto* waitable = dynamic_cast<HostWaitable*>(&event)) {
@@ -324,6 +345,39 @@ absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl:
   return tracer.RunWait(target.source, clock,
                         [&] { return RunWait(target, timeout, clock, stream_name); });
 }
+
+// A FIFO that keeps its storage. std::deque frees and allocates a node every few items (an
+// Item is a few hundred bytes), which made the queue a malloc per submission or two.
+template <typename T>
+class Ring {
+ public:
+  bool empty() const { return size_ == 0; }
+  T& front() { return slots_[head_]; }
+  void push_back(T item) {
+    if (size_ == slots_.size()) Grow();
+    slots_[(head_ + size_) & (slots_.size() - 1)] = std::move(item);
+    ++size_;
+  }
+  // The slot keeps the moved-from (empty) item.
+  void pop_front() {
+    head_ = (head_ + 1) & (slots_.size() - 1);
+    --size_;
+  }
+
+ private:
+  void Grow() {
+    std::vector<T> bigger(slots_.empty() ? 16 : 2 * slots_.size());  // a power of two
+    for (size_t i = 0; i < size_; ++i) {
+      bigger[i] = std::move(slots_[(head_ + i) & (slots_.size() - 1)]);
+    }
+    slots_ = std::move(bigger);
+    head_ = 0;
+  }
+
+  std::vector<T> slots_;
+  size_t head_ = 0;
+  size_t size_ = 0;
+};
 
 // One worker thread, one FIFO. Ops, event markers and waits share the queue so that they keep
 // their relative order.
@@ -540,7 +594,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the worker waits for items
   std::condition_variable done_cv_;  // Synchronize waits for finished_
-  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  Ring<Item> queue_ ABSL_GUARDED_BY(mu_);
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
@@ -661,6 +715,15 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
   std::deque<std::pair<uint64_t, std::shared_ptr<HostCapture>>> pending_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
+
+HostCaptureRecorder* AsRecorder(Stream& stream) {
+  // The streams of this file first, by their (final) type: a cross-cast dynamic_cast walks the
+  // class hierarchy on every record.
+  const std::type_info& type = typeid(stream);
+  if (type == typeid(HostStream)) return static_cast<HostStream*>(&stream);
+  if (type == typeid(CallerStream)) return static_cast<CallerStream*>(&stream);
+  return dynamic_cast<HostCaptureRecorder*>(&stream);
+}
 
 }  // namespace
 }  // namespace stream_internal
