@@ -461,6 +461,17 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::shared_ptr<Event> CreateEvent() override { return CreateHostEvent(); }
 
   absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (status_.ok() && queue_.empty() && finished_ == enqueued_) {
+        // Push's shortcut, without building an Item: everything enqueued before has run.
+        ++enqueued_;
+        ++finished_;
+        lock.unlock();
+        capture->Complete(absl::OkStatus());
+        return absl::OkStatus();
+      }
+    }
     Item item;
     item.kind = Item::kRecord;
     item.wait.capture = std::move(capture);
@@ -762,7 +773,88 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateStream(Device device, StreamOption
 #endif
 }
 
-std::shared_ptr<Event> CreateHostEvent() { return std::make_shared<stream_internal::HostEvent>(); }
+namespace {
+
+// AddressSanitizer sees every event's lifetime only if the blocks go back to malloc.
+// (ThreadSanitizer keeps the recycling: the list's mutex orders a block's users.)
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRecycleEvents = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kRecycleEvents = false;
+#else
+constexpr bool kRecycleEvents = true;
+#endif
+#else
+constexpr bool kRecycleEvents = true;
+#endif
+
+// Free blocks of one size, shared by all threads.
+class BlockList {
+ public:
+  static constexpr size_t kMaxBlocks = 1024;
+  BlockList() { blocks_.reserve(kMaxBlocks); }
+  void* Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (blocks_.empty()) return nullptr;
+    void* block = blocks_.back();
+    blocks_.pop_back();
+    return block;
+  }
+  // false: the list is full; the caller frees the block.
+  bool Give(void* block) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (blocks_.size() >= kMaxBlocks) return false;
+    blocks_.push_back(block);
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<void*> blocks_ ABSL_GUARDED_BY(mu_);
+};
+
+// The allocator of host events (with their shared_ptr control block): blocks are recycled
+// through a free list instead of going back to malloc. Every record makes an event; the
+// scheduler's thread allocates them and the streams' workers often release them, which sends
+// glibc's per-thread caches to the slow path on both sides.
+template <typename T>
+class RecyclingAllocator {
+ public:
+  using value_type = T;
+  RecyclingAllocator() = default;
+  template <typename U>
+  RecyclingAllocator(const RecyclingAllocator<U>&) noexcept {}  // NOLINT: rebinding
+  T* allocate(size_t n) {
+    if (kRecycleEvents && n == 1) {
+      if (void* block = List().Take()) return static_cast<T*>(block);
+    }
+    return std::allocator<T>().allocate(n);
+  }
+  void deallocate(T* p, size_t n) noexcept {
+    if (kRecycleEvents && n == 1 && List().Give(p)) return;
+    std::allocator<T>().deallocate(p, n);
+  }
+  template <typename U>
+  bool operator==(const RecyclingAllocator<U>&) const noexcept {
+    return true;
+  }
+
+ private:
+  // One list per block type; never destroyed (events may be released during static
+  // destruction).
+  static BlockList& List() {
+    static BlockList* const list = new BlockList;
+    return *list;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Event> CreateHostEvent() {
+  return std::allocate_shared<stream_internal::HostEvent>(
+      RecyclingAllocator<stream_internal::HostEvent>());
+}
 
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream) {
   std::shared_ptr<Event> event = stream.CreateEvent();
