@@ -961,11 +961,11 @@ absl::Status Scheduler::FinishBackward() {
   }
   phase_ = Phase::kIdle;
   ++step_;
-  const absl::Time now = absl::Now();
-  finished_->metrics.host_hook_time = hook_time_ + (now - timer.start());
+  const absl::Duration elapsed = timer.elapsed();
+  finished_->metrics.host_hook_time = hook_time_ + elapsed;
   finished_->metrics.hook_calls = hook_calls_ + 1;
   // This call belongs to the finished step: the timer's addition when it returns is offset.
-  hook_time_ = timer.start() - now;
+  hook_time_ = -elapsed;
   hook_calls_ = -1;
   return absl::OkStatus();
 }
