@@ -44,6 +44,11 @@ CollectiveFingerprint FlightRecord::fingerprint() const {
   return CollectiveFingerprint{kind, seq, count, dtype, op, root};
 }
 
+namespace {
+// The slots reserved at the first record (the default capacity is 2048).
+constexpr size_t kReserveSlots = 4096;
+}  // namespace
+
 FlightRecorder::FlightRecorder(size_t capacity) : capacity_(capacity) {}
 
 uint64_t FlightRecorder::recorded() const {
@@ -68,7 +73,13 @@ void FlightRecorder::Enqueued(const CollectiveFingerprint& fp, absl::string_view
   std::lock_guard<std::mutex> lock(mu_);
   if (recorded_ == 0) first_seq_ = fp.seq;
   const uint64_t index = recorded_++;
-  if (slots_.size() < capacity_ && index >= slots_.size()) slots_.emplace_back();
+  if (slots_.size() < capacity_ && index >= slots_.size()) {
+    // Room for the whole ring (the default's, at least) at the first record: growing by
+    // doubling moved every record and returned the old block to the system each time, in the
+    // middle of a hook. Untouched pages cost nothing.
+    if (slots_.empty()) slots_.reserve(std::min<size_t>(capacity_, kReserveSlots));
+    slots_.emplace_back();
+  }
   FlightRecord& r = slots_[index % capacity_];
   r.kind = fp.kind;
   r.seq = fp.seq;

@@ -113,7 +113,7 @@ class FlightRecorder {
 
   const size_t capacity_;
   mutable std::mutex mu_;
-  std::vector<FlightRecord> slots_;  // grows to capacity_, then wraps
+  std::vector<FlightRecord> slots_;  // reserved at the first record, grows to capacity_, wraps
   uint64_t recorded_ = 0;
   uint64_t first_seq_ = 0;  // the sequence number of the first record ever
 };

@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -210,24 +211,43 @@ absl::StatusOr<absl::Duration> ResolveWaitTimeout(const StreamOptions& options) 
   return *timeout;
 }
 
+namespace {
+// `stream` as a HostCaptureRecorder, or null if it is not one (defined below the streams).
+HostCaptureRecorder* AsRecorder(Stream& stream);
+}  // namespace
+
 absl::Status HostEvent::Record(Stream& stream) {
-  auto* recorder = dynamic_cast<HostCaptureRecorder*>(&stream);
+  HostCaptureRecorder* recorder = AsRecorder(stream);
   if (recorder == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("a host event cannot be recorded on stream '",
                                                    stream.name(), "' (", stream.device().ToString(),
                                                    "); create the event with its CreateEvent()"));
   }
-  auto capture = std::make_shared<HostCapture>(stream);
+  std::shared_ptr<HostCapture> capture;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    current_ = capture;
+    bool embedded = false;
+    if (!embedded_.has_value()) {
+      if (std::shared_ptr<HostEvent> self = weak_from_this().lock()) {
+        embedded_.emplace(stream);
+        capture = std::shared_ptr<HostCapture>(std::move(self), &*embedded_);
+        embedded = true;
+      }
+    }
+    if (!embedded) capture = std::make_shared<HostCapture>(stream);
+    current_embedded_ = embedded;
+    current_ = embedded ? nullptr : capture;
   }
   return recorder->RecordHostCapture(std::move(capture));
 }
 
 std::shared_ptr<HostCapture> HostEvent::current() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return current_;
+  if (!current_embedded_) return current_;
+  // The event is alive (this is one of its methods), so some shared_ptr owns it.
+  std::shared_ptr<const HostEvent> self = weak_from_this().lock();
+  if (self == nullptr) return nullptr;  // unreachable but for a call from the destructor
+  return std::shared_ptr<HostCapture>(std::move(self), const_cast<HostCapture*>(&*embedded_));
 }
 
 absl::StatusOr<bool> HostEvent::Query() {
@@ -276,7 +296,8 @@ struct WaitTarget {
 
 absl::StatusOr<WaitTarget> SnapshotWaitTarget(Event& event, const Stream& waiter) {
   WaitTarget target;
-  if (auto* host = dynamic_cast<HostEvent*>(&event)) {
+  // HostEvent is final: comparing the type is exact, and cheaper than a dynamic_cast.
+  if (auto* host = typeid(event) == typeid(HostEvent) ? static_cast<HostEvent*>(&event) : nullptr) {
     target.capture = host->current();
     if (target.capture != nullptr) target.source = target.capture->stream_name();
   } else if (auto* waitable = dynamic_cast<HostWaitable*>(&event)) {
@@ -324,6 +345,39 @@ absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl:
   return tracer.RunWait(target.source, clock,
                         [&] { return RunWait(target, timeout, clock, stream_name); });
 }
+
+// A FIFO that keeps its storage. std::deque frees and allocates a node every few items (an
+// Item is a few hundred bytes), which made the queue a malloc per submission or two.
+template <typename T>
+class Ring {
+ public:
+  bool empty() const { return size_ == 0; }
+  T& front() { return slots_[head_]; }
+  void push_back(T item) {
+    if (size_ == slots_.size()) Grow();
+    slots_[(head_ + size_) & (slots_.size() - 1)] = std::move(item);
+    ++size_;
+  }
+  // The slot keeps the moved-from (empty) item.
+  void pop_front() {
+    head_ = (head_ + 1) & (slots_.size() - 1);
+    --size_;
+  }
+
+ private:
+  void Grow() {
+    std::vector<T> bigger(slots_.empty() ? 16 : 2 * slots_.size());  // a power of two
+    for (size_t i = 0; i < size_; ++i) {
+      bigger[i] = std::move(slots_[(head_ + i) & (slots_.size() - 1)]);
+    }
+    slots_ = std::move(bigger);
+    head_ = 0;
+  }
+
+  std::vector<T> slots_;
+  size_t head_ = 0;
+  size_t size_ = 0;
+};
 
 // One worker thread, one FIFO. Ops, event markers and waits share the queue so that they keep
 // their relative order.
@@ -407,6 +461,17 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::shared_ptr<Event> CreateEvent() override { return CreateHostEvent(); }
 
   absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (status_.ok() && queue_.empty() && finished_ == enqueued_) {
+        // Push's shortcut, without building an Item: everything enqueued before has run.
+        ++enqueued_;
+        ++finished_;
+        lock.unlock();
+        capture->Complete(absl::OkStatus());
+        return absl::OkStatus();
+      }
+    }
     Item item;
     item.kind = Item::kRecord;
     item.wait.capture = std::move(capture);
@@ -540,7 +605,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // the worker waits for items
   std::condition_variable done_cv_;  // Synchronize waits for finished_
-  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  Ring<Item> queue_ ABSL_GUARDED_BY(mu_);
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
@@ -662,6 +727,15 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
+HostCaptureRecorder* AsRecorder(Stream& stream) {
+  // The streams of this file first, by their (final) type: a cross-cast dynamic_cast walks the
+  // class hierarchy on every record.
+  const std::type_info& type = typeid(stream);
+  if (type == typeid(HostStream)) return static_cast<HostStream*>(&stream);
+  if (type == typeid(CallerStream)) return static_cast<CallerStream*>(&stream);
+  return dynamic_cast<HostCaptureRecorder*>(&stream);
+}
+
 }  // namespace
 }  // namespace stream_internal
 
@@ -699,7 +773,88 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateStream(Device device, StreamOption
 #endif
 }
 
-std::shared_ptr<Event> CreateHostEvent() { return std::make_shared<stream_internal::HostEvent>(); }
+namespace {
+
+// AddressSanitizer sees every event's lifetime only if the blocks go back to malloc.
+// (ThreadSanitizer keeps the recycling: the list's mutex orders a block's users.)
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRecycleEvents = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kRecycleEvents = false;
+#else
+constexpr bool kRecycleEvents = true;
+#endif
+#else
+constexpr bool kRecycleEvents = true;
+#endif
+
+// Free blocks of one size, shared by all threads.
+class BlockList {
+ public:
+  static constexpr size_t kMaxBlocks = 1024;
+  BlockList() { blocks_.reserve(kMaxBlocks); }
+  void* Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (blocks_.empty()) return nullptr;
+    void* block = blocks_.back();
+    blocks_.pop_back();
+    return block;
+  }
+  // false: the list is full; the caller frees the block.
+  bool Give(void* block) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (blocks_.size() >= kMaxBlocks) return false;
+    blocks_.push_back(block);
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<void*> blocks_ ABSL_GUARDED_BY(mu_);
+};
+
+// The allocator of host events (with their shared_ptr control block): blocks are recycled
+// through a free list instead of going back to malloc. Every record makes an event; the
+// scheduler's thread allocates them and the streams' workers often release them, which sends
+// glibc's per-thread caches to the slow path on both sides.
+template <typename T>
+class RecyclingAllocator {
+ public:
+  using value_type = T;
+  RecyclingAllocator() = default;
+  template <typename U>
+  RecyclingAllocator(const RecyclingAllocator<U>&) noexcept {}  // NOLINT: rebinding
+  T* allocate(size_t n) {
+    if (kRecycleEvents && n == 1) {
+      if (void* block = List().Take()) return static_cast<T*>(block);
+    }
+    return std::allocator<T>().allocate(n);
+  }
+  void deallocate(T* p, size_t n) noexcept {
+    if (kRecycleEvents && n == 1 && List().Give(p)) return;
+    std::allocator<T>().deallocate(p, n);
+  }
+  template <typename U>
+  bool operator==(const RecyclingAllocator<U>&) const noexcept {
+    return true;
+  }
+
+ private:
+  // One list per block type; never destroyed (events may be released during static
+  // destruction).
+  static BlockList& List() {
+    static BlockList* const list = new BlockList;
+    return *list;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Event> CreateHostEvent() {
+  return std::allocate_shared<stream_internal::HostEvent>(
+      RecyclingAllocator<stream_internal::HostEvent>());
+}
 
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream) {
   std::shared_ptr<Event> event = stream.CreateEvent();

@@ -462,7 +462,7 @@ absl::Status FlatParameter::Acquire(Stream& compute) {
       ReleaseUnsharded(nullptr);
       state_ = FlatParameterState::kSharded;
     }
-    return Annotate(status, absl::StrCat("flat parameter '", name_, "': ", kCall));
+    return Annotate(status, CallContext(name_, kCall));
   }
   ++users_;
   state_ = FlatParameterState::kUnsharded;
@@ -521,8 +521,8 @@ absl::Status FlatParameter::PrepareGrad(Stream& compute) {
     if (std::find(grad_consumers_.begin(), grad_consumers_.end(), &compute) ==
         grad_consumers_.end()) {
       SL_RETURN_IF_ERROR(CheckStreamDevice(kCall, compute));
-      SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(compute, grad_zeroed_),
-                                  absl::StrCat("flat parameter '", name_, "': ", kCall)));
+      SL_RETURN_IF_ERROR(
+          Annotate(WaitUnlessSameStream(compute, grad_zeroed_), CallContext(name_, kCall)));
       grad_consumers_.push_back(&compute);
     }
     return absl::OkStatus();
@@ -819,7 +819,7 @@ absl::Status FlatParameter::WaitReduced(Stream& stream) {
   absl::Status status =
       reduce_done_ != nullptr ? stream.WaitEvent(*reduce_done_) : absl::OkStatus();
   state_ = FlatParameterState::kSharded;
-  return Annotate(status, absl::StrCat("flat parameter '", name_, "': WaitReduced()"));
+  return Annotate(status, CallContext(name_, "WaitReduced()"));
 }
 
 absl::Status FlatParameter::WaitReduced(absl::Time deadline) {
@@ -832,11 +832,11 @@ absl::Status FlatParameter::WaitReduced(absl::Time deadline) {
     // Still running (as opposed to failed, possibly with a deadline of its own): stay reducing.
     absl::StatusOr<bool> done = reduce_done_->Query();
     if (done.ok() && !*done) {
-      return Annotate(status, absl::StrCat("flat parameter '", name_, "': WaitReduced()"));
+      return Annotate(status, CallContext(name_, "WaitReduced()"));
     }
   }
   state_ = FlatParameterState::kSharded;
-  return Annotate(status, absl::StrCat("flat parameter '", name_, "': WaitReduced()"));
+  return Annotate(status, CallContext(name_, "WaitReduced()"));
 }
 
 absl::StatusOr<FlatShardView> FlatParameter::ShardGrad() const {

@@ -937,10 +937,14 @@ absl::Status Scheduler::FinishBackward() {
   current_.gather_pool_peak_bytes = gather_pool_->stats().peak_bytes;
   current_.reduce_pool_peak_bytes = reduce_pool_->stats().peak_bytes;
   finished_ = FinishedStep{.metrics = current_, .start = step_start_, .end = *std::move(end)};
-  for (const Unit& unit : units_) {
+  finished_->metrics.units.reserve(units_.size());
+  finished_->waits.reserve(units_.size());
+  finished_->comm.reserve(units_.size());
+  for (Unit& unit : units_) {
     finished_->metrics.units.push_back(unit.metrics);
-    finished_->waits.push_back(unit.waits);
-    finished_->comm.push_back(unit.comm);
+    // Nothing reads the step's event pairs before the next BeginStep clears them.
+    finished_->waits.push_back(std::move(unit.waits));
+    finished_->comm.push_back(std::move(unit.comm));
   }
   if (record_pending_check_) {
     // The recorded order may show units used twice, whose gradients live through the backward.
@@ -957,11 +961,11 @@ absl::Status Scheduler::FinishBackward() {
   }
   phase_ = Phase::kIdle;
   ++step_;
-  const absl::Time now = absl::Now();
-  finished_->metrics.host_hook_time = hook_time_ + (now - timer.start());
+  const absl::Duration elapsed = timer.elapsed();
+  finished_->metrics.host_hook_time = hook_time_ + elapsed;
   finished_->metrics.hook_calls = hook_calls_ + 1;
   // This call belongs to the finished step: the timer's addition when it returns is offset.
-  hook_time_ = timer.start() - now;
+  hook_time_ = -elapsed;
   hook_calls_ = -1;
   return absl::OkStatus();
 }

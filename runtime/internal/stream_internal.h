@@ -116,7 +116,12 @@ absl::StatusOr<absl::Duration> ResolveWaitTimeout(const StreamOptions& options);
 
 // The event of host and caller streams. Record() works on any stream that implements
 // HostCaptureRecorder.
-class HostEvent final : public Event {
+//
+// The first Record() of an event owned by a std::shared_ptr (CreateHostEvent) uses a capture
+// stored inside the event, shared through aliasing shared_ptrs that keep the event alive; later
+// Records allocate. Most events are recorded once (RecordEvent), so a record costs one
+// allocation (the event's) instead of two.
+class HostEvent final : public Event, public std::enable_shared_from_this<HostEvent> {
  public:
   Device device() const override { return Device::Host(); }
   absl::Status Record(Stream& stream) override;
@@ -131,7 +136,12 @@ class HostEvent final : public Event {
 
  private:
   mutable std::mutex mu_;
+  // The latest Record()'s capture when it was allocated; null when that is embedded_ (an owning
+  // pointer to embedded_ here would keep the event alive forever).
   std::shared_ptr<HostCapture> current_ ABSL_GUARDED_BY(mu_);
+  bool current_embedded_ ABSL_GUARDED_BY(mu_) = false;
+  // The first Record()'s capture; constructed once, never replaced.
+  std::optional<HostCapture> embedded_ ABSL_GUARDED_BY(mu_);
 };
 
 // The spans of one stream (StreamOptions::trace, track). A no-op without a writer, so streams

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -525,6 +526,91 @@ TEST(EventTest, ReRecordReplacesTheCaptureButNotEarlierWaits) {
   gate.Open();
   ASSERT_TRUE(waiter->Synchronize(Soon()).ok());
   EXPECT_TRUE(saw_slow_done);
+}
+
+// The first record of an event lives inside the event: dropping the event while that record is
+// still pending must neither free it under the stream nor release the streams waiting for it.
+TEST(EventTest, AnEventDroppedBeforeItsRecordCompletesStillOrdersItsWaiters) {
+  auto slow = MakeHost("slow");
+  auto waiter = MakeHost("waiter");
+  Gate gate;
+  std::atomic<bool> slow_done{false};
+  ASSERT_TRUE(slow->Enqueue(BlockOn(gate)).ok());
+  ASSERT_TRUE(slow->Enqueue([&slow_done] {
+                    slow_done = true;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  std::shared_ptr<Event> event = slow->CreateEvent();
+  ASSERT_TRUE(event->Record(*slow).ok());
+  ASSERT_TRUE(waiter->WaitEvent(*event).ok());
+  std::atomic<bool> saw_slow_done{false};
+  ASSERT_TRUE(waiter
+                  ->Enqueue([&] {
+                    saw_slow_done = slow_done.load();
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  std::weak_ptr<Event> weak = event;
+  event.reset();
+  EXPECT_FALSE(weak.expired());  // the pending record and the wait keep it
+  gate.Open();
+  ASSERT_TRUE(waiter->Synchronize(Soon()).ok());
+  ASSERT_TRUE(slow->Synchronize(Soon()).ok());
+  EXPECT_TRUE(saw_slow_done);
+  EXPECT_TRUE(weak.expired());  // and nothing else does
+}
+
+// An event recorded three times: each record captures its own point, the completion times
+// follow the records, and the first (embedded) record's wait is unaffected by the later ones.
+TEST(EventTest, EveryRecordOfAnEventCapturesItsOwnPoint) {
+  auto stream = MakeHost("s");
+  std::shared_ptr<Event> event = stream->CreateEvent();
+  std::vector<std::optional<absl::Time>> times;
+  for (int i = 0; i < 3; ++i) {
+    Gate gate;
+    ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+    ASSERT_TRUE(event->Record(*stream).ok());
+    EXPECT_EQ(event->Query().value_or(true), false) << "record " << i;
+    EXPECT_FALSE(event->completed_at().has_value()) << "record " << i;
+    gate.Open();
+    ASSERT_TRUE(event->Synchronize(Soon()).ok()) << "record " << i;
+    EXPECT_EQ(event->Query().value_or(false), true) << "record " << i;
+    times.push_back(event->completed_at());
+    ASSERT_TRUE(times.back().has_value()) << "record " << i;
+    EXPECT_EQ(event->recorded_stream_id(), stream->id());
+  }
+  EXPECT_LE(*times[0], *times[1]);
+  EXPECT_LE(*times[1], *times[2]);
+}
+
+// A host stream's queue is a ring that grows: items queued while the worker is blocked, with the
+// ring's start in the middle of its storage, still run once each, in order.
+TEST(HostStreamTest, QueueGrowthAcrossTheRingsWrapKeepsOrder) {
+  auto stream = MakeHost("ring");
+  std::vector<int> ran;  // written by the worker only
+  int next = 0;
+  auto push = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      ASSERT_TRUE(stream
+                      ->Enqueue([&ran, v = next++] {
+                        ran.push_back(v);
+                        return absl::OkStatus();
+                      })
+                      .ok());
+    }
+  };
+  for (int round = 0; round < 4; ++round) {
+    push(11);  // moves the ring's start off its first slot
+    ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+    Gate gate;
+    ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+    push(37 + 50 * round);  // past the ring's size, wrapped: it grows with items queued
+    gate.Open();
+    ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+  }
+  ASSERT_EQ(static_cast<int>(ran.size()), next);
+  for (int i = 0; i < next; ++i) ASSERT_EQ(ran[i], i);
 }
 
 TEST(EventTest, RecordEventHelperMarksThePoint) {
