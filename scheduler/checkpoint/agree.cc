@@ -16,17 +16,18 @@ namespace {
 constexpr size_t kMessageBytes = 496;
 constexpr size_t kHeaderBytes = 16 + kMessageBytes;
 
-void PutLe(char* out, uint64_t v, int bytes) {
+}  // namespace
+
+void PutLittleEndian(char* out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xFF);
 }
-uint64_t GetLe(const char* in, int bytes) {
+
+uint64_t GetLittleEndian(const char* in, int bytes) {
   uint64_t v = 0;
   for (int i = 0; i < bytes; ++i)
     v |= static_cast<uint64_t>(static_cast<unsigned char>(in[i])) << (8 * i);
   return v;
 }
-
-}  // namespace
 
 absl::Status AgreeOnOutcome(Communicator& comm, Stream& stream, absl::Status mine,
                             absl::string_view what, uint64_t fingerprint,
@@ -37,9 +38,9 @@ absl::Status AgreeOnOutcome(Communicator& comm, Stream& stream, absl::Status min
   const size_t per = kHeaderBytes + extra_bytes;
   std::string send(per, '\0');
   const absl::string_view message = mine.message().substr(0, kMessageBytes);
-  PutLe(&send[0], static_cast<uint32_t>(mine.code()), 4);
-  PutLe(&send[4], message.size(), 4);
-  PutLe(&send[8], fingerprint, 8);
+  PutLittleEndian(&send[0], static_cast<uint32_t>(mine.code()), 4);
+  PutLittleEndian(&send[4], message.size(), 4);
+  PutLittleEndian(&send[8], fingerprint, 8);
   if (!message.empty()) std::memcpy(&send[16], message.data(), message.size());
   std::memcpy(&send[kHeaderBytes], extra.data(), std::min(extra.size(), extra_bytes));
   std::string recv(per * n, '\0');
@@ -50,17 +51,17 @@ absl::Status AgreeOnOutcome(Communicator& comm, Stream& stream, absl::Status min
   absl::Status exchanged = work.ok() ? work->Wait(deadline) : work.status();
   if (!mine.ok()) return mine;
   if (!exchanged.ok()) return Annotate(exchanged, absl::StrCat(what, ": exchanging outcomes"));
-  const uint64_t fingerprint0 = GetLe(&recv[8], 8);
+  const uint64_t fingerprint0 = GetLittleEndian(&recv[8], 8);
   for (int r = 0; r < n; ++r) {
     const char* p = &recv[per * r];
-    const auto code = static_cast<absl::StatusCode>(GetLe(p, 4));
+    const auto code = static_cast<absl::StatusCode>(GetLittleEndian(p, 4));
     if (code != absl::StatusCode::kOk) {
-      const size_t length = std::min<size_t>(GetLe(p + 4, 4), kMessageBytes);
+      const size_t length = std::min<size_t>(GetLittleEndian(p + 4, 4), kMessageBytes);
       return MarkPeerError(absl::Status(code, absl::StrCat("failed on rank ", r, ": ",
                                                            absl::string_view(p + 16, length))),
                            absl::StrCat(r));
     }
-    if (GetLe(p + 8, 8) != fingerprint0) {
+    if (GetLittleEndian(p + 8, 8) != fingerprint0) {
       return absl::FailedPreconditionError(absl::StrCat(what, ": rank ", r, " ", mismatch));
     }
   }

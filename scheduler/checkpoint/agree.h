@@ -6,8 +6,8 @@
 // phase-specific bytes. Every rank issues it whatever failed where, so nobody waits for a rank
 // that gave up, and every rank returns the same outcome.
 //
-// It is Checkpointer::Agree (scheduler/checkpoint/checkpoint.cc) as a free function, with the
-// same wire form, so that the sharded checkpoints can call it too.
+// Checkpointer::Agree (scheduler/checkpoint/checkpoint.cc) calls it too. The phases' extra bytes
+// are little-endian fields (PutLittleEndian / GetLittleEndian).
 
 #ifndef SHARDLINE_SCHEDULER_CHECKPOINT_AGREE_H_
 #define SHARDLINE_SCHEDULER_CHECKPOINT_AGREE_H_
@@ -35,6 +35,10 @@ namespace shardline {
 //   FailedPrecondition naming `what` and the first rank whose fingerprint differs from rank 0's
 //   (`mismatch` says what that means: "has other units than rank 0");
 //   OK, with every rank's extra bytes in `all` (if not null), by rank.
+// The low `bytes` (1-8) bytes of `v` at out[0, bytes), least significant first; and back.
+void PutLittleEndian(char* out, uint64_t v, int bytes);
+uint64_t GetLittleEndian(const char* in, int bytes);
+
 absl::Status AgreeOnOutcome(Communicator& comm, Stream& stream, absl::Status mine,
                             absl::string_view what, uint64_t fingerprint,
                             absl::string_view mismatch, const std::string& extra,

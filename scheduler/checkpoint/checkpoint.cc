@@ -34,16 +34,6 @@ namespace {
 
 constexpr size_t kNonceBytes = 16;
 
-void PutLe(char* out, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xFF);
-}
-uint64_t GetLe(const char* in, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i)
-    v |= static_cast<uint64_t>(static_cast<unsigned char>(in[i])) << (8 * i);
-  return v;
-}
-
 uint64_t Fnv1a(uint64_t h, absl::string_view bytes) {
   for (const char c : bytes) {
     h ^= static_cast<unsigned char>(c);
@@ -70,16 +60,6 @@ std::string MakeNonce() {
   uint64_t v = (static_cast<uint64_t>(device()) << 32) ^ device();
   v ^= static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
   return absl::StrFormat("%016x", v);
-}
-
-bool ValidStateName(absl::string_view name) {
-  if (name.empty() || name.size() > 128) return false;
-  for (const char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
 }
 
 std::string ShapeString(const TensorSpec& spec) {
@@ -265,7 +245,7 @@ absl::Status Checkpointer::AddState(CheckpointState state) {
         what, ": unit ", state.unit, " is not one of the ", scheduler_.num_units(), " units"));
   }
   const FlatParameter& unit = scheduler_.unit(state.unit);
-  if (!ValidStateName(state.name)) {
+  if (!IsValidCheckpointStateName(state.name)) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": a state name is 1-128 characters of [A-Za-z0-9._-]"));
   }
@@ -293,7 +273,7 @@ absl::Status Checkpointer::AddState(CheckpointState state) {
 
 absl::Status Checkpointer::AddReplicatedState(CheckpointReplicatedState state) {
   const std::string what = absl::StrCat("Checkpointer::AddReplicatedState('", state.name, "')");
-  if (!ValidStateName(state.name)) {
+  if (!IsValidCheckpointStateName(state.name)) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": a state name is 1-128 characters of [A-Za-z0-9._-]"));
   }
@@ -346,7 +326,7 @@ uint64_t Checkpointer::RegistrationFingerprint() const {
   for (const CheckpointUnitContents& unit : Contents()) {
     h = Fnv1a(h, unit.name);
     char buf[8];
-    PutLe(buf, unit.layout.Fingerprint(), 8);
+    PutLittleEndian(buf, unit.layout.Fingerprint(), 8);
     h = Fnv1a(h, absl::string_view(buf, 8));
     for (const CheckpointUnitContents::State& s : unit.states) {
       h = Fnv1a(h, s.name);
@@ -573,7 +553,8 @@ absl::Status Checkpointer::FinishSave(SaveJob& job) {
   }
   const uint64_t max_blocks = *std::max_element(blocks.begin(), blocks.end());
   std::string extra(max_blocks * 4, '\0');
-  for (size_t i = 0; i < crcs.size() && i < max_blocks; ++i) PutLe(&extra[4 * i], crcs[i], 4);
+  for (size_t i = 0; i < crcs.size() && i < max_blocks; ++i)
+    PutLittleEndian(&extra[4 * i], crcs[i], 4);
   std::vector<std::string> all;
   SL_RETURN_IF_ERROR(
       Agree(written, what, job.fingerprint, extra, extra.size(), &all, job.deadline));
@@ -589,7 +570,7 @@ absl::Status Checkpointer::FinishSave(SaveJob& job) {
         for (CheckpointPiece& piece : state.pieces) {
           const std::string& from = all[piece.shard];
           for (uint32_t& crc : piece.crc32c) {
-            crc = static_cast<uint32_t>(GetLe(&from[4 * next[piece.shard]++], 4));
+            crc = static_cast<uint32_t>(GetLittleEndian(&from[4 * next[piece.shard]++], 4));
           }
         }
       }

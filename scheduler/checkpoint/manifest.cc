@@ -17,6 +17,16 @@
 
 namespace shardline {
 
+bool IsValidCheckpointStateName(absl::string_view name) {
+  if (name.empty() || name.size() > 128) return false;
+  for (const char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
 std::string CheckpointShardFileName(int shard, int num_shards) {
   return absl::StrFormat("shard-%05d-of-%05d.bin", shard, num_shards);
 }
@@ -85,16 +95,6 @@ absl::StatusOr<CheckpointManifest> MakeCheckpointManifest(
 
 namespace {
 
-bool ValidReplicatedName(absl::string_view name) {
-  if (name.empty() || name.size() > 128) return false;
-  for (const char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
-}
-
 // numel(shape) * size, or InvalidArgument naming the state.
 absl::StatusOr<uint64_t> ReplicatedBytes(const CheckpointReplicatedRecord& r) {
   uint64_t n = DTypeSize(r.dtype);
@@ -119,7 +119,7 @@ absl::Status SetCheckpointReplicatedStates(CheckpointManifest* m,
   uint64_t offset = 0;
   absl::flat_hash_set<std::string> names;
   for (CheckpointReplicatedRecord& r : states) {
-    if (!ValidReplicatedName(r.name)) {
+    if (!IsValidCheckpointStateName(r.name)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "replicated state '", r.name, "': a name is 1-128 characters of [A-Za-z0-9._-]"));
     }

@@ -204,6 +204,10 @@ absl::Status ValidateCheckpointManifest(CheckpointManifest& manifest);
 // (the save stopped between writing the manifest and renaming the directory into place).
 bool IsCheckpointTemporaryDir(absl::string_view dir);
 
+// The rule for the names of registered and replicated states: 1-128 characters of
+// [A-Za-z0-9._-].
+bool IsValidCheckpointStateName(absl::string_view name);
+
 // The text of the directory's manifest.json. NotFound if `dir` does not exist;
 // FailedPrecondition "incomplete checkpoint" if it is a save's temporary directory
 // (IsCheckpointTemporaryDir) or has no manifest; InvalidArgument if the manifest exceeds
