@@ -48,6 +48,7 @@
 #include "scheduler/checkpoint/file_system.h"
 #include "scheduler/checkpoint/manifest.h"
 #include "scheduler/scheduler.h"
+#include "tests/common/status_and_hash.h"
 
 namespace shardline {
 namespace {
@@ -57,23 +58,7 @@ namespace fs = std::filesystem;
 constexpr absl::Duration kTimeout = absl::Seconds(30);
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
-#define EXPECT_OK(expr)                                                      \
-  do {                                                                       \
-    const absl::Status expect_ok_status = (expr);                            \
-    EXPECT_TRUE(expect_ok_status.ok()) << #expr << ": " << expect_ok_status; \
-  } while (false)
-#define ASSERT_OK(expr)                                                      \
-  do {                                                                       \
-    const absl::Status assert_ok_status = (expr);                            \
-    ASSERT_TRUE(assert_ok_status.ok()) << #expr << ": " << assert_ok_status; \
-  } while (false)
-
-uint64_t HashMix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+using ::shardline::testing::HashMix;
 uint64_t Hash(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
   return HashMix(HashMix(HashMix(HashMix(a) ^ b) ^ c) ^ d);
 }

@@ -41,6 +41,7 @@
 #include "runtime/check.h"
 #include "testing/typed_values.h"
 #include "tests/common/gate.h"
+#include "tests/common/status_and_hash.h"
 #include "tests/runtime/random_layout.h"
 
 namespace shardline {
@@ -56,16 +57,6 @@ constexpr absl::Duration kTimeout = absl::Seconds(20);
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
 // ASSERT_TRUE / EXPECT_TRUE of status.ok(), showing the expression and the status.
-#define EXPECT_OK(expr)                                                      \
-  do {                                                                       \
-    const absl::Status expect_ok_status = (expr);                            \
-    EXPECT_TRUE(expect_ok_status.ok()) << #expr << ": " << expect_ok_status; \
-  } while (false)
-#define ASSERT_OK(expr)                                                      \
-  do {                                                                       \
-    const absl::Status assert_ok_status = (expr);                            \
-    ASSERT_TRUE(assert_ok_status.ok()) << #expr << ": " << assert_ok_status; \
-  } while (false)
 
 // ---- Fixtures ------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@
 #include "scheduler/checkpoint/full_weights.h"
 #include "scheduler/checkpoint/safetensors.h"
 #include "scheduler/scheduler.h"
+#include "tests/common/status_and_hash.h"
 
 namespace shardline {
 namespace {
@@ -43,18 +44,7 @@ namespace fs = std::filesystem;
 constexpr absl::Duration kTimeout = absl::Seconds(30);
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
-#define ASSERT_OK(expr)                                                      \
-  do {                                                                       \
-    const absl::Status assert_ok_status = (expr);                            \
-    ASSERT_TRUE(assert_ok_status.ok()) << #expr << ": " << assert_ok_status; \
-  } while (false)
-
-uint64_t HashMix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+using ::shardline::testing::HashMix;
 // A float in [-1, 1) from (unit, tensor, element).
 float HashFloat(uint64_t u, uint64_t t, uint64_t i) {
   const uint64_t h = HashMix(HashMix(HashMix(u) ^ t) ^ i);

@@ -35,6 +35,7 @@
 #include "runtime/check.h"
 #include "runtime/status.h"
 #include "tests/common/gate.h"
+#include "tests/common/status_and_hash.h"
 
 namespace shardline {
 namespace {
@@ -42,23 +43,7 @@ namespace {
 constexpr absl::Duration kTimeout = absl::Seconds(30);
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
-#define EXPECT_OK(expr)                                                      \
-  do {                                                                       \
-    const absl::Status expect_ok_status = (expr);                            \
-    EXPECT_TRUE(expect_ok_status.ok()) << #expr << ": " << expect_ok_status; \
-  } while (false)
-#define ASSERT_OK(expr)                                                      \
-  do {                                                                       \
-    const absl::Status assert_ok_status = (expr);                            \
-    ASSERT_TRUE(assert_ok_status.ok()) << #expr << ": " << assert_ok_status; \
-  } while (false)
-
-uint64_t HashMix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+using ::shardline::testing::HashMix;
 // A float in [-1, 1) from the key.
 float HashFloat(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
   const uint64_t h = HashMix(HashMix(HashMix(HashMix(a) ^ b) ^ c) ^ d);

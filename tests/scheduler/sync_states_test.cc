@@ -19,6 +19,7 @@
 #include "collectives/local/local_communicator.h"
 #include "runtime/check.h"
 #include "runtime/status.h"
+#include "tests/common/status_and_hash.h"
 
 namespace shardline {
 namespace {
@@ -26,12 +27,7 @@ namespace {
 constexpr absl::Duration kTimeout = absl::Seconds(30);
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
-uint64_t HashMix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+using ::shardline::testing::HashMix;
 
 struct Def {
   size_t count;

@@ -34,6 +34,7 @@
 #include "scheduler/checkpoint/file_system.h"
 #include "scheduler/checkpoint/manifest.h"
 #include "scheduler/scheduler.h"
+#include "tests/common/status_and_hash.h"
 
 namespace shardline {
 namespace {
@@ -52,12 +53,7 @@ void Check(const absl::Status& s, absl::string_view what) {
 
 absl::Time Deadline() { return absl::Now() + absl::Seconds(30); }
 
-uint64_t HashMix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+using ::shardline::testing::HashMix;
 
 // The bits of element i of tensor t of state k (0: master) of unit u at `version`: a float in
 // [-1, 1) for the master shards, hashed bits for the other states.
