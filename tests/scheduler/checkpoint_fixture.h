@@ -23,6 +23,7 @@
 #include "runtime/status.h"
 #include "scheduler/checkpoint/checkpoint.h"
 #include "scheduler/scheduler.h"
+#include "tests/common/local_ranks.h"
 
 namespace shardline::fixture {
 
@@ -145,15 +146,7 @@ inline absl::StatusOr<std::unique_ptr<Rank>> MakeRank(std::shared_ptr<Communicat
 // Runs fn(rank, communicator) on `world` threads; returns their statuses.
 inline std::vector<absl::Status> RunRanks(
     int world, const std::function<absl::Status(int, std::shared_ptr<Communicator>)>& fn) {
-  auto comms = CreateLocalCommunicators(world, {.timeout = kTimeout});
-  SL_CHECK(comms.ok());
-  std::vector<absl::Status> statuses(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { statuses[r] = fn(r, (*comms)[r]); });
-  }
-  for (auto& t : threads) t.join();
-  return statuses;
+  return testing::RunLocalRanks(world, kTimeout, fn);
 }
 
 // The first error of `statuses` (OK if none).

@@ -48,6 +48,7 @@
 #include "scheduler/checkpoint/file_system.h"
 #include "scheduler/checkpoint/manifest.h"
 #include "scheduler/scheduler.h"
+#include "tests/common/local_ranks.h"
 #include "tests/common/status_and_hash.h"
 
 namespace shardline {
@@ -312,15 +313,7 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const RunConfig& setup,
 // Runs fn(rank index, communicator) on `world` threads; returns their statuses.
 std::vector<absl::Status> RunRanks(
     int world, const std::function<absl::Status(int, std::shared_ptr<Communicator>)>& fn) {
-  auto comms = CreateLocalCommunicators(world, {.timeout = kTimeout});
-  SL_CHECK(comms.ok());
-  std::vector<absl::Status> statuses(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { statuses[r] = fn(r, (*comms)[r]); });
-  }
-  for (auto& t : threads) t.join();
-  return statuses;
+  return testing::RunLocalRanks(world, kTimeout, fn);
 }
 
 void ExpectAllOk(const std::vector<absl::Status>& statuses) {

@@ -19,6 +19,7 @@
 #include "collectives/local/local_communicator.h"
 #include "runtime/check.h"
 #include "runtime/status.h"
+#include "tests/common/local_ranks.h"
 #include "tests/common/status_and_hash.h"
 
 namespace shardline {
@@ -48,14 +49,7 @@ std::vector<char> Bytes(int rank, size_t t, const Def& d) {
 
 std::vector<absl::Status> RunRanks(
     int world, const std::function<absl::Status(int, std::shared_ptr<Communicator>)>& fn) {
-  auto comms = CreateLocalCommunicators(world, {.timeout = kTimeout});
-  SL_CHECK(comms.ok());
-  std::vector<absl::Status> statuses(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] { statuses[r] = fn(r, (*comms)[r]); });
-  for (auto& t : threads) t.join();
-  return statuses;
+  return testing::RunLocalRanks(world, kTimeout, fn);
 }
 
 TEST(SyncModuleStatesTest, EveryRankGetsTheRootsBytesForEveryBucketSize) {

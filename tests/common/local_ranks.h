@@ -1,0 +1,38 @@
+// File: tests/common/local_ranks.h
+// Runs one function per rank of an in-process group (local communicators, ranks as threads) and
+// returns every rank's status: the harness of the scheduler and checkpoint tests.
+
+#ifndef SHARDLINE_TESTS_COMMON_LOCAL_RANKS_H_
+#define SHARDLINE_TESTS_COMMON_LOCAL_RANKS_H_
+
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+#include "collectives/local/local_communicator.h"
+#include "runtime/check.h"
+
+namespace shardline::testing {
+
+// fn(rank, that rank's communicator) on `world` threads; communicators with `timeout`.
+inline std::vector<absl::Status> RunLocalRanks(
+    int world, absl::Duration timeout,
+    const std::function<absl::Status(int, std::shared_ptr<Communicator>)>& fn) {
+  auto comms = CreateLocalCommunicators(world, {.timeout = timeout});
+  SL_CHECK(comms.ok());
+  std::vector<absl::Status> statuses(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] { statuses[r] = fn(r, (*comms)[r]); });
+  }
+  for (auto& t : threads) t.join();
+  return statuses;
+}
+
+}  // namespace shardline::testing
+
+#endif  // SHARDLINE_TESTS_COMMON_LOCAL_RANKS_H_
