@@ -3,7 +3,10 @@
 # CUDA/NCCL test, the perf binaries with --backend nccl (world of one), two examples, and
 # compute-sanitizer's memcheck on the scheduler, NCCL and allocator tests. NCCL comes from the
 # machine (the first libnccl.so.2 under /usr/local, /opt or /usr/lib, e.g. torch's wheel). Logs go
-# to $OUT (default /tmp/shardline-gpu); a summary is printed at the end.
+# to $OUT (default /tmp/shardline-gpu); a summary is printed at the end. Then, unless
+# SHARDLINE_GPU_HOST_BENCH=0, the scheduler's host benchmarks on that machine's cores (more than
+# the 2-core development VM has): scheduler_hooks_bench, and overlap_bench over UCX at 2 and 4
+# ranks (JSON and logs in $OUT/host-bench.tgz).
 set -u
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/shardline-gpu}
@@ -37,10 +40,31 @@ done
 echo "=== scheduler_tour / framework_streams"
 timeout 60 bin/scheduler_tour > /tmp/tour.log 2>&1; summary+=("scheduler_tour: rc=$?"); tail -3 /tmp/tour.log
 timeout 60 bin/framework_streams > /tmp/fs.log 2>&1; summary+=("framework_streams: rc=$?"); tail -3 /tmp/fs.log
+if [[ "${SHARDLINE_GPU_HOST_BENCH:-1}" != 0 ]]; then
+  export UCX_MODULE_DIR=$PWD/lib/ucx
+  hb=/tmp/host-bench; mkdir -p $hb
+  echo "=== host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
+  timeout 120 bin/scheduler_hooks_bench --benchmark_min_time=0.5 --benchmark_repetitions=3 \
+      --benchmark_report_aggregates_only=true --benchmark_out=$hb/hooks.json \
+      --benchmark_out_format=json > $hb/hooks.log 2>&1
+  summary+=("scheduler_hooks_bench: rc=$?"); grep -E "median" $hb/hooks.log | head -16
+  run_overlap() {  # name, ranks, spin, overlap_bench flags...
+    local name=$1 n=$2 spin=$3; shift 3
+    echo "=== overlap_bench $name (-n $n, SHARDLINE_UCX_SPIN_US=$spin) $*"
+    SHARDLINE_UCX_SPIN_US=$spin timeout 150 bin/shardline-launch -n "$n" -- bin/overlap_bench \
+        --json $hb/overlap_$name.json "$@" > $hb/overlap_$name.log 2>&1
+    local rc=$?; summary+=("overlap_bench $name: rc=$rc"); grep -E "^\| |calibrat" $hb/overlap_$name.log | head -14
+  }
+  run_overlap n2_auto_spin0 2 0
+  run_overlap n2_auto_spin2000 2 2000
+  run_overlap n2_4M_spin0 2 0 --unit-bytes 4M
+  run_overlap n4_auto_spin0 4 0
+  tar czf $OUT/host-bench.tgz -C /tmp host-bench
+fi
 cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 for t in scheduler_cuda_scheduler_test collectives_nccl_communicator_test runtime_cuda_allocator_test; do
   echo "=== memcheck $t"
-  timeout 180 $cs --tool memcheck --report-api-errors no --error-exitcode 9 bin/$t --gtest_color=no > /tmp/memcheck_$t.log 2>&1; rc=$?
+  timeout 100 $cs --tool memcheck --report-api-errors no --error-exitcode 9 bin/$t --gtest_color=no > /tmp/memcheck_$t.log 2>&1; rc=$?
   grep -E "ERROR SUMMARY|^\[  (PASSED|FAILED) " /tmp/memcheck_$t.log | head -5; summary+=("memcheck $t: rc=$rc")
 done
 echo "=== SUMMARY"; printf '%s\n' "${summary[@]}"

@@ -3,8 +3,10 @@
 // parameters each forward reads, the reduced gradients and the updated master shards checked
 // element by element against a host reference, in f32 and with bf16 parameters (f32 and bf16
 // reductions). The optimizer writes the master shards on the compute stream behind a long copy,
-// so a gather that did not wait for it would read the previous step's values. Skips without a
-// GPU or without CUDA.
+// so a gather that did not wait for it would read the previous step's values. With CPU offload
+// the master shards and sharded gradients live in pinned host memory: the gather stream copies
+// the master shard to the device after that optimizer write, and the reduced shard comes back
+// to host memory. Skips without a GPU or without CUDA.
 
 #include <gtest/gtest.h>
 
@@ -63,6 +65,13 @@ class Pinned {
   size_t bytes_ = 0;
 };
 
+// Whether CUDA sees `p` as host memory (pinned or plain), not device or managed memory.
+bool InHostMemory(const void* p) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) return false;
+  return attributes.type == cudaMemoryTypeHost || attributes.type == cudaMemoryTypeUnregistered;
+}
+
 // What the framework's kernels would read or write, as f32 values of the view's dtype.
 float Load(DType dtype, const void* data, size_t i) {
   if (dtype == DType::kBF16) return Bf16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
@@ -83,6 +92,7 @@ float Round(DType dtype, float v) {
 struct Precision {
   DType param;
   DType reduce;
+  bool offload = false;  // SchedulerOptions::cpu_offload
 };
 
 class CudaSchedulerTest : public ::testing::TestWithParam<Precision> {
@@ -103,8 +113,9 @@ TEST_P(CudaSchedulerTest, TrainsOnAnAsynchronousComputeStream) {
   absl::StatusOr<std::unique_ptr<Stream>> compute = CreateCudaStream(0, {.name = "compute"});
   ASSERT_TRUE(compute.ok()) << compute.status();
   const auto raw = static_cast<cudaStream_t>((*compute)->native_handle());
-  absl::StatusOr<std::unique_ptr<Scheduler>> fsdp =
-      Scheduler::Create(*world, **compute, {.name = "gpu", .budget_bytes = 1 << 20}, deadline);
+  absl::StatusOr<std::unique_ptr<Scheduler>> fsdp = Scheduler::Create(
+      *world, **compute, {.name = "gpu", .budget_bytes = 1 << 20, .cpu_offload = precision.offload},
+      deadline);
   ASSERT_TRUE(fsdp.ok()) << fsdp.status();
 
   // Four units of odd sizes; unit 1 holds two tensors.
@@ -202,11 +213,13 @@ TEST_P(CudaSchedulerTest, TrainsOnAnAsynchronousComputeStream) {
       const FlatShardView shard = unit.master_shard();
       ASSERT_EQ(shard_grad->dtype, DType::kF32);
       ASSERT_EQ(shard.dtype, DType::kF32);
+      // Offloaded: both in host memory; otherwise both on the GPU.
+      ASSERT_EQ(InHostMemory(shard.data), precision.offload) << "master shard of unit " << u;
+      ASSERT_EQ(InHostMemory(shard_grad->data), precision.offload) << "gradient of unit " << u;
       std::vector<float> g(shard.elements), p(shard.elements);
-      ASSERT_EQ(cudaMemcpy(g.data(), shard_grad->data, g.size() * 4, cudaMemcpyDeviceToHost),
+      ASSERT_EQ(cudaMemcpy(g.data(), shard_grad->data, g.size() * 4, cudaMemcpyDefault),
                 cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(p.data(), shard.data, p.size() * 4, cudaMemcpyDeviceToHost),
-                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(p.data(), shard.data, p.size() * 4, cudaMemcpyDefault), cudaSuccess);
       std::vector<bool> covered(shard.elements, false);
       for (size_t t = 0; t < master[u].size(); ++t) {
         const size_t offset = unit.layout().tensor(static_cast<int>(t)).offset;
@@ -232,9 +245,9 @@ TEST_P(CudaSchedulerTest, TrainsOnAnAsynchronousComputeStream) {
       ASSERT_EQ(cudaMemcpyAsync(static_cast<char*>(busy) + kBusyBytes, busy, kBusyBytes,
                                 cudaMemcpyDeviceToDevice, raw),
                 cudaSuccess);
-      ASSERT_EQ(cudaMemcpyAsync(shard.data, written[u]->as<void>(), p.size() * 4,
-                                cudaMemcpyHostToDevice, raw),
-                cudaSuccess);
+      ASSERT_EQ(
+          cudaMemcpyAsync(shard.data, written[u]->as<void>(), p.size() * 4, cudaMemcpyDefault, raw),
+          cudaSuccess);
     }
     ASSERT_TRUE((*fsdp)->ZeroGrad().ok());
     absl::StatusOr<StepMetrics> metrics = (*fsdp)->LastStepMetrics(deadline);
@@ -249,10 +262,13 @@ TEST_P(CudaSchedulerTest, TrainsOnAnAsynchronousComputeStream) {
 INSTANTIATE_TEST_SUITE_P(Precisions, CudaSchedulerTest,
                          ::testing::Values(Precision{DType::kF32, DType::kF32},
                                            Precision{DType::kBF16, DType::kF32},
-                                           Precision{DType::kBF16, DType::kBF16}),
+                                           Precision{DType::kBF16, DType::kBF16},
+                                           Precision{DType::kF32, DType::kF32, true},
+                                           Precision{DType::kBF16, DType::kF32, true}),
                          [](const ::testing::TestParamInfo<Precision>& info) {
                            return absl::StrCat("param_", DTypeName(info.param.param), "_reduce_",
-                                               DTypeName(info.param.reduce));
+                                               DTypeName(info.param.reduce),
+                                               info.param.offload ? "_cpu_offload" : "");
                          });
 
 }  // namespace
