@@ -65,6 +65,18 @@ absl::Status CheckNormArgs(const FlatLayout& layout, int shard, const void* data
 
 }  // namespace
 
+absl::StatusOr<double> SumOfSquares(const void* data, size_t count, DType dtype) {
+  if (count > 0 && data == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SumOfSquares: data is null (count ", count, ")"));
+  }
+  double total = 0.0;
+  SL_RETURN_IF_ERROR(WithLoader(data, dtype, [&](auto load) {
+    total = SumSquares(ShardSlice{.shard_offset = 0, .length = count}, load);
+  }));
+  return total;
+}
+
 absl::StatusOr<double> ShardSquaredNorm(const FlatLayout& layout, int shard, const void* shard_data,
                                         DType dtype) {
   SL_RETURN_IF_ERROR(CheckNormArgs(layout, shard, shard_data, "ShardSquaredNorm"));

@@ -18,6 +18,8 @@
 #ifndef SHARDLINE_RUNTIME_SHARD_NORMS_H_
 #define SHARDLINE_RUNTIME_SHARD_NORMS_H_
 
+#include <cstddef>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -25,6 +27,10 @@
 #include "runtime/flat_layout.h"
 
 namespace shardline {
+
+// Sum of squares of data[0..count), accumulated in double in index order (deterministic). The
+// host side of EnqueueSumSquares (runtime/stream_ops.h). Same dtypes as below; count 0 is 0.
+absl::StatusOr<double> SumOfSquares(const void* data, size_t count, DType dtype);
 
 // Sum of squares of every tensor element of the shard.
 absl::StatusOr<double> ShardSquaredNorm(const FlatLayout& layout, int shard, const void* shard_data,

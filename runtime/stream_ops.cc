@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/host_kernels.h"
+#include "runtime/shard_norms.h"
 #include "runtime/status.h"
 
 #ifdef SHARDLINE_WITH_CUDA
@@ -114,6 +115,52 @@ absl::Status EnqueueCopy(Stream& stream, void* dst, const void* src, size_t byte
   return Annotate(
       SL_CUDA_STATUS(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, CudaHandle(stream))),
       absl::StrCat("stream '", stream.name(), "': copy of ", bytes, " bytes"));
+#else
+  return NoDevice(stream);
+#endif
+}
+
+absl::Status EnqueueScale(Stream& stream, void* data, size_t count, DType dtype, double factor) {
+  if (count == 0) return absl::OkStatus();
+  if (stream.device().is_host()) {
+    return SubmitHost(stream, StreamOpKind::kCast, absl::StrCat("scale ", DTypeName(dtype)),
+                      count * DTypeSize(dtype),
+                      [=]() { return Scale(data, count, dtype, factor); });
+  }
+#ifdef SHARDLINE_WITH_CUDA
+  SL_ON_STREAM_DEVICE(stream);
+  return CudaScale(data, count, dtype, factor, CudaHandle(stream));
+#else
+  return NoDevice(stream);
+#endif
+}
+
+absl::Status EnqueueSumSquares(Stream& stream, const void* data, size_t count, DType dtype,
+                               double* sums) {
+  static_assert(kSumSquaresDoubles >= 1);
+  if (!IsFloatingPoint(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("stream '", stream.name(),
+                                                   "': sum of squares of ", DTypeName(dtype),
+                                                   " (only f32, f64, f16, bf16 are supported)"));
+  }
+  if (count == 0) return absl::OkStatus();
+  if (sums == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stream '", stream.name(), "': sum of squares into a null `sums`"));
+  }
+  if (stream.device().is_host()) {
+    return SubmitHost(stream, StreamOpKind::kReduce,
+                      absl::StrCat("sum of squares ", DTypeName(dtype)), count * DTypeSize(dtype),
+                      [=]() -> absl::Status {
+                        SL_ASSIGN_OR_RETURN(double sum, SumOfSquares(data, count, dtype));
+                        sums[0] += sum;
+                        return absl::OkStatus();
+                      });
+  }
+#ifdef SHARDLINE_WITH_CUDA
+  static_assert(kSumSquaresDoubles == kCudaSumSquaresDoubles);
+  SL_ON_STREAM_DEVICE(stream);
+  return CudaSumSquares(data, count, dtype, sums, CudaHandle(stream));
 #else
   return NoDevice(stream);
 #endif

@@ -37,6 +37,20 @@ absl::Status EnqueueFill(Stream& stream, void* data, size_t bytes);
 // stream: device, pinned or managed memory; a copy between host and device is allowed).
 absl::Status EnqueueCopy(Stream& stream, void* dst, const void* src, size_t bytes);
 
+// data[i] *= factor for i < count (host_kernels.h's Scale rules; CudaScale on a CUDA stream).
+absl::Status EnqueueScale(Stream& stream, void* data, size_t count, DType dtype, double factor);
+
+// The doubles `sums` must hold for EnqueueSumSquares: sums[0] is the result, the rest scratch
+// for a CUDA stream's partial sums.
+inline constexpr size_t kSumSquaresDoubles = 257;
+
+// sums[0] += the sum of squares of data[0..count) (f32, f64, f16, bf16), accumulated in double.
+// `sums` (kSumSquaresDoubles doubles) is in memory of the stream's device; two sums in flight
+// on different streams need different `sums`. Host streams sum in index order, CUDA streams in a
+// fixed tree: each deterministic, the two may differ in the last bits.
+absl::Status EnqueueSumSquares(Stream& stream, const void* data, size_t count, DType dtype,
+                               double* sums);
+
 }  // namespace shardline
 
 #endif  // SHARDLINE_RUNTIME_STREAM_OPS_H_

@@ -22,6 +22,7 @@
 #include "runtime/logging.h"
 #include "runtime/shard_norms.h"
 #include "runtime/status.h"
+#include "runtime/stream_ops.h"
 
 namespace shardline {
 namespace {
@@ -215,7 +216,9 @@ Scheduler::~Scheduler() {
   // The order check's all-gather writes order_check_: let it finish (bounded by the world's
   // timeout; a failure was or will never be reported, the scheduler is going away).
   if (order_check_pending_) {
-    order_check_work_.Wait(control_stream_->clock().Now() + mesh_.world()->timeout()).IgnoreError();
+    const absl::Time deadline = control_stream_->clock().Now() + mesh_.world()->timeout();
+    order_check_work_.Wait(deadline).IgnoreError();
+    if (order_check_copied_ != nullptr) order_check_copied_->Synchronize(deadline).IgnoreError();
   }
   // Buffers go back to the pools guarded by their events (FlatParameter's destructor); the
   // streams then drain; the pools wait for the guards.
@@ -998,17 +1001,31 @@ std::vector<std::string> Scheduler::issue_log() const {
 absl::Status Scheduler::StartOrderCheck() {
   // A fixed-size record per rank, so one all-gather suffices and it never blocks the host here:
   // [length, hash of the order, hash of the layouts, the first `capacity` entries (-1 padded)].
+  // A device world's all-gather takes device memory: the records go through order_device_ and
+  // come back to pinned memory on the control stream.
   const Communicator& world = *mesh_.world();
-  if (!world.device().is_host()) {
-    SL_LOG(INFO, SCHED) << "scheduler '" << options_.name
-                        << "': the cross-rank order check needs a host communicator; skipped on "
-                        << world.device().ToString();
-    return absl::OkStatus();
-  }
+  const bool staged = !world.device().is_host();
+  const std::string what =
+      absl::StrCat("scheduler '", options_.name, "': the cross-rank order check");
   order_capacity_ = 2 * static_cast<size_t>(num_units()) + 8;
   const size_t record = kOrderHeader + order_capacity_;
-  order_check_.assign(record * (world.size() + 1), -1);
-  int64_t* mine = order_check_.data();
+  const size_t total = record * (world.size() + 1);
+  int64_t* mine = nullptr;
+  if (staged) {
+    SL_RETURN_IF_ERROR(EnsureStaging(what));
+    const size_t bytes = total * sizeof(int64_t);
+    if (order_pinned_.size() < bytes) {
+      order_pinned_ = Buffer();
+      order_device_ = Buffer();
+      SL_ASSIGN_OR_RETURN(order_pinned_, staging_pinned_->Allocate(bytes));
+      SL_ASSIGN_OR_RETURN(order_device_, staging_device_->Allocate(bytes));
+    }
+    mine = static_cast<int64_t*>(order_pinned_.data());
+    std::fill(mine, mine + total, int64_t{-1});
+  } else {
+    order_check_.assign(total, -1);
+    mine = order_check_.data();
+  }
   uint64_t order_hash = 0;
   for (int u : order_) order_hash = Mix(order_hash, static_cast<uint64_t>(u));
   uint64_t layout_hash = 0;
@@ -1019,11 +1036,24 @@ absl::Status Scheduler::StartOrderCheck() {
   mine[2] = static_cast<int64_t>(layout_hash);
   for (size_t i = 0; i < std::min(order_.size(), order_capacity_); ++i)
     mine[kOrderHeader + i] = order_[i];
+  int64_t* gathered = mine;
+  if (staged) {
+    gathered = static_cast<int64_t*>(order_device_.data());
+    SL_RETURN_IF_ERROR(
+        Annotate(EnqueueCopy(*control_stream_, gathered, mine, record * sizeof(int64_t)), what));
+  }
   absl::StatusOr<Work> work =
-      mesh_.world()->AllGather(mine, mine + record, record, DType::kI64, *control_stream_);
+      mesh_.world()->AllGather(gathered, gathered + record, record, DType::kI64, *control_stream_);
   if (!work.ok()) return work.status();
   order_check_work_ = *std::move(work);
+  order_check_copied_ = nullptr;
   order_check_pending_ = true;
+  if (staged) {
+    SL_RETURN_IF_ERROR(Annotate(EnqueueCopy(*control_stream_, mine + record, gathered + record,
+                                            world.size() * record * sizeof(int64_t)),
+                                what));
+    SL_ASSIGN_OR_RETURN(order_check_copied_, RecordEvent(*control_stream_));
+  }
   return absl::OkStatus();
 }
 
@@ -1033,13 +1063,20 @@ absl::Status Scheduler::CheckOrderResult() {
   const std::string what = absl::StrCat("scheduler '", options_.name,
                                         "': the forward orders recorded in the first step");
   const absl::Time deadline = control_stream_->clock().Now() + mesh_.world()->timeout();
-  if (absl::Status status = order_check_work_.Wait(deadline); !status.ok()) {
+  absl::Status status = order_check_work_.Wait(deadline);
+  if (status.ok() && order_check_copied_ != nullptr) {
+    status = order_check_copied_->Synchronize(deadline);
+  }
+  if (!status.ok()) {
     failed_ = Annotate(status, absl::StrCat(what, ": comparing across ranks"));
     return failed_;
   }
   const size_t record = kOrderHeader + order_capacity_;
   const int n = mesh_.world()->size();
-  const int64_t* all = order_check_.data() + record;
+  const int64_t* all =
+      (order_check_copied_ != nullptr ? static_cast<const int64_t*>(order_pinned_.data())
+                                      : order_check_.data()) +
+      record;
   auto name = [&](int64_t u) -> std::string {
     if (u < 0) return "(the end of the forward)";
     if (u >= num_units()) return absl::StrCat("unit #", u);
@@ -1128,10 +1165,7 @@ absl::StatusOr<double> Scheduler::ClipGradNorm(double max_norm, absl::Time deadl
   if (!(max_norm > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": max_norm ", max_norm, " is not > 0"));
   }
-  if (!compute_.device().is_host()) {
-    return absl::UnimplementedError(
-        absl::StrCat(what, ": shards on ", compute_.device().ToString(), " (host memory only)"));
-  }
+  if (!compute_.device().is_host()) return ClipGradNormOnDevice(max_norm, deadline, what);
   SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> reduced, RecordEvent(compute_));
   SL_RETURN_IF_ERROR(Annotate(reduced->Synchronize(deadline), what));
   // Each shard group holds every parameter once; its replicas hold copies: sum over the shard
@@ -1157,6 +1191,88 @@ absl::StatusOr<double> Scheduler::ClipGradNorm(double max_norm, absl::Time deadl
       if (!unit.param->has_shard_grad()) continue;
       SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
       SL_RETURN_IF_ERROR(Annotate(Scale(grad.data, grad.elements, grad.dtype, coef), what));
+    }
+  }
+  return norm;
+}
+
+absl::Status Scheduler::EnsureStaging(const std::string& what) {
+  if (staging_device_ != nullptr) return absl::OkStatus();
+  const Device device = mesh_.world()->device();
+  absl::StatusOr<std::unique_ptr<Allocator>> on_device =
+      CreateCudaAllocator(device.index(), absl::StrCat(options_.name, ".staging"));
+  if (!on_device.ok()) return Annotate(on_device.status(), what);
+  absl::StatusOr<std::unique_ptr<Allocator>> pinned =
+      CreatePinnedAllocator(absl::StrCat(options_.name, ".staging pinned"));
+  if (!pinned.ok()) return Annotate(pinned.status(), what);
+  staging_device_ = *std::move(on_device);
+  staging_pinned_ = *std::move(pinned);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> Scheduler::ClipGradNormOnDevice(double max_norm, absl::Time deadline,
+                                                       const std::string& what) {
+  SL_RETURN_IF_ERROR(EnsureStaging(what));
+  if (clip_device_.data() == nullptr) {
+    SL_ASSIGN_OR_RETURN(clip_device_,
+                        staging_device_->Allocate(kSumSquaresDoubles * sizeof(double)));
+    SL_ASSIGN_OR_RETURN(clip_pinned_, staging_pinned_->Allocate(sizeof(double)));
+  }
+  auto* sums = static_cast<double*>(clip_device_.data());
+  auto* result = static_cast<double*>(clip_pinned_.data());
+  const bool offloaded = offload_allocator_ != nullptr;
+  if (!offloaded) {
+    // The squares, summed by kernels on the compute stream after the backward's last write
+    // (FinishBackward made the compute stream wait for the reductions). Padding is skipped.
+    SL_RETURN_IF_ERROR(Annotate(EnqueueFill(compute_, sums, sizeof(double)), what));
+    for (const Unit& unit : units_) {
+      if (!unit.param->has_shard_grad()) continue;
+      SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
+      const size_t esize = DTypeSize(grad.dtype);
+      for (const ShardSlice& slice : unit.param->layout().ShardSlices(grad.shard)) {
+        SL_RETURN_IF_ERROR(Annotate(
+            EnqueueSumSquares(compute_,
+                              static_cast<const char*>(grad.data) + slice.shard_offset * esize,
+                              slice.length, grad.dtype, sums),
+            absl::StrCat(what, ": unit '", unit.name, "'")));
+      }
+    }
+  } else {
+    // CPU offload: the sharded gradients are in host memory, summed here once the compute stream
+    // is done; the partial sum crosses to the device for the all-reduce.
+    SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> reduced, RecordEvent(compute_));
+    SL_RETURN_IF_ERROR(Annotate(reduced->Synchronize(deadline), what));
+    double partial = 0;
+    for (const Unit& unit : units_) {
+      if (!unit.param->has_shard_grad()) continue;
+      SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
+      SL_ASSIGN_OR_RETURN(double squares, ShardSquaredNorm(unit.param->layout(), grad.shard,
+                                                           grad.data, grad.dtype));
+      partial += squares;
+    }
+    *result = partial;
+    SL_RETURN_IF_ERROR(Annotate(EnqueueCopy(compute_, sums, result, sizeof(double)), what));
+  }
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> summed, RecordEvent(compute_));
+  SL_RETURN_IF_ERROR(Annotate(reduce_stream_->WaitEvent(*summed), what));
+  ReduceOptions sum{};
+  sum.op = ReduceOp::kSum;
+  SL_ASSIGN_OR_RETURN(Work work,
+                      reduce_comm_->AllReduce(sums, sums, 1, DType::kF64, *reduce_stream_, sum));
+  SL_RETURN_IF_ERROR(Annotate(EnqueueCopy(*reduce_stream_, result, sums, sizeof(double)), what));
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> copied, RecordEvent(*reduce_stream_));
+  SL_RETURN_IF_ERROR(Annotate(work.Wait(deadline), what));
+  SL_RETURN_IF_ERROR(Annotate(copied->Synchronize(deadline), what));
+  const double norm = std::sqrt(*result);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (const Unit& unit : units_) {
+      if (!unit.param->has_shard_grad()) continue;
+      SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
+      SL_RETURN_IF_ERROR(
+          Annotate(offloaded ? Scale(grad.data, grad.elements, grad.dtype, coef)
+                             : EnqueueScale(compute_, grad.data, grad.elements, grad.dtype, coef),
+                   what));
     }
   }
   return norm;

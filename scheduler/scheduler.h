@@ -326,8 +326,11 @@ class Scheduler {
   // Clips the sharded gradients by their global L2 norm (over every parameter of every unit,
   // each replica counted once): one all-reduce of the partial squares over the shard group,
   // then a scale by min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping. Blocks
-  // until the reductions are done (at most until `deadline`). Host memory only (Unimplemented for
-  // device shards); every floating dtype.
+  // until the reductions are done (at most until `deadline`); every floating dtype. On a CUDA
+  // compute stream the squares are summed by kernels on the compute stream, the all-reduce runs
+  // in device memory and only the norm is copied back; the scaling is enqueued on the compute
+  // stream (not waited for). With CPU offload the sharded gradients are summed and scaled on the
+  // host.
   absl::StatusOr<double> ClipGradNorm(double max_norm, absl::Time deadline);
 
   // The metrics of the last finished step; waits (until `deadline`) for the events they are read
@@ -505,6 +508,19 @@ class Scheduler {
   absl::Duration hook_time_;
   int hook_calls_ = 0;
   double clip_scratch_ = 0;
+  // Device worlds: small staging buffers for the order check's all-gather and ClipGradNorm's
+  // all-reduce (collectives there take device memory), and pinned host memory to read results
+  // back without a blocking copy. Made on first use; declared before their buffers.
+  absl::Status EnsureStaging(const std::string& what);
+  absl::StatusOr<double> ClipGradNormOnDevice(double max_norm, absl::Time deadline,
+                                              const std::string& what);
+  std::unique_ptr<Allocator> staging_device_;
+  std::unique_ptr<Allocator> staging_pinned_;
+  Buffer clip_device_;   // kSumSquaresDoubles doubles
+  Buffer clip_pinned_;   // one double
+  Buffer order_device_;  // the order check's records, (world size + 1) of them
+  Buffer order_pinned_;
+  std::shared_ptr<Event> order_check_copied_;  // the records back in order_pinned_
   // The issue log, kept compact (formatted by issue_log()): what was issued, for which unit.
   enum class Issued : uint8_t { kGather, kReduceScatter, kAllReduce, kAllReduceAccumulated };
   struct IssueEntry {

@@ -127,4 +127,18 @@ absl::Status CudaScale(void* inout, size_t count, DType dtype, double factor, vo
       absl::StrCat("CudaScale(", DTypeName(dtype), ", count=", count, ")"));
 }
 
+absl::Status CudaSumSquares(const void* data, size_t count, DType dtype, double* sums,
+                            void* stream) {
+  static_assert(kCudaSumSquaresDoubles == 1 + ci::kSumSquaresBlocks);
+  if (!IsFloatingPoint(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaSumSquares: dtype ", DTypeName(dtype),
+                                                   " is not supported (f32, f64, f16, bf16)"));
+  }
+  if (count == 0) return absl::OkStatus();
+  SL_RETURN_IF_ERROR(CheckPointer("CudaSumSquares", "data", data, dtype));
+  SL_RETURN_IF_ERROR(CheckPointer("CudaSumSquares", "sums", sums, DType::kF64));
+  return LaunchStatus(ci::LaunchSumSquares(data, count, static_cast<int>(dtype), sums, stream),
+                      absl::StrCat("CudaSumSquares(", DTypeName(dtype), ", count=", count, ")"));
+}
+
 }  // namespace shardline

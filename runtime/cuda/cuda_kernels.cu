@@ -316,7 +316,68 @@ int ScaleTyped(void* inout, size_t count, double factor, int64_t divisor, cudaSt
   return static_cast<int>(cudaGetLastError());
 }
 
+// ---- Sum of squares ----------------------------------------------------------------------------
+
+// Tree sum of blockDim.x (a power of two) values in shared memory; thread 0 gets the total.
+__device__ double BlockSum(double* shared, double mine) {
+  shared[threadIdx.x] = mine;
+  __syncthreads();
+  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) shared[threadIdx.x] += shared[threadIdx.x + half];
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+template <int D>
+__global__ void SumSquaresPartialKernel(const typename Elem<D>::S* data, size_t count,
+                                        double* partials) {
+  using E = Elem<D>;
+  __shared__ double shared[kThreads];
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  double mine = 0.0;
+  for (size_t i = tid; i < count; i += stride) {
+    const double x = static_cast<double>(E::ToC(data[i]));
+    mine += x * x;
+  }
+  const double total = BlockSum(shared, mine);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+__global__ void SumSquaresFinishKernel(double* sums) {
+  __shared__ double shared[kSumSquaresBlocks];
+  const double total = BlockSum(shared, sums[1 + threadIdx.x]);
+  if (threadIdx.x == 0) sums[0] += total;
+}
+
+template <int D>
+int SumSquaresTyped(const void* data, size_t count, double* sums, cudaStream_t stream) {
+  using S = typename Elem<D>::S;
+  SumSquaresPartialKernel<D>
+      <<<kSumSquaresBlocks, kThreads, 0, stream>>>(static_cast<const S*>(data), count, sums + 1);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return static_cast<int>(e);
+  SumSquaresFinishKernel<<<1, kSumSquaresBlocks, 0, stream>>>(sums);
+  return static_cast<int>(cudaGetLastError());
+}
+
 }  // namespace
+
+int LaunchSumSquares(const void* data, size_t count, int dtype, double* sums, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case kKF32:
+      return SumSquaresTyped<kKF32>(data, count, sums, s);
+    case kKF64:
+      return SumSquaresTyped<kKF64>(data, count, sums, s);
+    case kKF16:
+      return SumSquaresTyped<kKF16>(data, count, sums, s);
+    case kKBF16:
+      return SumSquaresTyped<kKBF16>(data, count, sums, s);
+    default:
+      return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
 
 int LaunchCast(const void* src, int src_dtype, void* dst, int dst_dtype, size_t count,
                void* stream) {

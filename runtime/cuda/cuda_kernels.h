@@ -39,6 +39,16 @@ absl::Status CudaReduceMany(void* out, const void* const* inputs, int num_inputs
 
 absl::Status CudaScale(void* inout, size_t count, DType dtype, double factor, void* stream);
 
+// The doubles of device memory CudaSumSquares's `sums` must hold: the result, then scratch.
+inline constexpr size_t kCudaSumSquaresDoubles = 257;
+
+// sums[0] += the sum of squares of data[0..count), accumulated in double (f32, f64, f16, bf16;
+// other dtypes are InvalidArgument). Deterministic for a given count: fixed partial sums and a
+// fixed tree, not atomics. sums[1..] is scratch, so two sums on different streams need
+// different `sums`. Differs from the host's SumOfSquares (index order) in the last bits.
+absl::Status CudaSumSquares(const void* data, size_t count, DType dtype, double* sums,
+                            void* stream);
+
 }  // namespace shardline
 
 #endif  // SHARDLINE_RUNTIME_CUDA_CUDA_KERNELS_H_

@@ -31,6 +31,13 @@ int LaunchReduceMany(void* out, const void* const* inputs, int num_inputs, size_
 // saturate(trunc(x * factor)).
 int LaunchScale(void* inout, size_t count, int dtype, double factor, int64_t divisor, void* stream);
 
+// Blocks of the sum-of-squares kernel: each writes one partial sum to sums[1 + block].
+inline constexpr int kSumSquaresBlocks = 256;
+// sums[0] += the sum of squares of data[0..count) (floating dtypes), in double; sums has
+// 1 + kSumSquaresBlocks doubles of device memory (the rest is scratch). Two launches, a fixed
+// summation order: the result depends on count, not on timing.
+int LaunchSumSquares(const void* data, size_t count, int dtype, double* sums, void* stream);
+
 }  // namespace shardline::cuda_internal
 
 #endif  // SHARDLINE_RUNTIME_CUDA_CUDA_KERNELS_LAUNCH_H_

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/cuda/cuda_kernels.h"
 #include "runtime/host_kernels.h"
+#include "runtime/shard_norms.h"
 
 namespace shardline {
 namespace {
@@ -192,6 +193,38 @@ TEST_F(CudaKernelsTest, ScaleMatchesHost) {
       }
     }
   }
+}
+
+// The device sum of squares against the host's double loop (same values; the device's tree
+// order differs only in the last bits), accumulating into sums[0], and the same bits when run
+// twice.
+TEST_F(CudaKernelsTest, SumSquaresMatchesHost) {
+  std::mt19937_64 rng(4);
+  double* sums = nullptr;
+  ASSERT_EQ(cudaMalloc(&sums, kCudaSumSquaresDoubles * sizeof(double)), cudaSuccess);
+  for (DType dtype : {DType::kF32, DType::kF64, DType::kF16, DType::kBF16}) {
+    for (size_t count : kCounts) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " count=", count));
+      std::vector<std::byte> data = RandomValues(count, dtype, rng);
+      absl::StatusOr<double> expected = SumOfSquares(data.data(), count, dtype);
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      DeviceBuffer d;
+      Upload(d, data, 0);
+      double runs[2];
+      for (double& run : runs) {
+        const double start = 0.5;
+        ASSERT_EQ(cudaMemcpy(sums, &start, sizeof(double), cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_TRUE(CudaSumSquares(d.data, count, dtype, sums, stream_).ok());
+        ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(&run, sums, sizeof(double), cudaMemcpyDeviceToHost), cudaSuccess);
+      }
+      EXPECT_NEAR(runs[0], 0.5 + *expected, 1e-12 * (0.5 + *expected));
+      EXPECT_EQ(runs[0], runs[1]) << "not deterministic";
+    }
+  }
+  EXPECT_EQ(CudaSumSquares(sums, 1, DType::kI32, sums, stream_).code(),
+            absl::StatusCode::kInvalidArgument);
+  cudaFree(sums);
 }
 
 TEST_F(CudaKernelsTest, RejectsBadArguments) {

@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "runtime/half.h"
+#include "runtime/host_kernels.h"
 #include "runtime/stream.h"
 #include "tests/common/gate.h"
 
@@ -84,6 +85,67 @@ TEST(StreamOpsTest, OpsRunInStreamOrderAndMatchPlainLoops) {
     ASSERT_EQ(copy[i], Bf16BitsToFloat(FloatToBf16Bits(s))) << i;
     ASSERT_EQ(zeroed[i], i < 3 ? 0.0f : b[i]) << i;
   }
+}
+
+// Sums of squares accumulate into sums[0] in stream order; scaling follows them. Every floating
+// dtype, odd counts, against a double loop over the values as the dtype holds them.
+TEST(StreamOpsTest, SumSquaresAccumulatesAndScaleScales) {
+  auto stream = *CreateHostStream({.name = "norms"});
+  for (DType dtype : {DType::kF32, DType::kF64, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const size_t n = 4099, m = 17;
+    std::vector<float> values(n + m);
+    for (size_t i = 0; i < values.size(); ++i) values[i] = Hashed(i + 7 * n);
+    std::vector<std::byte> data(values.size() * DTypeSize(dtype));
+    ASSERT_TRUE(Cast(values.data(), DType::kF32, data.data(), dtype, values.size()).ok());
+    std::vector<float> held(values.size());  // the values as the dtype holds them
+    ASSERT_TRUE(Cast(data.data(), dtype, held.data(), DType::kF32, values.size()).ok());
+    double expected_first = 0, expected_second = 0;
+    for (size_t i = 0; i < n; ++i) expected_first += static_cast<double>(held[i]) * held[i];
+    for (size_t i = n; i < n + m; ++i) expected_second += static_cast<double>(held[i]) * held[i];
+
+    std::vector<double> sums(kSumSquaresDoubles, 0.25);  // sums[0] is added to, not overwritten
+    Gate gate;
+    ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+    ASSERT_TRUE(EnqueueSumSquares(*stream, data.data(), n, dtype, sums.data()).ok());
+    ASSERT_TRUE(
+        EnqueueSumSquares(*stream, data.data() + n * DTypeSize(dtype), m, dtype, sums.data()).ok());
+    ASSERT_TRUE(EnqueueScale(*stream, data.data(), n + m, dtype, 0.375).ok());
+    EXPECT_EQ(sums[0], 0.25);  // nothing ran before the gate
+    gate.Open();
+    ASSERT_TRUE(stream->Synchronize(absl::Now() + absl::Seconds(20)).ok());
+    EXPECT_NEAR(sums[0], 0.25 + expected_first + expected_second,
+                1e-12 * (expected_first + expected_second));
+    std::vector<float> scaled(values.size());
+    ASSERT_TRUE(Cast(data.data(), dtype, scaled.data(), DType::kF32, values.size()).ok());
+    for (size_t i = 0; i < values.size(); ++i) {
+      // f64 scales in double; the others in f32 with the factor rounded to f32, then round once.
+      float want;
+      if (dtype == DType::kF64) {
+        want = static_cast<float>(static_cast<double>(held[i]) * 0.375);
+      } else {
+        const float product = held[i] * 0.375f;
+        std::vector<std::byte> one(DTypeSize(dtype));
+        ASSERT_TRUE(Cast(&product, DType::kF32, one.data(), dtype, 1).ok());
+        ASSERT_TRUE(Cast(one.data(), dtype, &want, DType::kF32, 1).ok());
+      }
+      ASSERT_EQ(scaled[i], want) << i;
+    }
+  }
+}
+
+TEST(StreamOpsTest, SumSquaresRefusesIntegersAndNullSums) {
+  auto stream = *CreateCallerStream({.name = "norms"});
+  std::vector<int32_t> ints(5, 3);
+  std::vector<double> sums(kSumSquaresDoubles, 0);
+  absl::Status status = EnqueueSumSquares(*stream, ints.data(), 5, DType::kI32, sums.data());
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("i32"), std::string::npos) << status;
+  std::vector<float> x(3, 1.0f);
+  status = EnqueueSumSquares(*stream, x.data(), 3, DType::kF32, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("null"), std::string::npos) << status;
+  EXPECT_TRUE(stream->status().ok()) << "a refused op must not poison the stream";
 }
 
 TEST(StreamOpsTest, OpsDeclareTheirKindAndCost) {

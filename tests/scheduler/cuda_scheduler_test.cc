@@ -1,12 +1,13 @@
 // The scheduler on a GPU: a one-rank NCCL world, the framework's compute on an asynchronous
 // CUDA stream, every buffer in device memory. Three SGD steps over units of odd sizes, with the
-// parameters each forward reads, the reduced gradients and the updated master shards checked
-// element by element against a host reference, in f32 and with bf16 parameters (f32 and bf16
-// reductions). The optimizer writes the master shards on the compute stream behind a long copy,
-// so a gather that did not wait for it would read the previous step's values. With CPU offload
-// the master shards and sharded gradients live in pinned host memory: the gather stream copies
-// the master shard to the device after that optimizer write, and the reduced shard comes back
-// to host memory. Skips without a GPU or without CUDA.
+// parameters each forward reads, the reduced gradients (clipped by their global norm on the
+// device in two of the steps) and the updated master shards checked element by element against a
+// host reference, in f32 and with bf16 parameters (f32 and bf16 reductions). The optimizer writes
+// the master shards on the compute stream behind a long copy, so a gather that did not wait for
+// it would read the previous step's values. The first step's cross-rank order check runs through
+// device memory. With CPU offload the master shards and sharded gradients live in pinned host
+// memory: the gather stream copies the master shard to the device after that optimizer write, and
+// the reduced shard comes back to host memory. Skips without a GPU or without CUDA.
 
 #include <gtest/gtest.h>
 
@@ -14,6 +15,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -192,6 +194,27 @@ TEST_P(CudaSchedulerTest, TrainsOnAnAsynchronousComputeStream) {
       ASSERT_TRUE((*fsdp)->PostBackward(static_cast<int>(u)).ok());
     }
     ASSERT_TRUE((*fsdp)->FinishBackward().ok());
+
+    // Clipping by the global norm: steps 0 and 2 clip to half the norm, step 1 not at all. The
+    // reference norm: the reduced gradients (one rank: the gradients through the reduce dtype).
+    double squares = 0;
+    for (size_t u = 0; u < units; ++u) {
+      for (size_t t = 0; t < master[u].size(); ++t) {
+        for (size_t i = 0; i < master[u][t].size(); ++i) {
+          const double g =
+              Round(precision.reduce, Load(precision.param, grad[u][t]->as<void>(), i));
+          squares += g * g;
+        }
+      }
+    }
+    const double expected_norm = std::sqrt(squares);
+    const double max_norm = step == 1 ? 1e9 : 0.5 * expected_norm;
+    absl::StatusOr<double> norm = (*fsdp)->ClipGradNorm(max_norm, deadline);
+    ASSERT_TRUE(norm.ok()) << norm.status();
+    EXPECT_NEAR(*norm, expected_norm, 1e-12 * expected_norm) << "step " << step;
+    const double coef = max_norm / (*norm + 1e-6);
+    const bool clipped = coef < 1.0;
+    EXPECT_EQ(clipped, step != 1);
     ASSERT_EQ(cudaStreamSynchronize(raw), cudaSuccess);
 
     for (size_t u = 0; u < units; ++u) {
@@ -225,8 +248,10 @@ TEST_P(CudaSchedulerTest, TrainsOnAnAsynchronousComputeStream) {
         const size_t offset = unit.layout().tensor(static_cast<int>(t)).offset;
         size_t wrong = 0;
         for (size_t i = 0; i < master[u][t].size(); ++i) {
-          const float expected_grad =
+          float expected_grad =
               Round(precision.reduce, Load(precision.param, grad[u][t]->as<void>(), i));
+          // Scaled in f32 by the factor rounded to f32, as the kernels do.
+          if (clipped) expected_grad *= static_cast<float>(coef);
           wrong += g[offset + i] != expected_grad || p[offset + i] != master[u][t][i];
           covered[offset + i] = true;
           master[u][t][i] -= kLearningRate * expected_grad;
