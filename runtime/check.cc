@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-namespace shardline::internal {
+namespace shardline::check_internal {
 
 CheckFailure::CheckFailure(const char* file, int line, const char* condition)
     : file_(file), line_(line) {
@@ -18,4 +18,4 @@ CheckFailure::~CheckFailure() {
   std::abort();
 }
 
-}  // namespace shardline::internal
+}  // namespace shardline::check_internal

@@ -15,7 +15,7 @@
 #include "absl/base/optimization.h"
 #include "absl/status/status.h"
 
-namespace shardline::internal {
+namespace shardline::check_internal {
 
 // Collects the streamed message and aborts in its destructor.
 class CheckFailure {
@@ -35,13 +35,13 @@ struct Voidify {
   void operator&(std::ostream&) {}
 };
 
-}  // namespace shardline::internal
+}  // namespace shardline::check_internal
 
-#define SL_CHECK(cond)                 \
-  ABSL_PREDICT_TRUE(cond)              \
-  ? (void)0                            \
-  : ::shardline::internal::Voidify() & \
-          ::shardline::internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
+#define SL_CHECK(cond)                       \
+  ABSL_PREDICT_TRUE(cond)                    \
+  ? (void)0                                  \
+  : ::shardline::check_internal::Voidify() & \
+          ::shardline::check_internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
 
 #define SL_CHECK_OK(expr)                                \
   do {                                                   \

@@ -47,7 +47,7 @@ std::optional<std::string> ParamBase::RawValue() const {
   return std::string(value);
 }
 
-namespace internal {
+namespace config_internal {
 
 absl::StatusOr<bool> ParseParamValue(absl::string_view text, bool*) {
   const std::string lower = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
@@ -79,13 +79,13 @@ std::string ParamValueText(int64_t v) { return absl::StrCat(v); }
 std::string ParamValueText(double v) { return absl::StrCat(v); }
 std::string ParamValueText(const std::string& v) { return v; }
 
-}  // namespace internal
+}  // namespace config_internal
 
 template <typename T>
 absl::StatusOr<T> Param<T>::Read() const {
   std::optional<std::string> raw = RawValue();
   if (!raw.has_value()) return default_;
-  absl::StatusOr<T> value = internal::ParseParamValue(*raw, static_cast<T*>(nullptr));
+  absl::StatusOr<T> value = config_internal::ParseParamValue(*raw, static_cast<T*>(nullptr));
   absl::Status status = value.status();
   if (status.ok() && check_) status = check_(*value);
   if (!status.ok()) {

@@ -60,7 +60,7 @@ class ParamBase {
   absl::string_view help_;
 };
 
-namespace internal {
+namespace config_internal {
 absl::StatusOr<bool> ParseParamValue(absl::string_view text, bool*);
 absl::StatusOr<int64_t> ParseParamValue(absl::string_view text, int64_t*);
 absl::StatusOr<double> ParseParamValue(absl::string_view text, double*);
@@ -69,7 +69,7 @@ std::string ParamValueText(bool v);
 std::string ParamValueText(int64_t v);
 std::string ParamValueText(double v);
 std::string ParamValueText(const std::string& v);
-}  // namespace internal
+}  // namespace config_internal
 
 template <typename T>
 class Param final : public ParamBase {
@@ -92,7 +92,7 @@ class Param final : public ParamBase {
   }
   const T& default_value() const { return default_; }
 
-  std::string DefaultText() const override { return internal::ParamValueText(default_); }
+  std::string DefaultText() const override { return config_internal::ParamValueText(default_); }
   absl::Status Validate() const override { return Get().status(); }
   void ResetCacheForTesting() const override {
     std::lock_guard<std::mutex> lock(mu_);

@@ -221,7 +221,7 @@ void ReinitLoggingForTesting() {
   InitLocked(state);
 }
 
-namespace internal {
+namespace logging_internal {
 
 LogMessage::LogMessage(LogLevel level, uint32_t subsys, const char* file, int line)
     : level_(level), subsys_(subsys), file_(file), line_(line) {}
@@ -251,5 +251,5 @@ LogMessage::~LogMessage() {
   std::fflush(state.file);
 }
 
-}  // namespace internal
+}  // namespace logging_internal
 }  // namespace shardline

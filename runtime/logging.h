@@ -58,7 +58,7 @@ void SetLogRank(int rank);
 // Re-reads the SHARDLINE_DEBUG* variables (tests; normally they are read once).
 void ReinitLoggingForTesting();
 
-namespace internal {
+namespace logging_internal {
 
 class LogMessage {
  public:
@@ -78,7 +78,7 @@ struct LogVoidify {
   void operator&(std::ostream&) {}
 };
 
-}  // namespace internal
+}  // namespace logging_internal
 }  // namespace shardline
 
 #define SL_LOG_LEVEL_WARN ::shardline::LogLevel::kWarn
@@ -99,12 +99,12 @@ struct LogVoidify {
 #define SL_LOG_ENABLED(level, subsys) \
   ::shardline::LogEnabled(SL_LOG_LEVEL_##level, SL_LOG_SUBSYS_##subsys)
 
-#define SL_LOG(level, subsys)                                                               \
-  !SL_LOG_ENABLED(level, subsys)                                                            \
-      ? (void)0                                                                             \
-      : ::shardline::internal::LogVoidify() &                                               \
-            ::shardline::internal::LogMessage(SL_LOG_LEVEL_##level, SL_LOG_SUBSYS_##subsys, \
-                                              __FILE__, __LINE__)                           \
+#define SL_LOG(level, subsys)                                                                     \
+  !SL_LOG_ENABLED(level, subsys)                                                                  \
+      ? (void)0                                                                                   \
+      : ::shardline::logging_internal::LogVoidify() &                                             \
+            ::shardline::logging_internal::LogMessage(SL_LOG_LEVEL_##level,                       \
+                                                      SL_LOG_SUBSYS_##subsys, __FILE__, __LINE__) \
                 .stream()
 
 #endif  // SHARDLINE_RUNTIME_LOGGING_H_

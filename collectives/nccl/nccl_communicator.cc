@@ -135,8 +135,8 @@ absl::Status PollReady(ncclComm_t comm, absl::Time deadline, absl::string_view w
     if (state == ncclSuccess) return absl::OkStatus();
     if (state != ncclInProgress) {
       return absl::Status(
-          internal::NcclErrorCode(state),
-          absl::StrCat(who, ": NCCL failed: ", internal::DescribeNcclError(state, comm)));
+          nccl_internal::NcclErrorCode(state),
+          absl::StrCat(who, ": NCCL failed: ", nccl_internal::DescribeNcclError(state, comm)));
     }
     if (absl::Now() >= deadline)
       return absl::DeadlineExceededError(absl::StrCat(who, ": ", timeout_detail));
@@ -271,9 +271,9 @@ void NcclCommunicator::OnAbort(const absl::Status& reason) {
 }
 
 absl::Status NcclCommunicator::AsyncError(ncclResult_t state, absl::string_view what) const {
-  return absl::Status(internal::NcclErrorCode(state),
+  return absl::Status(nccl_internal::NcclErrorCode(state),
                       absl::StrCat(what, ": NCCL reported an error on rank ", rank(), ": ",
-                                   internal::DescribeNcclError(state, comm_)));
+                                   nccl_internal::DescribeNcclError(state, comm_)));
 }
 
 absl::Status NcclCommunicator::Run(const Op& op) {
@@ -322,9 +322,9 @@ absl::StatusOr<std::shared_ptr<Communicator>> NcclCommunicator::SplitImpl(int co
       if (parent_state != ncclSuccess && parent_state != ncclInProgress) {
         failed = AsyncError(parent_state, who);
       } else if (child_state != ncclSuccess && child_state != ncclInProgress) {
-        failed = absl::Status(internal::NcclErrorCode(child_state),
+        failed = absl::Status(nccl_internal::NcclErrorCode(child_state),
                               absl::StrCat(who, ": NCCL failed to create the new communicator: ",
-                                           internal::DescribeNcclError(child_state, child)));
+                                           nccl_internal::DescribeNcclError(child_state, child)));
       } else if (parent_state == ncclSuccess && child_state == ncclSuccess) {
         break;
       } else if (!status().ok()) {

@@ -19,7 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
-namespace shardline::internal {
+namespace shardline::cuda_internal {
 
 inline absl::StatusCode CudaErrorCode(cudaError_t error) {
   switch (error) {
@@ -45,18 +45,19 @@ inline absl::Status CudaStatus(cudaError_t error, const char* call, const char* 
                                    cudaGetErrorName(error), " (", cudaGetErrorString(error), ")"));
 }
 
-}  // namespace shardline::internal
+}  // namespace shardline::cuda_internal
 
 // The absl::Status of a CUDA runtime call.
-#define SL_CUDA_STATUS(expr) ::shardline::internal::CudaStatus((expr), #expr, __FILE__, __LINE__)
+#define SL_CUDA_STATUS(expr) \
+  ::shardline::cuda_internal::CudaStatus((expr), #expr, __FILE__, __LINE__)
 
 // Returns the Status of a failed CUDA runtime call from the current function.
-#define SL_CUDA_RETURN_IF_ERROR(expr)                                                      \
-  do {                                                                                     \
-    const cudaError_t sl_cuda_error_ = (expr);                                             \
-    if (ABSL_PREDICT_FALSE(sl_cuda_error_ != cudaSuccess)) {                               \
-      return ::shardline::internal::CudaStatus(sl_cuda_error_, #expr, __FILE__, __LINE__); \
-    }                                                                                      \
+#define SL_CUDA_RETURN_IF_ERROR(expr)                                                           \
+  do {                                                                                          \
+    const cudaError_t sl_cuda_error_ = (expr);                                                  \
+    if (ABSL_PREDICT_FALSE(sl_cuda_error_ != cudaSuccess)) {                                    \
+      return ::shardline::cuda_internal::CudaStatus(sl_cuda_error_, #expr, __FILE__, __LINE__); \
+    }                                                                                           \
   } while (0)
 
 #endif  // SHARDLINE_RUNTIME_CUDA_CUDA_CHECK_H_

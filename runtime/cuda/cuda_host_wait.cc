@@ -48,8 +48,8 @@ class HostFlagPool {
           cudaHostAlloc(&page, kPageBytes, cudaHostAllocPortable | cudaHostAllocMapped);
       if (error != cudaSuccess) {
         (void)cudaGetLastError();
-        return internal::CudaStatus(error, "cudaHostAlloc of a page of host-wait flags", __FILE__,
-                                    __LINE__);
+        return cuda_internal::CudaStatus(error, "cudaHostAlloc of a page of host-wait flags",
+                                         __FILE__, __LINE__);
       }
       // Pages are never freed: a word may be read by a device wait long after its last use.
       auto* words = static_cast<std::atomic<uint32_t>*>(page);

@@ -48,7 +48,7 @@ absl::Status CheckPointer(absl::string_view fn, absl::string_view arg, const voi
 absl::Status LaunchStatus(int error, absl::string_view what) {
   if (error == 0) return absl::OkStatus();
   const auto e = static_cast<cudaError_t>(error);
-  return absl::Status(internal::CudaErrorCode(e),
+  return absl::Status(cuda_internal::CudaErrorCode(e),
                       absl::StrCat(what, ": kernel launch failed: ", cudaGetErrorName(e), " (",
                                    cudaGetErrorString(e), ")"));
 }

@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
-namespace shardline::internal {
+namespace shardline::nccl_internal {
 
 inline absl::string_view NcclResultName(ncclResult_t result) {
   switch (result) {
@@ -80,14 +80,14 @@ inline absl::Status NcclStatus(ncclResult_t result, ncclComm_t comm, bool accept
                                                           ": ", DescribeNcclError(result, comm)));
 }
 
-}  // namespace shardline::internal
+}  // namespace shardline::nccl_internal
 
 // The Status of an NCCL call on `comm` (nullptr for calls without a communicator).
 #define SL_NCCL_STATUS(expr, comm) \
-  ::shardline::internal::NcclStatus((expr), (comm), false, #expr, __FILE__, __LINE__)
+  ::shardline::nccl_internal::NcclStatus((expr), (comm), false, #expr, __FILE__, __LINE__)
 // Same, but ncclInProgress (accepted by a non-blocking communicator) counts as OK.
 #define SL_NCCL_ACCEPTED(expr, comm) \
-  ::shardline::internal::NcclStatus((expr), (comm), true, #expr, __FILE__, __LINE__)
+  ::shardline::nccl_internal::NcclStatus((expr), (comm), true, #expr, __FILE__, __LINE__)
 
 #define SL_NCCL_RETURN_IF_ERROR(expr, comm)                                \
   do {                                                                     \
