@@ -93,9 +93,16 @@ inline void SetElement(DType dtype, void* data, size_t i, double value) {
   }
 }
 
-// Small integers in [-8, 8] ([0, 16] for u8), different per rank, per element and per salt.
+// Small integers in [-8, 8] ([0, 16] for u8) from a hash of (rank, index, salt): exact in every
+// dtype, and without a period along the buffer, so a misplaced block or a shifted offset reads
+// different values (a pattern periodic in the index could hide one).
 inline double PatternValue(DType dtype, int rank, size_t i, int salt = 0) {
-  const int v = static_cast<int>((static_cast<size_t>(rank) * 31 + i * 7 + salt * 13) % 17);
+  uint64_t x = (static_cast<uint64_t>(static_cast<uint32_t>(rank)) << 48) ^
+               (static_cast<uint64_t>(static_cast<uint32_t>(salt)) << 32) ^ i;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;  // splitmix64's finalizer
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  const int v = static_cast<int>(x % 17);
   return dtype == DType::kU8 ? v : v - 8;
 }
 
