@@ -32,7 +32,14 @@ class LauncherTest(unittest.TestCase):
             self.assertEqual(f[:5], [str(rank), "3", str(rank), "3", "127.0.0.1"])
             ports.add(f[5])
         self.assertEqual(len(ports), 1)
-        self.assertTrue(0 < int(ports.pop()) < 65536)
+        port = int(ports.pop())
+        self.assertTrue(0 < port < 65536)
+        # Below the kernel's ephemeral range (where there is room), so that no outgoing
+        # connection can take it between the launcher's choice and rank 0's listen.
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_lo = int(f.read().split()[0])
+        if ephemeral_lo > 12000:
+            self.assertTrue(10000 <= port < ephemeral_lo, port)
 
     def test_master_port_from_environment(self):
         env = dict(os.environ, MASTER_ADDR="localhost", MASTER_PORT="29511")
