@@ -289,13 +289,14 @@ TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {
 }
 
 TEST(UcxCommunicatorTest, LargeCollectivesOnShareableMemory) {
-  // Buffers from the host allocator (shareable from 1 MiB): peers copy out of their mappings of
-  // each other's memory and reduce straight out of them (borrowed chunks).
+  // Buffers from the communicator's host allocator (shareable from 1 MiB): peers copy out of
+  // their mappings of each other's memory and reduce straight out of them (borrowed chunks).
   const int n = 3;
   const size_t count = 300001;  // per rank: several chunks, a ragged last one
   Comms comms = MakeComms(n);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
-    std::unique_ptr<Allocator> host = CreateHostAllocator(64, absl::StrCat("rank", r));
+    std::unique_ptr<Allocator> host =
+        comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
     auto make = [&](size_t bytes) {
       absl::StatusOr<Buffer> b = host->Allocate(bytes);
       SL_CHECK_OK(b.status());

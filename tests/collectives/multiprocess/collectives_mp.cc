@@ -125,8 +125,8 @@ struct TestMemory {
     return std::allocator<T>().allocate(n);
   }
   void deallocate(T* p, size_t n) {
-    std::optional<ShareableSpan> span = FindShareable(p, n * sizeof(T));
-    if (span && span->offset == 0) return FreeShareable(p, n * sizeof(T));
+    // Private memory is never inside a shareable arena.
+    if (FindShareable(p, 1).has_value()) return FreeShareable(p, n * sizeof(T));
     std::allocator<T>().deallocate(p, n);
   }
   bool operator==(const TestMemory& /*other*/) const { return true; }
