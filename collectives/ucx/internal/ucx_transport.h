@@ -27,8 +27,9 @@
 // Peers on the same host are also watched through a pidfd opened at creation (CheckPeers), which
 // notices a death within 200 ms even when no read is in flight, and never mistakes a new process
 // that reuses the pid for the peer. When the sender's buffer is shareable memory
-// (runtime/shared_memory.h) its descriptor also names the region, and the receiver copies from
-// its own mapping of that region (MapPeerRegion) instead: plain memcpy, no system call. What
+// (runtime/shared_memory.h) its descriptor also names its arena and offset, and the receiver
+// copies from its own mapping of that arena (MapPeerRegion) instead: plain memcpy, no system
+// call. What
 // touches the local peers' processes (liveness, reads, mappings) is PeerMemory (peer_memory.h).
 //
 // The implementation is split by job: ucx_wireup.cc (creation: addresses, the CMA agreement, the
