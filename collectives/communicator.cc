@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <utility>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -152,6 +153,85 @@ void Communicator::DisableFlightRecorder() { flight_ = std::make_unique<FlightRe
 
 void Communicator::NoteWaitingOn(const Op& op, const std::vector<int>& peers) const {
   flight_->SetWaitingOn(op.fingerprint.seq, peers);
+}
+
+absl::string_view TransferPathName(TransferPath path) {
+  switch (path) {
+    case TransferPath::kAny:
+      return "any";
+    case TransferPath::kMapped:
+      return "mapped";
+    case TransferPath::kProcessRead:
+      return "process_read";
+    case TransferPath::kTransport:
+      return "transport";
+  }
+  return "invalid";
+}
+
+Registration::Registration(Registration&& other) noexcept
+    : comm_(std::move(other.comm_)),
+      id_(std::exchange(other.id_, 0)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      path_(other.path_) {}
+
+Registration& Registration::operator=(Registration&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    comm_ = std::move(other.comm_);
+    id_ = std::exchange(other.id_, 0);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    path_ = other.path_;
+  }
+  return *this;
+}
+
+void Registration::Reset() {
+  if (id_ != 0) {
+    if (std::shared_ptr<Communicator> comm = comm_.lock()) {
+      comm->UnregisterMemory(id_);
+      comm->live_registrations_.fetch_sub(1);
+    }
+  }
+  comm_.reset();
+  id_ = 0;
+  data_ = nullptr;
+  size_ = 0;
+  path_ = TransferPath::kAny;
+}
+
+absl::StatusOr<Registration> Communicator::RegisterMemory(const void* data, size_t bytes) {
+  const std::string where =
+      absl::StrCat("register_memory on ", name_, " (rank ", rank_, " of ", size_, ")");
+  if (data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": data is null"));
+  }
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": bytes is 0"));
+  }
+  if (bytes - 1 > std::numeric_limits<uintptr_t>::max() - reinterpret_cast<uintptr_t>(data)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", bytes, " bytes from ",
+                                                   absl::Hex(reinterpret_cast<uintptr_t>(data)),
+                                                   " wrap around the address space"));
+  }
+  const uint64_t id = next_registration_.fetch_add(1) + 1;
+  absl::StatusOr<TransferPath> path = RegisterMemoryImpl(data, bytes, id);
+  if (!path.ok()) return Annotate(path.status(), where);
+  Registration registration;
+  registration.comm_ = weak_from_this();
+  registration.id_ = id;
+  registration.data_ = data;
+  registration.size_ = bytes;
+  registration.path_ = *path;
+  live_registrations_.fetch_add(1);
+  return registration;
+}
+
+std::unique_ptr<Allocator> Communicator::CreateHostAllocatorForTransfers(size_t alignment,
+                                                                         std::string name) const {
+  return CreateHostAllocator(alignment, std::move(name));
 }
 
 void Communicator::RecordStarted(const Op& op) const {

@@ -83,6 +83,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "collectives/flight_recorder.h"
+#include "runtime/allocator.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
 #include "runtime/stream.h"
@@ -183,6 +184,54 @@ class Work {
   std::weak_ptr<Communicator> comm_;
 };
 
+// How a backend's peers read memory registered with Communicator::RegisterMemory.
+enum class TransferPath : uint8_t {
+  // The backend moves any memory alike; registering changes nothing (local, sim, nccl).
+  kAny,
+  // Peers on this host read it out of their own mapping of it (shareable memory,
+  // runtime/shared_memory.h): one copy with plain loads, reductions straight out of it.
+  kMapped,
+  // Peers on this host read it with process_vm_readv: one copy, one system call per transfer
+  // (private memory, which no peer can map; or SHARDLINE_UCX_MAP=0).
+  kProcessRead,
+  // Through the backend's transports (UCX's shared-memory FIFOs: two copies per byte; the
+  // network across hosts): peers that may not read this process's memory, or none on this host.
+  kTransport,
+};
+// "any", "mapped", "process_read", "transport".
+absl::string_view TransferPathName(TransferPath path);
+
+// A range of memory registered with a communicator (Communicator::RegisterMemory), the
+// ncclCommRegister / ucp_mem_map pattern. Move-only; unregisters when destroyed or Reset(), which
+// must happen before the memory is freed and may outlive the communicator (it then does
+// nothing). path() tells how the peers will read the range, so that a caller learns whether its
+// buffers take the single-copy mapped path or fall back.
+class Registration {
+ public:
+  Registration() = default;
+  Registration(Registration&& other) noexcept;
+  Registration& operator=(Registration&& other) noexcept;
+  Registration(const Registration&) = delete;
+  Registration& operator=(const Registration&) = delete;
+  ~Registration() { Reset(); }
+
+  const void* data() const { return data_; }
+  size_t size() const { return size_; }
+  TransferPath path() const { return path_; }
+  // False for a default-constructed or reset registration.
+  bool registered() const { return id_ != 0; }
+  // Unregisters now.
+  void Reset();
+
+ private:
+  friend class Communicator;
+  std::weak_ptr<Communicator> comm_;
+  uint64_t id_ = 0;
+  const void* data_ = nullptr;
+  size_t size_ = 0;
+  TransferPath path_ = TransferPath::kAny;
+};
+
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   Communicator(const Communicator&) = delete;
@@ -232,6 +281,28 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Defined in shrink.cc.
   absl::StatusOr<std::shared_ptr<Communicator>> Shrink(absl::Span<const int> excluded,
                                                        absl::Time deadline);
+
+  // Registers [data, data + bytes) of this communicator's device memory for its collectives: the
+  // returned Registration says how peers will read it (path()) and unregisters when destroyed.
+  // Registering is never required for correctness; for the ucx backend memory takes the
+  // single-copy mapped path only if it is shareable (from CreateHostAllocatorForTransfers, or
+  // AllocateShareable) — registration cannot make private memory mappable, and copying it
+  // elsewhere would defeat its purpose, so private memory registers as kProcessRead (peers read
+  // it with process_vm_readv) and the caller may move its buffers to shareable memory. Ranges
+  // may overlap and be registered several times. InvalidArgument for a null `data`, zero
+  // `bytes` or a range that wraps around. Not collective: each rank registers its own memory.
+  absl::StatusOr<Registration> RegisterMemory(const void* data, size_t bytes);
+  // Registrations alive now.
+  int64_t live_registrations() const { return live_registrations_.load(); }
+
+  // A host allocator (alignment as CreateHostAllocator's) for buffers this communicator moves:
+  // the memory its backend moves fastest.
+  // ucx, with peers on this host that map memory: a shareable host allocator
+  // (CreateShareableHostAllocator: its large blocks take the mapped single-copy path); every
+  // other backend: a private one (CreateHostAllocator). The allocator must outlive its buffers,
+  // not the communicator.
+  virtual std::unique_ptr<Allocator> CreateHostAllocatorForTransfers(size_t alignment,
+                                                                     std::string name) const;
 
   // Aborts: every collective in flight or issued later fails with `reason` (as Aborted if
   // `reason` is OK). Backends also tell the peers they can reach. Idempotent; the first reason
@@ -309,6 +380,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(
       const std::vector<int>& ranks, int index, const std::string& name, absl::Time deadline) = 0;
 
+  // RegisterMemory after validation: how peers will read the range (default kAny: nothing to
+  // do). `id` (> 0, unique in this communicator) is what UnregisterMemory gets back.
+  virtual absl::StatusOr<TransferPath> RegisterMemoryImpl(const void* data, size_t bytes,
+                                                          uint64_t id) {
+    return TransferPath::kAny;
+  }
+  virtual void UnregisterMemory(uint64_t id) {}
+
   // Called once when the communicator is aborted, with the reason (to wake waiters, tell peers).
   virtual void OnAbort(const absl::Status& reason) {}
 
@@ -342,6 +421,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                             absl::string_view what) const;
 
  private:
+  friend class Registration;
   absl::StatusOr<Work> Issue(CollectiveKind kind, const void* input, void* output,
                              size_t input_count, size_t output_count, size_t count, DType dtype,
                              ReduceOp op, int root, Stream& stream,
@@ -361,6 +441,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   bool flight_registered_ = false;  // guarded by issue_mu_
   std::atomic<uint64_t> next_split_{0};
   std::atomic<uint64_t> next_shrink_{0};
+  std::atomic<uint64_t> next_registration_{0};
+  std::atomic<int64_t> live_registrations_{0};
   mutable std::mutex mu_;
   absl::Status abort_status_;
   std::atomic<bool> aborted_{false};

@@ -360,10 +360,10 @@ constexpr size_t kMaxHostAllocation = size_t{1} << 47;
 
 class HostAllocator final : public Allocator {
  public:
-  HostAllocator(size_t alignment, std::string name)
+  HostAllocator(size_t alignment, std::string name, bool shareable)
       : Allocator(Device::Host(), std::move(name)),
         alignment_(std::max(alignment, sizeof(void*))),
-        shareable_bytes_(ShareableThreshold(alignment_)) {}
+        shareable_bytes_(shareable ? ShareableThreshold(alignment_) : 0) {}
   ~HostAllocator() override { DrainPending(); }
 
  protected:
@@ -375,8 +375,8 @@ class HostAllocator final : public Allocator {
     if (shareable_bytes_ > 0 && bytes >= shareable_bytes_) {
       absl::StatusOr<void*> shared = AllocateShareable(bytes);
       if (shared.ok()) return shared;
-      // Out of descriptors or memory-file space: private memory still works (peers then read
-      // it with process_vm_readv). Said once per allocator.
+      // No arena could be created or grown (address space or memory-file space): private
+      // memory still works (peers then read it with process_vm_readv). Said once per allocator.
       if (!said_private_.exchange(true)) {
         SL_LOG(INFO, ALLOC) << "host allocator '" << name() << "': " << shared.status().message()
                             << "; large allocations that do not fit use private memory";
@@ -392,15 +392,15 @@ class HostAllocator final : public Allocator {
     return data;
   }
   void DeallocateRaw(void* data, size_t bytes) override {
-    if (shareable_bytes_ > 0 && bytes >= shareable_bytes_) {
-      std::optional<ShareableSpan> span = FindShareable(data, bytes);
-      if (span && span->offset == 0) return FreeShareable(data, bytes);
+    // Private memory is never inside an arena.
+    if (shareable_bytes_ > 0 && bytes >= shareable_bytes_ && FindShareable(data, 1)) {
+      return FreeShareable(data, bytes);
     }
     std::free(data);
   }
 
  private:
-  // Shareable regions are page-aligned: larger alignments take private memory.
+  // Arena blocks are page-aligned: larger alignments take private memory.
   static size_t ShareableThreshold(size_t alignment) {
     absl::StatusOr<int64_t> bytes = ParamHostShareableBytes().Get();
     if (!bytes.ok() || alignment > static_cast<size_t>(sysconf(_SC_PAGESIZE))) return 0;
@@ -417,7 +417,13 @@ class HostAllocator final : public Allocator {
 std::unique_ptr<Allocator> CreateHostAllocator(size_t alignment, std::string name) {
   SL_CHECK(alignment > 0 && (alignment & (alignment - 1)) == 0)
       << "CreateHostAllocator: alignment must be a power of two, got " << alignment;
-  return std::make_unique<HostAllocator>(alignment, std::move(name));
+  return std::make_unique<HostAllocator>(alignment, std::move(name), /*shareable=*/false);
+}
+
+std::unique_ptr<Allocator> CreateShareableHostAllocator(size_t alignment, std::string name) {
+  SL_CHECK(alignment > 0 && (alignment & (alignment - 1)) == 0)
+      << "CreateShareableHostAllocator: alignment must be a power of two, got " << alignment;
+  return std::make_unique<HostAllocator>(alignment, std::move(name), /*shareable=*/true);
 }
 
 #ifndef SHARDLINE_WITH_CUDA

@@ -22,9 +22,14 @@
 // failed). Plain allocators ignore the stream.
 //
 // Allocators:
-//   HostAllocator      aligned host memory (default alignment 64 bytes); allocations of at least
-//                      SHARDLINE_HOST_SHAREABLE_BYTES (1 MiB) are shareable memory that local
-//                      peers map (runtime/shared_memory.h)
+//   HostAllocator      aligned private host memory (default alignment 64 bytes): malloc'd,
+//                      copy-on-write across fork() as usual
+//   shareable HostAllocator (CreateShareableHostAllocator) the same, except that allocations of
+//                      at least SHARDLINE_HOST_SHAREABLE_BYTES (1 MiB) are blocks of the
+//                      shareable arenas that local peers map (runtime/shared_memory.h): what
+//                      a ucx communicator hands out for the memory it moves
+//                      (Communicator::CreateHostAllocatorForTransfers). Freeing such a block
+//                      returns its pages to the kernel at once, even while peers map them
 //   PinnedAllocator    page-locked host memory (cudaHostAlloc; CUDA builds)
 //   CudaAllocator      device memory from the device's stream-ordered memory pool
 //                      (cudaMallocAsync/cudaFreeAsync; CUDA builds): neither call synchronizes
@@ -211,8 +216,14 @@ class Allocator {
   std::shared_ptr<PendingSet> pending_;
 };
 
-// Aligned host memory. `alignment` must be a power of two (checked).
+// Aligned private host memory. `alignment` must be a power of two (checked).
 std::unique_ptr<Allocator> CreateHostAllocator(size_t alignment = 64, std::string name = "host");
+// Aligned host memory of which allocations of at least SHARDLINE_HOST_SHAREABLE_BYTES are
+// shareable (runtime/shared_memory.h); smaller ones, and every one if `alignment` exceeds a page
+// or no arena can be had (one INFO line), are private. Shared with forked children, unlike
+// CreateHostAllocator's.
+std::unique_ptr<Allocator> CreateShareableHostAllocator(size_t alignment = 64,
+                                                        std::string name = "shareable");
 
 // Page-locked host memory and CUDA device memory. Unimplemented without CUDA.
 absl::StatusOr<std::unique_ptr<Allocator>> CreatePinnedAllocator(std::string name = "pinned");

@@ -22,7 +22,9 @@
 // allocator); the backing allocator's stats count what the pool reserved (class sizes, cached
 // blocks included). cache_stats() reports both sides from the pool's point of view.
 //
-// If the backing allocator runs out of memory, the pool empties its cache and retries once.
+// If the backing allocator runs out of memory, the pool empties its cache and retries once. The
+// emptied blocks' memory really goes back: for shareable host memory too, whose freed pages
+// leave the arena even while peers map it (runtime/shared_memory.h).
 // The backing allocator must outlive the pool. Thread safety: as every Allocator.
 
 #ifndef SHARDLINE_RUNTIME_CACHING_POOL_H_

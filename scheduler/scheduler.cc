@@ -168,7 +168,8 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::shared_ptr<Com
 
   if (o.gather_pool == nullptr || o.reduce_pool == nullptr || o.shard_allocator == nullptr) {
     if (compute.device().is_host()) {
-      s->backing_ = CreateHostAllocator(64, absl::StrCat(o.name, ".host"));
+      // Shareable where the world's backend maps it (ucx): the single-copy mapped path.
+      s->backing_ = world->CreateHostAllocatorForTransfers(64, absl::StrCat(o.name, ".host"));
     } else {
       absl::StatusOr<std::unique_ptr<Allocator>> device =
           CreateCudaAllocator(compute.device().index(), absl::StrCat(o.name, ".device"));

@@ -376,7 +376,8 @@ absl::Status TimeCollectives(Communicator& world, Allocator& alloc, Stream& stre
 }
 
 absl::StatusOr<Calibration> Calibrate(Communicator& world, const Flags& f, absl::Time deadline) {
-  std::unique_ptr<Allocator> alloc = CreateHostAllocator(64, "calibration");
+  // The memory the scheduler's pools use over this world (ucx: shareable, mapped by peers).
+  std::unique_ptr<Allocator> alloc = world.CreateHostAllocatorForTransfers(64, "calibration");
   SL_ASSIGN_OR_RETURN(auto stream, CreateHostStream({.name = "calibration"}));
   SL_ASSIGN_OR_RETURN(auto control, CreateCallerStream({.name = "calibration control"}));
   Calibration c;

@@ -11,10 +11,12 @@
 
 namespace shardline::perf {
 
-absl::StatusOr<std::unique_ptr<Memory>> Memory::Create(Device device) {
+absl::StatusOr<std::unique_ptr<Memory>> Memory::Create(const Communicator& comm) {
+  const Device device = comm.device();
   auto memory = std::unique_ptr<Memory>(new Memory(device));
   if (device.is_host()) {
-    memory->allocator_ = CreateHostAllocator(4096, "perf");
+    // The memory the communicator moves fastest (ucx: shareable, mapped by the local peers).
+    memory->allocator_ = comm.CreateHostAllocatorForTransfers(4096, "perf");
   } else {
     SL_ASSIGN_OR_RETURN(memory->allocator_, CreateCudaAllocator(device.index(), "perf"));
   }

@@ -1,8 +1,9 @@
 // File: bench/perf/memory.h
 // -----------------------------------------------------------------------------
-// The perf binaries' buffers: host memory from a HostAllocator, or device memory from a CUDA
-// allocator. Inputs are written and outputs read through host views; on a device that is a
-// staging copy (cudaMemcpy), outside the timed region.
+// The perf binaries' buffers: host memory from the communicator's host allocator for transfers
+// (ucx: shareable memory that the local peers map), or device memory from a CUDA allocator. Inputs
+// are written and outputs read through host views; on a device that is a staging copy (cudaMemcpy),
+// outside the timed region.
 
 #ifndef SHARDLINE_BENCH_PERF_MEMORY_H_
 #define SHARDLINE_BENCH_PERF_MEMORY_H_
@@ -15,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "collectives/communicator.h"
 #include "runtime/allocator.h"
 #include "runtime/device.h"
 
@@ -22,8 +24,8 @@ namespace shardline::perf {
 
 class Memory {
  public:
-  // Unimplemented for a device in a build without CUDA.
-  static absl::StatusOr<std::unique_ptr<Memory>> Create(Device device);
+  // Memory on `comm`'s device. Unimplemented for a device in a build without CUDA.
+  static absl::StatusOr<std::unique_ptr<Memory>> Create(const Communicator& comm);
 
   // A buffer of at least `bytes` (64 at least, so that empty sizes still get an address).
   absl::StatusOr<Buffer> Allocate(size_t bytes);

@@ -319,7 +319,7 @@ absl::StatusOr<std::unique_ptr<Stream>> MakeStream(const Options& o, Device devi
 }  // namespace
 
 int RunRank(const CollectiveSpec& spec, const Options& o, Communicator& comm, int processes) {
-  absl::StatusOr<std::unique_ptr<Memory>> memory = Memory::Create(comm.device());
+  absl::StatusOr<std::unique_ptr<Memory>> memory = Memory::Create(comm);
   absl::StatusOr<std::unique_ptr<Stream>> stream =
       memory.ok() ? MakeStream(o, comm.device()) : memory.status();
   if (!memory.ok() || !stream.ok()) {

@@ -23,8 +23,8 @@ The timed calls are written as a user writes them: `comm.all_reduce(x)`,
 `comm.all_reduce(x, output=y)`, `comm.all_gather(out, inp)`.
 
 --memory picks where the tensors live:
-  empty        shardline.empty(..., framework="numpy"): shardline's registered host memory, the
-               allocator the perf binaries use (shareable from SHARDLINE_HOST_SHAREABLE_BYTES)
+  empty        shardline.empty(..., framework="numpy"): shardline's shareable host memory, as
+               the perf binaries' (arena blocks from SHARDLINE_HOST_SHAREABLE_BYTES)
   empty-torch  shardline.empty(..., framework="torch"): the same memory as torch tensors
   numpy        numpy.empty: numpy's private memory
   torch        torch.empty: torch's private memory

@@ -66,7 +66,7 @@ PeerMemory::PeerMemory(int size, std::string describe)
     : describe_(std::move(describe)), peers_(size) {}
 
 PeerMemory::~PeerMemory() {
-  for (const Mapping& m : mappings_) munmap(const_cast<uint8_t*>(m.base), m.bytes);
+  for (const auto& [key, m] : mappings_) munmap(const_cast<uint8_t*>(m.base), m.bytes);
   for (Process& peer : peers_) {
     if (peer.pidfd >= 0) close(peer.pidfd);
   }
@@ -123,16 +123,11 @@ int PeerMemory::Read(int peer, void* dst, uint64_t remote, size_t bytes) const {
   return 0;
 }
 
-const uint8_t* PeerMemory::Map(int peer, uint64_t region_id, int fd, size_t bytes) {
+const uint8_t* PeerMemory::Map(int peer, uint64_t region_id, int fd, size_t bytes, size_t needed) {
   Process& p = peers_[peer];
-  if (p.unmappable || bytes == 0) return nullptr;
-  ++map_clock_;
-  for (Mapping& m : mappings_) {
-    if (m.peer == peer && m.region_id == region_id) {
-      m.last_use = map_clock_;
-      return m.bytes == bytes ? m.base : nullptr;
-    }
-  }
+  if (p.unmappable || bytes == 0 || needed > bytes) return nullptr;
+  auto found = mappings_.find({peer, region_id});
+  if (found != mappings_.end()) return found->second.bytes == bytes ? found->second.base : nullptr;
   // Out of descriptors (or memory) is transient: copy this message with process_vm_readv and try
   // again with the next. Anything else means this peer's memory cannot be mapped at all.
   auto fail = [&](const char* what) -> const uint8_t* {
@@ -154,39 +149,30 @@ const uint8_t* PeerMemory::Map(int peer, uint64_t region_id, int fd, size_t byte
   if (p.pidfd < 0 && !OpenPidfd(peer)) return fail("pidfd_open");
   const int local_fd = static_cast<int>(syscall(SYS_pidfd_getfd, p.pidfd, fd, 0));
   if (local_fd < 0) return fail("pidfd_getfd");
+  // The arena's memory file only grows, up to its reservation: it must hold the span now and
+  // never exceed what the peer reserved.
   struct stat st {};
   void* base = MAP_FAILED;
-  if (fstat(local_fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes) {
-    base = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, local_fd, 0);
+  errno = 0;
+  if (fstat(local_fd, &st) == 0 && static_cast<size_t>(st.st_size) >= needed &&
+      static_cast<size_t>(st.st_size) <= bytes) {
+    base = mmap(nullptr, bytes, PROT_READ, MAP_SHARED | MAP_NORESERVE, local_fd, 0);
   }
   const int map_error = base == MAP_FAILED && errno != 0 ? errno : EINVAL;
   close(local_fd);
   if (base == MAP_FAILED) {
     errno = map_error;
-    return fail("mapping a shared region");
-  }
-  // A bounded cache per peer: a region the peer freed stays alive while mapped here. Per peer,
-  // not overall, so that a collective never unmaps a region it still reads (borrowed chunks):
-  // one collective uses at most two regions of a peer (its input and its output), however
-  // many peers there are.
-  constexpr size_t kMaxMappingsPerPeer = 64;
-  auto lru = mappings_.end();
-  size_t of_peer = 0;
-  for (auto it = mappings_.begin(); it != mappings_.end(); ++it) {
-    if (it->peer != peer) continue;
-    ++of_peer;
-    if (lru == mappings_.end() || it->last_use < lru->last_use) lru = it;
-  }
-  if (of_peer >= kMaxMappingsPerPeer) {
-    munmap(const_cast<uint8_t*>(lru->base), lru->bytes);
-    mappings_.erase(lru);
+    return fail("mapping a shared arena");
   }
   if (!p.mapped_before) {
     p.mapped_before = true;
     SL_LOG(INFO, COLL) << describe_ << ": maps the shareable memory of peer rank " << peer;
   }
-  mappings_.push_back({peer, region_id, static_cast<const uint8_t*>(base), bytes, map_clock_});
-  return mappings_.back().base;
+  // Kept until this object is destroyed: an arena lives as long as its process, and a peer has a
+  // handful of them.
+  mappings_.emplace(std::make_pair(peer, region_id),
+                    Mapping{static_cast<const uint8_t*>(base), bytes});
+  return static_cast<const uint8_t*>(base);
 }
 
 }  // namespace shardline::ucx_internal

@@ -19,7 +19,7 @@ namespace {
 bool SingleCopyPhase(Phase phase) { return phase == Phase::kData || phase == Phase::kGather; }
 
 // What a single-copy sender tells its reader: the buffer's address and length, and, if the
-// buffer is shareable memory, the region that holds it (region id 0: it is not).
+// buffer is shareable memory, the arena that holds it (region id 0: it is not).
 enum Descriptor : size_t {
   kAddress,
   kLength,
@@ -107,9 +107,9 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
     if (status.ok() && read.desc[kRegionId] != 0 &&
         read.desc[kRegionOffset] <= read.desc[kRegionBytes] &&
         read.bytes <= read.desc[kRegionBytes] - read.desc[kRegionOffset]) {
-      mapped =
-          transport_.MapPeerRegion(read.peer, read.desc[kRegionId],
-                                   static_cast<int>(read.desc[kRegionFd]), read.desc[kRegionBytes]);
+      mapped = transport_.MapPeerRegion(
+          read.peer, read.desc[kRegionId], static_cast<int>(read.desc[kRegionFd]),
+          read.desc[kRegionBytes], read.desc[kRegionOffset] + read.bytes);
     }
     read.done->view = read.dst;
     const bool borrowed = mapped != nullptr && read.borrow;

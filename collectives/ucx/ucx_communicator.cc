@@ -11,6 +11,7 @@
 #include "collectives/ucx/internal/ucx_transport.h"
 #include "runtime/config.h"
 #include "runtime/host_kernels.h"
+#include "runtime/shared_memory.h"
 #include "runtime/status.h"
 
 namespace shardline {
@@ -55,11 +56,33 @@ class UcxCommunicator final : public Communicator {
 
   absl::string_view backend() const override { return "ucx"; }
 
+  std::unique_ptr<Allocator> CreateHostAllocatorForTransfers(size_t alignment,
+                                                             std::string name) const override {
+    if (transport_ != nullptr && transport_->maps_peers()) {
+      return CreateShareableHostAllocator(alignment, std::move(name));
+    }
+    return CreateHostAllocator(alignment, std::move(name));
+  }
+
  protected:
   absl::Status Run(const Op& op) override;
   absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
                                                                int index, const std::string& name,
                                                                absl::Time deadline) override;
+  // Nothing to set up: what decides the path is whether the range is shareable memory, which a
+  // peer maps whole (its arena) on first use; private memory cannot be made mappable.
+  absl::StatusOr<TransferPath> RegisterMemoryImpl(const void* data, size_t bytes,
+                                                  uint64_t /*id*/) override {
+    if (transport_ == nullptr) return TransferPath::kAny;  // a group of one moves nothing
+    if (!transport_->has_local_peers() || !transport_->read_by_every_local_peer()) {
+      return TransferPath::kTransport;
+    }
+    if (transport_->maps_peers() && FindShareable(data, bytes).has_value()) {
+      return TransferPath::kMapped;
+    }
+    return TransferPath::kProcessRead;
+  }
+
   void OnAbort(const absl::Status& reason) override {
     if (transport_ == nullptr) return;
     // A peer's abort notice went to every rank already; anything else is news to the peers.

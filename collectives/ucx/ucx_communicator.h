@@ -26,10 +26,11 @@
 //
 // How large messages move between ranks on one machine (peers on other machines: UCX's network
 // transports):
-//   * the sender's buffer is shareable memory (runtime/shared_memory.h; host allocations of at
-//     least SHARDLINE_HOST_SHAREABLE_BYTES): the receiver maps the sender's memory file once and
-//     copies out of its mapping with memcpy; reductions read their inputs straight out of the
-//     peers' mappings (borrowed chunks, no copy at all);
+//   * the sender's buffer is shareable memory (runtime/shared_memory.h: the large blocks of
+//     CreateHostAllocatorForTransfers' allocator, which for this backend is shareable while
+//     same-host peers map): the receiver maps the sender's arena once and copies out of its
+//     mapping with memcpy; reductions read their inputs straight out of the peers' mappings
+//     (borrowed chunks, no copy at all);
 //   * private memory, or SHARDLINE_UCX_MAP=0: one process_vm_readv copy out of the sender's
 //     memory;
 //   * SHARDLINE_UCX_CMA=0 (or peers that may not read each other's memory): UCX's shared-memory
@@ -46,8 +47,13 @@
 //
 // Knobs (docs/collectives.md): SHARDLINE_UCX_CHUNK_BYTES, SHARDLINE_UCX_SMALL_BYTES,
 // SHARDLINE_UCX_WINDOW (the same on every rank), SHARDLINE_UCX_SPIN_US, SHARDLINE_UCX_CMA,
-// SHARDLINE_UCX_MAP, SHARDLINE_UCX_SHM, and SHARDLINE_HOST_SHAREABLE_BYTES (which allocations
-// are shareable); UCX's own UCX_* variables apply as usual.
+// SHARDLINE_UCX_MAP, SHARDLINE_UCX_SHM, SHARDLINE_HOST_SHAREABLE_BYTES and
+// SHARDLINE_HOST_SHAREABLE_ARENA_BYTES (shareable allocations and arenas); UCX's own UCX_*
+// variables apply as usual.
+//
+// RegisterMemory reports how the same-host peers read a range: kMapped for shareable memory,
+// kProcessRead for private memory (nothing can make it mappable), kTransport where the peers
+// may not read this process (or none is on this host), kAny for a group of one.
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_
 #define SHARDLINE_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_

@@ -209,9 +209,10 @@ absl::Status UcxTransport::Recv(int peer, void* buffer, size_t bytes, uint64_t t
   return absl::OkStatus();
 }
 
-const uint8_t* UcxTransport::MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes) {
+const uint8_t* UcxTransport::MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes,
+                                           size_t needed) {
   if (!map_ || !peers_[peer].pulls_from) return nullptr;
-  return peer_memory_.Map(peer, region_id, fd, bytes);
+  return peer_memory_.Map(peer, region_id, fd, bytes, needed);
 }
 
 namespace {
@@ -322,6 +323,34 @@ void UcxTransport::Release(std::unique_ptr<Batch> batch) {
     std::lock_guard<std::mutex> lock(mu_);
     graveyard_.push_back(std::move(batch));
   }
+}
+
+}  // namespace shardline::ucx_internal
+
+namespace shardline::ucx_internal {
+
+bool UcxTransport::maps_peers() const {
+  if (!map_) return false;
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && peers_[p].local && peers_[p].pulled_by) return true;
+  }
+  return false;
+}
+
+bool UcxTransport::read_by_every_local_peer() const {
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && peers_[p].local && !peers_[p].pulled_by) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool UcxTransport::has_local_peers() const {
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && peers_[p].local) return true;
+  }
+  return false;
 }
 
 }  // namespace shardline::ucx_internal

@@ -289,13 +289,14 @@ TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {
 }
 
 TEST(UcxCommunicatorTest, LargeCollectivesOnShareableMemory) {
-  // Buffers from the host allocator (shareable from 1 MiB): peers copy out of their mappings of
-  // each other's memory and reduce straight out of them (borrowed chunks).
+  // Buffers from the communicator's host allocator (shareable from 1 MiB): peers copy out of
+  // their mappings of each other's memory and reduce straight out of them (borrowed chunks).
   const int n = 3;
   const size_t count = 300001;  // per rank: several chunks, a ragged last one
   Comms comms = MakeComms(n);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
-    std::unique_ptr<Allocator> host = CreateHostAllocator(64, absl::StrCat("rank", r));
+    std::unique_ptr<Allocator> host =
+        comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
     auto make = [&](size_t bytes) {
       absl::StatusOr<Buffer> b = host->Allocate(bytes);
       SL_CHECK_OK(b.status());
@@ -329,13 +330,22 @@ TEST(UcxCommunicatorTest, LargeCollectivesOnShareableMemory) {
   });
 }
 
+// Mappings of shareable memory in this process (the owners' and the peers' alike).
+int CountShareableMappings() {
+  std::ifstream maps("/proc/self/maps");
+  int count = 0;
+  for (std::string line; std::getline(maps, line);) count += absl::StrContains(line, "memfd:");
+  return count;
+}
+
 TEST(UcxCommunicatorTest, FreshShareableBuffersEveryIterationStayCorrect) {
-  // A new shareable input every iteration, freed after it: its memory-file descriptor number is
-  // reused by the next one (a different region), and more regions pass than a peer's mapping
-  // cache holds (64), so stale mappings must never be read and eviction must keep working.
+  // A new shareable input every iteration, freed after it: the arena hands the freed block (or
+  // another) out again with new contents, which the peer reads through the mapping it made
+  // once — never stale bytes, and no new mapping per block.
   const int n = 2;
   const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
   Comms comms = MakeComms(n);
+  const int mappings_before = CountShareableMappings();
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     std::vector<uint8_t> output(n * count * 4);
     for (int iter = 0; iter < 80; ++iter) {
@@ -354,14 +364,8 @@ TEST(UcxCommunicatorTest, FreshShareableBuffersEveryIterationStayCorrect) {
       FreeShareable(*input, count * 4);
     }
   });
-}
-
-// Mappings of shareable memory in this process (the owners' and the peers' alike).
-int CountShareableMappings() {
-  std::ifstream maps("/proc/self/maps");
-  int count = 0;
-  for (std::string line; std::getline(maps, line);) count += absl::StrContains(line, "memfd:");
-  return count;
+  // One mapping per peer arena, however many blocks passed.
+  EXPECT_LE(CountShareableMappings() - mappings_before, n * GetShareableArenaStats().arenas);
 }
 
 TEST(UcxCommunicatorTest, PeersMapEachOtherAgainAfterRunningOutOfDescriptors) {
@@ -418,6 +422,176 @@ TEST(UcxCommunicatorTest, PeersMapEachOtherAgainAfterRunningOutOfDescriptors) {
   EXPECT_EQ(starved, before);                       // nothing mapped without descriptors
   EXPECT_EQ(CountShareableMappings(), before + n);  // each rank mapped the other's input since
   for (void* input : inputs) FreeShareable(input, count * 4);
+}
+
+// Every element of an all-gather of `count` hashed floats per rank from `input` into `output`
+// (each `count * n` floats), and of a sum reduce-scatter of `count` per rank from `input2`
+// (`count * n` floats) into `shard`.
+void CheckGatherAndReduceScatter(Communicator& comm, Stream& stream, float* input, float* output,
+                                 float* input2, float* shard, size_t count, int salt) {
+  const int n = comm.size(), r = comm.rank();
+  for (size_t i = 0; i < count; ++i) input[i] = HashedFloat(r, i, salt);
+  for (size_t i = 0; i < n * count; ++i) input2[i] = HashedFloat(r, i, salt + 1);
+  absl::Status gathered = WaitFor(comm.AllGather(input, output, count, DType::kF32, stream));
+  ASSERT_TRUE(gathered.ok()) << gathered;
+  for (int s = 0; s < n; ++s) {
+    for (size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(output[s * count + i], HashedFloat(s, i, salt))
+          << "salt " << salt << ": from rank " << s << ", element " << i;
+    }
+  }
+  absl::Status reduced = WaitFor(comm.ReduceScatter(input2, shard, count, DType::kF32, stream));
+  ASSERT_TRUE(reduced.ok()) << reduced;
+  for (size_t i = 0; i < count; ++i) {
+    float sum = 0;
+    for (int s = 0; s < n; ++s) sum += HashedFloat(s, r * count + i, salt + 1);
+    ASSERT_EQ(shard[i], sum) << "salt " << salt << ": element " << i;
+  }
+}
+
+TEST(UcxCommunicatorTest, RegisteredMemorySaysHowPeersReadItAndMovesCorrectly) {
+  // Shareable memory (the communicator's host allocator) registers as mapped and is read out of
+  // the peers' mappings of its arena; private memory registers as process_vm_readv and still
+  // moves correctly. Odd sizes above the shareable threshold, every element checked.
+  const int n = 2;
+  const size_t count = 300007;  // 1.2 MB per rank
+  Comms comms = MakeComms(n);
+  const int mappings_before = CountShareableMappings();
+  std::vector<int> mappings_after_mapped(n), mappings_after_private(n);
+  Gate mapped_done[2];
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    std::unique_ptr<Allocator> host =
+        comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
+    auto make = [&](size_t floats) {
+      absl::StatusOr<Buffer> b = host->Allocate(floats * 4);
+      SL_CHECK_OK(b.status());
+      return *std::move(b);
+    };
+    Buffer input = make(count), output = make(n * count), input2 = make(n * count),
+           shard = make(count);
+    ASSERT_TRUE(FindShareable(input.data(), input.size()).has_value());
+    absl::StatusOr<Registration> in_reg = comm.RegisterMemory(input.data(), input.size());
+    absl::StatusOr<Registration> in2_reg = comm.RegisterMemory(input2.data(), input2.size());
+    ASSERT_TRUE(in_reg.ok() && in2_reg.ok()) << in_reg.status() << in2_reg.status();
+    EXPECT_EQ(in_reg->path(), TransferPath::kMapped) << TransferPathName(in_reg->path());
+    EXPECT_EQ(in2_reg->path(), TransferPath::kMapped);
+    EXPECT_EQ(in_reg->data(), input.data());
+    EXPECT_EQ(in_reg->size(), input.size());
+    CheckGatherAndReduceScatter(comm, stream, input.as<float>(), output.as<float>(),
+                                input2.as<float>(), shard.as<float>(), count, /*salt=*/10);
+    mapped_done[r].Open();
+    ASSERT_TRUE(mapped_done[1 - r].Wait());
+    mappings_after_mapped[r] = CountShareableMappings();
+
+    std::vector<float> p_input(count), p_output(n * count), p_input2(n * count), p_shard(count);
+    absl::StatusOr<Registration> p_reg = comm.RegisterMemory(p_input.data(), count * 4);
+    ASSERT_TRUE(p_reg.ok()) << p_reg.status();
+    EXPECT_EQ(p_reg->path(), TransferPath::kProcessRead) << TransferPathName(p_reg->path());
+    absl::StatusOr<Registration> p2_reg = comm.RegisterMemory(p_input2.data(), n * count * 4);
+    ASSERT_TRUE(p2_reg.ok());
+    EXPECT_EQ(comm.live_registrations(), 4);
+    CheckGatherAndReduceScatter(comm, stream, p_input.data(), p_output.data(), p_input2.data(),
+                                p_shard.data(), count, /*salt=*/20);
+    mappings_after_private[r] = CountShareableMappings();
+
+    // Unregistering: RAII, Reset, moves.
+    Registration moved = *std::move(p_reg);
+    EXPECT_TRUE(moved.registered());
+    EXPECT_EQ(comm.live_registrations(), 4);
+    moved.Reset();
+    EXPECT_FALSE(moved.registered());
+    EXPECT_EQ(comm.live_registrations(), 3);
+    { Registration gone = *std::move(p2_reg); }
+    EXPECT_EQ(comm.live_registrations(), 2);
+  });
+  // Each rank mapped its peer's arena once (the ranks are threads of this process, so the arena
+  // is this process's own, mapped once more per communicator); private memory mapped nothing.
+  for (int r = 0; r < n; ++r) {
+    EXPECT_GE(mappings_after_mapped[r] - mappings_before, n) << "the mapped path was not taken";
+    EXPECT_LE(mappings_after_mapped[r] - mappings_before, n * GetShareableArenaStats().arenas);
+    EXPECT_EQ(mappings_after_private[r], mappings_after_mapped[r]);
+  }
+  for (const std::shared_ptr<Communicator>& comm : comms) EXPECT_EQ(comm->live_registrations(), 0);
+}
+
+TEST(UcxCommunicatorTest, RegisterMemoryRejectsBadRangesAndOutlivesItsCommunicator) {
+  Comms comms = MakeComms(1);
+  absl::StatusOr<Registration> null = comms[0]->RegisterMemory(nullptr, 16);
+  EXPECT_EQ(null.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(null.status().message(), "data is null")) << null.status();
+  int x = 0;
+  absl::StatusOr<Registration> empty = comms[0]->RegisterMemory(&x, 0);
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(empty.status().message(), "bytes is 0")) << empty.status();
+  absl::StatusOr<Registration> wraps =
+      comms[0]->RegisterMemory(reinterpret_cast<void*>(uintptr_t{1} << 63), uintptr_t{1} << 63 | 1);
+  EXPECT_EQ(wraps.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(wraps.status().message(), "wrap around")) << wraps.status();
+  // A group of one moves nothing: any memory does.
+  absl::StatusOr<Registration> alone = comms[0]->RegisterMemory(&x, sizeof(x));
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  EXPECT_EQ(alone->path(), TransferPath::kAny);
+  EXPECT_EQ(comms[0]->live_registrations(), 1);
+  comms.clear();  // the registration outlives its communicator: resetting it does nothing
+  alone->Reset();
+  EXPECT_FALSE(alone->registered());
+
+  // The local backend moves any memory alike, and its host allocator is private.
+  absl::StatusOr<Comms> local = CreateLocalCommunicators(2, {.timeout = absl::Seconds(30)});
+  ASSERT_TRUE(local.ok()) << local.status();
+  std::vector<float> v(1 << 20);
+  absl::StatusOr<Registration> plain = (*local)[0]->RegisterMemory(v.data(), v.size() * 4);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->path(), TransferPath::kAny);
+  std::unique_ptr<Allocator> host = (*local)[0]->CreateHostAllocatorForTransfers(64, "local");
+  absl::StatusOr<Buffer> large = host->Allocate(4 << 20);
+  ASSERT_TRUE(large.ok());
+  EXPECT_FALSE(FindShareable(large->data(), large->size()).has_value())
+      << "a local world's host memory needs no sharing";
+}
+
+TEST(UcxCommunicatorTest, FreeingBlocksThatPeersMappedReturnsTheirMemory) {
+  // After an all-gather the peer maps this rank's arena (for good). Freeing the input must still
+  // return its pages: the arenas' resident bytes drop by the freed blocks, the allocator's
+  // counters are back to zero, and the peers' mappings stay.
+  const int n = 2;
+  const size_t count = (8 << 20) / 4 + 3;  // 8 MiB and a bit per rank
+  Comms comms = MakeComms(n);
+  std::vector<std::unique_ptr<Allocator>> hosts(n);
+  std::vector<Buffer> inputs(n);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    hosts[r] = comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
+    absl::StatusOr<Buffer> input = hosts[r]->Allocate(count * 4);
+    ASSERT_TRUE(input.ok()) << input.status();
+    ASSERT_TRUE(FindShareable(input->data(), input->size()).has_value());
+    auto* in = input->as<float>();
+    for (size_t i = 0; i < count; ++i) in[i] = HashedFloat(r, i, 30);
+    std::vector<float> output(n * count);
+    ASSERT_TRUE(WaitFor(comm.AllGather(in, output.data(), count, DType::kF32, stream)).ok());
+    for (int s = 0; s < n; ++s) {
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(output[s * count + i], HashedFloat(s, i, 30)) << "rank " << s << ", " << i;
+      }
+    }
+    inputs[r] = *std::move(input);
+  });
+  const int mappings = CountShareableMappings();
+  const ShareableArenaStats before = GetShareableArenaStats();
+  int64_t freed = 0;
+  for (int r = 0; r < n; ++r) {
+    freed += static_cast<int64_t>(inputs[r].size());
+    inputs[r].Reset();
+    EXPECT_EQ(hosts[r]->stats().current_bytes, 0);
+  }
+  const ShareableArenaStats after = GetShareableArenaStats();
+  EXPECT_EQ(CountShareableMappings(), mappings) << "the peers' mappings stay";
+  EXPECT_LE(after.resident_bytes, before.resident_bytes - freed)
+      << "freed blocks stay resident while peers map them";
+  EXPECT_EQ(after.live_blocks, before.live_blocks - n);
+  // And the comms still work over the same (now partly freed) arena.
+  RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
+    CheckCollectives(comm, stream, 300001, /*salt=*/31);
+  });
 }
 
 TEST(UcxCommunicatorTest, CreationWithoutPeersTimesOutNamingThem) {

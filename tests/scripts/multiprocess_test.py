@@ -89,6 +89,23 @@ class MultiprocessUcxTest(unittest.TestCase):
         self.expect_ok(3, "quick", timeout=60,
                        env={"SHARDLINE_MP_MEMORY": "shareable", "SHARDLINE_UCX_MAP": "0"})
 
+    def test_registered_memory(self):
+        # RegisterMemory across processes: the communicator's host memory registers as mapped
+        # (and is mapped), private memory as process_read; with mapping or CMA off the paths
+        # change accordingly. Freeing a block the peers map must return its pages.
+        cases = [({"SHARDLINE_DEBUG": "INFO", "SHARDLINE_DEBUG_SUBSYS": "COLL"}, "mapped"),
+                 ({"SHARDLINE_UCX_MAP": "0"}, "process_read"),
+                 ({"SHARDLINE_UCX_CMA": "0"}, "transport")]
+        for env, path in cases:
+            with self.subTest(path=path):
+                code, out, took = run(2, "register", 60, env)
+                self.assertEqual(code, 0, f"exited {code} after {took:.1f} s:\n{out}")
+                for r in range(2):
+                    self.assertRegex(out, rf"OK register rank {r} path {path}\b", out)
+                    if path == "mapped":
+                        self.assertRegex(out, rf"rank {r}: maps the shareable memory of peer", out)
+                self.assertIsNone(CRASH.search(out), out)
+
     def test_tcp_between_processes(self):
         # Every peer treated as remote: UCX's network path (TCP here), error handling on.
         self.expect_ok(2, "quick", timeout=60, env={"SHARDLINE_UCX_SHM": "0"})

@@ -134,7 +134,8 @@ def empty(shape, dtype="float32", framework="numpy"):
     """An uninitialised tensor in shardline's registered host memory.
 
     Collectives on it take the fast path: from SHARDLINE_HOST_SHAREABLE_BYTES (1 MiB) up it is
-    shareable memory that the peers on this host map once and copy from directly, where a
+    a block of shareable memory that the peers on this host map once and copy from directly
+    (shared with forked children, unlike numpy's or torch's own memory), where a
     tensor of numpy's or torch's own memory costs a system call per transfer. framework:
     "numpy" (an ndarray; no bfloat16) or "torch" (a CPU tensor).
     """

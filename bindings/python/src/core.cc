@@ -478,11 +478,11 @@ std::vector<PyComm> InitLocal(int size, std::optional<double> timeout_s) {
 
 // ---- Registered memory ---------------------------------------------------------------------
 
-// shardline's host allocator: allocations of at least SHARDLINE_HOST_SHAREABLE_BYTES are
-// shareable memory that peers on the host map once and copy from directly. Never destroyed (its
-// buffers may outlive any module teardown order).
+// shardline's shareable host allocator: allocations of at least SHARDLINE_HOST_SHAREABLE_BYTES
+// are blocks of the shareable arenas, which peers on the host map once and copy from directly.
+// Never destroyed (its buffers may outlive any module teardown order).
 Allocator& HostMemory() {
-  static Allocator* allocator = CreateHostAllocator(64, "python").release();
+  static Allocator* allocator = CreateShareableHostAllocator(64, "python").release();
   return *allocator;
 }
 

@@ -2,7 +2,7 @@
 // -----------------------------------------------------------------------------
 // The memory of the processes of one communicator that run on this host (backend-private; no
 // UCX in here): whether a peer's process still runs, single copies out of its memory with
-// process_vm_readv, and mappings of its shareable regions (runtime/shared_memory.h).
+// process_vm_readv, and mappings of its shareable arenas (runtime/shared_memory.h).
 //
 // A peer's process is known by a pidfd opened when the peer is first watched (Watch), so that a
 // new process that reuses the pid is never taken for the peer; where the kernel offers no pidfd
@@ -15,7 +15,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardline::ucx_internal {
@@ -48,14 +50,16 @@ class PeerMemory {
   // failed process_vm_readv (ESRCH: the peer has exited).
   int Read(int peer, void* dst, uint64_t remote, size_t bytes) const;
 
-  // This process's read-only mapping of the peer's shareable region `region_id` (its memory file
-  // `fd` in the peer, `bytes` long), mapped on first use and kept in a cache of 64 regions per
-  // peer (the peer's least recently used region is unmapped, so a mapping returned stays valid
-  // for at least the next 63 regions of that peer). Null when the peer cannot be mapped
-  // (pidfd_getfd refused, or the file is not what the peer described; one WARN line, for good),
-  // or not now (out of file descriptors or memory; one WARN line, tried again at the next call).
-  // Not thread-safe: one thread at a time.
-  const uint8_t* Map(int peer, uint64_t region_id, int fd, size_t bytes);
+  // This process's read-only mapping of the peer's shareable arena `region_id` (its memory file
+  // `fd` in the peer, `bytes` reserved; runtime/shared_memory.h), of which the caller will read
+  // the first `needed` bytes at most. Mapped whole on first use and kept until this object is
+  // destroyed (one mapping per peer arena, found again by a lookup): a mapping returned stays
+  // valid. Null when the peer cannot be mapped (pidfd_getfd refused, or the file is not what the
+  // peer described; one WARN line, for good), or not now (out of file descriptors or memory; one
+  // WARN line, tried again at the next call). Not thread-safe: one thread at a time.
+  const uint8_t* Map(int peer, uint64_t region_id, int fd, size_t bytes, size_t needed);
+  // Mappings held now.
+  size_t mappings() const { return mappings_.size(); }
 
  private:
   struct Process {
@@ -67,11 +71,8 @@ class PeerMemory {
     bool mapped_before = false;
   };
   struct Mapping {
-    int peer;
-    uint64_t region_id;
     const uint8_t* base;
     size_t bytes;
-    uint64_t last_use;
   };
 
   // Opens peers_[peer].pidfd; false (logged once per peer, errno kept) if the kernel refuses.
@@ -79,8 +80,7 @@ class PeerMemory {
 
   const std::string describe_;
   std::vector<Process> peers_;
-  std::vector<Mapping> mappings_;
-  uint64_t map_clock_ = 0;
+  std::map<std::pair<int, uint64_t>, Mapping> mappings_;  // by (peer, arena id)
 };
 
 }  // namespace shardline::ucx_internal

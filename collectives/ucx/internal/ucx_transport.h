@@ -27,8 +27,9 @@
 // Peers on the same host are also watched through a pidfd opened at creation (CheckPeers), which
 // notices a death within 200 ms even when no read is in flight, and never mistakes a new process
 // that reuses the pid for the peer. When the sender's buffer is shareable memory
-// (runtime/shared_memory.h) its descriptor also names the region, and the receiver copies from
-// its own mapping of that region (MapPeerRegion) instead: plain memcpy, no system call. What
+// (runtime/shared_memory.h) its descriptor also names its arena and offset, and the receiver
+// copies from its own mapping of that arena (MapPeerRegion) instead: plain memcpy, no system
+// call. What
 // touches the local peers' processes (liveness, reads, mappings) is PeerMemory (peer_memory.h).
 //
 // The implementation is split by job: ucx_wireup.cc (creation: addresses, the CMA agreement, the
@@ -186,15 +187,21 @@ class UcxTransport {
   // peer has exited, Internal naming the peer and range for any other failure.
   absl::Status CmaRead(int peer, void* dst, uint64_t remote, size_t bytes);
 
-  // This process's read-only mapping of peer `peer`'s shareable region `region_id` (its memory
-  // file `fd` in the peer, `bytes` long; runtime/shared_memory.h), mapped on first use and kept
-  // in a cache of 64 regions per peer (the peer's least recently used region is unmapped; a
-  // mapping returned during a collective stays valid until the collective ends). Null when the peer
-  // cannot be mapped (SHARDLINE_UCX_MAP off, no CMA permission, pidfd_getfd refused, or the file
-  // is not what the peer described), or for now (out of file descriptors: tried again at the
-  // next call): the caller then falls back to CmaRead. Only the thread that runs collectives
-  // may call it.
-  const uint8_t* MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes);
+  // This process's read-only mapping of peer `peer`'s shareable arena `region_id` (its memory
+  // file `fd` in the peer, `bytes` reserved; runtime/shared_memory.h), of which the caller reads
+  // at most the first `needed` bytes; mapped on first use and kept until the transport is
+  // destroyed (one mapping per peer arena). Null when the peer cannot be mapped
+  // (SHARDLINE_UCX_MAP off, no CMA permission, pidfd_getfd refused, or the file is not what the
+  // peer described), or for now (out of file descriptors: tried again at the next call): the
+  // caller then falls back to CmaRead. Only the thread that runs collectives may call it.
+  const uint8_t* MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes, size_t needed);
+  // Whether same-host peers read this rank's shareable memory out of their mappings
+  // (SHARDLINE_UCX_MAP on here, and some same-host peer reads this rank's memory).
+  bool maps_peers() const;
+  // Whether every same-host peer reads this rank's large messages out of its memory (the
+  // single-copy protocol), and whether it has same-host peers at all.
+  bool read_by_every_local_peer() const;
+  bool has_local_peers() const;
 
   // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
   // reports it through the abort handler. OK otherwise.

@@ -42,6 +42,14 @@
 //   collectives_mp shrink        the last rank SIGKILLs itself during a large all-reduce; the
 //                                survivors see the error, Shrink the world without it and run
 //                                every collective on the shrunk communicator (checked)
+//   collectives_mp register      RegisterMemory on the communicator's host allocator's memory
+//                                (shareable) and on private memory: the reported path (mapped /
+//                                process_read; both transport with SHARDLINE_UCX_CMA=0, both
+//                                process_read with SHARDLINE_UCX_MAP=0), an all-gather and a
+//                                reduce-scatter from each, every element checked; then the
+//                                shareable input is freed while the peers map it and the arena's
+//                                resident bytes must drop by its size. Prints "OK register rank r
+//                                path <name>"
 //   collectives_mp bench         ad-hoc timings on rank 0 and each rank's memcpy reference
 //                                (SL_BENCH_HUGE=1: buffers on transparent huge pages)
 //
@@ -76,6 +84,7 @@
 #include "collectives/process_mesh.h"
 #include "collectives/store/tcp_store.h"
 #include "collectives/ucx/ucx_communicator.h"
+#include "runtime/allocator.h"
 #include "runtime/shared_memory.h"
 #include "runtime/stream.h"
 #include "testing/typed_values.h"
@@ -125,8 +134,8 @@ struct TestMemory {
     return std::allocator<T>().allocate(n);
   }
   void deallocate(T* p, size_t n) {
-    std::optional<ShareableSpan> span = FindShareable(p, n * sizeof(T));
-    if (span && span->offset == 0) return FreeShareable(p, n * sizeof(T));
+    // Private memory is never inside a shareable arena.
+    if (FindShareable(p, 1).has_value()) return FreeShareable(p, n * sizeof(T));
     std::allocator<T>().deallocate(p, n);
   }
   bool operator==(const TestMemory& /*other*/) const { return true; }
@@ -313,6 +322,108 @@ int Quick() {
   World w = Join(absl::Seconds(60));
   CheckAllKinds(*w.comm, *w.stream, {1, 4097, 300000}, true);
   std::printf("OK quick rank %d\n", g_rank);
+  return 0;
+}
+
+// A float from a hash of (rank, i, salt), a multiple of 1/1024 below 2^12 in magnitude, so that
+// sums over a few ranks are exact in any order.
+float RegisterValue(int rank, size_t i, int salt) {
+  uint64_t x = (uint64_t(rank) << 48) ^ (uint64_t(salt) << 40) ^ i;
+  x += 0x9e3779b97f4a7c15;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111eb;
+  x ^= x >> 31;
+  return static_cast<float>(static_cast<int64_t>(x >> 42) - (int64_t{1} << 21)) / 1024.0f;
+}
+
+// All-gather of `count` floats per rank from `input` and sum reduce-scatter of `count` per rank
+// from `input2`, every element checked.
+void GatherAndReduceScatter(World& w, float* input, float* output, float* input2, float* shard,
+                            size_t count, int salt, const std::string& what) {
+  const int n = g_size;
+  for (size_t i = 0; i < count; ++i) input[i] = RegisterValue(g_rank, i, salt);
+  for (size_t i = 0; i < n * count; ++i) input2[i] = RegisterValue(g_rank, i, salt + 1);
+  ExpectOk(WaitFor(w.comm->AllGather(input, output, count, DType::kF32, *w.stream)),
+           what + ": all_gather");
+  for (int s = 0; s < n; ++s) {
+    for (size_t i = 0; i < count; ++i) {
+      Expect(output[s * count + i] == RegisterValue(s, i, salt),
+             absl::StrCat(what, ": all_gather element ", i, " from rank ", s));
+    }
+  }
+  ExpectOk(WaitFor(w.comm->ReduceScatter(input2, shard, count, DType::kF32, *w.stream)),
+           what + ": reduce_scatter");
+  for (size_t i = 0; i < count; ++i) {
+    float sum = 0;
+    for (int s = 0; s < n; ++s) sum += RegisterValue(s, g_rank * count + i, salt + 1);
+    Expect(shard[i] == sum, absl::StrCat(what, ": reduce_scatter element ", i));
+  }
+}
+
+int Register() {
+  World w = Join(absl::Seconds(60));
+  const int n = g_size;
+  const size_t count = 300007;  // 1.2 MB per rank: shareable, and the single-copy protocol
+  const char* cma = std::getenv("SHARDLINE_UCX_CMA");
+  const char* map = std::getenv("SHARDLINE_UCX_MAP");
+  const bool no_cma = cma != nullptr && std::string(cma) == "0";
+  const bool no_map = map != nullptr && std::string(map) == "0";
+  const TransferPath want_shareable = no_cma   ? TransferPath::kTransport
+                                      : no_map ? TransferPath::kProcessRead
+                                               : TransferPath::kMapped;
+  const TransferPath want_private = no_cma ? TransferPath::kTransport : TransferPath::kProcessRead;
+
+  std::unique_ptr<Allocator> host = w.comm->CreateHostAllocatorForTransfers(64, "register");
+  auto make = [&](size_t floats) {
+    absl::StatusOr<Buffer> b = host->Allocate(floats * 4);
+    ExpectOk(b.status(), "allocate");
+    return *std::move(b);
+  };
+  Buffer input = make(count), output = make(n * count), input2 = make(n * count),
+         shard = make(count);
+  Expect(FindShareable(input.data(), input.size()).has_value() == (!no_cma && !no_map),
+         "the communicator's host memory is shareable exactly when peers map it");
+  {
+    absl::StatusOr<Registration> reg = w.comm->RegisterMemory(input.data(), input.size());
+    absl::StatusOr<Registration> reg2 = w.comm->RegisterMemory(input2.data(), input2.size());
+    ExpectOk(reg.status(), "register shareable");
+    ExpectOk(reg2.status(), "register shareable 2");
+    Expect(reg->path() == want_shareable,
+           absl::StrCat("shareable memory registered as ", TransferPathName(reg->path()),
+                        ", expected ", TransferPathName(want_shareable)));
+    GatherAndReduceScatter(w, input.as<float>(), output.as<float>(), input2.as<float>(),
+                           shard.as<float>(), count, 10, "shareable");
+  }
+  {
+    std::vector<float> p_input(count), p_output(n * count), p_input2(n * count), p_shard(count);
+    absl::StatusOr<Registration> reg = w.comm->RegisterMemory(p_input.data(), count * 4);
+    ExpectOk(reg.status(), "register private");
+    Expect(reg->path() == want_private,
+           absl::StrCat("private memory registered as ", TransferPathName(reg->path()),
+                        ", expected ", TransferPathName(want_private)));
+    Expect(w.comm->live_registrations() == 1, "registrations left behind");
+    GatherAndReduceScatter(w, p_input.data(), p_output.data(), p_input2.data(), p_shard.data(),
+                           count, 20, "private");
+  }
+  Expect(w.comm->live_registrations() == 0, "registrations left behind");
+  if (!no_cma && !no_map) {
+    // The peers map this rank's arena now (and keep the mapping): freeing the input must still
+    // return its pages. Every rank reads first, then frees.
+    ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+    const ShareableArenaStats before = GetShareableArenaStats();
+    const int64_t bytes = static_cast<int64_t>(input.size() + input2.size());
+    input.Reset();
+    input2.Reset();
+    const ShareableArenaStats after = GetShareableArenaStats();
+    Expect(after.resident_bytes <= before.resident_bytes - bytes,
+           absl::StrCat("freed blocks mapped by peers stayed resident: ", before.resident_bytes,
+                        " -> ", after.resident_bytes, " bytes after freeing ", bytes));
+    Expect(host->stats().current_bytes == static_cast<int64_t>(output.size() + shard.size()),
+           "allocator counters");
+    ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  }
+  std::printf("OK register rank %d path %s\n", g_rank,
+              std::string(TransferPathName(want_shareable)).c_str());
   return 0;
 }
 
@@ -938,6 +1049,7 @@ int main(int argc, char** argv) {
   if (scenario == "flood") return shardline::FloodScenario();
   if (scenario == "skipped") return shardline::Skipped();
   if (scenario == "bench") return shardline::Bench();
+  if (scenario == "register") return shardline::Register();
   if (scenario == "hosts") return shardline::HostsScenario();
   if (scenario == "crossing") return shardline::Crossing();
   if (scenario == "cut") return shardline::Cut();
