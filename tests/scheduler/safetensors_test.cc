@@ -276,7 +276,9 @@ TEST_F(SafetensorsFormatTest, WriteIsAtomic) {
     failing.FailFrom(k);
     EXPECT_FALSE(write(failing).ok()) << k;
     EXPECT_EQ(fs::exists(path), k > 5) << k;
-    if (k > 5) EXPECT_TRUE(SafetensorsFile::Open(path).ok());
+    if (k > 5) {
+      EXPECT_TRUE(SafetensorsFile::Open(path).ok());
+    }
   }
 }
 
