@@ -40,13 +40,15 @@ SL_PARAM(bool, StreamBatchSched, "STREAM_BATCH_SCHED", true,
          "the thread that submitted the work (it takes an idle core at once, else waits for the "
          "next scheduling point). 0: the default policy, under which every wake-up of a "
          "worker may switch the submitting thread out.");
-SL_PARAM(int64_t, StreamSpinUs, "STREAM_SPIN_US", 0,
+SL_PARAM(int64_t, StreamSpinUs, "STREAM_SPIN_US", -1,
          "Microseconds a host stream's worker keeps polling for new work (yielding its core "
          "between polls) after its queue runs empty, before it sleeps. Work submitted meanwhile "
          "needs no wake-up (a system call on the submitting thread, and a context switch); the "
-         "cost is a core kept busy for that long after each burst.",
+         "cost is a core kept busy for that long after each burst. -1 (auto): 50 us while the "
+         "process's awake workers are at most a quarter of the hardware threads it may run on "
+         "(never on a machine of fewer than 4), else 0.",
          [](const int64_t& v) -> absl::Status {
-           if (v < 0) return absl::InvalidArgumentError(absl::StrCat("must be >= 0, got ", v));
+           if (v < -1) return absl::InvalidArgumentError(absl::StrCat("must be >= -1, got ", v));
            return absl::OkStatus();
          });
 
@@ -99,10 +101,66 @@ absl::StatusOr<absl::Duration> ElapsedBetween(const Event& start, const Event& e
 
 namespace stream_internal {
 
+// Locks `mu`, polling it a little first. The stream code's critical sections are a few dozen
+// instructions, and the thread that finds one held is typically a worker popping while the
+// submitter pushes (or the reverse): waiting that long in user space spares it a futex wait and
+// the holder a futex wake, each a system call and the wake often a cross-CPU interrupt.
+namespace {
+std::unique_lock<std::mutex> LockSpinning(std::mutex& mu) {
+  for (int i = 0; i < 32; ++i) {
+    if (mu.try_lock()) return std::unique_lock<std::mutex>(mu, std::adopt_lock);
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return std::unique_lock<std::mutex>(mu);
+}
+}  // namespace
+
+// ThisThreadHostStreamCallStats(): plain increments, each thread its own.
+thread_local HostStreamCallStats call_stats;
+
+namespace {
+// The calling thread's HostStreamWakeBatch: how deep, and the condition variables of the sleeping
+// workers it holds back (shared with their streams, so a stream destroyed meanwhile leaves a
+// variable that nobody waits on).
+struct WakeBatchState {
+  int depth = 0;
+  std::vector<std::shared_ptr<std::condition_variable>> held;
+};
+thread_local WakeBatchState wake_batch;
+
+// Wakes a sleeping worker, or holds the wake-up back until the thread's batch ends.
+void WakeWorker(const std::shared_ptr<std::condition_variable>& cv) {
+  if (wake_batch.depth > 0) {
+    wake_batch.held.push_back(cv);
+    return;
+  }
+  ++call_stats.wakes;
+  cv->notify_one();
+}
+}  // namespace
+
+void WakeHeldWorkers() {
+  if (wake_batch.held.empty()) return;
+  // Swapped out first: nothing here submits, but a notify must not see the vector change.
+  std::vector<std::shared_ptr<std::condition_variable>> held;
+  held.swap(wake_batch.held);
+  for (const std::shared_ptr<std::condition_variable>& cv : held) {
+    ++call_stats.wakes;
+    // The item was pushed under the stream's mutex after the worker went to sleep (it releases the
+    // mutex only inside the wait), so the worker is waiting: the notify cannot be lost.
+    cv->notify_one();
+  }
+  held.clear();
+  // Keep the storage for the next batch.
+  if (wake_batch.held.empty()) wake_batch.held.swap(held);
+}
+
 void HostCapture::Complete(absl::Status status) {
   // Read before taking mu_: the time the captured work was done, not when the callbacks were.
   const absl::Time now = clock_->Now();
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
   if (done_ || completing_) return;
   completing_ = true;
   completed_at_ = now;
@@ -126,7 +184,7 @@ void HostCapture::Complete(absl::Status status) {
 void HostCapture::OnComplete(EventCallback callback) {
   absl::Status status;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!done_) {
       callbacks_.push_back(std::move(callback));
       return;
@@ -150,13 +208,13 @@ absl::Status HostCapture::Wait(absl::Time deadline, absl::FunctionRef<std::strin
 }
 
 bool HostCapture::done(absl::Status* status) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
   if (done_) *status = status_;
   return done_;
 }
 
 std::optional<absl::Time> HostCapture::completed_at() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
   if (!done_) return std::nullopt;
   return completed_at_;
 }
@@ -223,9 +281,10 @@ absl::Status HostEvent::Record(Stream& stream) {
                                                    stream.name(), "' (", stream.device().ToString(),
                                                    "); create the event with its CreateEvent()"));
   }
+  ++call_stats.records;
   std::shared_ptr<HostCapture> capture;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     bool embedded = false;
     if (!embedded_.has_value()) {
       if (std::shared_ptr<HostEvent> self = weak_from_this().lock()) {
@@ -242,7 +301,7 @@ absl::Status HostEvent::Record(Stream& stream) {
 }
 
 std::shared_ptr<HostCapture> HostEvent::current() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
   if (!current_embedded_) return current_;
   // The event is alive (this is one of its methods), so some shared_ptr owns it.
   std::shared_ptr<const HostEvent> self = weak_from_this().lock();
@@ -334,6 +393,9 @@ absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const Clock& cl
   if (target.capture != nullptr) {
     return target.capture->Wait(target.capture->clock().Now() + timeout, waiter);
   }
+  // A foreign wait (a CUDA event) may block without a Clock; what it waits for may wait in turn
+  // for work this thread holds back.
+  WakeHeldWorkers();
   absl::Status status = std::move(target.foreign)(clock.Now() + timeout);
   if (absl::IsDeadlineExceeded(status)) status = Annotate(status, waiter());
   return status;
@@ -346,6 +408,11 @@ absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl:
                         [&] { return RunWait(target, timeout, clock, stream_name); });
 }
 
+// Host-stream workers of the process that are not asleep waiting for work (running or polling).
+std::atomic<int> awake_workers{0};
+// How long an idle worker polls under SHARDLINE_STREAM_SPIN_US=-1 (auto), when it may.
+constexpr std::chrono::microseconds kAutoSpin{50};
+
 // A FIFO that keeps its storage. std::deque frees and allocates a node every few items (an
 // Item is a few hundred bytes), which made the queue a malloc per submission or two.
 template <typename T>
@@ -353,7 +420,8 @@ class Ring {
  public:
   bool empty() const { return size_ == 0; }
   T& front() { return slots_[head_]; }
-  void push_back(T item) {
+  T& back() { return slots_[(head_ + size_ - 1) & (slots_.size() - 1)]; }
+  void push_back(T&& item) {
     if (size_ == slots_.size()) Grow();
     slots_[(head_ + size_) & (slots_.size() - 1)] = std::move(item);
     ++size_;
@@ -399,7 +467,9 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
       }
 #endif
+      awake_workers.fetch_add(1, std::memory_order_relaxed);
       WorkerLoop();
+      awake_workers.fetch_sub(1, std::memory_order_relaxed);
     });
   }
 
@@ -409,7 +479,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       stopping_ = true;
     }
     stopping_flag_.store(true, std::memory_order_relaxed);
-    work_cv_.notify_one();
+    work_cv_->notify_one();
     worker_.join();
   }
 
@@ -418,6 +488,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   const Clock& clock() const override { return clock_; }
 
   absl::Status Submit(StreamOp op) override {
+    ++call_stats.submits;
     Item item;
     item.kind = Item::kOp;
     item.op = std::move(op);
@@ -425,8 +496,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   absl::Status WaitEvent(Event& event) override {
+    ++call_stats.waits;
     SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return status();
+    ++call_stats.waits_queued;
     Item item;
     item.kind = Item::kWait;
     item.wait = std::move(target);
@@ -454,7 +527,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   absl::Status status() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     return status_;
   }
 
@@ -462,13 +535,23 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
   absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
       if (status_.ok() && queue_.empty() && finished_ == enqueued_) {
         // Push's shortcut, without building an Item: everything enqueued before has run.
         ++enqueued_;
         ++finished_;
         lock.unlock();
         capture->Complete(absl::OkStatus());
+        return absl::OkStatus();
+      }
+    }
+    ++call_stats.records_queued;
+    {
+      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+      if (status_.ok() && !queue_.empty() && queue_.back().then == nullptr) {
+        // The last queued item is not running yet: the capture completes right after it, with
+        // no item of its own (and no wake-up: the item's push already woke the worker).
+        queue_.back().then = std::move(capture);
         return absl::OkStatus();
       }
     }
@@ -484,10 +567,13 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     Kind kind = kOp;
     StreamOp op;
     WaitTarget wait;  // kRecord: the capture to complete. kWait: what to wait for.
+    // A capture recorded right after this item was queued: completed once it ran (or was
+    // dropped), with the stream's status then.
+    std::shared_ptr<HostCapture> then;
   };
 
-  absl::Status Push(Item item) {
-    std::unique_lock<std::mutex> lock(mu_);
+  absl::Status Push(Item&& item) {
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!status_.ok()) {
       absl::Status status = status_;
       lock.unlock();
@@ -510,7 +596,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     const bool wake = worker_idle_;
     worker_idle_ = false;
     lock.unlock();
-    if (wake) work_cv_.notify_one();
+    if (wake) WakeWorker(work_cv_);
     return absl::OkStatus();
   }
 
@@ -537,6 +623,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     }
     item.wait.capture = nullptr;
     item.wait.foreign = nullptr;
+    if (item.then != nullptr) {
+      item.then->Complete(poison.ok() ? result : poison);
+      item.then = nullptr;
+    }
     return result;
   }
 
@@ -547,13 +637,13 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     while (true) {
       absl::Status poison;
       {
-        std::unique_lock<std::mutex> lock(mu_);
+        std::unique_lock<std::mutex> lock = LockSpinning(mu_);
         if (ran) {
           if (!result.ok() && status_.ok()) status_ = std::move(result);
           ++finished_;
           if (sync_waiters_ > 0) done_cv_.notify_all();
         }
-        if (queue_.empty() && !stopping_ && spin_.count() > 0) {
+        if (queue_.empty() && !stopping_ && MaySpin()) {
           // Poll for a while before sleeping: a Push meanwhile finds the worker awake and
           // notifies nobody.
           const uint64_t seen = enqueued_;
@@ -563,7 +653,9 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         }
         if (queue_.empty() && !stopping_) {
           worker_idle_ = true;  // Push clears it when it notifies
-          work_cv_.wait(lock, [this] { return !queue_.empty() || stopping_; });
+          awake_workers.fetch_sub(1, std::memory_order_relaxed);
+          work_cv_->wait(lock, [this] { return !queue_.empty() || stopping_; });
+          awake_workers.fetch_add(1, std::memory_order_relaxed);
           worker_idle_ = false;
         }
         if (queue_.empty()) return;
@@ -576,9 +668,25 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     }
   }
 
-  // Returns once an item was pushed after `seen` items, the stream is stopping, or spin_ passed.
+  // Whether to poll before sleeping: spin_ > 0, or auto (negative) while the process's awake
+  // workers are at most a quarter of its hardware threads.
+  bool MaySpin() const {
+    if (spin_.count() >= 0) return spin_.count() > 0;
+    static const int hardware_threads = UsableHardwareThreads();
+    return 4 * awake_workers.load(std::memory_order_relaxed) <= hardware_threads;
+  }
+
+  static int UsableHardwareThreads() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+    return static_cast<int>(std::thread::hardware_concurrency());
+  }
+
+  // Returns once an item was pushed after `seen` items, the stream is stopping, or the spin
+  // (spin_, or kAutoSpin when auto) passed.
   void Spin(uint64_t seen) const {
-    const auto end = std::chrono::steady_clock::now() + spin_;
+    const auto end = std::chrono::steady_clock::now() + (spin_.count() < 0 ? kAutoSpin : spin_);
     while (true) {
       for (int i = 0; i < 64; ++i) {
         if (pushed_.load(std::memory_order_acquire) != seen ||
@@ -603,7 +711,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::atomic<bool> stopping_flag_{false};
 
   mutable std::mutex mu_;
-  std::condition_variable work_cv_;  // the worker waits for items
+  // The worker waits for items on it. Shared with the HostStreamWakeBatch of threads that hold a
+  // wake-up of this worker back.
+  const std::shared_ptr<std::condition_variable> work_cv_ =
+      std::make_shared<std::condition_variable>();
   std::condition_variable done_cv_;  // Synchronize waits for finished_
   Ring<Item> queue_ ABSL_GUARDED_BY(mu_);
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
@@ -851,7 +962,18 @@ class RecyclingAllocator {
 
 }  // namespace
 
+HostStreamWakeBatch::HostStreamWakeBatch() { ++stream_internal::wake_batch.depth; }
+
+void HostStreamWakeBatch::End() {
+  if (!open_) return;
+  open_ = false;
+  if (--stream_internal::wake_batch.depth == 0) stream_internal::WakeHeldWorkers();
+}
+
+HostStreamCallStats ThisThreadHostStreamCallStats() { return stream_internal::call_stats; }
+
 std::shared_ptr<Event> CreateHostEvent() {
+  ++stream_internal::call_stats.events;
   return std::allocate_shared<stream_internal::HostEvent>(
       RecyclingAllocator<stream_internal::HostEvent>());
 }

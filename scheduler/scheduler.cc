@@ -694,10 +694,12 @@ absl::Status Scheduler::PostForward(int u) {
     --unit->recomputing;
     return absl::OkStatus();
   }
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> last_use, RecordEvent(compute_));
+  // The compute stream acquired the unit in PreForward: the reshard records its last use there
+  // (FlatParameter records on every acquiring stream), so no event of its own is needed here.
+  SL_RETURN_IF_ERROR(compute_.status());
   --unit->active;
   if (unit->active == 0 && unit->reshard_after_forward && !PrefetchedAgain(u)) {
-    SL_RETURN_IF_ERROR(HookError("PostForward", u, ReshardUnit(u, std::move(last_use))));
+    SL_RETURN_IF_ERROR(HookError("PostForward", u, ReshardUnit(u, nullptr)));
   }
   return HookError("PostForward", u, PrefetchForward());
 }

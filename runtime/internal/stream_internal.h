@@ -110,6 +110,10 @@ class HostWaitable {
   ~HostWaitable() = default;
 };
 
+// Wakes the workers whose wake-ups the calling thread's HostStreamWakeBatch holds back. Every
+// Clock::WaitUntil calls it before blocking.
+void WakeHeldWorkers();
+
 // The wait_timeout a stream named options.name uses: options.wait_timeout if set, else
 // SHARDLINE_TIMEOUT_S. InvalidArgument if it is negative, or unset and the knob is invalid.
 absl::StatusOr<absl::Duration> ResolveWaitTimeout(const StreamOptions& options);
