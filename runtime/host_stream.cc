@@ -121,36 +121,62 @@ std::unique_lock<std::mutex> LockSpinning(std::mutex& mu) {
 thread_local HostStreamCallStats call_stats;
 
 namespace {
-// The calling thread's HostStreamWakeBatch: how deep, and the condition variables of the sleeping
-// workers it holds back (shared with their streams, so a stream destroyed meanwhile leaves a
-// variable that nobody waits on).
+// What wakes a host stream's worker, shared between the stream, its worker and the threads that
+// hold a wake-up of it back (so a stream destroyed meanwhile leaves a condition variable nobody
+// waits on, not a dangling pointer).
+struct WorkerWake {
+  std::mutex mu;               // the stream's mutex (HostStream::mu_)
+  std::condition_variable cv;  // the worker sleeps on it
+  // Wake-ups handed to this worker by a HostStreamWakeBatch that woke it: it passes them on
+  // before it runs anything, so the batch's thread pays for one wake-up, not one per worker.
+  std::vector<std::shared_ptr<WorkerWake>> relay;  // guarded by mu
+  bool worker_gone = false;                        // guarded by mu: nobody takes `relay` any more
+};
+
+// The calling thread's HostStreamWakeBatch: how deep, and the sleeping workers it holds back.
 struct WakeBatchState {
   int depth = 0;
-  std::vector<std::shared_ptr<std::condition_variable>> held;
+  std::vector<std::shared_ptr<WorkerWake>> held;
 };
 thread_local WakeBatchState wake_batch;
 
-// Wakes a sleeping worker, or holds the wake-up back until the thread's batch ends.
-void WakeWorker(const std::shared_ptr<std::condition_variable>& cv) {
+// Wakes a sleeping worker, or holds the wake-up back until the thread's batch ends. The caller
+// pushed work under the worker's mutex while the worker slept (it releases the mutex only inside
+// its wait), so the worker is waiting: a notify now or later cannot be lost.
+void WakeWorker(const std::shared_ptr<WorkerWake>& wake) {
   if (wake_batch.depth > 0) {
-    wake_batch.held.push_back(cv);
+    wake_batch.held.push_back(wake);
     return;
   }
   ++call_stats.wakes;
-  cv->notify_one();
+  wake->cv.notify_one();
+}
+
+// Wakes the workers in `relay` (a worker passing on the wake-ups handed to it).
+void WakeRelayed(std::vector<std::shared_ptr<WorkerWake>>& relay) {
+  for (const std::shared_ptr<WorkerWake>& wake : relay) wake->cv.notify_one();
+  relay.clear();
 }
 }  // namespace
 
 void WakeHeldWorkers() {
   if (wake_batch.held.empty()) return;
-  // Swapped out first: nothing here submits, but a notify must not see the vector change.
-  std::vector<std::shared_ptr<std::condition_variable>> held;
+  // Swapped out first: the vector must not change under the loop.
+  std::vector<std::shared_ptr<WorkerWake>> held;
   held.swap(wake_batch.held);
-  for (const std::shared_ptr<std::condition_variable>& cv : held) {
+  // One wake-up from this thread: the first worker wakes the others. Unless its stream is gone.
+  size_t direct = held.size();
+  if (held.size() > 1) {
+    WorkerWake& first = *held.front();
+    std::unique_lock<std::mutex> lock = LockSpinning(first.mu);
+    if (!first.worker_gone) {
+      for (size_t i = 1; i < held.size(); ++i) first.relay.push_back(std::move(held[i]));
+      direct = 1;
+    }
+  }
+  for (size_t i = 0; i < direct; ++i) {
     ++call_stats.wakes;
-    // The item was pushed under the stream's mutex after the worker went to sleep (it releases the
-    // mutex only inside the wait), so the worker is waiting: the notify cannot be lost.
-    cv->notify_one();
+    held[i]->cv.notify_one();
   }
   held.clear();
   // Keep the storage for the next batch.
@@ -479,7 +505,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       stopping_ = true;
     }
     stopping_flag_.store(true, std::memory_order_relaxed);
-    work_cv_->notify_one();
+    wake_->cv.notify_one();
     worker_.join();
   }
 
@@ -596,7 +622,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     const bool wake = worker_idle_;
     worker_idle_ = false;
     lock.unlock();
-    if (wake) WakeWorker(work_cv_);
+    if (wake) WakeWorker(wake_);
     return absl::OkStatus();
   }
 
@@ -651,14 +677,22 @@ class HostStream final : public Stream, public HostCaptureRecorder {
           Spin(seen);
           lock.lock();
         }
-        if (queue_.empty() && !stopping_) {
+        while (true) {
+          PassOnRelayedWakes(lock);
+          if (!queue_.empty() || stopping_) break;
           worker_idle_ = true;  // Push clears it when it notifies
           awake_workers.fetch_sub(1, std::memory_order_relaxed);
-          work_cv_->wait(lock, [this] { return !queue_.empty() || stopping_; });
+          wake_->cv.wait(lock,
+                         [this] { return !queue_.empty() || stopping_ || !wake_->relay.empty(); });
           awake_workers.fetch_add(1, std::memory_order_relaxed);
           worker_idle_ = false;
         }
-        if (queue_.empty()) return;
+        if (queue_.empty()) {
+          // Stopping. Wake-ups handed over later go straight to their workers.
+          wake_->worker_gone = true;
+          PassOnRelayedWakes(lock);
+          return;
+        }
         item = std::move(queue_.front());
         queue_.pop_front();
         poison = status_;
@@ -666,6 +700,15 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       result = Run(item, poison);
       ran = true;
     }
+  }
+
+  // Wakes the workers whose wake-ups a batch handed to this one, with mu_ released meanwhile.
+  void PassOnRelayedWakes(std::unique_lock<std::mutex>& lock) {
+    if (wake_->relay.empty()) return;
+    relayed_.swap(wake_->relay);
+    lock.unlock();
+    WakeRelayed(relayed_);
+    lock.lock();
   }
 
   // Whether to poll before sleeping: spin_ > 0, or auto (negative) while the process's awake
@@ -710,18 +753,19 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::atomic<uint64_t> pushed_{0};  // enqueued_, for the spinning worker to poll without mu_
   std::atomic<bool> stopping_flag_{false};
 
-  mutable std::mutex mu_;
-  // The worker waits for items on it. Shared with the HostStreamWakeBatch of threads that hold a
-  // wake-up of this worker back.
-  const std::shared_ptr<std::condition_variable> work_cv_ =
-      std::make_shared<std::condition_variable>();
+  // The worker's mutex and condition variable, shared with the threads that hold a wake-up of it
+  // back (HostStreamWakeBatch).
+  const std::shared_ptr<WorkerWake> wake_ = std::make_shared<WorkerWake>();
+  std::mutex& mu_ = wake_->mu;
+  std::vector<std::shared_ptr<WorkerWake>>
+      relayed_;                      // the worker's: relay wake-ups being passed on
   std::condition_variable done_cv_;  // Synchronize waits for finished_
   Ring<Item> queue_ ABSL_GUARDED_BY(mu_);
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool worker_idle_ ABSL_GUARDED_BY(mu_) = false;  // blocked in work_cv_: needs a notify
+  bool worker_idle_ ABSL_GUARDED_BY(mu_) = false;  // blocked in wake_->cv: needs a notify
   int sync_waiters_ ABSL_GUARDED_BY(mu_) = 0;      // blocked in done_cv_
   std::thread worker_;
 };

@@ -586,6 +586,67 @@ TEST(HostStreamWakeBatchTest, BlockingInsideABatchWakesTheHeldWorkersFirst) {
   }
 }
 
+TEST(HostStreamWakeBatchTest, ABatchWakesOneWorkerWhichWakesTheOthers) {
+  constexpr int kStreams = 6;
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int s = 0; s < kStreams; ++s) streams.push_back(MakeHost("relay" + std::to_string(s)));
+  int relayed_batches = 0;
+  for (int round = 0; round < 40; ++round) {
+    for (auto& stream : streams) ASSERT_TRUE(stream->Synchronize(Bounded()).ok());
+    // Let the workers fall asleep, so that the batch holds several wake-ups back.
+    absl::SleepFor(absl::Milliseconds(2));
+    std::vector<std::atomic<int>> ran(kStreams);
+    for (auto& r : ran) r.store(0);
+    const uint64_t before = Wakes();
+    {
+      HostStreamWakeBatch batch;
+      for (int s = 0; s < kStreams; ++s) {
+        for (int i = 0; i < 3; ++i) {
+          ASSERT_TRUE(streams[s]
+                          ->Enqueue([&ran, s] {
+                            ran[s].fetch_add(1);
+                            return absl::OkStatus();
+                          })
+                          .ok());
+        }
+      }
+    }
+    // This thread woke one worker at most; the others were woken by it.
+    EXPECT_LE(Wakes() - before, 1u) << "round " << round;
+    if (Wakes() - before == 1) ++relayed_batches;
+    for (int s = 0; s < kStreams; ++s) {
+      // Only the relay wakes these workers: a lost relay fails the bounded Synchronize.
+      ASSERT_TRUE(streams[s]->Synchronize(Bounded()).ok()) << "round " << round << ", stream " << s;
+      EXPECT_EQ(ran[s].load(), 3);
+    }
+  }
+  EXPECT_GT(relayed_batches, 0) << "no batch found a sleeping worker";
+}
+
+TEST(HostStreamWakeBatchTest, AWakeUpHandedToAStreamBeingDestroyedStillArrives) {
+  auto survivor = MakeHost("survivor");
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<int> ran{0};
+    auto count = [&ran] {
+      ran.fetch_add(1);
+      return absl::OkStatus();
+    };
+    {
+      HostStreamWakeBatch batch;
+      auto doomed = MakeHost("doomed");
+      ASSERT_TRUE(doomed->Synchronize(Bounded()).ok());
+      ASSERT_TRUE(survivor->Synchronize(Bounded()).ok());
+      absl::SleepFor(absl::Milliseconds(1));
+      // `doomed` is held first, so it would relay the survivor's wake-up.
+      ASSERT_TRUE(doomed->Enqueue(count).ok());
+      ASSERT_TRUE(survivor->Enqueue(count).ok());
+      doomed.reset();  // its worker exits; the batch ends with the survivor still held
+    }
+    ASSERT_TRUE(survivor->Synchronize(Bounded()).ok()) << "round " << round;
+    EXPECT_EQ(ran.load(), 2);
+  }
+}
+
 TEST(HostStreamWakeBatchTest, NestedBatchesWakeOnlyWhenTheOutermostEnds) {
   auto stream = MakeHost("nested");
   for (int round = 0; round < 20; ++round) {
