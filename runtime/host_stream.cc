@@ -322,8 +322,21 @@ absl::Status HostEvent::Record(Stream& stream) {
     if (!embedded) capture = std::make_shared<HostCapture>(stream);
     current_embedded_ = embedded;
     current_ = embedded ? nullptr : capture;
+    recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
   }
   return recorder->RecordHostCapture(std::move(capture));
+}
+
+absl::Status HostEvent::RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
+                                    HostCaptureRecorder& recorder) {
+  ++call_stats.records;
+  HostEvent& event = *self;
+  // No other thread holds the event yet: its fields need no lock (the stream's lock, taken
+  // below, publishes them to the worker that completes the capture).
+  event.embedded_.emplace(stream);
+  event.current_embedded_ = true;
+  event.recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
+  return recorder.RecordHostCapture(std::shared_ptr<HostCapture>(self, &*event.embedded_));
 }
 
 std::shared_ptr<HostCapture> HostEvent::current() const {
@@ -357,8 +370,7 @@ void HostEvent::OnComplete(EventCallback callback) {
 }
 
 uint64_t HostEvent::recorded_stream_id() const {
-  std::shared_ptr<HostCapture> capture = current();
-  return capture == nullptr ? 0 : capture->stream_id();
+  return recorded_stream_id_.load(std::memory_order_relaxed);
 }
 
 std::optional<absl::Time> HostEvent::completed_at() const {
@@ -950,7 +962,7 @@ class BlockList {
   static constexpr size_t kMaxBlocks = 1024;
   BlockList() { blocks_.reserve(kMaxBlocks); }
   void* Take() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = stream_internal::LockSpinning(mu_);
     if (blocks_.empty()) return nullptr;
     void* block = blocks_.back();
     blocks_.pop_back();
@@ -958,7 +970,7 @@ class BlockList {
   }
   // false: the list is full; the caller frees the block.
   bool Give(void* block) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = stream_internal::LockSpinning(mu_);
     if (blocks_.size() >= kMaxBlocks) return false;
     blocks_.push_back(block);
     return true;
@@ -1016,13 +1028,26 @@ void HostStreamWakeBatch::End() {
 
 HostStreamCallStats ThisThreadHostStreamCallStats() { return stream_internal::call_stats; }
 
-std::shared_ptr<Event> CreateHostEvent() {
+namespace {
+std::shared_ptr<stream_internal::HostEvent> NewHostEvent() {
   ++stream_internal::call_stats.events;
   return std::allocate_shared<stream_internal::HostEvent>(
       RecyclingAllocator<stream_internal::HostEvent>());
 }
+}  // namespace
+
+std::shared_ptr<Event> CreateHostEvent() { return NewHostEvent(); }
 
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream) {
+  const std::type_info& type = typeid(stream);
+  if (type == typeid(stream_internal::HostStream) ||
+      type == typeid(stream_internal::CallerStream)) {
+    // Their CreateEvent() makes a host event: made and recorded here without its lock.
+    std::shared_ptr<stream_internal::HostEvent> event = NewHostEvent();
+    SL_RETURN_IF_ERROR(stream_internal::HostEvent::RecordFresh(
+        event, stream, *stream_internal::AsRecorder(stream)));
+    return event;
+  }
   std::shared_ptr<Event> event = stream.CreateEvent();
   SL_RETURN_IF_ERROR(event->Record(stream));
   return event;

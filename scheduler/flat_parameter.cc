@@ -469,6 +469,13 @@ absl::Status FlatParameter::Acquire(Stream& compute) {
   return absl::OkStatus();
 }
 
+bool FlatParameter::GatherCompleted() const {
+  const std::shared_ptr<Event>& event = gather_work_.event();
+  if (event == nullptr) return false;
+  absl::StatusOr<bool> done = event->Query();
+  return done.ok() && *done;
+}
+
 absl::Status FlatParameter::Release(std::shared_ptr<Event> last_use) {
   if (state_ != FlatParameterState::kUnsharded) return WrongState("Release()", "unsharded");
   if (last_use != nullptr) released_.push_back(std::move(last_use));

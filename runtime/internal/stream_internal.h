@@ -14,6 +14,7 @@
 #ifndef SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_
 #define SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -138,7 +139,14 @@ class HostEvent final : public Event, public std::enable_shared_from_this<HostEv
   // The capture of the latest Record(); nullptr if the event was never recorded.
   std::shared_ptr<HostCapture> current() const;
 
+  // The first Record() of `self`, an event no other thread can see yet (RecordEvent): the same
+  // as self->Record(stream) on a stream that `recorder` is, without taking the event's lock.
+  static absl::Status RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
+                                  HostCaptureRecorder& recorder);
+
  private:
+  // Stream::id() of the latest Record()'s stream, readable without the lock.
+  std::atomic<uint64_t> recorded_stream_id_{0};
   mutable std::mutex mu_;
   // The latest Record()'s capture when it was allocated; null when that is embedded_ (an owning
   // pointer to embedded_ here would keep the event alive forever).
