@@ -1026,6 +1026,8 @@ void HostStreamWakeBatch::End() {
   if (--stream_internal::wake_batch.depth == 0) stream_internal::WakeHeldWorkers();
 }
 
+void HostStreamWakeBatch::WakeHeld() { stream_internal::WakeHeldWorkers(); }
+
 HostStreamCallStats ThisThreadHostStreamCallStats() { return stream_internal::call_stats; }
 
 namespace {

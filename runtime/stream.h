@@ -257,9 +257,10 @@ absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream);
 // Stream::Synchronize, Event::Synchronize, a caller stream's wait), so the thread never blocks on
 // work it held back. The work itself is unchanged and keeps its order; it may only start later,
 // at the end of the batch. Open one around a burst of submissions (the scheduler's hooks do);
-// inside it, do not wait by other means (a spin on a flag, another library's blocking call) for
-// something that needs the held-back work. Batches nest. Not copyable; End() (or the destructor)
-// runs on the thread that opened it.
+// inside it, code that waits by other means (a spin on a flag, another library's blocking call)
+// for something that may need the held-back work calls WakeHeld() first (the CUDA streams' and
+// NCCL's polling waits do). Batches nest. Not copyable; End() (or the destructor) runs on the
+// thread that opened it.
 class HostStreamWakeBatch {
  public:
   HostStreamWakeBatch();
@@ -268,6 +269,9 @@ class HostStreamWakeBatch {
   HostStreamWakeBatch& operator=(const HostStreamWakeBatch&) = delete;
   // Ends the batch now (later calls do nothing): the outermost one wakes the workers it held.
   void End();
+  // Wakes now the workers whose wake-ups the calling thread holds back; the batches stay open.
+  // Cheap when there are none.
+  static void WakeHeld();
 
  private:
   bool open_ = true;

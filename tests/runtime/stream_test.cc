@@ -647,6 +647,27 @@ TEST(HostStreamWakeBatchTest, AWakeUpHandedToAStreamBeingDestroyedStillArrives) 
   }
 }
 
+TEST(HostStreamWakeBatchTest, WakeHeldLetsAThreadWaitByOtherMeansInsideABatch) {
+  auto stream = MakeHost("spun on");
+  for (int round = 0; round < 20; ++round) {
+    ASSERT_TRUE(stream->Synchronize(Bounded()).ok());
+    std::atomic<bool> ran{false};
+    HostStreamWakeBatch batch;
+    ASSERT_TRUE(stream
+                    ->Enqueue([&ran] {
+                      ran.store(true);
+                      return absl::OkStatus();
+                    })
+                    .ok());
+    HostStreamWakeBatch::WakeHeld();
+    // A wait outside the stream library (a spin on a flag), bounded: a worker still held back
+    // would never set it.
+    const absl::Time deadline = Bounded();
+    while (!ran.load() && absl::Now() < deadline) std::this_thread::yield();
+    ASSERT_TRUE(ran.load()) << "round " << round;
+  }
+}
+
 TEST(HostStreamWakeBatchTest, NestedBatchesWakeOnlyWhenTheOutermostEnds) {
   auto stream = MakeHost("nested");
   for (int round = 0; round < 20; ++round) {
