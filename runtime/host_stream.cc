@@ -582,10 +582,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         capture->Complete(absl::OkStatus());
         return absl::OkStatus();
       }
-    }
-    ++call_stats.records_queued;
-    {
-      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+      ++call_stats.records_queued;
       if (status_.ok() && !queue_.empty() && queue_.back().then == nullptr) {
         // The last queued item is not running yet: the capture completes right after it, with
         // no item of its own (and no wake-up: the item's push already woke the worker).

@@ -318,6 +318,53 @@ TEST(HostStreamTest, RecordOnADrainedStreamCompletesAtOnceAndAfterPendingWorkOnl
   EXPECT_EQ(failed->Synchronize(Soon()).code(), absl::StatusCode::kInternal);
 }
 
+// Records behind queued work (riding on the last queued item, or queued themselves when that
+// item already carries one) complete after exactly the work before them, with the stream's status
+// at that point.
+TEST(HostStreamTest, RecordsBehindQueuedWorkCompleteWithTheStatusAfterTheirWork) {
+  auto stream = MakeHost("behind");
+  Gate gate;
+  std::atomic<int> ran{0};
+  ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+  std::vector<std::shared_ptr<Event>> events;
+  auto record = [&] {
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*stream);
+    ASSERT_TRUE(event.ok()) << event.status();
+    events.push_back(*event);
+  };
+  record();  // [0] after the gate
+  ASSERT_TRUE(stream
+                  ->Enqueue([&ran] {
+                    ran.fetch_add(1);
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  record();  // [1] after the counting op
+  record();  // [2] the same point, a second record
+  record();  // [3] and a third
+  ASSERT_TRUE(stream->Enqueue([] { return absl::InternalError("boom"); }).ok());
+  record();  // [4] after the failure
+  record();  // [5]
+  for (const auto& event : events) {
+    absl::StatusOr<bool> done = event->Query();
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_FALSE(*done);
+  }
+  gate.Open();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(events[i]->Synchronize(Soon()).ok()) << "record " << i;
+  }
+  EXPECT_EQ(ran.load(), 1);
+  for (int i = 4; i < 6; ++i) {
+    EXPECT_EQ(events[i]->Synchronize(Soon()).code(), absl::StatusCode::kInternal) << "record " << i;
+  }
+  // Completion times follow the order of the work.
+  for (int i = 1; i < 6; ++i) {
+    ASSERT_TRUE(events[i]->completed_at().has_value());
+    EXPECT_GE(*events[i]->completed_at(), *events[i - 1]->completed_at()) << "record " << i;
+  }
+}
+
 // Restores an environment variable and the knob's cache when it goes out of scope.
 class ScopedSpinKnob {
  public:
