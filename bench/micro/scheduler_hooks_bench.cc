@@ -15,8 +15,12 @@
 // hooks per unit per step (system calls included, time preempted by other threads excluded: on a
 // loaded machine the wall figure is mostly waiting for a core); last_step_sched_ns_per_unit = the
 // scheduler's own StepMetrics::host_hook_time of the last step per unit (a cross-check); steps =
-// steps timed per rank. The benchmark's own time is the whole step (hooks + waiting for the
-// streams).
+// steps timed per rank; timer_cpu_ns_per_unit = the part of hook_cpu_ns_per_unit that is this
+// benchmark's own timing (measured on an empty hook); submits, records, records_queued, waits,
+// waits_queued, wakes, events = what the hooks asked of the host streams per unit per step
+// (ThisThreadHostStreamCallStats); with SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls, futex,
+// ctx_switches of the hook thread inside the hooks (SyscallCounters). The benchmark's own time is
+// the whole step (hooks + waiting for the streams).
 
 #include <linux/perf_event.h>
 #include <sys/ioctl.h>
