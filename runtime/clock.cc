@@ -5,6 +5,7 @@
 
 #include "absl/time/clock.h"
 #include "runtime/check.h"
+#include "runtime/internal/stream_internal.h"
 
 namespace shardline {
 namespace {
@@ -14,6 +15,8 @@ class WallClockImpl final : public Clock {
   absl::Time Now() const override { return absl::Now(); }
   bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                  absl::Time deadline, absl::FunctionRef<bool()> done) const override {
+    // This thread is about to block: it must not hold back a worker it may be waiting for.
+    stream_internal::WakeHeldWorkers();
     if (deadline == absl::InfiniteFuture()) {
       cv.wait(lock, [&] { return done(); });
       return true;
@@ -37,6 +40,7 @@ absl::Time ManualClock::Now() const {
 
 bool ManualClock::WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                             absl::Time deadline, absl::FunctionRef<bool()> done) const {
+  stream_internal::WakeHeldWorkers();  // see WallClockImpl::WaitUntil
   if (deadline == absl::InfiniteFuture()) {
     cv.wait(lock, [&] { return done(); });
     return true;

@@ -41,7 +41,9 @@ class Clock {
 
   // With `lock` (a lock on the mutex that guards `done`) held: waits on `cv` until `done()` is
   // true or this clock reaches `deadline`. Returns done(). `cv` must be notified whenever `done`
-  // may have become true. absl::InfiniteFuture() waits for `done` only.
+  // may have become true. absl::InfiniteFuture() waits for `done` only. The clocks here first
+  // wake the host-stream workers that the thread's HostStreamWakeBatch holds back
+  // (runtime/stream.h), so a thread never blocks on work it held back.
   virtual bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                          absl::Time deadline, absl::FunctionRef<bool()> done) const = 0;
 

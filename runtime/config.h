@@ -120,7 +120,7 @@ std::string DescribeParams();
 // The knobs the runtime itself owns.
 const Param<double>& ParamTimeout();  // SHARDLINE_TIMEOUT_S
 // SHARDLINE_STREAM_SPIN_US (runtime/host_stream.cc): how long an idle host stream's worker polls
-// before it sleeps (default 0: it sleeps at once).
+// before it sleeps (default -1, auto: 50 us while few workers are awake for the hardware threads).
 const Param<int64_t>& ParamStreamSpinUs();
 // SHARDLINE_STREAM_BATCH_SCHED (runtime/host_stream.cc): host streams' workers run under
 // SCHED_BATCH (default true).

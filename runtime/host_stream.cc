@@ -40,13 +40,15 @@ SL_PARAM(bool, StreamBatchSched, "STREAM_BATCH_SCHED", true,
          "the thread that submitted the work (it takes an idle core at once, else waits for the "
          "next scheduling point). 0: the default policy, under which every wake-up of a "
          "worker may switch the submitting thread out.");
-SL_PARAM(int64_t, StreamSpinUs, "STREAM_SPIN_US", 0,
+SL_PARAM(int64_t, StreamSpinUs, "STREAM_SPIN_US", -1,
          "Microseconds a host stream's worker keeps polling for new work (yielding its core "
          "between polls) after its queue runs empty, before it sleeps. Work submitted meanwhile "
          "needs no wake-up (a system call on the submitting thread, and a context switch); the "
-         "cost is a core kept busy for that long after each burst.",
+         "cost is a core kept busy for that long after each burst. -1 (auto): 50 us while the "
+         "process's awake workers are at most a quarter of the hardware threads it may run on "
+         "(never on a machine of fewer than 4), else 0.",
          [](const int64_t& v) -> absl::Status {
-           if (v < 0) return absl::InvalidArgumentError(absl::StrCat("must be >= 0, got ", v));
+           if (v < -1) return absl::InvalidArgumentError(absl::StrCat("must be >= -1, got ", v));
            return absl::OkStatus();
          });
 
@@ -99,10 +101,92 @@ absl::StatusOr<absl::Duration> ElapsedBetween(const Event& start, const Event& e
 
 namespace stream_internal {
 
+// Locks `mu`, polling it a little first. The stream code's critical sections are a few dozen
+// instructions, and the thread that finds one held is typically a worker popping while the
+// submitter pushes (or the reverse): waiting that long in user space spares it a futex wait and
+// the holder a futex wake, each a system call and the wake often a cross-CPU interrupt.
+namespace {
+std::unique_lock<std::mutex> LockSpinning(std::mutex& mu) {
+  for (int i = 0; i < 32; ++i) {
+    if (mu.try_lock()) return std::unique_lock<std::mutex>(mu, std::adopt_lock);
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return std::unique_lock<std::mutex>(mu);
+}
+}  // namespace
+
+// ThisThreadHostStreamCallStats(): plain increments, each thread its own.
+thread_local HostStreamCallStats call_stats;
+
+namespace {
+// What wakes a host stream's worker, shared between the stream, its worker and the threads that
+// hold a wake-up of it back (so a stream destroyed meanwhile leaves a condition variable nobody
+// waits on, not a dangling pointer).
+struct WorkerWake {
+  std::mutex mu;               // the stream's mutex (HostStream::mu_)
+  std::condition_variable cv;  // the worker sleeps on it
+  // Wake-ups handed to this worker by a HostStreamWakeBatch that woke it: it passes them on
+  // before it runs anything, so the batch's thread pays for one wake-up, not one per worker.
+  std::vector<std::shared_ptr<WorkerWake>> relay;  // guarded by mu
+  bool worker_gone = false;                        // guarded by mu: nobody takes `relay` any more
+};
+
+// The calling thread's HostStreamWakeBatch: how deep, and the sleeping workers it holds back.
+struct WakeBatchState {
+  int depth = 0;
+  std::vector<std::shared_ptr<WorkerWake>> held;
+};
+thread_local WakeBatchState wake_batch;
+
+// Wakes a sleeping worker, or holds the wake-up back until the thread's batch ends. The caller
+// pushed work under the worker's mutex while the worker slept (it releases the mutex only inside
+// its wait), so the worker is waiting: a notify now or later cannot be lost.
+void WakeWorker(const std::shared_ptr<WorkerWake>& wake) {
+  if (wake_batch.depth > 0) {
+    wake_batch.held.push_back(wake);
+    return;
+  }
+  ++call_stats.wakes;
+  wake->cv.notify_one();
+}
+
+// Wakes the workers in `relay` (a worker passing on the wake-ups handed to it).
+void WakeRelayed(std::vector<std::shared_ptr<WorkerWake>>& relay) {
+  for (const std::shared_ptr<WorkerWake>& wake : relay) wake->cv.notify_one();
+  relay.clear();
+}
+}  // namespace
+
+void WakeHeldWorkers() {
+  if (wake_batch.held.empty()) return;
+  // Swapped out first: the vector must not change under the loop.
+  std::vector<std::shared_ptr<WorkerWake>> held;
+  held.swap(wake_batch.held);
+  // One wake-up from this thread: the first worker wakes the others. Unless its stream is gone.
+  size_t direct = held.size();
+  if (held.size() > 1) {
+    WorkerWake& first = *held.front();
+    std::unique_lock<std::mutex> lock = LockSpinning(first.mu);
+    if (!first.worker_gone) {
+      for (size_t i = 1; i < held.size(); ++i) first.relay.push_back(std::move(held[i]));
+      direct = 1;
+    }
+  }
+  for (size_t i = 0; i < direct; ++i) {
+    ++call_stats.wakes;
+    held[i]->cv.notify_one();
+  }
+  held.clear();
+  // Keep the storage for the next batch.
+  if (wake_batch.held.empty()) wake_batch.held.swap(held);
+}
+
 void HostCapture::Complete(absl::Status status) {
   // Read before taking mu_: the time the captured work was done, not when the callbacks were.
   const absl::Time now = clock_->Now();
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
   if (done_ || completing_) return;
   completing_ = true;
   completed_at_ = now;
@@ -126,7 +210,7 @@ void HostCapture::Complete(absl::Status status) {
 void HostCapture::OnComplete(EventCallback callback) {
   absl::Status status;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!done_) {
       callbacks_.push_back(std::move(callback));
       return;
@@ -150,13 +234,13 @@ absl::Status HostCapture::Wait(absl::Time deadline, absl::FunctionRef<std::strin
 }
 
 bool HostCapture::done(absl::Status* status) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
   if (done_) *status = status_;
   return done_;
 }
 
 std::optional<absl::Time> HostCapture::completed_at() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
   if (!done_) return std::nullopt;
   return completed_at_;
 }
@@ -223,9 +307,10 @@ absl::Status HostEvent::Record(Stream& stream) {
                                                    stream.name(), "' (", stream.device().ToString(),
                                                    "); create the event with its CreateEvent()"));
   }
+  ++call_stats.records;
   std::shared_ptr<HostCapture> capture;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     bool embedded = false;
     if (!embedded_.has_value()) {
       if (std::shared_ptr<HostEvent> self = weak_from_this().lock()) {
@@ -237,12 +322,25 @@ absl::Status HostEvent::Record(Stream& stream) {
     if (!embedded) capture = std::make_shared<HostCapture>(stream);
     current_embedded_ = embedded;
     current_ = embedded ? nullptr : capture;
+    recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
   }
   return recorder->RecordHostCapture(std::move(capture));
 }
 
+absl::Status HostEvent::RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
+                                    HostCaptureRecorder& recorder) {
+  ++call_stats.records;
+  HostEvent& event = *self;
+  // No other thread holds the event yet: its fields need no lock (the stream's lock, taken
+  // below, publishes them to the worker that completes the capture).
+  event.embedded_.emplace(stream);
+  event.current_embedded_ = true;
+  event.recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
+  return recorder.RecordHostCapture(std::shared_ptr<HostCapture>(self, &*event.embedded_));
+}
+
 std::shared_ptr<HostCapture> HostEvent::current() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
   if (!current_embedded_) return current_;
   // The event is alive (this is one of its methods), so some shared_ptr owns it.
   std::shared_ptr<const HostEvent> self = weak_from_this().lock();
@@ -272,8 +370,7 @@ void HostEvent::OnComplete(EventCallback callback) {
 }
 
 uint64_t HostEvent::recorded_stream_id() const {
-  std::shared_ptr<HostCapture> capture = current();
-  return capture == nullptr ? 0 : capture->stream_id();
+  return recorded_stream_id_.load(std::memory_order_relaxed);
 }
 
 std::optional<absl::Time> HostEvent::completed_at() const {
@@ -334,6 +431,9 @@ absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const Clock& cl
   if (target.capture != nullptr) {
     return target.capture->Wait(target.capture->clock().Now() + timeout, waiter);
   }
+  // A foreign wait (a CUDA event) may block without a Clock; what it waits for may wait in turn
+  // for work this thread holds back.
+  WakeHeldWorkers();
   absl::Status status = std::move(target.foreign)(clock.Now() + timeout);
   if (absl::IsDeadlineExceeded(status)) status = Annotate(status, waiter());
   return status;
@@ -346,6 +446,11 @@ absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl:
                         [&] { return RunWait(target, timeout, clock, stream_name); });
 }
 
+// Host-stream workers of the process that are not asleep waiting for work (running or polling).
+std::atomic<int> awake_workers{0};
+// How long an idle worker polls under SHARDLINE_STREAM_SPIN_US=-1 (auto), when it may.
+constexpr std::chrono::microseconds kAutoSpin{50};
+
 // A FIFO that keeps its storage. std::deque frees and allocates a node every few items (an
 // Item is a few hundred bytes), which made the queue a malloc per submission or two.
 template <typename T>
@@ -353,7 +458,8 @@ class Ring {
  public:
   bool empty() const { return size_ == 0; }
   T& front() { return slots_[head_]; }
-  void push_back(T item) {
+  T& back() { return slots_[(head_ + size_ - 1) & (slots_.size() - 1)]; }
+  void push_back(T&& item) {
     if (size_ == slots_.size()) Grow();
     slots_[(head_ + size_) & (slots_.size() - 1)] = std::move(item);
     ++size_;
@@ -399,7 +505,9 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
       }
 #endif
+      awake_workers.fetch_add(1, std::memory_order_relaxed);
       WorkerLoop();
+      awake_workers.fetch_sub(1, std::memory_order_relaxed);
     });
   }
 
@@ -409,7 +517,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       stopping_ = true;
     }
     stopping_flag_.store(true, std::memory_order_relaxed);
-    work_cv_.notify_one();
+    wake_->cv.notify_one();
     worker_.join();
   }
 
@@ -418,6 +526,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   const Clock& clock() const override { return clock_; }
 
   absl::Status Submit(StreamOp op) override {
+    ++call_stats.submits;
     Item item;
     item.kind = Item::kOp;
     item.op = std::move(op);
@@ -425,8 +534,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   absl::Status WaitEvent(Event& event) override {
+    ++call_stats.waits;
     SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return status();
+    ++call_stats.waits_queued;
     Item item;
     item.kind = Item::kWait;
     item.wait = std::move(target);
@@ -454,7 +565,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   absl::Status status() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     return status_;
   }
 
@@ -462,13 +573,20 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
   absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
       if (status_.ok() && queue_.empty() && finished_ == enqueued_) {
         // Push's shortcut, without building an Item: everything enqueued before has run.
         ++enqueued_;
         ++finished_;
         lock.unlock();
         capture->Complete(absl::OkStatus());
+        return absl::OkStatus();
+      }
+      ++call_stats.records_queued;
+      if (status_.ok() && !queue_.empty() && queue_.back().then == nullptr) {
+        // The last queued item is not running yet: the capture completes right after it, with
+        // no item of its own (and no wake-up: the item's push already woke the worker).
+        queue_.back().then = std::move(capture);
         return absl::OkStatus();
       }
     }
@@ -484,10 +602,13 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     Kind kind = kOp;
     StreamOp op;
     WaitTarget wait;  // kRecord: the capture to complete. kWait: what to wait for.
+    // A capture recorded right after this item was queued: completed once it ran (or was
+    // dropped), with the stream's status then.
+    std::shared_ptr<HostCapture> then;
   };
 
-  absl::Status Push(Item item) {
-    std::unique_lock<std::mutex> lock(mu_);
+  absl::Status Push(Item&& item) {
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!status_.ok()) {
       absl::Status status = status_;
       lock.unlock();
@@ -510,7 +631,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     const bool wake = worker_idle_;
     worker_idle_ = false;
     lock.unlock();
-    if (wake) work_cv_.notify_one();
+    if (wake) WakeWorker(wake_);
     return absl::OkStatus();
   }
 
@@ -537,6 +658,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     }
     item.wait.capture = nullptr;
     item.wait.foreign = nullptr;
+    if (item.then != nullptr) {
+      item.then->Complete(poison.ok() ? result : poison);
+      item.then = nullptr;
+    }
     return result;
   }
 
@@ -547,13 +672,13 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     while (true) {
       absl::Status poison;
       {
-        std::unique_lock<std::mutex> lock(mu_);
+        std::unique_lock<std::mutex> lock = LockSpinning(mu_);
         if (ran) {
           if (!result.ok() && status_.ok()) status_ = std::move(result);
           ++finished_;
           if (sync_waiters_ > 0) done_cv_.notify_all();
         }
-        if (queue_.empty() && !stopping_ && spin_.count() > 0) {
+        if (queue_.empty() && !stopping_ && MaySpin()) {
           // Poll for a while before sleeping: a Push meanwhile finds the worker awake and
           // notifies nobody.
           const uint64_t seen = enqueued_;
@@ -561,12 +686,22 @@ class HostStream final : public Stream, public HostCaptureRecorder {
           Spin(seen);
           lock.lock();
         }
-        if (queue_.empty() && !stopping_) {
+        while (true) {
+          PassOnRelayedWakes(lock);
+          if (!queue_.empty() || stopping_) break;
           worker_idle_ = true;  // Push clears it when it notifies
-          work_cv_.wait(lock, [this] { return !queue_.empty() || stopping_; });
+          awake_workers.fetch_sub(1, std::memory_order_relaxed);
+          wake_->cv.wait(lock,
+                         [this] { return !queue_.empty() || stopping_ || !wake_->relay.empty(); });
+          awake_workers.fetch_add(1, std::memory_order_relaxed);
           worker_idle_ = false;
         }
-        if (queue_.empty()) return;
+        if (queue_.empty()) {
+          // Stopping. Wake-ups handed over later go straight to their workers.
+          wake_->worker_gone = true;
+          PassOnRelayedWakes(lock);
+          return;
+        }
         item = std::move(queue_.front());
         queue_.pop_front();
         poison = status_;
@@ -576,9 +711,34 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     }
   }
 
-  // Returns once an item was pushed after `seen` items, the stream is stopping, or spin_ passed.
+  // Wakes the workers whose wake-ups a batch handed to this one, with mu_ released meanwhile.
+  void PassOnRelayedWakes(std::unique_lock<std::mutex>& lock) {
+    if (wake_->relay.empty()) return;
+    relayed_.swap(wake_->relay);
+    lock.unlock();
+    WakeRelayed(relayed_);
+    lock.lock();
+  }
+
+  // Whether to poll before sleeping: spin_ > 0, or auto (negative) while the process's awake
+  // workers are at most a quarter of its hardware threads.
+  bool MaySpin() const {
+    if (spin_.count() >= 0) return spin_.count() > 0;
+    static const int hardware_threads = UsableHardwareThreads();
+    return 4 * awake_workers.load(std::memory_order_relaxed) <= hardware_threads;
+  }
+
+  static int UsableHardwareThreads() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+    return static_cast<int>(std::thread::hardware_concurrency());
+  }
+
+  // Returns once an item was pushed after `seen` items, the stream is stopping, or the spin
+  // (spin_, or kAutoSpin when auto) passed.
   void Spin(uint64_t seen) const {
-    const auto end = std::chrono::steady_clock::now() + spin_;
+    const auto end = std::chrono::steady_clock::now() + (spin_.count() < 0 ? kAutoSpin : spin_);
     while (true) {
       for (int i = 0; i < 64; ++i) {
         if (pushed_.load(std::memory_order_acquire) != seen ||
@@ -602,15 +762,19 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::atomic<uint64_t> pushed_{0};  // enqueued_, for the spinning worker to poll without mu_
   std::atomic<bool> stopping_flag_{false};
 
-  mutable std::mutex mu_;
-  std::condition_variable work_cv_;  // the worker waits for items
+  // The worker's mutex and condition variable, shared with the threads that hold a wake-up of it
+  // back (HostStreamWakeBatch).
+  const std::shared_ptr<WorkerWake> wake_ = std::make_shared<WorkerWake>();
+  std::mutex& mu_ = wake_->mu;
+  std::vector<std::shared_ptr<WorkerWake>>
+      relayed_;                      // the worker's: relay wake-ups being passed on
   std::condition_variable done_cv_;  // Synchronize waits for finished_
   Ring<Item> queue_ ABSL_GUARDED_BY(mu_);
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool worker_idle_ ABSL_GUARDED_BY(mu_) = false;  // blocked in work_cv_: needs a notify
+  bool worker_idle_ ABSL_GUARDED_BY(mu_) = false;  // blocked in wake_->cv: needs a notify
   int sync_waiters_ ABSL_GUARDED_BY(mu_) = 0;      // blocked in done_cv_
   std::thread worker_;
 };
@@ -795,7 +959,7 @@ class BlockList {
   static constexpr size_t kMaxBlocks = 1024;
   BlockList() { blocks_.reserve(kMaxBlocks); }
   void* Take() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = stream_internal::LockSpinning(mu_);
     if (blocks_.empty()) return nullptr;
     void* block = blocks_.back();
     blocks_.pop_back();
@@ -803,7 +967,7 @@ class BlockList {
   }
   // false: the list is full; the caller frees the block.
   bool Give(void* block) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock = stream_internal::LockSpinning(mu_);
     if (blocks_.size() >= kMaxBlocks) return false;
     blocks_.push_back(block);
     return true;
@@ -851,12 +1015,38 @@ class RecyclingAllocator {
 
 }  // namespace
 
-std::shared_ptr<Event> CreateHostEvent() {
+HostStreamWakeBatch::HostStreamWakeBatch() { ++stream_internal::wake_batch.depth; }
+
+void HostStreamWakeBatch::End() {
+  if (!open_) return;
+  open_ = false;
+  if (--stream_internal::wake_batch.depth == 0) stream_internal::WakeHeldWorkers();
+}
+
+void HostStreamWakeBatch::WakeHeld() { stream_internal::WakeHeldWorkers(); }
+
+HostStreamCallStats ThisThreadHostStreamCallStats() { return stream_internal::call_stats; }
+
+namespace {
+std::shared_ptr<stream_internal::HostEvent> NewHostEvent() {
+  ++stream_internal::call_stats.events;
   return std::allocate_shared<stream_internal::HostEvent>(
       RecyclingAllocator<stream_internal::HostEvent>());
 }
+}  // namespace
+
+std::shared_ptr<Event> CreateHostEvent() { return NewHostEvent(); }
 
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream) {
+  const std::type_info& type = typeid(stream);
+  if (type == typeid(stream_internal::HostStream) ||
+      type == typeid(stream_internal::CallerStream)) {
+    // Their CreateEvent() makes a host event: made and recorded here without its lock.
+    std::shared_ptr<stream_internal::HostEvent> event = NewHostEvent();
+    SL_RETURN_IF_ERROR(stream_internal::HostEvent::RecordFresh(
+        event, stream, *stream_internal::AsRecorder(stream)));
+    return event;
+  }
   std::shared_ptr<Event> event = stream.CreateEvent();
   SL_RETURN_IF_ERROR(event->Record(stream));
   return event;

@@ -53,6 +53,7 @@
 #ifndef SHARDLINE_RUNTIME_STREAM_H_
 #define SHARDLINE_RUNTIME_STREAM_H_
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -247,6 +248,48 @@ std::shared_ptr<Event> CreateHostEvent();
 
 // Records a fresh event on `stream` and returns it: the common "mark this point" idiom.
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream);
+
+// Holds back the wake-ups of host streams' sleeping workers on the calling thread while it is
+// open. A submission (an op, a queued record or wait) to a host stream whose worker sleeps does
+// not wake the worker at once (a futex wake, often a cross-CPU interrupt, and on a virtual machine
+// an exit): each such worker is woken once, when the thread's outermost batch ends, or sooner,
+// when the thread is about to block in any Clock::WaitUntil (every blocking call of the streams:
+// Stream::Synchronize, Event::Synchronize, a caller stream's wait), so the thread never blocks on
+// work it held back. The work itself is unchanged and keeps its order; it may only start later,
+// at the end of the batch. Open one around a burst of submissions (the scheduler's hooks do);
+// inside it, code that waits by other means (a spin on a flag, another library's blocking call)
+// for something that may need the held-back work calls WakeHeld() first (the CUDA streams' and
+// NCCL's polling waits do). Batches nest. Not copyable; End() (or the destructor) runs on the
+// thread that opened it.
+class HostStreamWakeBatch {
+ public:
+  HostStreamWakeBatch();
+  ~HostStreamWakeBatch() { End(); }
+  HostStreamWakeBatch(const HostStreamWakeBatch&) = delete;
+  HostStreamWakeBatch& operator=(const HostStreamWakeBatch&) = delete;
+  // Ends the batch now (later calls do nothing): the outermost one wakes the workers it held.
+  void End();
+  // Wakes now the workers whose wake-ups the calling thread holds back; the batches stay open.
+  // Cheap when there are none.
+  static void WakeHeld();
+
+ private:
+  bool open_ = true;
+};
+
+// What the calling thread asked of host and caller streams since it started: a diagnostic for
+// benchmarks that count the cost of the scheduler's hooks (bench/micro/scheduler_hooks_bench.cc).
+// Counted per thread, without synchronization; read it on the thread whose calls you count.
+struct HostStreamCallStats {
+  uint64_t submits = 0;         // Submit() on host streams
+  uint64_t records = 0;         // host-event Record()s on host and caller streams
+  uint64_t records_queued = 0;  // ... of which waited for queued work (the rest completed at once)
+  uint64_t waits = 0;           // WaitEvent() on host streams
+  uint64_t waits_queued = 0;    // ... of which queued a wait (the rest found the event done)
+  uint64_t wakes = 0;           // notifies of a sleeping worker (each a futex wake)
+  uint64_t events = 0;          // host events created
+};
+HostStreamCallStats ThisThreadHostStreamCallStats();
 
 // stream.WaitEvent(*event), skipped when `event` is null or was last recorded on `stream` itself
 // (stream order already covers it).

@@ -469,6 +469,13 @@ absl::Status FlatParameter::Acquire(Stream& compute) {
   return absl::OkStatus();
 }
 
+bool FlatParameter::GatherCompleted() const {
+  const std::shared_ptr<Event>& event = gather_work_.event();
+  if (event == nullptr) return false;
+  absl::StatusOr<bool> done = event->Query();
+  return done.ok() && *done;
+}
+
 absl::Status FlatParameter::Release(std::shared_ptr<Event> last_use) {
   if (state_ != FlatParameterState::kUnsharded) return WrongState("Release()", "unsharded");
   if (last_use != nullptr) released_.push_back(std::move(last_use));
@@ -593,8 +600,16 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   // The reduction reads the gradient after the backward, the zero-fill and every stream that
   // prepared it. Waits read no buffer: on failure the new buffer goes back unguarded.
   std::vector<std::shared_ptr<Event>> grad_users = RecordOnConsumers(grad_consumers_);
-  grad_users.push_back(grad_ready);
-  grad_users.push_back(grad_zeroed_);
+  const size_t fresh = grad_users.size();
+  for (const std::shared_ptr<Event>* event : {&grad_ready, &grad_zeroed_}) {
+    // An event last recorded on a consumer stream is covered by the record just made there.
+    const uint64_t on = *event != nullptr ? (*event)->recorded_stream_id() : 0;
+    if (on != 0 && std::any_of(grad_users.begin(), grad_users.begin() + fresh,
+                               [on](const auto& e) { return e->recorded_stream_id() == on; })) {
+      continue;
+    }
+    grad_users.push_back(*event);
+  }
   for (const std::shared_ptr<Event>& event : grad_users) {
     SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(stream, event), context));
   }

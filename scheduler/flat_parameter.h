@@ -261,6 +261,10 @@ class FlatParameter {
   // whose weights are used twice in one forward). State gathering (then as WaitGathered) or
   // unsharded (then `compute` waits for the gather, unless it already did).
   absl::Status Acquire(Stream& compute);
+  // true if the latest gather has completed successfully (its event reports done and OK), so an
+  // Acquire() now makes the stream wait for nothing; false while it runs, if it failed, or if no
+  // gather was issued. Never blocks.
+  bool GatherCompleted() const;
   // Ends one use: `last_use` (may be null) is the event after the last work of that use that
   // reads the views. Reshards when it was the last use. State unsharded.
   absl::Status Release(std::shared_ptr<Event> last_use);

@@ -395,11 +395,15 @@ class Scheduler {
   };
 
   // Adds the wall time of one hook call to the step's host time.
+  // Times a hook, and holds back the wake-ups of the host streams' workers that the hook gives
+  // work to until it returns (HostStreamWakeBatch): one wake-up per stream per hook at most,
+  // instead of one per burst of submissions while the workers keep draining and falling asleep.
   class HookTimer {
    public:
     // steady_clock: a vDSO read, cheaper than absl::Now() (two per hook call).
     explicit HookTimer(Scheduler* s) : s_(s), start_(std::chrono::steady_clock::now()) {}
     ~HookTimer() {
+      wakes_.End();  // inside the timed span: the wake-ups are the hook's cost
       s_->hook_time_ += elapsed();
       ++s_->hook_calls_;
     }
@@ -410,6 +414,7 @@ class Scheduler {
    private:
     Scheduler* s_;
     std::chrono::steady_clock::time_point start_;
+    HostStreamWakeBatch wakes_;
   };
 
   Scheduler(ProcessMesh mesh, Stream& compute, SchedulerOptions options);

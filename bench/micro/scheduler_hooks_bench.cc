@@ -15,12 +15,25 @@
 // hooks per unit per step (system calls included, time preempted by other threads excluded: on a
 // loaded machine the wall figure is mostly waiting for a core); last_step_sched_ns_per_unit = the
 // scheduler's own StepMetrics::host_hook_time of the last step per unit (a cross-check); steps =
-// steps timed per rank. The benchmark's own time is the whole step (hooks + waiting for the
-// streams).
+// steps timed per rank; timer_cpu_ns_per_unit = the part of hook_cpu_ns_per_unit that is this
+// benchmark's own timing (measured on an empty hook); submits, records, records_queued, waits,
+// waits_queued, wakes, events = what the hooks asked of the host streams per unit per step
+// (ThisThreadHostStreamCallStats); with SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls, futex,
+// ctx_switches of the hook thread inside the hooks (SyscallCounters). The benchmark's own time is
+// the whole step (hooks + waiting for the streams).
+
+#include <linux/perf_event.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -69,25 +82,134 @@ int64_t ThreadCpuNs() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-// The time spent inside the hooks: wall (`wall_ns`) and the calling thread's CPU (`cpu_ns`).
+// SHARDLINE_HOOKS_BENCH_SYSCALLS=1: the calling thread's system calls, futex calls and context
+// switches inside the hooks, counted by the kernel (perf_event_open on the raw_syscalls:sys_enter
+// tracepoint: root or perf_event_paranoid <= 1, and tracefs). Reading the counters is itself a
+// system call (one per hook, subtracted) and makes the CPU figures larger.
+class SyscallCounters {
+ public:
+  struct Values {
+    uint64_t syscalls = 0, futex = 0, switches = 0;
+  };
+  static SyscallCounters* ForThisThread() {
+    const char* env = std::getenv("SHARDLINE_HOOKS_BENCH_SYSCALLS");
+    if (env == nullptr || std::strcmp(env, "1") != 0) return nullptr;
+    auto counters = std::make_unique<SyscallCounters>();
+    if (!counters->Open()) return nullptr;
+    return counters.release();
+  }
+  ~SyscallCounters() {
+    for (int fd : fds_) {
+      if (fd >= 0) close(fd);
+    }
+  }
+  Values Read() const {
+    // PERF_FORMAT_GROUP: {nr, value[nr]}.
+    uint64_t buf[1 + 3] = {};
+    Values v;
+    if (read(fds_[0], buf, sizeof(buf)) != static_cast<ssize_t>(sizeof(buf))) return v;
+    v.syscalls = buf[1];
+    v.futex = buf[2];
+    v.switches = buf[3];
+    return v;
+  }
+
+ private:
+  bool Open() {
+    int id = -1;
+    for (const char* path : {"/sys/kernel/tracing/events/raw_syscalls/sys_enter/id",
+                             "/sys/kernel/debug/tracing/events/raw_syscalls/sys_enter/id"}) {
+      std::ifstream in(path);
+      if (in >> id) break;
+    }
+    if (id < 0) {
+      std::fprintf(stderr, "SHARDLINE_HOOKS_BENCH_SYSCALLS: no raw_syscalls tracepoint\n");
+      return false;
+    }
+    auto open = [&](uint32_t type, uint64_t config, int group) {
+      perf_event_attr attr{};
+      attr.size = sizeof(attr);
+      attr.type = type;
+      attr.config = config;
+      attr.read_format = PERF_FORMAT_GROUP;
+      return static_cast<int>(syscall(SYS_perf_event_open, &attr, 0, -1, group, 0));
+    };
+    fds_[0] = open(PERF_TYPE_TRACEPOINT, static_cast<uint64_t>(id), -1);
+    if (fds_[0] >= 0) fds_[1] = open(PERF_TYPE_TRACEPOINT, static_cast<uint64_t>(id), fds_[0]);
+    if (fds_[1] >= 0) {
+      fds_[2] = open(PERF_TYPE_SOFTWARE, PERF_COUNT_SW_CONTEXT_SWITCHES, fds_[0]);
+    }
+    char filter[] = "id == 202";  // futex on x86-64
+    if (fds_[2] < 0 || ioctl(fds_[1], PERF_EVENT_IOC_SET_FILTER, filter) != 0) {
+      std::fprintf(stderr, "SHARDLINE_HOOKS_BENCH_SYSCALLS: perf_event_open failed: %s\n",
+                   std::strerror(errno));
+      return false;
+    }
+    return true;
+  }
+  int fds_[3] = {-1, -1, -1};
+};
+
+// The time spent inside the hooks: wall (`wall_ns`) and the calling thread's CPU (`cpu_ns`),
+// what the thread asked of the host streams, and (SyscallCounters) its system calls.
 struct HookTimes {
   int64_t wall_ns = 0;
   int64_t cpu_ns = 0;
+  int64_t hooks = 0;
+  HostStreamCallStats calls;
+  SyscallCounters::Values sys;
+  SyscallCounters* counters = nullptr;
 };
+
+void Accumulate(const HostStreamCallStats& before, const HostStreamCallStats& after,
+                HostStreamCallStats* sum) {
+  sum->submits += after.submits - before.submits;
+  sum->records += after.records - before.records;
+  sum->records_queued += after.records_queued - before.records_queued;
+  sum->waits += after.waits - before.waits;
+  sum->waits_queued += after.waits_queued - before.waits_queued;
+  sum->wakes += after.wakes - before.wakes;
+  sum->events += after.events - before.events;
+}
+
+// Times `hook` into `*times`.
+template <typename Hook>
+absl::Status Timed(HookTimes* times, Hook&& hook) {
+  using Clock = std::chrono::steady_clock;
+  // The CPU clock is a system call: read outside the wall-timed span.
+  const int64_t c0 = ThreadCpuNs();
+  const HostStreamCallStats calls0 = ThisThreadHostStreamCallStats();
+  SyscallCounters::Values sys0;
+  if (times->counters != nullptr) sys0 = times->counters->Read();
+  const Clock::time_point t0 = Clock::now();
+  const absl::Status status = hook();
+  const Clock::time_point t1 = Clock::now();
+  if (times->counters != nullptr) {
+    const SyscallCounters::Values sys1 = times->counters->Read();
+    times->sys.syscalls += sys1.syscalls - sys0.syscalls - 1;  // the read
+    times->sys.futex += sys1.futex - sys0.futex;
+    times->sys.switches += sys1.switches - sys0.switches;
+  }
+  Accumulate(calls0, ThisThreadHostStreamCallStats(), &times->calls);
+  ++times->hooks;
+  times->cpu_ns += ThreadCpuNs() - c0;
+  times->wall_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+  return status;
+}
+
+// The CPU time that Timed() itself adds to hook_cpu_ns per hook: the part of its two CPU-clock
+// reads (system calls) that falls inside the measured span, and its bookkeeping. Measured on an
+// empty hook.
+double TimerCpuNsPerHook() {
+  HookTimes empty;
+  constexpr int kCalls = 2000;
+  for (int i = 0; i < kCalls; ++i) (void)Timed(&empty, [] { return absl::OkStatus(); });
+  return static_cast<double>(empty.cpu_ns) / kCalls;
+}
 
 // One step; adds the time spent inside the hooks to `*times`.
 absl::Status Step(Scheduler& s, Stream& compute, int units, HookTimes* times) {
-  using Clock = std::chrono::steady_clock;
-  auto timed = [&](auto&& hook) -> absl::Status {
-    // The CPU clock is a system call: read outside the wall-timed span.
-    const int64_t c0 = ThreadCpuNs();
-    const Clock::time_point t0 = Clock::now();
-    const absl::Status status = hook();
-    const Clock::time_point t1 = Clock::now();
-    times->cpu_ns += ThreadCpuNs() - c0;
-    times->wall_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-    return status;
-  };
+  auto timed = [&](auto&& hook) { return Timed(times, hook); };
   for (int u = 0; u < units; ++u) {
     if (absl::Status st = timed([&] { return s.PreForward(u); }); !st.ok()) return st;
     if (absl::Status st = NoOp(compute); !st.ok()) return st;
@@ -135,7 +257,10 @@ void BM_SchedulerHooks(benchmark::State& state) {
   HookTimes ignored;
   for (int i = 0; i < 2; ++i) SL_CHECK_OK(Step(s, **compute, units, &ignored));
 
+  const double timer_cpu_ns_per_hook = TimerCpuNsPerHook();
   HookTimes times;
+  std::unique_ptr<SyscallCounters> counters(SyscallCounters::ForThisThread());
+  times.counters = counters.get();
   for (auto _ : state) {
     const absl::Status status = Step(s, **compute, units, &times);
     if (!status.ok()) {
@@ -149,6 +274,26 @@ void BM_SchedulerHooks(benchmark::State& state) {
       static_cast<double>(times.wall_ns) / units, benchmark::Counter::kAvgIterations);
   state.counters["hook_cpu_ns_per_unit"] = benchmark::Counter(
       static_cast<double>(times.cpu_ns) / units, benchmark::Counter::kAvgIterations);
+  // What the hooks asked of the host streams, per unit per step.
+  auto per_unit = [&](const char* name, double value) {
+    state.counters[name] = benchmark::Counter(value / units, benchmark::Counter::kAvgIterations);
+  };
+  per_unit("submits", static_cast<double>(times.calls.submits));
+  per_unit("records", static_cast<double>(times.calls.records));
+  per_unit("records_queued", static_cast<double>(times.calls.records_queued));
+  per_unit("waits", static_cast<double>(times.calls.waits));
+  per_unit("waits_queued", static_cast<double>(times.calls.waits_queued));
+  per_unit("wakes", static_cast<double>(times.calls.wakes));
+  per_unit("events", static_cast<double>(times.calls.events));
+  per_unit("hooks", static_cast<double>(times.hooks));
+  // The share of hook_cpu_ns_per_unit that is the benchmark's own timing (subtract it for the
+  // scheduler's).
+  per_unit("timer_cpu_ns_per_unit", timer_cpu_ns_per_hook * static_cast<double>(times.hooks));
+  if (counters != nullptr) {
+    per_unit("syscalls", static_cast<double>(times.sys.syscalls));
+    per_unit("futex", static_cast<double>(times.sys.futex));
+    per_unit("ctx_switches", static_cast<double>(times.sys.switches));
+  }
   // Cross-check: the scheduler's own figure (StepMetrics::host_hook_time) of the last step.
   absl::StatusOr<StepMetrics> last = s.LastStepMetrics(absl::Now() + absl::Seconds(60));
   SL_CHECK(last.ok()) << last.status();

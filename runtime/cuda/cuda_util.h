@@ -15,15 +15,18 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/stream.h"
 
 namespace shardline {
 
 // Polling a device for completion (cudaEventQuery, ncclCommGetAsyncError): yields a few times,
 // then sleeps 1 us, 2 us, ... up to 1 ms, so a short wait costs little latency and a long one
-// little CPU. The caller bounds the loop with its deadline.
+// little CPU. The caller bounds the loop with its deadline. The first pause wakes the host-stream
+// workers the thread holds back (HostStreamWakeBatch): what is polled for may wait on them.
 class PollBackoff {
  public:
   void Pause() {
+    if (spins_ == 0) HostStreamWakeBatch::WakeHeld();
     if (spins_ < 16) {
       ++spins_;
       std::this_thread::yield();

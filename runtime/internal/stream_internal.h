@@ -14,6 +14,7 @@
 #ifndef SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_
 #define SHARDLINE_RUNTIME_INTERNAL_STREAM_INTERNAL_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -110,6 +111,10 @@ class HostWaitable {
   ~HostWaitable() = default;
 };
 
+// Wakes the workers whose wake-ups the calling thread's HostStreamWakeBatch holds back. Every
+// Clock::WaitUntil calls it before blocking.
+void WakeHeldWorkers();
+
 // The wait_timeout a stream named options.name uses: options.wait_timeout if set, else
 // SHARDLINE_TIMEOUT_S. InvalidArgument if it is negative, or unset and the knob is invalid.
 absl::StatusOr<absl::Duration> ResolveWaitTimeout(const StreamOptions& options);
@@ -134,7 +139,14 @@ class HostEvent final : public Event, public std::enable_shared_from_this<HostEv
   // The capture of the latest Record(); nullptr if the event was never recorded.
   std::shared_ptr<HostCapture> current() const;
 
+  // The first Record() of `self`, an event no other thread can see yet (RecordEvent): the same
+  // as self->Record(stream) on a stream that `recorder` is, without taking the event's lock.
+  static absl::Status RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
+                                  HostCaptureRecorder& recorder);
+
  private:
+  // Stream::id() of the latest Record()'s stream, readable without the lock.
+  std::atomic<uint64_t> recorded_stream_id_{0};
   mutable std::mutex mu_;
   // The latest Record()'s capture when it was allocated; null when that is embedded_ (an owning
   // pointer to embedded_ here would keep the event alive forever).

@@ -318,6 +318,53 @@ TEST(HostStreamTest, RecordOnADrainedStreamCompletesAtOnceAndAfterPendingWorkOnl
   EXPECT_EQ(failed->Synchronize(Soon()).code(), absl::StatusCode::kInternal);
 }
 
+// Records behind queued work (riding on the last queued item, or queued themselves when that
+// item already carries one) complete after exactly the work before them, with the stream's status
+// at that point.
+TEST(HostStreamTest, RecordsBehindQueuedWorkCompleteWithTheStatusAfterTheirWork) {
+  auto stream = MakeHost("behind");
+  Gate gate;
+  std::atomic<int> ran{0};
+  ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+  std::vector<std::shared_ptr<Event>> events;
+  auto record = [&] {
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*stream);
+    ASSERT_TRUE(event.ok()) << event.status();
+    events.push_back(*event);
+  };
+  record();  // [0] after the gate
+  ASSERT_TRUE(stream
+                  ->Enqueue([&ran] {
+                    ran.fetch_add(1);
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  record();  // [1] after the counting op
+  record();  // [2] the same point, a second record
+  record();  // [3] and a third
+  ASSERT_TRUE(stream->Enqueue([] { return absl::InternalError("boom"); }).ok());
+  record();  // [4] after the failure
+  record();  // [5]
+  for (const auto& event : events) {
+    absl::StatusOr<bool> done = event->Query();
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_FALSE(*done);
+  }
+  gate.Open();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(events[i]->Synchronize(Soon()).ok()) << "record " << i;
+  }
+  EXPECT_EQ(ran.load(), 1);
+  for (int i = 4; i < 6; ++i) {
+    EXPECT_EQ(events[i]->Synchronize(Soon()).code(), absl::StatusCode::kInternal) << "record " << i;
+  }
+  // Completion times follow the order of the work.
+  for (int i = 1; i < 6; ++i) {
+    ASSERT_TRUE(events[i]->completed_at().has_value());
+    EXPECT_GE(*events[i]->completed_at(), *events[i - 1]->completed_at()) << "record " << i;
+  }
+}
+
 // Restores an environment variable and the knob's cache when it goes out of scope.
 class ScopedSpinKnob {
  public:
@@ -409,8 +456,34 @@ TEST(HostStreamTest, WorkersRunUnderSchedBatchUnlessTheKnobIsOff) {
   ParamStreamBatchSched().ResetCacheForTesting();
 }
 
+TEST(HostStreamTest, AutoSpinKnobKeepsOrderAcrossStreams) {
+  // -1 (auto, the default): the workers poll only while few of them are awake for the machine's
+  // hardware threads; the order holds either way.
+  ScopedSpinKnob spin("-1");
+  auto a = MakeHost("auto a");
+  auto b = MakeHost("auto b");
+  constexpr int kRounds = 3000;
+  std::vector<int> written(kRounds, -1);
+  std::vector<int> seen(kRounds, -2);
+  for (int i = 0; i < kRounds; ++i) {
+    ASSERT_TRUE(a->Enqueue([&written, i] {
+                   written[i] = i;
+                   return absl::OkStatus();
+                 }).ok());
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*a);
+    ASSERT_TRUE(event.ok()) << event.status();
+    ASSERT_TRUE(b->WaitEvent(**event).ok());
+    ASSERT_TRUE(b->Enqueue([&written, &seen, i] {
+                   seen[i] = written[i];
+                   return absl::OkStatus();
+                 }).ok());
+  }
+  ASSERT_TRUE(b->Synchronize(Soon()).ok());
+  for (int i = 0; i < kRounds; ++i) ASSERT_EQ(seen[i], i) << "round " << i;
+}
+
 TEST(HostStreamTest, NegativeSpinKnobIsRejected) {
-  ScopedSpinKnob spin("-5");
+  ScopedSpinKnob spin("-2");
   absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = "bad spin"});
   EXPECT_EQ(stream.status().code(), absl::StatusCode::kInvalidArgument) << stream.status();
   EXPECT_THAT(Message(stream.status()), HasSubstr("SHARDLINE_STREAM_SPIN_US"));
@@ -479,6 +552,283 @@ TEST(HostStreamTest, FailurePoisonsStreamEventsAndWaiters) {
 
 // ---------------------------------------------------------------------------------------------
 // Events.
+
+// ---------------------------------------------------------------------------------------------
+// HostStreamWakeBatch: held wake-ups are never lost.
+
+// A deadline short enough that a lost wake-up fails the test quickly, long enough for a loaded
+// machine.
+absl::Time Bounded() { return absl::Now() + absl::Seconds(10); }
+
+uint64_t Wakes() { return ThisThreadHostStreamCallStats().wakes; }
+
+TEST(HostStreamWakeBatchTest, HoldsTheWakeUpOfASleepingWorkerUntilTheBatchEnds) {
+  auto stream = MakeHost("held");
+  bool saw_held = false;
+  for (int attempt = 0; attempt < 50 && !saw_held; ++attempt) {
+    ASSERT_TRUE(stream->Synchronize(Bounded()).ok());
+    std::atomic<bool> ran{false};
+    const uint64_t before = Wakes();
+    bool ran_inside = false;
+    {
+      HostStreamWakeBatch batch;
+      ASSERT_TRUE(stream
+                      ->Enqueue([&ran] {
+                        ran.store(true);
+                        return absl::OkStatus();
+                      })
+                      .ok());
+      for (int i = 0; i < 5; ++i)
+        ASSERT_TRUE(stream->Enqueue([] { return absl::OkStatus(); }).ok());
+      // A woken worker would run the op meanwhile; a held one cannot.
+      absl::SleepFor(absl::Milliseconds(5));
+      ran_inside = ran.load();
+      EXPECT_EQ(Wakes(), before) << "a wake-up was issued inside the batch";
+    }
+    // One wake-up at most for the six submissions, at the end of the batch.
+    const uint64_t wakes = Wakes() - before;
+    ASSERT_LE(wakes, 1u);
+    if (wakes == 1) {
+      // The worker slept when the batch began: nothing ran until the batch ended.
+      EXPECT_FALSE(ran_inside) << "attempt " << attempt;
+      saw_held = true;
+    }
+    ASSERT_TRUE(stream->Synchronize(Bounded()).ok());
+    EXPECT_TRUE(ran.load());
+  }
+  EXPECT_TRUE(saw_held) << "the worker was never asleep at the start of a batch";
+}
+
+TEST(HostStreamWakeBatchTest, BlockingInsideABatchWakesTheHeldWorkersFirst) {
+  auto a = MakeHost("held a");
+  auto b = MakeHost("held b");
+  auto caller = MakeCaller("held caller");
+  for (int round = 0; round < 20; ++round) {
+    HostStreamWakeBatch batch;
+    std::atomic<int> ran{0};
+    auto count = [&ran] {
+      ran.fetch_add(1);
+      return absl::OkStatus();
+    };
+    // Stream::Synchronize.
+    ASSERT_TRUE(a->Enqueue(count).ok());
+    ASSERT_TRUE(a->Synchronize(Bounded()).ok()) << "round " << round;
+    EXPECT_EQ(ran.load(), 1);
+    // Event::Synchronize.
+    ASSERT_TRUE(a->Enqueue(count).ok());
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*a);
+    ASSERT_TRUE(event.ok()) << event.status();
+    ASSERT_TRUE((*event)->Synchronize(Bounded()).ok()) << "round " << round;
+    EXPECT_EQ(ran.load(), 2);
+    // A chain through a second held worker: b waits for a, the caller stream for b.
+    ASSERT_TRUE(a->Enqueue(count).ok());
+    event = RecordEvent(*a);
+    ASSERT_TRUE(event.ok()) << event.status();
+    ASSERT_TRUE(b->WaitEvent(**event).ok());
+    ASSERT_TRUE(b->Enqueue(count).ok());
+    absl::StatusOr<std::shared_ptr<Event>> after_b = RecordEvent(*b);
+    ASSERT_TRUE(after_b.ok()) << after_b.status();
+    ASSERT_TRUE(caller->WaitEvent(**after_b).ok()) << "round " << round;
+    EXPECT_EQ(ran.load(), 4);
+  }
+}
+
+TEST(HostStreamWakeBatchTest, ABatchWakesOneWorkerWhichWakesTheOthers) {
+  constexpr int kStreams = 6;
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int s = 0; s < kStreams; ++s) streams.push_back(MakeHost("relay" + std::to_string(s)));
+  int relayed_batches = 0;
+  for (int round = 0; round < 40; ++round) {
+    for (auto& stream : streams) ASSERT_TRUE(stream->Synchronize(Bounded()).ok());
+    // Let the workers fall asleep, so that the batch holds several wake-ups back.
+    absl::SleepFor(absl::Milliseconds(2));
+    std::vector<std::atomic<int>> ran(kStreams);
+    for (auto& r : ran) r.store(0);
+    const uint64_t before = Wakes();
+    {
+      HostStreamWakeBatch batch;
+      for (int s = 0; s < kStreams; ++s) {
+        for (int i = 0; i < 3; ++i) {
+          ASSERT_TRUE(streams[s]
+                          ->Enqueue([&ran, s] {
+                            ran[s].fetch_add(1);
+                            return absl::OkStatus();
+                          })
+                          .ok());
+        }
+      }
+    }
+    // This thread woke one worker at most; the others were woken by it.
+    EXPECT_LE(Wakes() - before, 1u) << "round " << round;
+    if (Wakes() - before == 1) ++relayed_batches;
+    for (int s = 0; s < kStreams; ++s) {
+      // Only the relay wakes these workers: a lost relay fails the bounded Synchronize.
+      ASSERT_TRUE(streams[s]->Synchronize(Bounded()).ok()) << "round " << round << ", stream " << s;
+      EXPECT_EQ(ran[s].load(), 3);
+    }
+  }
+  EXPECT_GT(relayed_batches, 0) << "no batch found a sleeping worker";
+}
+
+TEST(HostStreamWakeBatchTest, AWakeUpHandedToAStreamBeingDestroyedStillArrives) {
+  auto survivor = MakeHost("survivor");
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<int> ran{0};
+    auto count = [&ran] {
+      ran.fetch_add(1);
+      return absl::OkStatus();
+    };
+    {
+      HostStreamWakeBatch batch;
+      auto doomed = MakeHost("doomed");
+      ASSERT_TRUE(doomed->Synchronize(Bounded()).ok());
+      ASSERT_TRUE(survivor->Synchronize(Bounded()).ok());
+      absl::SleepFor(absl::Milliseconds(1));
+      // `doomed` is held first, so it would relay the survivor's wake-up.
+      ASSERT_TRUE(doomed->Enqueue(count).ok());
+      ASSERT_TRUE(survivor->Enqueue(count).ok());
+      doomed.reset();  // its worker exits; the batch ends with the survivor still held
+    }
+    ASSERT_TRUE(survivor->Synchronize(Bounded()).ok()) << "round " << round;
+    EXPECT_EQ(ran.load(), 2);
+  }
+}
+
+TEST(HostStreamWakeBatchTest, WakeHeldLetsAThreadWaitByOtherMeansInsideABatch) {
+  auto stream = MakeHost("spun on");
+  for (int round = 0; round < 20; ++round) {
+    ASSERT_TRUE(stream->Synchronize(Bounded()).ok());
+    std::atomic<bool> ran{false};
+    HostStreamWakeBatch batch;
+    ASSERT_TRUE(stream
+                    ->Enqueue([&ran] {
+                      ran.store(true);
+                      return absl::OkStatus();
+                    })
+                    .ok());
+    HostStreamWakeBatch::WakeHeld();
+    // A wait outside the stream library (a spin on a flag), bounded: a worker still held back
+    // would never set it.
+    const absl::Time deadline = Bounded();
+    while (!ran.load() && absl::Now() < deadline) std::this_thread::yield();
+    ASSERT_TRUE(ran.load()) << "round " << round;
+  }
+}
+
+TEST(HostStreamWakeBatchTest, NestedBatchesWakeOnlyWhenTheOutermostEnds) {
+  auto stream = MakeHost("nested");
+  for (int round = 0; round < 20; ++round) {
+    const uint64_t before = Wakes();
+    std::atomic<int> ran{0};
+    {
+      HostStreamWakeBatch outer;
+      {
+        HostStreamWakeBatch inner;
+        ASSERT_TRUE(stream
+                        ->Enqueue([&ran] {
+                          ran.fetch_add(1);
+                          return absl::OkStatus();
+                        })
+                        .ok());
+        inner.End();
+        inner.End();  // a second End does nothing
+      }
+      EXPECT_EQ(Wakes(), before) << "the inner batch woke the worker";
+    }
+    EXPECT_LE(Wakes() - before, 1u);
+    ASSERT_TRUE(stream->Synchronize(Bounded()).ok()) << "round " << round;
+    EXPECT_EQ(ran.load(), 1);
+  }
+}
+
+TEST(HostStreamWakeBatchTest, AStreamDestroyedWhileItsWakeUpIsHeldRunsItsWork) {
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<int> ran{0};
+    HostStreamWakeBatch batch;
+    {
+      auto stream = MakeHost("short-lived");
+      ASSERT_TRUE(stream->Synchronize(Bounded()).ok());
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_TRUE(stream
+                        ->Enqueue([&ran] {
+                          ran.fetch_add(1);
+                          return absl::OkStatus();
+                        })
+                        .ok());
+      }
+      // The destructor drains the queue (each wait bounded) and joins the worker.
+    }
+    EXPECT_EQ(ran.load(), 3) << "round " << round;
+    batch.End();  // wakes a condition variable that outlived its stream
+  }
+}
+
+// Threads that batch their submissions to shared streams, with records and cross-stream waits,
+// while other threads' submissions find the workers already "woken" by a held wake-up: at the end
+// every op has run, in each thread's order per stream. A lost wake-up leaves work queued behind a
+// sleeping worker, and the bounded Synchronize fails.
+TEST(HostStreamWakeBatchTest, ThreadsBatchingOnSharedStreamsNeverLoseAWakeUp) {
+  constexpr int kStreams = 5;
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 400;
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int s = 0; s < kStreams; ++s) streams.push_back(MakeHost("shared" + std::to_string(s)));
+  // last[t][s]: the last round of thread t that ran on stream s (each thread's ops on one stream
+  // run in its order).
+  std::vector<std::vector<std::atomic<int>>> last(kThreads);
+  std::vector<std::atomic<int>> out_of_order(kThreads);
+  for (auto& v : last) v = std::vector<std::atomic<int>>(kStreams);
+  for (auto& v : last)
+    for (auto& x : v) x.store(-1);
+  for (auto& x : out_of_order) x.store(0);
+  std::vector<std::vector<int>> submitted(kThreads, std::vector<int>(kStreams, 0));
+  std::vector<std::vector<std::atomic<int>>> ran(kThreads);
+  for (auto& v : ran) v = std::vector<std::atomic<int>>(kStreams);
+  for (auto& v : ran)
+    for (auto& x : v) x.store(0);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(1000 + t);
+      for (int r = 0; r < kRounds; ++r) {
+        HostStreamWakeBatch batch;
+        const int n = 1 + static_cast<int>(rng() % 6);
+        for (int i = 0; i < n; ++i) {
+          const int s = static_cast<int>(rng() % kStreams);
+          if (rng() % 3 == 0) {
+            const int from = static_cast<int>(rng() % kStreams);
+            absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*streams[from]);
+            if (!event.ok() || !streams[s]->WaitEvent(**event).ok()) failures.fetch_add(1);
+          }
+          ++submitted[t][s];
+          absl::Status status = streams[s]->Enqueue([&, t, s, r] {
+            if (last[t][s].load() > r) out_of_order[t].fetch_add(1);
+            last[t][s].store(r);
+            ran[t][s].fetch_add(1);
+            return absl::OkStatus();
+          });
+          if (!status.ok()) failures.fetch_add(1);
+        }
+        if (r % 50 == 49) {
+          // Blocking inside the batch: this thread's held wake-ups go out first.
+          if (!streams[rng() % kStreams]->Synchronize(Bounded()).ok()) failures.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int s = 0; s < kStreams; ++s) {
+    ASSERT_TRUE(streams[s]->Synchronize(Bounded()).ok()) << "stream " << s;
+  }
+  EXPECT_EQ(failures.load(), 0);
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(out_of_order[t].load(), 0) << "thread " << t;
+    for (int s = 0; s < kStreams; ++s) {
+      EXPECT_EQ(ran[t][s].load(), submitted[t][s]) << "thread " << t << ", stream " << s;
+    }
+  }
+}
 
 TEST(EventTest, NeverRecordedEventIsComplete) {
   std::shared_ptr<Event> event = CreateHostEvent();

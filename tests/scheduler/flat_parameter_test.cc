@@ -1029,6 +1029,34 @@ TEST(FlatParameterMemoryTest, UnshardedBufferLivesFromGatherToReshardPlusEvent) 
 // still reads the views. The buffer must stay with the pool's in-use bytes until that work ran,
 // although the gather itself finished long ago; the held reads see the gathered values (a
 // same-sized block taken from the pool meanwhile and filled with NaNs is another block).
+// GatherCompleted(): false before any gather and while one is held up on its stream, true once
+// it ran, false again after a gather that failed.
+TEST(FlatParameterStateTest, GatherCompletedFollowsTheLatestGather) {
+  auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
+  RankRig rig(ComputeKind::kHost);
+  Gate& gate = rig.NewGate();
+  auto unit =
+      *FlatParameter::Create(OddLayout(1), 0, MixedPrecisionPolicy{}, rig.Options("block7"));
+  EXPECT_FALSE(unit->GatherCompleted());
+  ASSERT_OK(rig.gather->Enqueue(Hold(gate)));
+  ASSERT_TRUE(unit->Gather(*comms[0], *rig.gather).ok());
+  EXPECT_FALSE(unit->GatherCompleted());
+  gate.Open();
+  ASSERT_OK(rig.gather->Synchronize(Deadline()));
+  EXPECT_TRUE(unit->GatherCompleted());
+  ASSERT_OK(unit->WaitGathered(*rig.compute));
+  ASSERT_OK(unit->Reshard(nullptr));
+  // Work queued before the next gather fails: the gather is dropped and its event fails.
+  Gate& second = rig.NewGate();
+  ASSERT_OK(rig.gather->Enqueue(Hold(second)));
+  ASSERT_OK(rig.gather->Enqueue([] { return absl::InternalError("injected"); }));
+  ASSERT_TRUE(unit->Gather(*comms[0], *rig.gather).ok());
+  EXPECT_FALSE(unit->GatherCompleted());
+  second.Open();
+  EXPECT_EQ(rig.gather->Synchronize(Deadline()).code(), absl::StatusCode::kInternal);
+  EXPECT_FALSE(unit->GatherCompleted());
+}
+
 TEST(FlatParameterMemoryTest, ReshardWithoutEventWaitsForWorkQueuedOnAcquiringStreams) {
   auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
   RankRig rig(ComputeKind::kHost);
