@@ -1374,7 +1374,9 @@ TEST(ClockTest, WaitTimeoutAndDeadlinesFollowTheStreamsClock) {
     const absl::Status status = stream->Synchronize(clock.Now() + absl::Hours(1));
     if (waiter.joinable()) waiter.join();
     EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
-    if (!host) EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+    if (!host) {
+      EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+    }
     EXPECT_GE(clock.Now() - start, absl::Seconds(5));
     // An event's Synchronize deadline is on the recording stream's clock too.
     auto other = *CreateHostStream({.name = "gated", .clock = &clock});
