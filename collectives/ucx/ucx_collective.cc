@@ -216,9 +216,10 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     if (finished) return absl::OkStatus();
     absl::Status comm = hooks_.comm_status();
     if (!comm.ok()) return Annotate(comm, hooks_.describe());
-    absl::Status peers = transport_.CheckPeers();
-    if (!peers.ok()) return Annotate(peers, hooks_.describe());
+    // One clock reading per poll, shared by the checks below.
     const absl::Time now = absl::Now();
+    absl::Status peers = transport_.CheckPeers(now);
+    if (!peers.ok()) return Annotate(peers, hooks_.describe());
     if (now >= deadline_) return hooks_.deadline_error(PendingPeers());
     if (activity) last_activity = now;
     // Poll, then sleep. Waking a sleeping rank costs a scheduler wake-up, which on a virtual
@@ -229,7 +230,7 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     // hands the core to a runnable thread between polls; on an idle host with spare cores
     // sched_yield only costs (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
-      transport_.YieldIfOversubscribed();
+      transport_.YieldIfOversubscribed(now);
       continue;
     }
     // Only on the way to sleep: the spin stays free of it.

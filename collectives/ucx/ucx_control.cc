@@ -127,8 +127,7 @@ void UcxTransport::BroadcastAbort(const absl::Status& reason) {
   Wake();
 }
 
-absl::Status UcxTransport::CheckPeers() {
-  const absl::Time now = absl::Now();
+absl::Status UcxTransport::CheckPeers(absl::Time now) {
   if (now < next_peer_check_) return peers_status_;
   next_peer_check_ = now + absl::Milliseconds(200);
   if (!peers_status_.ok()) return peers_status_;

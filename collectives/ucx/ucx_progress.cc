@@ -66,10 +66,10 @@ namespace {
 // every 10 ms. Other jobs on a loaded host take the cores this communicator's ranks would spin
 // on: a waiting rank that spins through its time slice instead of yielding then makes the peer
 // it waits for wait a scheduler period (milliseconds per small collective; docs/benchmarks.md).
-bool HostBusy(int cpus) {
+bool HostBusy(int cpus, absl::Time at) {
   static std::atomic<int64_t> next_look_ns{0};
   static std::atomic<bool> busy{false};
-  const int64_t now = absl::GetCurrentTimeNanos();
+  const int64_t now = absl::ToUnixNanos(at);
   if (now < next_look_ns.load(std::memory_order_relaxed)) {
     return busy.load(std::memory_order_relaxed);
   }
@@ -94,8 +94,8 @@ bool HostBusy(int cpus) {
 
 }  // namespace
 
-void UcxTransport::YieldIfOversubscribed() const {
-  if (oversubscribed_ || HostBusy(cpus_)) sched_yield();
+void UcxTransport::YieldIfOversubscribed(absl::Time now) const {
+  if (oversubscribed_ || HostBusy(cpus_, now)) sched_yield();
 }
 
 void UcxTransport::Wake() {

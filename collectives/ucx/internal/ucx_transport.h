@@ -248,7 +248,7 @@ class UcxTransport {
 
   // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
   // reports it through the abort handler. OK otherwise.
-  absl::Status CheckPeers();
+  absl::Status CheckPeers(absl::Time now);
 
   // More ranks of this communicator run on this host than this process has CPUs: a waiting
   // rank must hand its core to a peer (sched_yield) instead of spinning on it.
@@ -256,7 +256,8 @@ class UcxTransport {
   // Gives the CPU to another runnable thread if the host is oversubscribed: by this
   // communicator's own ranks, or, as last seen (HostBusy), by more runnable threads than it has
   // CPUs.
-  void YieldIfOversubscribed() const;
+  // `now` is the caller's clock reading (the look at the host is at most every 10 ms).
+  void YieldIfOversubscribed(absl::Time now) const;
 
   // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
   // collective ran for a short grace period (so back-to-back collectives never wake it).
