@@ -24,6 +24,7 @@ void UcxTransport::OnEndpointError(void* arg, ucp_ep_h /*ep*/, ucs_status_t stat
   auto* error = static_cast<ErrorArg*>(arg);
   std::lock_guard<std::mutex> lock(error->transport->mu_);
   error->transport->failures_.push_back({error->peer, status});
+  error->transport->failures_pending_.store(true, std::memory_order_release);
 }
 
 // Requires control_mu_.

@@ -22,7 +22,9 @@ bool UcxTransport::Progress() {
 
   std::vector<absl::Status> notices;
   std::vector<absl::Status> reports;
-  {
+  // Both checks look at an atomic first: a poll that finds nothing (the usual case while a
+  // collective waits) takes no lock.
+  if (control_.done.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(control_mu_);
     while (control_posted_ && control_.done.load(std::memory_order_acquire)) {
       activity = true;
@@ -30,7 +32,8 @@ bool UcxTransport::Progress() {
       PostControlRecv();
     }
   }
-  {
+  if (failures_pending_.load(std::memory_order_acquire) &&
+      failures_pending_.exchange(false, std::memory_order_acq_rel)) {
     std::lock_guard<std::mutex> lock(mu_);
     for (const Failure& f : failures_) {
       Peer& peer = peers_[f.peer];

@@ -350,6 +350,7 @@ class UcxTransport {
   // across a UCX call: the endpoint error callback takes it.
   std::mutex mu_;
   std::vector<Failure> failures_;
+  std::atomic<bool> failures_pending_{false};  // failures_ has entries (checked without mu_)
   std::deque<Outgoing> outgoing_;
   std::vector<std::unique_ptr<Batch>> graveyard_;
   std::vector<void*> force_closing_;  // close requests of dead peers' endpoints
