@@ -277,19 +277,10 @@ absl::Status RunCollective(CollectiveRun& run) {
   header_recvs.assign(n, nullptr);
   received.assign(n, nullptr);
   staging.assign(n, nullptr);
-  for (int i = 1; i < n; ++i) {
-    const int p = (me - i + n) % n;
-    const size_t expected = small ? SmallPayloadBytes(run, p, me) : 0;
-    const size_t capacity =
-        kFp + std::max(expected, std::min(run.tuning().small_bytes, kMaxSmallCapacity));
-    uint8_t* buffer = run.batch().Buffer(capacity);
-    received[p] = buffer;
-    if (expected > 0) staging[p] = buffer + kFp;
-    header_recvs[p] = run.Recv(p, buffer, capacity, Phase::kHeader, 0);
-    header_recvs[p]->any_length = true;
-  }
-  // The payload goes straight from the input: UCX gathers the fingerprint and the payload into
-  // one message (no packing copy here). The pieces live in the batch, which outlives the sends.
+  // Sends first: a peer waits for them, while this rank's receives may match a message that
+  // arrived before them. The payload goes straight from the input: UCX gathers the fingerprint
+  // and the payload into one message (no packing copy here). The pieces live in the batch,
+  // which outlives the sends.
   auto* iov = reinterpret_cast<ucp_dt_iov_t*>(run.batch().Buffer(sizeof(ucp_dt_iov_t) * 2 * n));
   for (int i = 1; i < n; ++i) {
     const int p = (me + i) % n;
@@ -302,6 +293,17 @@ absl::Status RunCollective(CollectiveRun& run) {
     pieces[0] = {header, kFp};
     pieces[1] = {const_cast<void*>(SmallPayload(run, p)), bytes};
     run.SendHeader(p, pieces, 2);
+  }
+  for (int i = 1; i < n; ++i) {
+    const int p = (me - i + n) % n;
+    const size_t expected = small ? SmallPayloadBytes(run, p, me) : 0;
+    const size_t capacity =
+        kFp + std::max(expected, std::min(run.tuning().small_bytes, kMaxSmallCapacity));
+    uint8_t* buffer = run.batch().Buffer(capacity);
+    received[p] = buffer;
+    if (expected > 0) staging[p] = buffer + kFp;
+    header_recvs[p] = run.Recv(p, buffer, capacity, Phase::kHeader, 0);
+    header_recvs[p]->any_length = true;
   }
   SL_RETURN_IF_ERROR(run.WaitAll(header_recvs));
 
