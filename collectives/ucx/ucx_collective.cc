@@ -241,13 +241,17 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
 
 absl::Status CollectiveRun::WaitAll(const std::vector<Completion*>& cs) {
   size_t next = 0;  // completions finish roughly in order: skip the prefix known done
-  return Drive([&]() -> absl::StatusOr<bool> {
+  auto step = [&]() -> absl::StatusOr<bool> {
     for (; next < cs.size(); ++next) {
       SL_ASSIGN_OR_RETURN(const bool done, Done(cs[next]));
       if (!done) return false;
     }
     return true;
-  });
+  };
+  // Everything done already (a small collective's sends usually are): no poll.
+  SL_ASSIGN_OR_RETURN(const bool finished, step());
+  if (finished) return absl::OkStatus();
+  return Drive(step);
 }
 
 absl::Status CollectiveRun::WaitBatch() {
