@@ -135,6 +135,7 @@ class Batch {
   };
 
   Batch() = default;
+  ~Batch();
   Batch(const Batch&) = delete;
   Batch& operator=(const Batch&) = delete;
 
