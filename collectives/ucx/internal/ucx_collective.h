@@ -58,7 +58,6 @@ struct RunScratch {
   std::vector<const uint8_t*> received;
   std::vector<const uint8_t*> staging;
   std::vector<CollectiveFingerprint> fps;
-  std::vector<ucp_dt_iov_t> iov;
   std::vector<const void*> inputs;
   std::vector<Completion*> waits;
 };
