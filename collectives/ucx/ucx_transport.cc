@@ -77,9 +77,7 @@ uint8_t* Batch::Buffer(size_t bytes) {
   if (arena_ == arenas_.size()) {
     // Each new arena at least doubles what the batch holds, so a collective's buffers take
     // O(log) allocations the first time and none once the batch is reused.
-    size_t total = 0;
-    for (const Arena& a : arenas_) total += a.bytes;
-    const size_t arena_bytes = std::max({bytes, kMinArenaBytes, total});
+    const size_t arena_bytes = std::max({bytes, kMinArenaBytes, held_bytes()});
     Arena& arena = arenas_.emplace_back();
     arena.memory.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, arena_bytes)));
     SL_CHECK(arena.memory != nullptr)
@@ -98,9 +96,7 @@ void Batch::Reset() {
   used_ = 0;
   arena_ = 0;
   offset_ = 0;
-  size_t total = 0;
-  for (const Arena& a : arenas_) total += a.bytes;
-  if (total > kRetainBytes) {
+  if (held_bytes() > kRetainBytes) {
     for (Arena& a : arenas_) ASAN_UNPOISON_MEMORY_REGION(a.memory.get(), a.bytes);
     arenas_.clear();
   }

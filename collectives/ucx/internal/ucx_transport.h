@@ -161,6 +161,12 @@ class Batch {
   // Forgets every slot and buffer (every request must be done and freed: see Release). Keeps
   // the memory, up to kRetainBytes of buffers (a large collective's scratch is given back).
   void Reset();
+  // Bytes of buffer memory the batch holds (handed out or not).
+  size_t held_bytes() const {
+    size_t total = 0;
+    for (const Arena& a : arenas_) total += a.bytes;
+    return total;
+  }
 
   static constexpr size_t kRetainBytes = size_t{4} << 20;
 
