@@ -415,9 +415,12 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
   std::lock_guard<std::mutex> issue_lock(issue_mu_);
   SL_RETURN_IF_ERROR(status());
   const absl::string_view what = CollectiveName(kind);
+  std::string& call_site = call_sites_[static_cast<size_t>(kind)];
+  if (call_site.empty()) {
+    call_site = absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_, ")");
+  }
   auto invalid = [&](auto&&... parts) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_, "): ", parts...));
+    return absl::InvalidArgumentError(absl::StrCat(call_site, ": ", parts...));
   };
   if (!DTypeAllowed(kind, dtype)) {
     return invalid("dtype ", DTypeName(dtype), " is not supported (reductions take f32, f64, ",
@@ -470,9 +473,7 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
     }
   }
   SL_RETURN_IF_ERROR(CheckStream(stream));
-  SL_RETURN_IF_ERROR(
-      CheckBuffers(absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_, ")"), input,
-                   in_bytes, output, out_bytes));
+  SL_RETURN_IF_ERROR(CheckBuffers(call_site, input, in_bytes, output, out_bytes));
   if (&stream.clock() != &WallClock() && !AcceptsAnyClock()) {
     return invalid("stream '", stream.name(), "' runs on a ", stream.clock().name(),
                    " clock, but the ", backend(), " backend moves data in wall-clock time");
@@ -480,8 +481,7 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
   // Issue order across streams: this collective starts after the previous one finished. Nothing
   // is spent if the wait cannot be enqueued (the stream is poisoned, say).
   if (absl::Status waited = WaitUnlessSameStream(stream, last_done_); !waited.ok()) {
-    return Annotate(waited, absl::StrCat(what, " on ", name_, " (rank ", rank_, " of ", size_,
-                                         "): waiting for collective #", next_seq_ - 1,
+    return Annotate(waited, absl::StrCat(call_site, ": waiting for collective #", next_seq_ - 1,
                                          ", issued earlier on another stream"));
   }
 

@@ -439,6 +439,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Event> last_done_;
   std::unique_ptr<FlightRecorder> flight_;
   bool flight_registered_ = false;  // guarded by issue_mu_
+  // "all_gather on world (rank 0 of 2)" per kind, for Issue's messages: built at the first call
+  // of each kind, so that issuing a collective formats no string. Guarded by issue_mu_.
+  std::string call_sites_[static_cast<size_t>(CollectiveKind::kBarrier) + 1];
   std::atomic<uint64_t> next_split_{0};
   std::atomic<uint64_t> next_shrink_{0};
   std::atomic<uint64_t> next_registration_{0};

@@ -173,7 +173,8 @@ absl::Status FinishSmall(CollectiveRun& run, const std::vector<const uint8_t*>& 
     case CollectiveKind::kReduceScatter:
     case CollectiveKind::kAllReduce: {
       const size_t own = fp.kind == CollectiveKind::kReduceScatter ? me * bytes : 0;
-      std::vector<const void*> inputs(n);
+      std::vector<const void*>& inputs = run.scratch().inputs;
+      inputs.resize(n);
       for (int p = 0; p < n; ++p) inputs[p] = p == me ? run.input() + own : staging[p];
       SL_RETURN_IF_ERROR(ReduceMany(run.output(), inputs.data(), n, fp.count, fp.dtype, fp.op));
       return FinishAverage(run, run.output(), fp.count);

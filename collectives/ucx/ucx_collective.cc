@@ -67,6 +67,12 @@ Completion* CollectiveRun::Send(int peer, const void* buffer, size_t bytes, Phas
   return c;
 }
 
+Completion* CollectiveRun::SendHeader(int peer, const ucp_dt_iov_t* iov, size_t count) {
+  Completion* c = batch_->Add(peer, /*is_send=*/true);
+  transport_.SendIov(peer, iov, count, MakeTag(Phase::kHeader, rank(), 0, 0), c).IgnoreError();
+  return c;
+}
+
 Completion* CollectiveRun::Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk,
                                 bool borrow) {
   const uint64_t seq = TagSeq(phase);
@@ -99,9 +105,9 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
     *activity = true;
     status = Check(*read.descriptor);
     if (status.ok() && read.desc[kLength] != read.bytes) {
-      status = absl::InternalError(absl::StrCat(hooks_.describe, ": rank ", read.peer, " offered ",
-                                                read.desc[kLength], " bytes where ", read.bytes,
-                                                " were expected"));
+      status = absl::InternalError(absl::StrCat(hooks_.describe(), ": rank ", read.peer,
+                                                " offered ", read.desc[kLength], " bytes where ",
+                                                read.bytes, " were expected"));
     }
     const uint8_t* mapped = nullptr;
     if (status.ok() && read.desc[kRegionId] != 0 &&
@@ -120,10 +126,10 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
       CopyStreaming(read.dst, mapped + read.desc[kRegionOffset], read.bytes);
     } else if (status.ok()) {
       status = Annotate(transport_.CmaRead(read.peer, read.dst, read.desc[kAddress], read.bytes),
-                        hooks_.describe);
+                        hooks_.describe());
       // A peer whose collective failed may have freed the buffer already: its reason counts.
       absl::Status comm = hooks_.comm_status();
-      if (absl::IsInternal(status) && !comm.ok()) status = Annotate(comm, hooks_.describe);
+      if (absl::IsInternal(status) && !comm.ok()) status = Annotate(comm, hooks_.describe());
     }
     if (!status.ok()) {
       reads_[kept++] = read;
@@ -166,21 +172,21 @@ void CollectiveRun::AbandonReads() {
 absl::Status CollectiveRun::Check(const Completion& c) const {
   if (c.status == UCS_OK) {
     if (!c.is_send && !c.any_length && c.length != c.expected) {
-      return absl::InternalError(absl::StrCat(hooks_.describe, ": rank ", c.peer, " sent ",
+      return absl::InternalError(absl::StrCat(hooks_.describe(), ": rank ", c.peer, " sent ",
                                               c.length, " bytes where ", c.expected,
                                               " were expected"));
     }
     return absl::OkStatus();
   }
   absl::Status comm = hooks_.comm_status();
-  if (!comm.ok()) return Annotate(comm, hooks_.describe);
+  if (!comm.ok()) return Annotate(comm, hooks_.describe());
   if (c.status == UCS_ERR_MESSAGE_TRUNCATED) {
-    return absl::InternalError(absl::StrCat(hooks_.describe, ": rank ", c.peer,
+    return absl::InternalError(absl::StrCat(hooks_.describe(), ": rank ", c.peer,
                                             " sent more than the ", c.expected,
                                             " bytes expected (message truncated, discarded)"));
   }
   return absl::UnavailableError(
-      absl::StrCat(hooks_.describe, ": ", c.is_send ? "sending to" : "receiving from",
+      absl::StrCat(hooks_.describe(), ": ", c.is_send ? "sending to" : "receiving from",
                    " peer rank ", c.peer, " failed (ucx: ", UcxError(c.status), ")"));
 }
 
@@ -209,10 +215,11 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     SL_ASSIGN_OR_RETURN(const bool finished, step());
     if (finished) return absl::OkStatus();
     absl::Status comm = hooks_.comm_status();
-    if (!comm.ok()) return Annotate(comm, hooks_.describe);
-    absl::Status peers = transport_.CheckPeers();
-    if (!peers.ok()) return Annotate(peers, hooks_.describe);
+    if (!comm.ok()) return Annotate(comm, hooks_.describe());
+    // One clock reading per poll, shared by the checks below.
     const absl::Time now = absl::Now();
+    absl::Status peers = transport_.CheckPeers(now);
+    if (!peers.ok()) return Annotate(peers, hooks_.describe());
     if (now >= deadline_) return hooks_.deadline_error(PendingPeers());
     if (activity) last_activity = now;
     // Poll, then sleep. Waking a sleeping rank costs a scheduler wake-up, which on a virtual
@@ -223,28 +230,33 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     // hands the core to a runnable thread between polls; on an idle host with spare cores
     // sched_yield only costs (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
-      transport_.YieldIfOversubscribed();
+      transport_.YieldIfOversubscribed(now);
       continue;
     }
     // Only on the way to sleep: the spin stays free of it.
-    if (hooks_.waiting_on) hooks_.waiting_on(PendingPeers());
+    hooks_.waiting_on(PendingPeers());
     transport_.Sleep(deadline_);
   }
 }
 
 absl::Status CollectiveRun::WaitAll(const std::vector<Completion*>& cs) {
   size_t next = 0;  // completions finish roughly in order: skip the prefix known done
-  return Drive([&]() -> absl::StatusOr<bool> {
+  auto step = [&]() -> absl::StatusOr<bool> {
     for (; next < cs.size(); ++next) {
       SL_ASSIGN_OR_RETURN(const bool done, Done(cs[next]));
       if (!done) return false;
     }
     return true;
-  });
+  };
+  // Everything done already (a small collective's sends usually are): no poll.
+  SL_ASSIGN_OR_RETURN(const bool finished, step());
+  if (finished) return absl::OkStatus();
+  return Drive(step);
 }
 
 absl::Status CollectiveRun::WaitBatch() {
-  std::vector<Completion*> all;
+  std::vector<Completion*>& all = scratch_.waits;
+  all.clear();
   for (Completion& c : batch_->slots()) all.push_back(&c);
   return WaitAll(all);
 }
@@ -259,12 +271,33 @@ absl::Status RunCollective(CollectiveRun& run) {
   // messages cost). A receive's buffer holds whatever a peer on the small protocol may send
   // (up to small_bytes, which every rank shares), so that a peer that called another
   // collective is reported as a mismatch, not as a truncated message.
-  uint8_t* headers = run.batch().Buffer(kFp * n);
-  run.fp().Encode(headers + kFp * me);
+  RunScratch& scratch = run.scratch();
+  uint8_t* header = run.batch().Buffer(kFp);
+  run.fp().Encode(header);
   const bool small = IsSmall(run);
-  std::vector<Completion*> header_recvs(n, nullptr);
-  std::vector<const uint8_t*> received(n, nullptr);
-  std::vector<const uint8_t*> staging(n, nullptr);
+  std::vector<Completion*>& header_recvs = scratch.completions;
+  std::vector<const uint8_t*>& received = scratch.received;
+  std::vector<const uint8_t*>& staging = scratch.staging;
+  header_recvs.assign(n, nullptr);
+  received.assign(n, nullptr);
+  staging.assign(n, nullptr);
+  // Sends first: a peer waits for them, while this rank's receives may match a message that
+  // arrived before them. The payload goes straight from the input: UCX gathers the fingerprint
+  // and the payload into one message (no packing copy here). The pieces live in the batch,
+  // which outlives the sends.
+  auto* iov = reinterpret_cast<ucp_dt_iov_t*>(run.batch().Buffer(sizeof(ucp_dt_iov_t) * 2 * n));
+  for (int i = 1; i < n; ++i) {
+    const int p = (me + i) % n;
+    const size_t bytes = small ? SmallPayloadBytes(run, me, p) : 0;
+    if (bytes == 0) {
+      run.Send(p, header, kFp, Phase::kHeader, 0);
+      continue;
+    }
+    ucp_dt_iov_t* pieces = iov + 2 * p;
+    pieces[0] = {header, kFp};
+    pieces[1] = {const_cast<void*>(SmallPayload(run, p)), bytes};
+    run.SendHeader(p, pieces, 2);
+  }
   for (int i = 1; i < n; ++i) {
     const int p = (me - i + n) % n;
     const size_t expected = small ? SmallPayloadBytes(run, p, me) : 0;
@@ -276,43 +309,25 @@ absl::Status RunCollective(CollectiveRun& run) {
     header_recvs[p] = run.Recv(p, buffer, capacity, Phase::kHeader, 0);
     header_recvs[p]->any_length = true;
   }
-  const void* packed_from = nullptr;  // the payload `packed` holds (peers often share one)
-  const uint8_t* packed = nullptr;
-  for (int i = 1; i < n; ++i) {
-    const int p = (me + i) % n;
-    const size_t bytes = small ? SmallPayloadBytes(run, me, p) : 0;
-    if (bytes == 0) {
-      run.Send(p, headers + kFp * me, kFp, Phase::kHeader, 0);
-      continue;
-    }
-    const void* payload = SmallPayload(run, p);
-    if (payload != packed_from) {
-      uint8_t* message = run.batch().Buffer(kFp + bytes);
-      std::memcpy(message, headers + kFp * me, kFp);
-      std::memcpy(message + kFp, payload, bytes);
-      packed_from = payload;
-      packed = message;
-    }
-    run.Send(p, packed, kFp + bytes, Phase::kHeader, 0);
-  }
   SL_RETURN_IF_ERROR(run.WaitAll(header_recvs));
 
   // Every rank compares the same table the same way, so every rank names the same pair.
-  std::vector<CollectiveFingerprint> fps(n);
+  std::vector<CollectiveFingerprint>& fps = scratch.fps;
+  fps.resize(n);
   for (int p = 0; p < n; ++p) {
     if (p == me) {
       fps[p] = run.fp();
       continue;
     }
     if (header_recvs[p]->length < kFp) {
-      return absl::InternalError(absl::StrCat(run.hooks().describe, ": rank ", p, " sent ",
+      return absl::InternalError(absl::StrCat(run.hooks().describe(), ": rank ", p, " sent ",
                                               header_recvs[p]->length,
                                               " bytes where a fingerprint was expected"));
     }
     absl::StatusOr<CollectiveFingerprint> fp = CollectiveFingerprint::Decode(received[p]);
     if (!fp.ok()) {
       return absl::InternalError(
-          absl::StrCat(run.hooks().describe, ": rank ", p,
+          absl::StrCat(run.hooks().describe(), ": rank ", p,
                        " sent a malformed fingerprint: ", fp.status().message()));
     }
     fps[p] = *fp;
@@ -325,7 +340,7 @@ absl::Status RunCollective(CollectiveRun& run) {
     if (p == me) continue;
     const size_t want = kFp + (small ? SmallPayloadBytes(run, p, me) : 0);
     if (header_recvs[p]->length != want) {
-      return absl::InternalError(absl::StrCat(run.hooks().describe, ": rank ", p, " sent ",
+      return absl::InternalError(absl::StrCat(run.hooks().describe(), ": rank ", p, " sent ",
                                               header_recvs[p]->length, " bytes where ", want,
                                               " were expected"));
     }

@@ -19,6 +19,7 @@ namespace {
 
 using ucx_internal::CollectiveHooks;
 using ucx_internal::CollectiveRun;
+using ucx_internal::RunScratch;
 using ucx_internal::Tuning;
 using ucx_internal::UcxTransport;
 
@@ -94,6 +95,28 @@ class UcxCommunicator final : public Communicator {
   }
 
  private:
+  // The communicator's helpers for one op, as the algorithms see them.
+  class OpHooks final : public CollectiveHooks {
+   public:
+    OpHooks(const UcxCommunicator& comm, const Op& op) : comm_(comm), op_(op) {}
+    absl::Status comm_status() const override { return comm_.status(); }
+    absl::Status deadline_error(const std::vector<int>& missing) const override {
+      return comm_.DeadlineError(op_, missing);
+    }
+    absl::Status mismatch_error(int a, const CollectiveFingerprint& fa, int b,
+                                const CollectiveFingerprint& fb) const override {
+      return comm_.MismatchError(op_, a, fa, b, fb);
+    }
+    std::string describe() const override { return comm_.Describe(op_); }
+    void waiting_on(const std::vector<int>& pending) const override {
+      comm_.NoteWaitingOn(op_, pending);
+    }
+
+   private:
+    const UcxCommunicator& comm_;
+    const Op& op_;
+  };
+
   absl::Status RunAlone(const Op& op);
   // Whether an abort raised on this thread must be sent to the peers (false while handling a
   // peer's notice).
@@ -102,6 +125,10 @@ class UcxCommunicator final : public Communicator {
   std::shared_ptr<Store> store_;
   std::unique_ptr<UcxTransport> transport_;  // null for a group of one
   const Tuning tuning_;
+  // Reused by every collective (only the stream thread running one touches them; collectives
+  // of one communicator never run concurrently).
+  std::unique_ptr<ucx_internal::Batch> batch_;
+  ucx_internal::RunScratch scratch_;
 };
 
 thread_local bool UcxCommunicator::forward_abort_ = true;
@@ -134,19 +161,9 @@ absl::Status UcxCommunicator::Run(const Op& op) {
   transport_->BeginCollective();
   absl::Cleanup end = [&] { transport_->EndCollective(); };
 
-  CollectiveHooks hooks;
-  hooks.comm_status = [this] { return status(); };
-  hooks.deadline_error = [this, &op](const std::vector<int>& missing) {
-    return DeadlineError(op, missing);
-  };
-  hooks.mismatch_error = [this, &op](int a, const CollectiveFingerprint& fa, int b,
-                                     const CollectiveFingerprint& fb) {
-    return MismatchError(op, a, fa, b, fb);
-  };
-  hooks.describe = Describe(op);
-  hooks.waiting_on = [this, &op](const std::vector<int>& pending) { NoteWaitingOn(op, pending); };
+  OpHooks hooks(*this, op);
   CollectiveRun run(*transport_, op.fingerprint, op.input, op.output, op.element_size, op.deadline,
-                    std::move(hooks), tuning_);
+                    hooks, tuning_, std::move(batch_), scratch_);
   absl::Status status = ucx_internal::RunCollective(run);
   run.AbandonReads();
   if (!status.ok()) {
@@ -154,7 +171,9 @@ absl::Status UcxCommunicator::Run(const Op& op) {
     // a no-op).
     Abort(status);
   }
-  transport_->Release(run.TakeBatch());
+  // The next collective reuses the batch (its slots and buffers) unless requests are still
+  // pending after a failure (then the transport keeps it).
+  batch_ = transport_->Release(run.TakeBatch());
   return status;
 }
 

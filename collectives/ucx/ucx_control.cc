@@ -24,6 +24,7 @@ void UcxTransport::OnEndpointError(void* arg, ucp_ep_h /*ep*/, ucs_status_t stat
   auto* error = static_cast<ErrorArg*>(arg);
   std::lock_guard<std::mutex> lock(error->transport->mu_);
   error->transport->failures_.push_back({error->peer, status});
+  error->transport->failures_pending_.store(true, std::memory_order_release);
 }
 
 // Requires control_mu_.
@@ -127,8 +128,7 @@ void UcxTransport::BroadcastAbort(const absl::Status& reason) {
   Wake();
 }
 
-absl::Status UcxTransport::CheckPeers() {
-  const absl::Time now = absl::Now();
+absl::Status UcxTransport::CheckPeers(absl::Time now) {
   if (now < next_peer_check_) return peers_status_;
   next_peer_check_ = now + absl::Milliseconds(200);
   if (!peers_status_.ok()) return peers_status_;

@@ -22,7 +22,9 @@ bool UcxTransport::Progress() {
 
   std::vector<absl::Status> notices;
   std::vector<absl::Status> reports;
-  {
+  // Both checks look at an atomic first: a poll that finds nothing (the usual case while a
+  // collective waits) takes no lock.
+  if (control_.done.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(control_mu_);
     while (control_posted_ && control_.done.load(std::memory_order_acquire)) {
       activity = true;
@@ -30,7 +32,8 @@ bool UcxTransport::Progress() {
       PostControlRecv();
     }
   }
-  {
+  if (failures_pending_.load(std::memory_order_acquire) &&
+      failures_pending_.exchange(false, std::memory_order_acq_rel)) {
     std::lock_guard<std::mutex> lock(mu_);
     for (const Failure& f : failures_) {
       Peer& peer = peers_[f.peer];
@@ -66,10 +69,10 @@ namespace {
 // every 10 ms. Other jobs on a loaded host take the cores this communicator's ranks would spin
 // on: a waiting rank that spins through its time slice instead of yielding then makes the peer
 // it waits for wait a scheduler period (milliseconds per small collective; docs/benchmarks.md).
-bool HostBusy(int cpus) {
+bool HostBusy(int cpus, absl::Time at) {
   static std::atomic<int64_t> next_look_ns{0};
   static std::atomic<bool> busy{false};
-  const int64_t now = absl::GetCurrentTimeNanos();
+  const int64_t now = absl::ToUnixNanos(at);
   if (now < next_look_ns.load(std::memory_order_relaxed)) {
     return busy.load(std::memory_order_relaxed);
   }
@@ -94,8 +97,8 @@ bool HostBusy(int cpus) {
 
 }  // namespace
 
-void UcxTransport::YieldIfOversubscribed() const {
-  if (oversubscribed_ || HostBusy(cpus_)) sched_yield();
+void UcxTransport::YieldIfOversubscribed(absl::Time now) const {
+  if (oversubscribed_ || HostBusy(cpus_, now)) sched_yield();
 }
 
 void UcxTransport::Wake() {

@@ -1,6 +1,7 @@
 #include "collectives/ucx/internal/ucx_transport.h"
 
 #include <poll.h>
+#include <sanitizer/asan_interface.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/check.h"
 #include "runtime/logging.h"
 
 namespace shardline::ucx_internal {
@@ -39,6 +41,66 @@ void Track(ucs_status_ptr_t r, Completion* c) {
   } else {
     c->request = r;
   }
+}
+
+namespace {
+
+// Under AddressSanitizer a batch's buffers are separated by a poisoned gap and everything not
+// handed out is poisoned, so an overrun of one staging buffer into the next is still reported
+// (it was, when each buffer was its own allocation).
+#if defined(__SANITIZE_ADDRESS__)
+#define SL_UCX_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SL_UCX_ASAN 1
+#endif
+#endif
+#ifdef SL_UCX_ASAN
+constexpr size_t kRedzone = 64;
+#else
+constexpr size_t kRedzone = 0;
+#endif
+
+}  // namespace
+
+Batch::~Batch() {
+  for (Arena& a : arenas_) ASAN_UNPOISON_MEMORY_REGION(a.memory.get(), a.bytes);
+}
+
+uint8_t* Batch::Buffer(size_t bytes) {
+  const size_t wanted = bytes;
+  bytes = (std::max<size_t>(bytes, 1) + kRedzone + kAlign - 1) / kAlign * kAlign;
+  while (arena_ < arenas_.size() && arenas_[arena_].bytes - offset_ < bytes) {
+    ++arena_;
+    offset_ = 0;
+  }
+  if (arena_ == arenas_.size()) {
+    // Each new arena at least doubles what the batch holds, so a collective's buffers take
+    // O(log) allocations the first time and none once the batch is reused.
+    const size_t arena_bytes = std::max({bytes, kMinArenaBytes, held_bytes()});
+    Arena& arena = arenas_.emplace_back();
+    arena.memory.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, arena_bytes)));
+    SL_CHECK(arena.memory != nullptr)
+        << "out of memory for " << arena_bytes << " bytes of ucx staging";
+    arena.bytes = arena_bytes;
+    ASAN_POISON_MEMORY_REGION(arena.memory.get(), arena.bytes);
+    offset_ = 0;
+  }
+  uint8_t* buffer = arenas_[arena_].memory.get() + offset_;
+  offset_ += bytes;
+  ASAN_UNPOISON_MEMORY_REGION(buffer, wanted);
+  return buffer;
+}
+
+void Batch::Reset() {
+  used_ = 0;
+  arena_ = 0;
+  offset_ = 0;
+  if (held_bytes() > kRetainBytes) {
+    for (Arena& a : arenas_) ASAN_UNPOISON_MEMORY_REGION(a.memory.get(), a.bytes);
+    arenas_.clear();
+  }
+  for (Arena& a : arenas_) ASAN_POISON_MEMORY_REGION(a.memory.get(), a.bytes);
 }
 
 UcxTransport::UcxTransport(int rank, int size, std::string name)
@@ -189,6 +251,22 @@ absl::Status UcxTransport::Send(int peer, const void* buffer, size_t bytes, uint
   return absl::OkStatus();
 }
 
+absl::Status UcxTransport::SendIov(int peer, const ucp_dt_iov_t* iov, size_t count, uint64_t tag,
+                                   Completion* c) {
+  c->expected = 0;
+  for (size_t i = 0; i < count; ++i) c->expected += iov[i].length;
+  c->peer = peer;
+  c->is_send = true;
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  param.cb.send = &SendCallback;
+  param.user_data = c;
+  param.datatype = ucp_dt_make_iov();
+  Track(ucp_tag_send_nbx(peers_[peer].ep, iov, count, tag, &param), c);
+  return absl::OkStatus();
+}
+
 absl::Status UcxTransport::Recv(int peer, void* buffer, size_t bytes, uint64_t tag, Completion* c) {
   c->expected = bytes;
   c->peer = peer;
@@ -268,8 +346,8 @@ void UcxTransport::FreeRequests(Batch& batch) {
   }
 }
 
-void UcxTransport::Release(std::unique_ptr<Batch> batch) {
-  if (batch == nullptr) return;
+std::unique_ptr<Batch> UcxTransport::Release(std::unique_ptr<Batch> batch) {
+  if (batch == nullptr) return nullptr;
   auto pending = [&](bool receives_only) {
     for (Completion& c : batch->slots()) {
       if (!c.done.load(std::memory_order_acquire) && !(receives_only && c.is_send)) return true;
@@ -322,7 +400,10 @@ void UcxTransport::Release(std::unique_ptr<Batch> batch) {
     }
     std::lock_guard<std::mutex> lock(mu_);
     graveyard_.push_back(std::move(batch));
+    return nullptr;
   }
+  batch->Reset();
+  return batch;
 }
 
 }  // namespace shardline::ucx_internal

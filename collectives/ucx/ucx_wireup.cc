@@ -232,7 +232,7 @@ absl::Status UcxTransport::CompleteWireup(const Tuning& tuning, absl::Time deadl
           }
         }
       }
-      absl::Status alive = CheckPeers();
+      absl::Status alive = CheckPeers(absl::Now());
       if (!alive.ok()) return Annotate(alive, absl::StrCat(where, ": ", what));
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(

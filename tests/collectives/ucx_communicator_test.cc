@@ -13,15 +13,18 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/local/local_communicator.h"
 #include "collectives/store/memory_store.h"
 #include "collectives/ucx/internal/ucx_communicator_internal.h"
+#include "collectives/ucx/internal/ucx_transport.h"
 #include "runtime/allocator.h"
 #include "runtime/check.h"
 #include "runtime/config.h"
@@ -151,6 +154,71 @@ class WatchedStore final : public Store {
  private:
   std::shared_ptr<Store> inner_;
 };
+
+// A communicator reuses one batch for all its collectives: its slots come back reset, its buffers
+// are aligned, disjoint and the same memory after Reset, and a large collective's scratch is
+// given back at Reset.
+TEST(UcxCommunicatorTest, BatchReusesSlotsAndBuffersAndGivesBackLargeScratch) {
+  using ucx_internal::Batch;
+  using ucx_internal::Completion;
+  Batch batch;
+  // Odd sizes, some larger than the first arena: every buffer aligned and disjoint (each is
+  // filled with its own byte, then all are checked).
+  const std::vector<size_t> sizes = {1, 24, 8192 + 24, 7, 100000, 63, 64, 65, 300000, 5};
+  std::vector<uint8_t*> buffers;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    uint8_t* b = batch.Buffer(sizes[i]);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % 64, 0u) << "buffer " << i;
+    std::memset(b, static_cast<int>(i + 1), sizes[i]);
+    buffers.push_back(b);
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    for (size_t k = 0; k < sizes[i]; ++k) {
+      ASSERT_EQ(buffers[i][k], static_cast<uint8_t>(i + 1)) << "buffer " << i << " byte " << k;
+    }
+  }
+  Completion* first = batch.Add(1, /*is_send=*/true);
+  first->done.store(true);
+  first->status = UCS_ERR_CANCELED;
+  first->length = 99;
+  first->any_length = true;
+  first->view = buffers[0];
+  Completion* second = batch.Add(2, /*is_send=*/false);
+  EXPECT_NE(first, second);
+
+  const size_t held = batch.held_bytes();
+  EXPECT_GE(held, 8192u + 24 + 100000 + 300000);
+  EXPECT_LE(held, Batch::kRetainBytes);
+  batch.Reset();
+  EXPECT_EQ(batch.held_bytes(), held);  // kept
+  // The same requests again get the same memory and the same slots, reset.
+  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(batch.Buffer(sizes[i]), buffers[i]) << i;
+  Completion* again = batch.Add(3, /*is_send=*/false);
+  EXPECT_EQ(again, first);
+  EXPECT_FALSE(again->done.load());
+  EXPECT_EQ(again->status, UCS_OK);
+  EXPECT_EQ(again->length, 0u);
+  EXPECT_FALSE(again->any_length);
+  EXPECT_FALSE(again->is_send);
+  EXPECT_EQ(again->peer, 3);
+  EXPECT_EQ(again->view, nullptr);
+  EXPECT_EQ(again->request, nullptr);
+  int slots = 0;
+  for (Completion& c : batch.slots()) {
+    EXPECT_EQ(&c, again);
+    ++slots;
+  }
+  EXPECT_EQ(slots, 1);
+
+  // More than kRetainBytes in one collective: given back at Reset.
+  batch.Buffer(Batch::kRetainBytes + 1);
+  EXPECT_GT(batch.held_bytes(), Batch::kRetainBytes);
+  batch.Reset();
+  EXPECT_EQ(batch.held_bytes(), 0u);
+  uint8_t* fresh = batch.Buffer(10);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(fresh) % 64, 0u);
+  EXPECT_EQ(batch.held_bytes(), 64u << 10);
+}
 
 TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {
   // The keys of the first communicator stay in the store. Its re-creation must wait for the

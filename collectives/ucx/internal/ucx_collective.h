@@ -20,7 +20,6 @@
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_COLLECTIVE_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,33 +33,52 @@
 
 namespace shardline::ucx_internal {
 
-// What the communicator lends an algorithm (its protected helpers, as callables).
-struct CollectiveHooks {
-  std::function<absl::Status()> comm_status;
-  std::function<absl::Status(const std::vector<int>& missing)> deadline_error;
-  std::function<absl::Status(int a, const CollectiveFingerprint& fa, int b,
-                             const CollectiveFingerprint& fb)>
-      mismatch_error;
-  std::string describe;  // "all_gather #3 on world (rank 0 of 2, ucx)"
+// What the communicator lends an algorithm (its protected helpers). An interface rather than
+// callables: a collective builds no std::function and no string unless it fails.
+class CollectiveHooks {
+ public:
+  virtual absl::Status comm_status() const = 0;
+  virtual absl::Status deadline_error(const std::vector<int>& missing) const = 0;
+  virtual absl::Status mismatch_error(int a, const CollectiveFingerprint& fa, int b,
+                                      const CollectiveFingerprint& fb) const = 0;
+  // "all_gather #3 on world (rank 0 of 2, ucx)", for error messages.
+  virtual std::string describe() const = 0;
   // Told the peers with requests still pending each time the wait goes to sleep (the flight
-  // recorder's "waiting on"); may be empty.
-  std::function<void(const std::vector<int>& pending)> waiting_on;
+  // recorder's "waiting on").
+  virtual void waiting_on(const std::vector<int>& pending) const = 0;
+
+ protected:
+  ~CollectiveHooks() = default;
+};
+
+// Containers a collective needs, kept by the communicator from one collective to the next so
+// that their capacity is reused (filled anew by each collective).
+struct RunScratch {
+  std::vector<Completion*> completions;
+  std::vector<const uint8_t*> received;
+  std::vector<const uint8_t*> staging;
+  std::vector<CollectiveFingerprint> fps;
+  std::vector<const void*> inputs;
+  std::vector<Completion*> waits;
 };
 
 class CollectiveRun {
  public:
+  // `batch` is empty (fresh or reset); `scratch` and `hooks` outlive the run.
   CollectiveRun(UcxTransport& transport, const CollectiveFingerprint& fp, const void* input,
-                void* output, size_t element_size, absl::Time deadline, CollectiveHooks hooks,
-                Tuning tuning)
+                void* output, size_t element_size, absl::Time deadline,
+                const CollectiveHooks& hooks, Tuning tuning, std::unique_ptr<Batch> batch,
+                RunScratch& scratch)
       : transport_(transport),
         fp_(fp),
         input_(static_cast<const uint8_t*>(input)),
         output_(static_cast<uint8_t*>(output)),
         esize_(element_size),
         deadline_(deadline),
-        hooks_(std::move(hooks)),
+        hooks_(hooks),
         tuning_(tuning),
-        batch_(std::make_unique<Batch>()) {}
+        batch_(batch != nullptr ? std::move(batch) : std::make_unique<Batch>()),
+        scratch_(scratch) {}
 
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
@@ -70,6 +88,7 @@ class CollectiveRun {
   size_t esize() const { return esize_; }
   const Tuning& tuning() const { return tuning_; }
   const CollectiveHooks& hooks() const { return hooks_; }
+  RunScratch& scratch() { return scratch_; }
   Batch& batch() { return *batch_; }
   std::unique_ptr<Batch> TakeBatch() { return std::move(batch_); }
 
@@ -78,6 +97,8 @@ class CollectiveRun {
   // single-copy send is done once the receiver has read the buffer; that of a single-copy
   // receive once this rank has copied the bytes (in Drive).
   Completion* Send(int peer, const void* buffer, size_t bytes, Phase phase, uint64_t chunk);
+  // A header-phase message of `count` pieces (`iov` must stay valid until the collective ends).
+  Completion* SendHeader(int peer, const ucp_dt_iov_t* iov, size_t count);
   // With `borrow`, a single-copy receive out of a peer's shareable memory that this rank has
   // mapped (ucx_transport.h) is not copied: the completion's `view` points into the sender's
   // memory, which stays valid and unchanged until Return(c). Otherwise `view` is `buffer`.
@@ -139,9 +160,10 @@ class CollectiveRun {
   uint8_t* const output_;
   const size_t esize_;
   const absl::Time deadline_;
-  const CollectiveHooks hooks_;
+  const CollectiveHooks& hooks_;
   const Tuning tuning_;
   std::unique_ptr<Batch> batch_;
+  RunScratch& scratch_;
   std::vector<PendingRead> reads_;
   std::vector<Borrowed> borrowed_;
 };

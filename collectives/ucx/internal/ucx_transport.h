@@ -43,7 +43,9 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -115,25 +117,76 @@ void RecvCallback(void* request, ucs_status_t status, const ucp_tag_recv_info_t*
 void Track(ucs_status_ptr_t r, Completion* c);
 
 // The posted operations of one collective and the buffers they use. Completion slots have
-// stable addresses; a Batch outlives every request that points into it (see Release).
+// stable addresses; a Batch outlives every request that points into it (see Release). A
+// communicator keeps its batch from one collective to the next (Reset): the slots and the
+// buffers' memory are reused, so a small collective allocates nothing.
 class Batch {
  public:
+  // The slots in use, in the order they were added.
+  class Slots {
+   public:
+    using iterator = std::deque<Completion>::iterator;
+    Slots(iterator begin, iterator end) : begin_(begin), end_(end) {}
+    iterator begin() const { return begin_; }
+    iterator end() const { return end_; }
+
+   private:
+    iterator begin_;
+    iterator end_;
+  };
+
+  Batch() = default;
+  ~Batch();
+  Batch(const Batch&) = delete;
+  Batch& operator=(const Batch&) = delete;
+
   Completion* Add(int peer, bool is_send) {
-    Completion& c = slots_.emplace_back();
-    c.peer = peer;
+    if (used_ == slots_.size()) slots_.emplace_back();
+    Completion& c = slots_[used_++];
+    c.done.store(false, std::memory_order_relaxed);
+    c.status = UCS_OK;
+    c.length = 0;
+    c.expected = 0;
+    c.any_length = false;
     c.is_send = is_send;
+    c.peer = peer;
+    c.request = nullptr;
+    c.view = nullptr;
+    c.info = {};
     return &c;
   }
-  // A buffer owned by the batch (staging, scratch, encoded headers).
-  uint8_t* Buffer(size_t bytes) {
-    buffers_.emplace_back(new uint8_t[bytes == 0 ? 1 : bytes]);
-    return buffers_.back().get();
+  // A buffer owned by the batch (staging, scratch, encoded headers), 64-byte aligned, valid
+  // until the batch is reset or destroyed.
+  uint8_t* Buffer(size_t bytes);
+  Slots slots() { return {slots_.begin(), slots_.begin() + static_cast<std::ptrdiff_t>(used_)}; }
+  // Forgets every slot and buffer (every request must be done and freed: see Release). Keeps
+  // the memory, up to kRetainBytes of buffers (a large collective's scratch is given back).
+  void Reset();
+  // Bytes of buffer memory the batch holds (handed out or not).
+  size_t held_bytes() const {
+    size_t total = 0;
+    for (const Arena& a : arenas_) total += a.bytes;
+    return total;
   }
-  std::deque<Completion>& slots() { return slots_; }
+
+  static constexpr size_t kRetainBytes = size_t{4} << 20;
 
  private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  struct Arena {
+    std::unique_ptr<uint8_t, Free> memory;
+    size_t bytes = 0;
+  };
+  static constexpr size_t kAlign = 64;
+  static constexpr size_t kMinArenaBytes = size_t{64} << 10;
+
   std::deque<Completion> slots_;
-  std::vector<std::unique_ptr<uint8_t[]>> buffers_;
+  size_t used_ = 0;
+  std::vector<Arena> arenas_;
+  size_t arena_ = 0;   // the arena Buffer() carves from
+  size_t offset_ = 0;  // bytes of it in use
 };
 
 class UcxTransport {
@@ -168,6 +221,10 @@ class UcxTransport {
   // Posts a tagged send of `bytes` at `buffer` to `peer` / a receive from `peer` of at most
   // `bytes` into `buffer`. The buffer must stay valid until `c` is done. Internal on a UCX error.
   absl::Status Send(int peer, const void* buffer, size_t bytes, uint64_t tag, Completion* c);
+  // One message gathered from `count` pieces (UCX packs them itself: no copy into a contiguous
+  // buffer first). `iov` and the pieces must stay valid until `c` is done.
+  absl::Status SendIov(int peer, const ucp_dt_iov_t* iov, size_t count, uint64_t tag,
+                       Completion* c);
   absl::Status Recv(int peer, void* buffer, size_t bytes, uint64_t tag, Completion* c);
 
   // Progresses the worker, then handles control messages and endpoint failures. Returns
@@ -205,7 +262,7 @@ class UcxTransport {
 
   // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
   // reports it through the abort handler. OK otherwise.
-  absl::Status CheckPeers();
+  absl::Status CheckPeers(absl::Time now);
 
   // More ranks of this communicator run on this host than this process has CPUs: a waiting
   // rank must hand its core to a peer (sched_yield) instead of spinning on it.
@@ -213,7 +270,8 @@ class UcxTransport {
   // Gives the CPU to another runnable thread if the host is oversubscribed: by this
   // communicator's own ranks, or, as last seen (HostBusy), by more runnable threads than it has
   // CPUs.
-  void YieldIfOversubscribed() const;
+  // `now` is the caller's clock reading (the look at the host is at most every 10 ms).
+  void YieldIfOversubscribed(absl::Time now) const;
 
   // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
   // collective ran for a short grace period (so back-to-back collectives never wake it).
@@ -227,8 +285,9 @@ class UcxTransport {
   // for cancelled receives, 100 ms for sends to live peers, which UCX cannot cancel) and frees
   // the requests. A batch whose requests do not complete in time is kept alive until the
   // transport is destroyed (which closes the endpoints by force), so late completions never
-  // touch freed memory.
-  void Release(std::unique_ptr<Batch> batch);
+  // touch freed memory. Returns the batch, reset, when every request finished (for the next
+  // collective to reuse); null when it was kept.
+  std::unique_ptr<Batch> Release(std::unique_ptr<Batch> batch);
 
  private:
   struct Peer {
@@ -305,6 +364,7 @@ class UcxTransport {
   // across a UCX call: the endpoint error callback takes it.
   std::mutex mu_;
   std::vector<Failure> failures_;
+  std::atomic<bool> failures_pending_{false};  // failures_ has entries (checked without mu_)
   std::deque<Outgoing> outgoing_;
   std::vector<std::unique_ptr<Batch>> graveyard_;
   std::vector<void*> force_closing_;  // close requests of dead peers' endpoints
