@@ -1172,19 +1172,9 @@ absl::StatusOr<double> Scheduler::ClipGradNorm(double max_norm, absl::Time deadl
     return absl::InvalidArgumentError(absl::StrCat(what, ": max_norm ", max_norm, " is not > 0"));
   }
   if (!compute_.device().is_host()) return ClipGradNormOnDevice(max_norm, deadline, what);
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> reduced, RecordEvent(compute_));
-  SL_RETURN_IF_ERROR(Annotate(reduced->Synchronize(deadline), what));
   // Each shard group holds every parameter once; its replicas hold copies: sum over the shard
   // group only.
-  double partial = 0;
-  for (const Unit& unit : units_) {
-    if (!unit.param->has_shard_grad()) continue;
-    SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
-    SL_ASSIGN_OR_RETURN(double squares,
-                        ShardSquaredNorm(unit.param->layout(), grad.shard, grad.data, grad.dtype));
-    partial += squares;
-  }
-  clip_scratch_ = partial;
+  SL_ASSIGN_OR_RETURN(clip_scratch_, HostShardSquares(deadline, what));
   ReduceOptions sum{};
   sum.op = ReduceOp::kSum;
   SL_ASSIGN_OR_RETURN(Work work, reduce_comm_->AllReduce(&clip_scratch_, &clip_scratch_, 1,
@@ -1200,6 +1190,20 @@ absl::StatusOr<double> Scheduler::ClipGradNorm(double max_norm, absl::Time deadl
     }
   }
   return norm;
+}
+
+absl::StatusOr<double> Scheduler::HostShardSquares(absl::Time deadline, const std::string& what) {
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> reduced, RecordEvent(compute_));
+  SL_RETURN_IF_ERROR(Annotate(reduced->Synchronize(deadline), what));
+  double partial = 0;
+  for (const Unit& unit : units_) {
+    if (!unit.param->has_shard_grad()) continue;
+    SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
+    SL_ASSIGN_OR_RETURN(double squares,
+                        ShardSquaredNorm(unit.param->layout(), grad.shard, grad.data, grad.dtype));
+    partial += squares;
+  }
+  return partial;
 }
 
 absl::Status Scheduler::EnsureStaging(const std::string& what) {
@@ -1246,17 +1250,7 @@ absl::StatusOr<double> Scheduler::ClipGradNormOnDevice(double max_norm, absl::Ti
   } else {
     // CPU offload: the sharded gradients are in host memory, summed here once the compute stream
     // is done; the partial sum crosses to the device for the all-reduce.
-    SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> reduced, RecordEvent(compute_));
-    SL_RETURN_IF_ERROR(Annotate(reduced->Synchronize(deadline), what));
-    double partial = 0;
-    for (const Unit& unit : units_) {
-      if (!unit.param->has_shard_grad()) continue;
-      SL_ASSIGN_OR_RETURN(FlatShardView grad, unit.param->ShardGrad());
-      SL_ASSIGN_OR_RETURN(double squares, ShardSquaredNorm(unit.param->layout(), grad.shard,
-                                                           grad.data, grad.dtype));
-      partial += squares;
-    }
-    *result = partial;
+    SL_ASSIGN_OR_RETURN(*result, HostShardSquares(deadline, what));
     SL_RETURN_IF_ERROR(Annotate(EnqueueCopy(compute_, sums, result, sizeof(double)), what));
   }
   SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> summed, RecordEvent(compute_));

@@ -517,6 +517,9 @@ class Scheduler {
   // all-reduce (collectives there take device memory), and pinned host memory to read results
   // back without a blocking copy. Made on first use; declared before their buffers.
   absl::Status EnsureStaging(const std::string& what);
+  // Waits for the compute stream, then sums the squares of this rank's sharded gradients in host
+  // memory (ClipGradNorm on host streams, and with CPU offload).
+  absl::StatusOr<double> HostShardSquares(absl::Time deadline, const std::string& what);
   absl::StatusOr<double> ClipGradNormOnDevice(double max_norm, absl::Time deadline,
                                               const std::string& what);
   std::unique_ptr<Allocator> staging_device_;
