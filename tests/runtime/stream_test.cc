@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -390,35 +391,41 @@ class ScopedSpinKnob {
   std::string saved_;
 };
 
+// Ping-pong across two host streams: each op of b reads what the op of a before b's wait wrote;
+// `between(i)` runs on the host after round i is submitted. Every round's value is checked.
+void PingPong(Stream& a, Stream& b, int rounds, const std::function<void(int)>& between) {
+  std::vector<int> written(rounds, -1);
+  std::vector<int> seen(rounds, -2);
+  for (int i = 0; i < rounds; ++i) {
+    ASSERT_TRUE(a.Enqueue([&written, i] {
+                   written[i] = i;
+                   return absl::OkStatus();
+                 }).ok());
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(a);
+    ASSERT_TRUE(event.ok()) << event.status();
+    ASSERT_TRUE(b.WaitEvent(**event).ok());
+    ASSERT_TRUE(b.Enqueue([&written, &seen, i] {
+                   seen[i] = written[i];
+                   return absl::OkStatus();
+                 }).ok());
+    between(i);
+  }
+  ASSERT_TRUE(b.Synchronize(Soon()).ok());
+  ASSERT_TRUE(a.Synchronize(Soon()).ok());
+  for (int i = 0; i < rounds; ++i) ASSERT_EQ(seen[i], i) << "round " << i;
+}
+
 TEST(HostStreamTest, SpinningWorkersKeepOrderAcrossStreams) {
   ScopedSpinKnob spin("300");
   auto a = MakeHost("spin a");
   auto b = MakeHost("spin b");
-  // Ping-pong: each op of b reads what the op of a before its wait wrote. The host submits in
-  // bursts with pauses longer and shorter than the spin, so the workers both catch work while
-  // polling and go to sleep in between.
-  constexpr int kRounds = 2000;
-  std::vector<int> written(kRounds, -1);
-  std::vector<int> seen(kRounds, -2);
+  // The host submits in bursts with pauses longer and shorter than the spin, so the workers both
+  // catch work while polling and go to sleep in between.
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> pause_us(0, 600);
-  for (int i = 0; i < kRounds; ++i) {
-    ASSERT_TRUE(a->Enqueue([&written, i] {
-                   written[i] = i;
-                   return absl::OkStatus();
-                 }).ok());
-    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*a);
-    ASSERT_TRUE(event.ok()) << event.status();
-    ASSERT_TRUE(b->WaitEvent(**event).ok());
-    ASSERT_TRUE(b->Enqueue([&written, &seen, i] {
-                   seen[i] = written[i];
-                   return absl::OkStatus();
-                 }).ok());
+  PingPong(*a, *b, 2000, [&](int i) {
     if (i % 50 == 49) absl::SleepFor(absl::Microseconds(pause_us(rng)));
-  }
-  ASSERT_TRUE(b->Synchronize(Soon()).ok());
-  ASSERT_TRUE(a->Synchronize(Soon()).ok());
-  for (int i = 0; i < kRounds; ++i) ASSERT_EQ(seen[i], i) << "round " << i;
+  });
 }
 
 // The scheduling policy a host stream's worker runs under, read by an op on it.
@@ -462,24 +469,7 @@ TEST(HostStreamTest, AutoSpinKnobKeepsOrderAcrossStreams) {
   ScopedSpinKnob spin("-1");
   auto a = MakeHost("auto a");
   auto b = MakeHost("auto b");
-  constexpr int kRounds = 3000;
-  std::vector<int> written(kRounds, -1);
-  std::vector<int> seen(kRounds, -2);
-  for (int i = 0; i < kRounds; ++i) {
-    ASSERT_TRUE(a->Enqueue([&written, i] {
-                   written[i] = i;
-                   return absl::OkStatus();
-                 }).ok());
-    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*a);
-    ASSERT_TRUE(event.ok()) << event.status();
-    ASSERT_TRUE(b->WaitEvent(**event).ok());
-    ASSERT_TRUE(b->Enqueue([&written, &seen, i] {
-                   seen[i] = written[i];
-                   return absl::OkStatus();
-                 }).ok());
-  }
-  ASSERT_TRUE(b->Synchronize(Soon()).ok());
-  for (int i = 0; i < kRounds; ++i) ASSERT_EQ(seen[i], i) << "round " << i;
+  PingPong(*a, *b, 3000, [](int) {});
 }
 
 TEST(HostStreamTest, NegativeSpinKnobIsRejected) {
