@@ -9,6 +9,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -67,6 +68,7 @@ PeerMemory::PeerMemory(int size, std::string describe)
 
 PeerMemory::~PeerMemory() {
   for (const auto& [key, m] : mappings_) munmap(const_cast<uint8_t*>(m.base), m.bytes);
+  for (const Mapping& m : retired_) munmap(const_cast<uint8_t*>(m.base), m.bytes);
   for (Process& peer : peers_) {
     if (peer.pidfd >= 0) close(peer.pidfd);
   }
@@ -127,7 +129,10 @@ const uint8_t* PeerMemory::Map(int peer, uint64_t region_id, int fd, size_t byte
   Process& p = peers_[peer];
   if (p.unmappable || bytes == 0 || needed > bytes) return nullptr;
   auto found = mappings_.find({peer, region_id});
-  if (found != mappings_.end()) return found->second.bytes == bytes ? found->second.base : nullptr;
+  if (found != mappings_.end()) {
+    if (found->second.reserved != bytes) return nullptr;
+    if (needed <= found->second.bytes) return found->second.base;
+  }
   // Out of descriptors (or memory) is transient: copy this message with process_vm_readv and try
   // again with the next. Anything else means this peer's memory cannot be mapped at all.
   auto fail = [&](const char* what) -> const uint8_t* {
@@ -154,9 +159,15 @@ const uint8_t* PeerMemory::Map(int peer, uint64_t region_id, int fd, size_t byte
   struct stat st {};
   void* base = MAP_FAILED;
   errno = 0;
+  size_t length = 0;
   if (fstat(local_fd, &st) == 0 && static_cast<size_t>(st.st_size) >= needed &&
       static_cast<size_t>(st.st_size) <= bytes) {
-    base = mmap(nullptr, bytes, PROT_READ, MAP_SHARED | MAP_NORESERVE, local_fd, 0);
+    // At least twice what was mapped before, so that a file growing in small steps is mapped
+    // again only a logarithmic number of times (a mapping may reach past the file's end: only
+    // what the file holds is ever read).
+    const size_t before = found != mappings_.end() ? found->second.bytes : 0;
+    length = std::min(bytes, std::max(static_cast<size_t>(st.st_size), 2 * before));
+    base = mmap(nullptr, length, PROT_READ, MAP_SHARED | MAP_NORESERVE, local_fd, 0);
   }
   const int map_error = base == MAP_FAILED && errno != 0 ? errno : EINVAL;
   close(local_fd);
@@ -168,10 +179,16 @@ const uint8_t* PeerMemory::Map(int peer, uint64_t region_id, int fd, size_t byte
     p.mapped_before = true;
     SL_LOG(INFO, COLL) << describe_ << ": maps the shareable memory of peer rank " << peer;
   }
-  // Kept until this object is destroyed: an arena lives as long as its process, and a peer has a
-  // handful of them.
-  mappings_.emplace(std::make_pair(peer, region_id),
-                    Mapping{static_cast<const uint8_t*>(base), bytes});
+  // Kept until this object is destroyed: an arena lives as long as its process, a peer has a
+  // handful of them, and each is mapped again a logarithmic number of times. An outgrown
+  // mapping may still be read through a borrowed chunk.
+  if (found != mappings_.end()) {
+    retired_.push_back(found->second);
+    found->second = Mapping{static_cast<const uint8_t*>(base), length, bytes};
+  } else {
+    mappings_.emplace(std::make_pair(peer, region_id),
+                      Mapping{static_cast<const uint8_t*>(base), length, bytes});
+  }
   return static_cast<const uint8_t*>(base);
 }
 

@@ -436,6 +436,44 @@ TEST(UcxCommunicatorTest, FreshShareableBuffersEveryIterationStayCorrect) {
   EXPECT_LE(CountShareableMappings() - mappings_before, n * GetShareableArenaStats().arenas);
 }
 
+TEST(UcxCommunicatorTest, PeersMapAnArenaAgainWhenItsFileGrows) {
+  // A peer maps an arena as far as its memory file reaches (not its whole reservation). A block
+  // allocated later past that end makes the file longer: the reader maps the arena again, and
+  // what it mapped before stays readable.
+  const int n = 2;
+  const size_t small_count = 64 * 1024 + 3;          // 256 KiB per rank: the single-copy path
+  const size_t large_count = (size_t{6} << 20) + 5;  // 24 MiB per rank: past the file's end
+  Comms comms = MakeComms(n);
+  const int mappings_before = CountShareableMappings();
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    auto check = [&](const void* input, size_t count, uint64_t salt) {
+      const std::vector<uint8_t> pattern = PatternBuffer(DType::kF32, r, count, salt);
+      std::copy(pattern.begin(), pattern.end(), static_cast<uint8_t*>(const_cast<void*>(input)));
+      std::vector<uint8_t> output(n * count * 4);
+      ASSERT_TRUE(WaitFor(comm.AllGather(input, output.data(), count, DType::kF32, stream)).ok());
+      for (int s = 0; s < n; ++s) {
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(GetElement(DType::kF32, output.data(), s * count + i),
+                    PatternValue(DType::kF32, s, i, salt))
+              << "from rank " << s << ", element " << i << " of " << count;
+        }
+      }
+    };
+    absl::StatusOr<void*> small = AllocateShareable(small_count * 4);
+    ASSERT_TRUE(small.ok()) << small.status();
+    check(*small, small_count, 1);
+    absl::StatusOr<void*> large = AllocateShareable(large_count * 4);
+    ASSERT_TRUE(large.ok()) << large.status();
+    check(*large, large_count, 2);
+    check(*small, small_count, 3);  // the first block, through the new mapping
+    FreeShareable(*large, large_count * 4);
+    FreeShareable(*small, small_count * 4);
+  });
+  // The ranks share this process's arenas, so each rank's large block may grow a file once:
+  // at most three mappings per reader and arena (the first, and one per growth).
+  EXPECT_LE(CountShareableMappings() - mappings_before, 3 * n * GetShareableArenaStats().arenas);
+}
+
 TEST(UcxCommunicatorTest, PeersMapEachOtherAgainAfterRunningOutOfDescriptors) {
   // Mapping a peer's region takes a descriptor (pidfd_getfd). While the process has none to
   // spare, large messages fall back to process_vm_readv; once it has, they are mapped again.

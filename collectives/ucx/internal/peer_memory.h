@@ -52,11 +52,14 @@ class PeerMemory {
 
   // This process's read-only mapping of the peer's shareable arena `region_id` (its memory file
   // `fd` in the peer, `bytes` reserved; runtime/shared_memory.h), of which the caller will read
-  // the first `needed` bytes at most. Mapped whole on first use and kept until this object is
-  // destroyed (one mapping per peer arena, found again by a lookup): a mapping returned stays
-  // valid. Null when the peer cannot be mapped (pidfd_getfd refused, or the file is not what the
-  // peer described; one WARN line, for good), or not now (out of file descriptors or memory; one
-  // WARN line, tried again at the next call). Not thread-safe: one thread at a time.
+  // the first `needed` bytes at most. Mapped as far as the arena's memory file reaches (not its
+  // whole reservation: a read-only view of many gigabytes made the pipelined reductions out of
+  // it bimodal, a quarter of the runs 1.5-2x slower; docs/benchmarks.md), and mapped again, at
+  // least twice as long, when `needed` passes that end. Every mapping is kept until this object
+  // is destroyed (found again by a lookup), so a pointer returned stays valid. Null when the peer
+  // cannot be mapped (pidfd_getfd refused, or the file is not what the peer described; one WARN
+  // line, for good), or not now (out of file descriptors or memory; one WARN line, tried again at
+  // the next call). Not thread-safe: one thread at a time.
   const uint8_t* Map(int peer, uint64_t region_id, int fd, size_t bytes, size_t needed);
   // Mappings held now.
   size_t mappings() const { return mappings_.size(); }
@@ -72,7 +75,8 @@ class PeerMemory {
   };
   struct Mapping {
     const uint8_t* base;
-    size_t bytes;
+    size_t bytes;     // mapped: the memory file's length when it was mapped
+    size_t reserved;  // what the peer reserved for the arena
   };
 
   // Opens peers_[peer].pidfd; false (logged once per peer, errno kept) if the kernel refuses.
@@ -81,6 +85,7 @@ class PeerMemory {
   const std::string describe_;
   std::vector<Process> peers_;
   std::map<std::pair<int, uint64_t>, Mapping> mappings_;  // by (peer, arena id)
+  std::vector<Mapping> retired_;  // outgrown by their arena's file; still read by borrowed views
 };
 
 }  // namespace shardline::ucx_internal
