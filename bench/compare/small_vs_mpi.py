@@ -7,7 +7,8 @@
 
 For each round and rank count, every system runs every collective at one size (the order of the
 systems rotates between rounds); shardline under shardline-launch (SHARDLINE_TIMEOUT_S=120,
-every other knob at its default), Open MPI as bench/compare/run_comparison.py runs it (mpirun
+every other knob at its default; `name=dir@caller` runs that build with `--stream caller`, the
+collectives on the issuing thread as a CPU framework drives them), Open MPI as bench/compare/run_comparison.py runs it (mpirun
 --oversubscribe --bind-to none, no MCA parameter but the warnings one; build mpi_perf with
 `mpicxx -O2 -std=c++17 -o build/compare/mpi_perf bench/compare/mpi_perf.cc`). A system's time
 in a round is the better of out-of-place and in-place; the report gives the median over rounds,
@@ -44,7 +45,8 @@ def run(cmd, env=None, timeout=120):
     return p.stdout
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--bins", nargs="+", required=True, help="name=dir")
+ap.add_argument("--bins", nargs="+", required=True,
+                help="name=dir, or name=dir@stream to pass --stream (host: the default; caller)")
 ap.add_argument("--launch", required=True)
 ap.add_argument("--mpi", required=True)
 ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -72,11 +74,12 @@ for r in range(a.rounds):
                     for (size, t) in list(rows(out).values())[0]:
                         data.setdefault((s, coll, n, size), []).append(t)
             else:
-                d = dict(bins)[s]
+                d, _, stream = dict(bins)[s].partition("@")
+                extra = ["--stream", stream] if stream else []
                 for coll in a.colls:
                     out = run([sys.executable, a.launch, "-n", str(n), "--", os.path.join(d, coll + "_perf"),
                                "-b", a.size, "-e", a.size, "-n", str(a.iters), "-w", str(a.warmup),
-                               "-c", "1" if r == 0 else "0"], {"SHARDLINE_TIMEOUT_S": "120"})
+                               "-c", "1" if r == 0 else "0"] + extra, {"SHARDLINE_TIMEOUT_S": "120"})
                     for (size, t) in list(rows(out).values())[0]:
                         data.setdefault((s, coll, n, size), []).append(t)
     print(f"round {r} done load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)

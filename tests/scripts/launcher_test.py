@@ -41,6 +41,26 @@ class LauncherTest(unittest.TestCase):
         if ephemeral_lo > 12000:
             self.assertTrue(10000 <= port < ephemeral_lo, port)
 
+    def test_bind_to_core(self):
+        # Local process k runs on the k-th CPU of the launcher's set, round robin; without the
+        # option each keeps the whole set.
+        allowed = sorted(os.sched_getaffinity(0))
+        n = len(allowed) + 1  # one more than the CPUs: the last wraps around
+        show = "import os; print(os.environ['LOCAL_RANK'], sorted(os.sched_getaffinity(0)))"
+        r = launch("-n", str(n), "--bind-to", "core", "--", sys.executable, "-c", show)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+        self.assertEqual(len(got), n)
+        for k in range(n):
+            self.assertEqual(got[str(k)], str([allowed[k % len(allowed)]]), got)
+        r = launch("-n", "2", "--", sys.executable, "-c", show)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for line in r.stdout.splitlines():
+            self.assertEqual(line.split(" ", 1)[1], str(allowed))
+        r = launch("-n", "2", "--bind-to", "socket", "--", "true")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--bind-to", r.stderr)
+
     def test_master_port_from_environment(self):
         env = dict(os.environ, MASTER_ADDR="localhost", MASTER_PORT="29511")
         r = launch("-n", "2", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT", env=env)
