@@ -8,8 +8,9 @@
 For each round and rank count, every system runs every collective at one size (the order of the
 systems rotates between rounds); shardline under shardline-launch (SHARDLINE_TIMEOUT_S=120,
 every other knob at its default; `name=dir@caller` runs that build with `--stream caller`, the
-collectives on the issuing thread as a CPU framework drives them), Open MPI as bench/compare/run_comparison.py runs it (mpirun
---oversubscribe --bind-to none, no MCA parameter but the warnings one; build mpi_perf with
+collectives on the issuing thread as a CPU framework drives them, `@caller,core` also pins the
+ranks with `shardline-launch --bind-to core`, `@caller,UCX_YIELD=never` sets a knob), Open MPI as bench/compare/run_comparison.py runs it (mpirun
+--oversubscribe --bind-to none, or --mpi-bind's value; no MCA parameter but the warnings one; build mpi_perf with
 `mpicxx -O2 -std=c++17 -o build/compare/mpi_perf bench/compare/mpi_perf.cc`). A system's time
 in a round is the better of out-of-place and in-place; the report gives the median over rounds,
 Open MPI's time / each build's time (>= 1: at least as fast as Open MPI) and the 1-minute load
@@ -46,7 +47,10 @@ def run(cmd, env=None, timeout=120):
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--bins", nargs="+", required=True,
-                help="name=dir, or name=dir@stream to pass --stream (host: the default; caller)")
+                help="name=dir, or name=dir@OPTS, OPTS comma-separated: host or caller (--stream), "
+                     "core (shardline-launch --bind-to core), KNOB=value (SHARDLINE_KNOB=value)")
+ap.add_argument("--mpi-bind", default="none",
+                help="mpirun --bind-to value (none; core:overload-allowed to pin 4 ranks on 2 CPUs)")
 ap.add_argument("--launch", required=True)
 ap.add_argument("--mpi", required=True)
 ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -68,18 +72,24 @@ for r in range(a.rounds):
             loads.append(os.getloadavg()[0])
             if s == "openmpi":
                 for coll in a.colls:
-                    out = run(["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                    out = run(["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", a.mpi_bind,
                                "-n", str(n), a.mpi, coll, "-b", a.size, "-e", a.size, "-n", str(a.iters),
                                "-w", str(a.warmup), "-c", "1" if r == 0 else "0"], MPI_ENV)
                     for (size, t) in list(rows(out).values())[0]:
                         data.setdefault((s, coll, n, size), []).append(t)
             else:
-                d, _, stream = dict(bins)[s].partition("@")
-                extra = ["--stream", stream] if stream else []
+                d, _, opts = dict(bins)[s].partition("@")
+                opts = [o for o in opts.split(",") if o]
+                extra = [x for o in opts if o in ("host", "caller") for x in ("--stream", o)]
+                bind = ["--bind-to", "core"] if "core" in opts else []
+                knobs = dict(("SHARDLINE_" + o.split("=", 1)[0], o.split("=", 1)[1])
+                             for o in opts if "=" in o)
                 for coll in a.colls:
-                    out = run([sys.executable, a.launch, "-n", str(n), "--", os.path.join(d, coll + "_perf"),
+                    out = run([sys.executable, a.launch, "-n", str(n)] + bind +
+                              ["--", os.path.join(d, coll + "_perf"),
                                "-b", a.size, "-e", a.size, "-n", str(a.iters), "-w", str(a.warmup),
-                               "-c", "1" if r == 0 else "0"] + extra, {"SHARDLINE_TIMEOUT_S": "120"})
+                               "-c", "1" if r == 0 else "0"] + extra,
+                              dict(knobs, SHARDLINE_TIMEOUT_S="120"))
                     for (size, t) in list(rows(out).values())[0]:
                         data.setdefault((s, coll, n, size), []).append(t)
     print(f"round {r} done load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)

@@ -33,6 +33,16 @@ SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 2000,
          "this host runs more ranks than the process has CPUs, or has more runnable threads "
          "than that) before it sleeps on the worker's event fd.",
          [](const int64_t& v) { return AtLeast(v, 0, "spin"); });
+SL_PARAM(std::string, UcxYield, "UCX_YIELD", "auto",
+         "When a waiting ucx collective hands its core to another runnable thread between polls "
+         "(sched_yield): auto, where this host runs more of the communicator's ranks than the "
+         "process has CPUs or more threads are runnable than that (/proc/loadavg, every 10 ms); "
+         "always; never.",
+         [](const std::string& v) -> absl::Status {
+           if (v == "auto" || v == "always" || v == "never") return absl::OkStatus();
+           return absl::InvalidArgumentError(
+               absl::StrCat("must be auto, always or never, got '", v, "'"));
+         });
 SL_PARAM(bool, UcxCma, "UCX_CMA", true,
          "Within a host, copy large messages once, straight out of the sender's memory "
          "(process_vm_readv; a peer that dies meanwhile is an error, not a crash). Off: UCX's "

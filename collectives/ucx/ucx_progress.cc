@@ -98,7 +98,16 @@ bool HostBusy(int cpus, absl::Time at) {
 }  // namespace
 
 void UcxTransport::YieldIfOversubscribed(absl::Time now) const {
-  if (oversubscribed_ || HostBusy(cpus_, now)) sched_yield();
+  switch (yield_) {
+    case YieldPolicy::kNever:
+      return;
+    case YieldPolicy::kAlways:
+      sched_yield();
+      return;
+    case YieldPolicy::kAuto:
+      if (oversubscribed_ || HostBusy(cpus_, now)) sched_yield();
+      return;
+  }
 }
 
 void UcxTransport::Wake() {

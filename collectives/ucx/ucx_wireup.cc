@@ -58,6 +58,10 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
   SL_ASSIGN_OR_RETURN(const bool shm, ParamUcxShm().Get());
   SL_ASSIGN_OR_RETURN(const bool cma, ParamUcxCma().Get());
   SL_ASSIGN_OR_RETURN(map_, ParamUcxMap().Get());
+  SL_ASSIGN_OR_RETURN(const std::string yield, ParamUcxYield().Get());
+  yield_ = yield == "always"  ? YieldPolicy::kAlways
+           : yield == "never" ? YieldPolicy::kNever
+                              : YieldPolicy::kAuto;
   SL_ASSIGN_OR_RETURN(context_, UcxContext::Acquire(shm));
 
   ucp_worker_params_t wparams{};

@@ -329,6 +329,48 @@ void ReReadCmaKnob() {
   }
 }
 
+TEST(UcxCommunicatorTest, YieldKnobIsCheckedAndEveryPolicyMovesDataCorrectly) {
+  auto reread = [] {
+    for (const ParamBase* param : AllParams()) {
+      if (param->env_name() == "SHARDLINE_UCX_YIELD") param->ResetCacheForTesting();
+    }
+  };
+  {
+    ScopedEnv bad("SHARDLINE_UCX_YIELD", "sometimes");
+    reread();
+    // Every rank reads the knob before it connects: each fails at once, nobody waits for a peer.
+    auto store = std::make_shared<MemoryStore>();
+    std::vector<absl::Status> created(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        created[r] = CreateUcxCommunicator({.rank = r,
+                                            .size = 2,
+                                            .store = store,
+                                            .name = "yield",
+                                            .timeout = absl::Seconds(20)})
+                         .status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (const absl::Status& status : created) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_TRUE(absl::StrContains(status.message(), "SHARDLINE_UCX_YIELD")) << status;
+      EXPECT_TRUE(absl::StrContains(status.message(), "sometimes")) << status;
+    }
+  }
+  for (const char* policy : {"never", "always", "auto"}) {
+    ScopedEnv set("SHARDLINE_UCX_YIELD", policy);
+    reread();
+    Comms comms = MakeComms(3);
+    RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
+      CheckCollectives(comm, stream, 2049, /*salt=*/7);    // the small path
+      CheckCollectives(comm, stream, 100003, /*salt=*/8);  // the pipelined one
+    });
+  }
+  reread();
+}
+
 TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {
   // SHARDLINE_UCX_CMA=0: no single-copy reads, UCX moves the large messages itself.
   setenv("SHARDLINE_UCX_CMA", "0", 1);

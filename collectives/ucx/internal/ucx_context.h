@@ -25,6 +25,7 @@ const Param<int64_t>& ParamUcxSmallBytes();
 const Param<int64_t>& ParamUcxWindow();
 const Param<int64_t>& ParamUcxSpinUs();
 const Param<bool>& ParamUcxShm();
+const Param<std::string>& ParamUcxYield();
 const Param<bool>& ParamUcxCma();
 const Param<bool>& ParamUcxMap();
 

@@ -267,10 +267,10 @@ class UcxTransport {
   // More ranks of this communicator run on this host than this process has CPUs: a waiting
   // rank must hand its core to a peer (sched_yield) instead of spinning on it.
   bool oversubscribed() const { return oversubscribed_; }
-  // Gives the CPU to another runnable thread if the host is oversubscribed: by this
-  // communicator's own ranks, or, as last seen (HostBusy), by more runnable threads than it has
-  // CPUs.
-  // `now` is the caller's clock reading (the look at the host is at most every 10 ms).
+  // Gives the CPU to another runnable thread as SHARDLINE_UCX_YIELD says: under auto, if the host
+  // is oversubscribed by this communicator's own ranks or, as last seen (HostBusy), by more
+  // runnable threads than it has CPUs. `now` is the caller's clock reading (the look at the host
+  // is at most every 10 ms).
   void YieldIfOversubscribed(absl::Time now) const;
 
   // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
@@ -372,8 +372,10 @@ class UcxTransport {
   // What peers read to check that CMA works (random; published with the address).
   uint64_t probe_ = 0;
   bool oversubscribed_ = false;
-  int cpus_ = 1;      // CPUs this process may run on
-  bool map_ = false;  // SHARDLINE_UCX_MAP
+  enum class YieldPolicy { kAuto, kAlways, kNever };
+  YieldPolicy yield_ = YieldPolicy::kAuto;  // SHARDLINE_UCX_YIELD
+  int cpus_ = 1;                            // CPUs this process may run on
+  bool map_ = false;                        // SHARDLINE_UCX_MAP
 
   std::mutex control_mu_;  // guards the control receive
   Completion control_;
