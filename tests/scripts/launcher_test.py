@@ -47,9 +47,11 @@ class LauncherTest(unittest.TestCase):
         allowed = sorted(os.sched_getaffinity(0))
         n = len(allowed) + 1  # one more than the CPUs: the last wraps around
         show = "import os; print(os.environ['LOCAL_RANK'], sorted(os.sched_getaffinity(0)))"
-        r = launch("-n", str(n), "--bind-to", "core", "--", sys.executable, "-c", show)
+        # --tag-output: the launcher passes the ranks' lines on whole, one at a time.
+        r = launch("-n", str(n), "--bind-to", "core", "--tag-output", "--", sys.executable, "-c",
+                   show)
         self.assertEqual(r.returncode, 0, r.stderr)
-        got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+        got = dict(line.split(": ", 1)[1].split(" ", 1) for line in r.stdout.splitlines())
         self.assertEqual(len(got), n)
         for k in range(n):
             self.assertEqual(got[str(k)], str([allowed[k % len(allowed)]]), got)
