@@ -448,6 +448,8 @@ absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl:
 
 // Host-stream workers of the process that are not asleep waiting for work (running or polling).
 std::atomic<int> awake_workers{0};
+// Whether the calling thread is a host stream's worker (counted in awake_workers while awake).
+thread_local bool on_worker = false;
 // How long an idle worker polls under SHARDLINE_STREAM_SPIN_US=-1 (auto), when it may.
 constexpr std::chrono::microseconds kAutoSpin{50};
 
@@ -505,6 +507,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
       }
 #endif
+      on_worker = true;
       awake_workers.fetch_add(1, std::memory_order_relaxed);
       WorkerLoop();
       awake_workers.fetch_sub(1, std::memory_order_relaxed);
@@ -1026,6 +1029,11 @@ void HostStreamWakeBatch::End() {
 void HostStreamWakeBatch::WakeHeld() { stream_internal::WakeHeldWorkers(); }
 
 HostStreamCallStats ThisThreadHostStreamCallStats() { return stream_internal::call_stats; }
+
+int OtherAwakeHostStreamWorkers() {
+  return stream_internal::awake_workers.load(std::memory_order_relaxed) -
+         (stream_internal::on_worker ? 1 : 0);
+}
 
 namespace {
 std::shared_ptr<stream_internal::HostEvent> NewHostEvent() {

@@ -291,6 +291,12 @@ struct HostStreamCallStats {
 };
 HostStreamCallStats ThisThreadHostStreamCallStats();
 
+// Host-stream worker threads of this process that are awake (running an op, waiting inside one,
+// or polling for work), the calling thread not counted. A thread that polls for a peer asks it
+// before giving its core away: yielding helps only if a thread of its own process may take the
+// core; yielding to another process's busy thread costs a whole time slice.
+int OtherAwakeHostStreamWorkers();
+
 // stream.WaitEvent(*event), skipped when `event` is null or was last recorded on `stream` itself
 // (stream order already covers it).
 absl::Status WaitUnlessSameStream(Stream& stream, const std::shared_ptr<Event>& event);

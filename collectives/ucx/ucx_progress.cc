@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "runtime/logging.h"
+#include "runtime/stream.h"
 
 namespace shardline::ucx_internal {
 
@@ -105,7 +106,13 @@ void UcxTransport::YieldIfOversubscribed(absl::Time now) const {
       sched_yield();
       return;
     case YieldPolicy::kAuto:
-      if (oversubscribed_ || HostBusy(cpus_, now)) sched_yield();
+      // A busy host alone is no reason: yielding to another process's busy thread gives it a
+      // whole time slice while the peer waits (an 8 KiB 2-rank collective beside four busy
+      // loops took 0.4-1.9 ms per call that way, 8-35 us without; docs/benchmarks.md). Only a
+      // thread of this process that may want the core (another host stream's worker) is.
+      if (oversubscribed_ || (HostBusy(cpus_, now) && OtherAwakeHostStreamWorkers() > 0)) {
+        sched_yield();
+      }
       return;
   }
 }

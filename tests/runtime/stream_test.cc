@@ -183,6 +183,28 @@ TEST(HostStreamTest, SynchronizeFromOwnWorkIsAnError) {
 }
 
 // ---------------------------------------------------------------------------------------------
+TEST(HostStreamTest, OtherAwakeWorkersCountsRunningWorkersButNotTheCaller) {
+  // A worker inside an op is awake: the main thread counts it, the worker itself does not.
+  auto stream = MakeHost("busy");
+  Gate started, release;
+  std::atomic<int> inside{-1};
+  ASSERT_TRUE(stream
+                  ->Enqueue([&] {
+                    inside.store(OtherAwakeHostStreamWorkers());
+                    started.Open();
+                    release.Wait();
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  ASSERT_TRUE(started.Wait());
+  const int from_main = OtherAwakeHostStreamWorkers();
+  release.Open();
+  ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+  EXPECT_GE(from_main, 1);
+  EXPECT_LE(inside.load(), from_main - 1);
+  EXPECT_GE(inside.load(), 0);
+}
+
 // Deadlines.
 
 TEST(HostStreamTest, SynchronizeDeadlineFiresThenCompletes) {
