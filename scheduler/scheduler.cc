@@ -521,9 +521,10 @@ absl::Status Scheduler::AcquireForCompute(int u) {
   // A gather that already completed holds the compute stream up for nothing: no wait to time
   // (two events fewer; the unit's exposed wait gains zero).
   if (unit.param->GatherCompleted()) return unit.param->Acquire(compute_);
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordEvent(compute_));
+  // Shared events (RecordSharedEvent): `before` is often the point the previous hook recorded.
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordSharedEvent(compute_));
   SL_RETURN_IF_ERROR(unit.param->Acquire(compute_));
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> after, RecordEvent(compute_));
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> after, RecordSharedEvent(compute_));
   unit.waits.emplace_back(std::move(before), std::move(after));
   return absl::OkStatus();
 }
@@ -762,7 +763,8 @@ absl::Status Scheduler::PostBackward(int u) {
     return HookError("PostBackward", u,
                      absl::FailedPreconditionError("PostBackward without a matching PreBackward"));
   }
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> ready, RecordEvent(compute_));
+  // Shared with the reduction's and the reshard's records of the same compute stream point.
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> ready, RecordSharedEvent(compute_));
   --unit->active;
   --unit->backward_left;
   if (options_.backward_prefetch == BackwardPrefetch::kAfterGrad && backward_pos_ > 0) {
@@ -900,7 +902,7 @@ absl::Status Scheduler::FinishBackward() {
       absl::Status status = AcquireForCompute(w);
       if (status.ok()) status = unit.param->PrepareGrad(compute_);
       if (!status.ok()) return fail(status);
-      absl::StatusOr<std::shared_ptr<Event>> ready = RecordEvent(compute_);
+      absl::StatusOr<std::shared_ptr<Event>> ready = RecordSharedEvent(compute_);
       if (!ready.ok()) return fail(ready.status());
       unit.backward_left = 0;
       unit.grad_ready = true;
@@ -933,7 +935,7 @@ absl::Status Scheduler::FinishBackward() {
       }
     }
   }
-  absl::StatusOr<std::shared_ptr<Event>> end = RecordEvent(compute_);
+  absl::StatusOr<std::shared_ptr<Event>> end = RecordSharedEvent(compute_);
   if (!end.ok()) return fail(end.status());
 
   // The step's raw metrics: read once their events completed (LastStepMetrics).

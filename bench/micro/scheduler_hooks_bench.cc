@@ -17,10 +17,10 @@
 // scheduler's own StepMetrics::host_hook_time of the last step per unit (a cross-check); steps =
 // steps timed per rank; timer_cpu_ns_per_unit = the part of hook_cpu_ns_per_unit that is this
 // benchmark's own timing (measured on an empty hook); submits, records, records_queued, waits,
-// waits_queued, wakes, events = what the hooks asked of the host streams per unit per step
-// (ThisThreadHostStreamCallStats); with SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls, futex,
-// ctx_switches of the hook thread inside the hooks (SyscallCounters). The benchmark's own time is
-// the whole step (hooks + waiting for the streams).
+// waits_queued, wakes, events, records_shared = what the hooks asked of the host streams per unit
+// per step (ThisThreadHostStreamCallStats); with SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls,
+// futex, ctx_switches of the hook thread inside the hooks (SyscallCounters). The benchmark's own
+// time is the whole step (hooks + waiting for the streams).
 
 #include <linux/perf_event.h>
 #include <sys/ioctl.h>
@@ -170,6 +170,7 @@ void Accumulate(const HostStreamCallStats& before, const HostStreamCallStats& af
   sum->waits_queued += after.waits_queued - before.waits_queued;
   sum->wakes += after.wakes - before.wakes;
   sum->events += after.events - before.events;
+  sum->records_shared += after.records_shared - before.records_shared;
 }
 
 // Times `hook` into `*times`.
@@ -285,6 +286,7 @@ void BM_SchedulerHooks(benchmark::State& state) {
   per_unit("waits_queued", static_cast<double>(times.calls.waits_queued));
   per_unit("wakes", static_cast<double>(times.calls.wakes));
   per_unit("events", static_cast<double>(times.calls.events));
+  per_unit("records_shared", static_cast<double>(times.calls.records_shared));
   per_unit("hooks", static_cast<double>(times.hooks));
   // The share of hook_cpu_ns_per_unit that is the benchmark's own timing (subtract it for the
   // scheduler's).
