@@ -253,10 +253,11 @@ absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream);
 // no wait that had to be queued) was enqueued on `stream` since the last RecordSharedEvent on it,
 // and the stream is not poisoned, this returns that call's event again instead of making and
 // recording a new one. It then captures exactly what a fresh record would (the same work), so it
-// orders, guards and times the same. Callers must not Record() the returned event again, since
-// others may hold it. Other kinds of stream: RecordEvent. (The scheduler records on the same
-// compute stream point several times per hook: the gradient's ready event, its consumers', the
-// parameters' last use, the next unit's wait timing.)
+// orders and guards the same; but its completed_at() may be earlier than a fresh record's (a
+// record on a drained stream completes when it is made), so time with RecordEvent. Callers must
+// not Record() the returned event again, since others may hold it. Other kinds of stream:
+// RecordEvent. (The scheduler records on the same compute stream point several times per hook:
+// the gradient's ready event and zero-fill, the reduction's and the reshard's consumer records.)
 absl::StatusOr<std::shared_ptr<Event>> RecordSharedEvent(Stream& stream);
 
 // Holds back the wake-ups of host streams' sleeping workers on the calling thread while it is

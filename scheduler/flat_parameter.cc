@@ -542,8 +542,9 @@ absl::Status FlatParameter::PrepareGrad(Stream& compute) {
       stream_ordered_grad_ ? grad_pool_->Allocate(bytes, compute) : grad_pool_->Allocate(bytes);
   if (!grad.ok()) return Annotate(grad.status(), context);
   SL_RETURN_IF_ERROR(Annotate(EnqueueFill(compute, grad->data(), bytes), context));
-  // If no event can be recorded the stream is poisoned: the zero-fill will not run.
-  absl::StatusOr<std::shared_ptr<Event>> zeroed = RecordEvent(compute);
+  // If no event can be recorded the stream is poisoned: the zero-fill will not run. Shared: the
+  // reduction's record on this stream (RecordOnConsumers) reuses it if nothing followed the fill.
+  absl::StatusOr<std::shared_ptr<Event>> zeroed = RecordSharedEvent(compute);
   if (!zeroed.ok()) return Annotate(zeroed.status(), context);
   grad_zeroed_ = *std::move(zeroed);
   unsharded_grad_ = *std::move(grad);

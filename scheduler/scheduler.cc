@@ -521,10 +521,11 @@ absl::Status Scheduler::AcquireForCompute(int u) {
   // A gather that already completed holds the compute stream up for nothing: no wait to time
   // (two events fewer; the unit's exposed wait gains zero).
   if (unit.param->GatherCompleted()) return unit.param->Acquire(compute_);
-  // Shared events (RecordSharedEvent): `before` is often the point the previous hook recorded.
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordSharedEvent(compute_));
+  // Fresh events (RecordEvent), not shared ones: the pair times the wait by completion times, and
+  // a shared event recorded earlier on a drained stream reports that earlier time.
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordEvent(compute_));
   SL_RETURN_IF_ERROR(unit.param->Acquire(compute_));
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> after, RecordSharedEvent(compute_));
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> after, RecordEvent(compute_));
   unit.waits.emplace_back(std::move(before), std::move(after));
   return absl::OkStatus();
 }
@@ -935,7 +936,8 @@ absl::Status Scheduler::FinishBackward() {
       }
     }
   }
-  absl::StatusOr<std::shared_ptr<Event>> end = RecordSharedEvent(compute_);
+  // Fresh: its completion time is the step's end (a shared event may report an earlier one).
+  absl::StatusOr<std::shared_ptr<Event>> end = RecordEvent(compute_);
   if (!end.ok()) return fail(end.status());
 
   // The step's raw metrics: read once their events completed (LastStepMetrics).
