@@ -143,15 +143,21 @@ struct Allocator::PendingSet {
     auto it = blocks.find(id);
     if (it == blocks.end() || it->second.completed[index]) return;  // taken for reuse
     it->second.completed[index] = true;
-    if (--it->second.outstanding == 0) cv.notify_all();
+    if (--it->second.outstanding == 0) {
+      ++ready;
+      cv.notify_all();
+    }
   }
 
   // Moves the blocks whose guards all completed out of the set (mu held).
   void TakeReadyLocked(std::vector<Freed>& out) {
-    for (auto it = blocks.begin(); it != blocks.end();) {
+    // Most calls (every Allocate and guarded Release) find none ready: no walk over the set.
+    if (ready == 0) return;
+    for (auto it = blocks.begin(); it != blocks.end() && ready > 0;) {
       if (it->second.outstanding == 0) {
         out.push_back(Freed{it->second.data, it->second.bytes});
         it = blocks.erase(it);
+        --ready;
       } else {
         ++it;
       }
@@ -162,6 +168,7 @@ struct Allocator::PendingSet {
   std::condition_variable cv;  // DrainPending waits for outstanding == 0
   uint64_t next_id = 0;
   std::map<uint64_t, Block> blocks;  // by id: oldest first
+  size_t ready = 0;                  // blocks with outstanding == 0
 };
 
 Allocator::Allocator(Device device, std::string name)
@@ -263,6 +270,14 @@ void Allocator::FreeBlocks(std::vector<Freed>& blocks) {
 
 void Allocator::Release(void* data, size_t bytes, std::vector<std::shared_ptr<Event>> guards) {
   std::erase(guards, nullptr);
+  // The same event given twice (shared events: RecordSharedEvent) is one guard.
+  for (size_t i = 1; i < guards.size();) {
+    if (std::find(guards.begin(), guards.begin() + i, guards[i]) != guards.begin() + i) {
+      guards.erase(guards.begin() + i);
+    } else {
+      ++i;
+    }
+  }
   if (guards.empty()) {
     std::vector<Freed> now{Freed{data, bytes}};
     FreeBlocks(now);
@@ -297,6 +312,7 @@ std::optional<Allocator::PendingBlock> Allocator::TakePending(
                            [&](const auto& entry) { return fits(entry.second.bytes); });
     if (it == pending_->blocks.end()) return std::nullopt;
     PendingSet::Block& block = it->second;
+    if (block.outstanding == 0) --pending_->ready;
     taken.data = block.data;
     taken.bytes = block.bytes;
     for (size_t i = 0; i < block.guards.size(); ++i) {
@@ -335,6 +351,7 @@ void Allocator::DrainPending() {
     pending_->TakeReadyLocked(freeable);
     for (auto& [id, block] : pending_->blocks) leaked.push_back(Freed{block.data, block.bytes});
     pending_->blocks.clear();
+    pending_->ready = 0;
   }
   FreeBlocks(freeable);
   if (leaked.empty()) return;

@@ -53,8 +53,8 @@ absl::StatusOr<void*> CachingPool::AllocateRaw(size_t bytes, Stream* first_user)
     auto it = cache_.find(cls);
     if (it != cache_.end() && !it->second.empty()) {
       Buffer block = std::move(it->second.back());
+      // An emptied class keeps its entry (and the vector's storage) for the block's return.
       it->second.pop_back();
-      if (it->second.empty()) cache_.erase(it);
       void* data = block.data();
       in_use_.emplace(data, std::move(block));
       cache_stats_.cached_bytes -= static_cast<int64_t>(cls);

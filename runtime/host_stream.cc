@@ -327,16 +327,21 @@ absl::Status HostEvent::Record(Stream& stream) {
   return recorder->RecordHostCapture(std::move(capture));
 }
 
-absl::Status HostEvent::RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
-                                    HostCaptureRecorder& recorder) {
+std::shared_ptr<HostCapture> HostEvent::PrepareFresh(const std::shared_ptr<HostEvent>& self,
+                                                     Stream& stream) {
   ++call_stats.records;
   HostEvent& event = *self;
   // No other thread holds the event yet: its fields need no lock (the stream's lock, taken
-  // below, publishes them to the worker that completes the capture).
+  // when the stream records the capture, publishes them to the worker that completes it).
   event.embedded_.emplace(stream);
   event.current_embedded_ = true;
   event.recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
-  return recorder.RecordHostCapture(std::shared_ptr<HostCapture>(self, &*event.embedded_));
+  return std::shared_ptr<HostCapture>(self, &*event.embedded_);
+}
+
+absl::Status HostEvent::RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
+                                    HostCaptureRecorder& recorder) {
+  return recorder.RecordHostCapture(PrepareFresh(self, stream));
 }
 
 std::shared_ptr<HostCapture> HostEvent::current() const {
@@ -445,6 +450,15 @@ absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl:
   return tracer.RunWait(target.source, clock,
                         [&] { return RunWait(target, timeout, clock, stream_name); });
 }
+
+}  // namespace
+}  // namespace stream_internal
+namespace {
+// A new host event (its block recycled); defined below.
+std::shared_ptr<stream_internal::HostEvent> NewHostEvent();
+}  // namespace
+namespace stream_internal {
+namespace {
 
 // Host-stream workers of the process that are not asleep waiting for work (running or polling).
 std::atomic<int> awake_workers{0};
@@ -575,28 +589,21 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::shared_ptr<Event> CreateEvent() override { return CreateHostEvent(); }
 
   absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
+    return RecordCapture(std::move(capture), nullptr);
+  }
+
+  // RecordSharedEvent on this stream.
+  absl::StatusOr<std::shared_ptr<Event>> RecordShared() {
     {
       std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-      if (status_.ok() && queue_.empty() && finished_ == enqueued_) {
-        // Push's shortcut, without building an Item: everything enqueued before has run.
-        ++enqueued_;
-        ++finished_;
-        lock.unlock();
-        capture->Complete(absl::OkStatus());
-        return absl::OkStatus();
-      }
-      ++call_stats.records_queued;
-      if (status_.ok() && !queue_.empty() && queue_.back().then == nullptr) {
-        // The last queued item is not running yet: the capture completes right after it, with
-        // no item of its own (and no wake-up: the item's push already woke the worker).
-        queue_.back().then = std::move(capture);
-        return absl::OkStatus();
+      if (mark_ != nullptr && mark_position_ == position_ && status_.ok()) {
+        ++call_stats.records_shared;
+        return mark_;
       }
     }
-    Item item;
-    item.kind = Item::kRecord;
-    item.wait.capture = std::move(capture);
-    return Push(std::move(item));
+    std::shared_ptr<HostEvent> event = NewHostEvent();
+    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this), &event));
+    return event;
   }
 
  private:
@@ -610,7 +617,45 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     std::shared_ptr<HostCapture> then;
   };
 
-  absl::Status Push(Item&& item) {
+  // Records `capture` (its event's Record() on this stream). With `mark`, the capture's event
+  // becomes the stream's shared mark (RecordSharedEvent), at the position read under the same
+  // lock as the record, so the mark covers exactly the ops and waits counted in mark_position_.
+  absl::Status RecordCapture(std::shared_ptr<HostCapture> capture,
+                             const std::shared_ptr<HostEvent>* mark) {
+    {
+      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+      if (status_.ok() && queue_.empty() && finished_ == enqueued_) {
+        // Push's shortcut, without building an Item: everything enqueued before has run.
+        ++enqueued_;
+        ++finished_;
+        SetMark(mark);
+        lock.unlock();
+        capture->Complete(absl::OkStatus());
+        return absl::OkStatus();
+      }
+      ++call_stats.records_queued;
+      if (status_.ok() && !queue_.empty() && queue_.back().then == nullptr) {
+        // The last queued item is not running yet: the capture completes right after it, with
+        // no item of its own (and no wake-up: the item's push already woke the worker).
+        queue_.back().then = std::move(capture);
+        SetMark(mark);
+        return absl::OkStatus();
+      }
+    }
+    Item item;
+    item.kind = Item::kRecord;
+    item.wait.capture = std::move(capture);
+    return Push(std::move(item), mark);
+  }
+
+  // mu_ held; `mark` may be null (an ordinary record).
+  void SetMark(const std::shared_ptr<HostEvent>* mark) {
+    if (mark == nullptr) return;
+    mark_ = *mark;
+    mark_position_ = position_;
+  }
+
+  absl::Status Push(Item&& item, const std::shared_ptr<HostEvent>* mark = nullptr) {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!status_.ok()) {
       absl::Status status = status_;
@@ -623,9 +668,15 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       // than by waking the worker for it (most records land on an idle stream).
       ++enqueued_;
       ++finished_;
+      SetMark(mark);
       lock.unlock();
       item.wait.capture->Complete(absl::OkStatus());
       return absl::OkStatus();
+    }
+    if (item.kind == Item::kRecord) {
+      SetMark(mark);
+    } else {
+      ++position_;
     }
     queue_.push_back(std::move(item));
     ++enqueued_;
@@ -779,6 +830,11 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_idle_ ABSL_GUARDED_BY(mu_) = false;  // blocked in wake_->cv: needs a notify
   int sync_waiters_ ABSL_GUARDED_BY(mu_) = 0;      // blocked in done_cv_
+  // Ops and waits accepted so far (records not counted: they enqueue no work).
+  uint64_t position_ ABSL_GUARDED_BY(mu_) = 0;
+  // The last RecordSharedEvent's event and position_ when it was recorded.
+  std::shared_ptr<HostEvent> mark_ ABSL_GUARDED_BY(mu_);
+  uint64_t mark_position_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread worker_;
 };
 
@@ -833,10 +889,36 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
   std::shared_ptr<Event> CreateEvent() override { return CreateHostEvent(); }
 
   absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
+    return RecordCapture(std::move(capture), nullptr);
+  }
+
+  // RecordSharedEvent on this stream: the position is the next ticket (items started so far).
+  absl::StatusOr<std::shared_ptr<Event>> RecordShared() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (mark_ != nullptr && mark_ticket_ == next_ticket_ && status_.ok()) {
+        ++call_stats.records_shared;
+        return mark_;
+      }
+    }
+    std::shared_ptr<HostEvent> event = NewHostEvent();
+    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this), &event));
+    return event;
+  }
+
+ private:
+  // Records `capture`; with `mark` (and the stream healthy) its event becomes the shared mark at
+  // the ticket read under the same lock.
+  absl::Status RecordCapture(std::shared_ptr<HostCapture> capture,
+                             const std::shared_ptr<HostEvent>* mark) {
     absl::Status status;
     {
       std::lock_guard<std::mutex> lock(mu_);
       status = status_;
+      if (mark != nullptr && status.ok()) {
+        mark_ = *mark;
+        mark_ticket_ = next_ticket_;
+      }
       // Items running on other threads may predate this record, even on a poisoned stream:
       // complete once the last of them has finished.
       if (!running_.empty()) {
@@ -848,7 +930,6 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
     return status;
   }
 
- private:
   // Starts an item: its ticket, or the stream's error if it is poisoned.
   absl::StatusOr<uint64_t> Start() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -892,6 +973,9 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
   // (tickets handed out before the record, capture), in record order.
   std::deque<std::pair<uint64_t, std::shared_ptr<HostCapture>>> pending_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
+  // The last RecordSharedEvent's event and next_ticket_ when it was recorded.
+  std::shared_ptr<HostEvent> mark_ ABSL_GUARDED_BY(mu_);
+  uint64_t mark_ticket_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 HostCaptureRecorder* AsRecorder(Stream& stream) {
@@ -1058,6 +1142,17 @@ absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream) {
   std::shared_ptr<Event> event = stream.CreateEvent();
   SL_RETURN_IF_ERROR(event->Record(stream));
   return event;
+}
+
+absl::StatusOr<std::shared_ptr<Event>> RecordSharedEvent(Stream& stream) {
+  const std::type_info& type = typeid(stream);
+  if (type == typeid(stream_internal::HostStream)) {
+    return static_cast<stream_internal::HostStream&>(stream).RecordShared();
+  }
+  if (type == typeid(stream_internal::CallerStream)) {
+    return static_cast<stream_internal::CallerStream&>(stream).RecordShared();
+  }
+  return RecordEvent(stream);
 }
 
 absl::Status WaitUnlessSameStream(Stream& stream, const std::shared_ptr<Event>& event) {

@@ -249,6 +249,17 @@ std::shared_ptr<Event> CreateHostEvent();
 // Records a fresh event on `stream` and returns it: the common "mark this point" idiom.
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream);
 
+// Like RecordEvent, but the event may be shared: on host and caller streams, when nothing (no op,
+// no wait that had to be queued) was enqueued on `stream` since the last RecordSharedEvent on it,
+// and the stream is not poisoned, this returns that call's event again instead of making and
+// recording a new one. It then captures exactly what a fresh record would (the same work), so it
+// orders and guards the same; but its completed_at() may be earlier than a fresh record's (a
+// record on a drained stream completes when it is made), so time with RecordEvent. Callers must
+// not Record() the returned event again, since others may hold it. Other kinds of stream:
+// RecordEvent. (The scheduler records on the same compute stream point several times per hook:
+// the gradient's ready event and zero-fill, the reduction's and the reshard's consumer records.)
+absl::StatusOr<std::shared_ptr<Event>> RecordSharedEvent(Stream& stream);
+
 // Holds back the wake-ups of host streams' sleeping workers on the calling thread while it is
 // open. A submission (an op, a queued record or wait) to a host stream whose worker sleeps does
 // not wake the worker at once (a futex wake, often a cross-CPU interrupt, and on a virtual machine
@@ -288,6 +299,7 @@ struct HostStreamCallStats {
   uint64_t waits_queued = 0;    // ... of which queued a wait (the rest found the event done)
   uint64_t wakes = 0;           // notifies of a sleeping worker (each a futex wake)
   uint64_t events = 0;          // host events created
+  uint64_t records_shared = 0;  // RecordSharedEvent() calls that returned an earlier event
 };
 HostStreamCallStats ThisThreadHostStreamCallStats();
 

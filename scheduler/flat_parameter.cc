@@ -438,7 +438,8 @@ std::vector<std::shared_ptr<Event>> FlatParameter::RecordOnConsumers(
   std::vector<std::shared_ptr<Event>> events;
   for (Stream* stream : streams) {
     // A stream that cannot record is poisoned: it runs nothing more that could read the buffer.
-    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*stream);
+    // Shared: several consumers' records (and the scheduler's) often mark the same point.
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordSharedEvent(*stream);
     if (event.ok()) events.push_back(*std::move(event));
   }
   return events;
@@ -541,8 +542,9 @@ absl::Status FlatParameter::PrepareGrad(Stream& compute) {
       stream_ordered_grad_ ? grad_pool_->Allocate(bytes, compute) : grad_pool_->Allocate(bytes);
   if (!grad.ok()) return Annotate(grad.status(), context);
   SL_RETURN_IF_ERROR(Annotate(EnqueueFill(compute, grad->data(), bytes), context));
-  // If no event can be recorded the stream is poisoned: the zero-fill will not run.
-  absl::StatusOr<std::shared_ptr<Event>> zeroed = RecordEvent(compute);
+  // If no event can be recorded the stream is poisoned: the zero-fill will not run. Shared: the
+  // reduction's record on this stream (RecordOnConsumers) reuses it if nothing followed the fill.
+  absl::StatusOr<std::shared_ptr<Event>> zeroed = RecordSharedEvent(compute);
   if (!zeroed.ok()) return Annotate(zeroed.status(), context);
   grad_zeroed_ = *std::move(zeroed);
   unsharded_grad_ = *std::move(grad);
@@ -626,9 +628,13 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
     absl::StatusOr<std::shared_ptr<Event>> start = RecordEvent(stream);
     *options.collective_start = start.ok() ? *std::move(start) : nullptr;
   }
+  std::shared_ptr<Event> scattered;
   if (status.ok()) {
     // In place: this rank's reduced shard lands in its own slice of the input.
-    status = shard_comm.ReduceScatter(input, slice, count, reduce, stream, collective).status();
+    absl::StatusOr<Work> work =
+        shard_comm.ReduceScatter(input, slice, count, reduce, stream, collective);
+    status = work.status();
+    if (work.ok()) scattered = work->event();
   }
   if (!status.ok() && !cast_enqueued) return Annotate(status, context);
 
@@ -642,7 +648,11 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   grad_consumers_.clear();
   state_ = FlatParameterState::kReducing;
   reduce_phase_ = ReducePhase::kScattered;
-  absl::StatusOr<std::shared_ptr<Event>> done = RecordEvent(stream);
+  // The collective's own event marks this point of `stream` (nothing was enqueued on it since:
+  // the records above are on other streams and enqueue no work); a new one only without it.
+  absl::StatusOr<std::shared_ptr<Event>> done =
+      scattered != nullptr ? absl::StatusOr<std::shared_ptr<Event>>(std::move(scattered))
+                           : RecordEvent(stream);
   if (done.ok()) reduce_step_ = *done;
   if (!status.ok()) return AbortReduction(Annotate(status, context));
   if (!done.ok()) return AbortReduction(Annotate(done.status(), context));

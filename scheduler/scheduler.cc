@@ -521,6 +521,8 @@ absl::Status Scheduler::AcquireForCompute(int u) {
   // A gather that already completed holds the compute stream up for nothing: no wait to time
   // (two events fewer; the unit's exposed wait gains zero).
   if (unit.param->GatherCompleted()) return unit.param->Acquire(compute_);
+  // Fresh events (RecordEvent), not shared ones: the pair times the wait by completion times, and
+  // a shared event recorded earlier on a drained stream reports that earlier time.
   SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordEvent(compute_));
   SL_RETURN_IF_ERROR(unit.param->Acquire(compute_));
   SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> after, RecordEvent(compute_));
@@ -762,7 +764,8 @@ absl::Status Scheduler::PostBackward(int u) {
     return HookError("PostBackward", u,
                      absl::FailedPreconditionError("PostBackward without a matching PreBackward"));
   }
-  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> ready, RecordEvent(compute_));
+  // Shared with the reduction's and the reshard's records of the same compute stream point.
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> ready, RecordSharedEvent(compute_));
   --unit->active;
   --unit->backward_left;
   if (options_.backward_prefetch == BackwardPrefetch::kAfterGrad && backward_pos_ > 0) {
@@ -900,7 +903,7 @@ absl::Status Scheduler::FinishBackward() {
       absl::Status status = AcquireForCompute(w);
       if (status.ok()) status = unit.param->PrepareGrad(compute_);
       if (!status.ok()) return fail(status);
-      absl::StatusOr<std::shared_ptr<Event>> ready = RecordEvent(compute_);
+      absl::StatusOr<std::shared_ptr<Event>> ready = RecordSharedEvent(compute_);
       if (!ready.ok()) return fail(ready.status());
       unit.backward_left = 0;
       unit.grad_ready = true;
@@ -933,6 +936,7 @@ absl::Status Scheduler::FinishBackward() {
       }
     }
   }
+  // Fresh: its completion time is the step's end (a shared event may report an earlier one).
   absl::StatusOr<std::shared_ptr<Event>> end = RecordEvent(compute_);
   if (!end.ok()) return fail(end.status());
 

@@ -17,9 +17,10 @@
 // scheduler's own StepMetrics::host_hook_time of the last step per unit (a cross-check); steps =
 // steps timed per rank; timer_cpu_ns_per_unit = the part of hook_cpu_ns_per_unit that is this
 // benchmark's own timing (measured on an empty hook); submits, records, records_queued, waits,
-// waits_queued, wakes, events = what the hooks asked of the host streams per unit per step
-// (ThisThreadHostStreamCallStats); with SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls, futex,
-// ctx_switches of the hook thread inside the hooks (SyscallCounters). The benchmark's own time is
+// waits_queued, wakes, events, records_shared = what the hooks asked of the host streams per unit
+// per step (ThisThreadHostStreamCallStats); with SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls,
+// futex, ctx_switches of the hook thread inside the hooks (SyscallCounters); with
+// SHARDLINE_HOOKS_BENCH_CPU=0 no CPU-clock reads at all (wall only). The benchmark's own time is
 // the whole step (hooks + waiting for the streams).
 
 #include <linux/perf_event.h>
@@ -170,6 +171,18 @@ void Accumulate(const HostStreamCallStats& before, const HostStreamCallStats& af
   sum->waits_queued += after.waits_queued - before.waits_queued;
   sum->wakes += after.wakes - before.wakes;
   sum->events += after.events - before.events;
+  sum->records_shared += after.records_shared - before.records_shared;
+}
+
+// SHARDLINE_HOOKS_BENCH_CPU=0: no CPU-clock reads around the hooks (hook_cpu_ns_per_unit and
+// timer_cpu_ns_per_unit are then 0), so the wall figure is taken without their system calls
+// next to every hook. Default 1.
+bool MeasureCpu() {
+  static const bool measure = [] {
+    const char* env = std::getenv("SHARDLINE_HOOKS_BENCH_CPU");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return measure;
 }
 
 // Times `hook` into `*times`.
@@ -177,7 +190,8 @@ template <typename Hook>
 absl::Status Timed(HookTimes* times, Hook&& hook) {
   using Clock = std::chrono::steady_clock;
   // The CPU clock is a system call: read outside the wall-timed span.
-  const int64_t c0 = ThreadCpuNs();
+  const bool cpu = MeasureCpu();
+  const int64_t c0 = cpu ? ThreadCpuNs() : 0;
   const HostStreamCallStats calls0 = ThisThreadHostStreamCallStats();
   SyscallCounters::Values sys0;
   if (times->counters != nullptr) sys0 = times->counters->Read();
@@ -192,7 +206,7 @@ absl::Status Timed(HookTimes* times, Hook&& hook) {
   }
   Accumulate(calls0, ThisThreadHostStreamCallStats(), &times->calls);
   ++times->hooks;
-  times->cpu_ns += ThreadCpuNs() - c0;
+  if (cpu) times->cpu_ns += ThreadCpuNs() - c0;
   times->wall_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
   return status;
 }
@@ -285,6 +299,7 @@ void BM_SchedulerHooks(benchmark::State& state) {
   per_unit("waits_queued", static_cast<double>(times.calls.waits_queued));
   per_unit("wakes", static_cast<double>(times.calls.wakes));
   per_unit("events", static_cast<double>(times.calls.events));
+  per_unit("records_shared", static_cast<double>(times.calls.records_shared));
   per_unit("hooks", static_cast<double>(times.hooks));
   // The share of hook_cpu_ns_per_unit that is the benchmark's own timing (subtract it for the
   // scheduler's).

@@ -143,6 +143,10 @@ class HostEvent final : public Event, public std::enable_shared_from_this<HostEv
   // as self->Record(stream) on a stream that `recorder` is, without taking the event's lock.
   static absl::Status RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
                                   HostCaptureRecorder& recorder);
+  // RecordFresh's first half: sets up the first Record() of `self` (no other thread can see it
+  // yet) on `stream` and returns its capture, for the stream to record.
+  static std::shared_ptr<HostCapture> PrepareFresh(const std::shared_ptr<HostEvent>& self,
+                                                   Stream& stream);
 
  private:
   // Stream::id() of the latest Record()'s stream, readable without the lock.

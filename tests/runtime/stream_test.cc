@@ -993,6 +993,103 @@ TEST(EventTest, RecordEventHelperMarksThePoint) {
   EXPECT_EQ((*event)->device(), Device::Host());
 }
 
+// RecordSharedEvent returns the previous shared event exactly while nothing was enqueued since
+// (a record enqueues nothing; a wait on a completed event neither), and each event it returns
+// covers exactly the work before its point: checked against the number of ops run when it
+// completes, with the ops held behind a gate.
+TEST(EventTest, SharedEventIsReusedOnlyWhileTheStreamPointIsUnchanged) {
+  auto stream = MakeHost("shared");
+  auto other = MakeHost("other");
+  Gate gate;
+  std::atomic<int> ran{0};
+  auto count = [&ran] {
+    ran.fetch_add(1);
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+  ASSERT_TRUE(stream->Enqueue(count).ok());
+  absl::StatusOr<std::shared_ptr<Event>> first = RecordSharedEvent(*stream);
+  ASSERT_TRUE(first.ok()) << first.status();
+  // Nothing enqueued in between (an ordinary record does not count): the same event.
+  ASSERT_TRUE(RecordEvent(*stream).ok());
+  absl::StatusOr<std::shared_ptr<Event>> again = RecordSharedEvent(*stream);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->get(), first->get());
+  // A wait on a completed event enqueues nothing either.
+  absl::StatusOr<std::shared_ptr<Event>> done_elsewhere = RecordEvent(*other);
+  ASSERT_TRUE(done_elsewhere.ok());
+  ASSERT_TRUE((*done_elsewhere)->Synchronize(Soon()).ok());
+  ASSERT_TRUE(stream->WaitEvent(**done_elsewhere).ok());
+  absl::StatusOr<std::shared_ptr<Event>> after_noop_wait = RecordSharedEvent(*stream);
+  ASSERT_TRUE(after_noop_wait.ok());
+  EXPECT_EQ(after_noop_wait->get(), first->get());
+
+  // An op: a new event, covering it.
+  ASSERT_TRUE(stream->Enqueue(count).ok());
+  absl::StatusOr<std::shared_ptr<Event>> second = RecordSharedEvent(*stream);
+  ASSERT_TRUE(second.ok());
+  EXPECT_NE(second->get(), first->get());
+  // A queued wait (on an event of `other` held behind its own gate): a new event too.
+  Gate other_gate;
+  ASSERT_TRUE(other->Enqueue(BlockOn(other_gate)).ok());
+  absl::StatusOr<std::shared_ptr<Event>> pending_elsewhere = RecordEvent(*other);
+  ASSERT_TRUE(pending_elsewhere.ok());
+  ASSERT_TRUE(stream->WaitEvent(**pending_elsewhere).ok());
+  absl::StatusOr<std::shared_ptr<Event>> third = RecordSharedEvent(*stream);
+  ASSERT_TRUE(third.ok());
+  EXPECT_NE(third->get(), second->get());
+  ASSERT_TRUE(stream->Enqueue(count).ok());
+
+  for (const auto* event : {&*first, &*second, &*third}) {
+    absl::StatusOr<bool> done = (*event)->Query();
+    ASSERT_TRUE(done.ok());
+    EXPECT_FALSE(*done);
+  }
+  std::atomic<int> ran_at_first{-1}, ran_at_second{-1};
+  (*first)->OnComplete([&](absl::Status) { ran_at_first = ran.load(); });
+  (*second)->OnComplete([&](absl::Status) { ran_at_second = ran.load(); });
+  gate.Open();
+  ASSERT_TRUE((*second)->Synchronize(Soon()).ok());
+  EXPECT_EQ(ran_at_first.load(), 1);
+  EXPECT_EQ(ran_at_second.load(), 2);
+  absl::StatusOr<bool> third_done = (*third)->Query();
+  ASSERT_TRUE(third_done.ok());
+  EXPECT_FALSE(*third_done) << "the shared event after a queued wait completed before the wait";
+  other_gate.Open();
+  ASSERT_TRUE((*third)->Synchronize(Soon()).ok());
+  ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+  EXPECT_EQ(ran.load(), 3);
+
+  // A poisoned stream: an error, as RecordEvent gives, not the last healthy point.
+  ASSERT_TRUE(stream->Enqueue([] { return absl::InternalError("boom"); }).ok());
+  EXPECT_EQ(stream->Synchronize(Soon()).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(RecordSharedEvent(*stream).status().code(), absl::StatusCode::kInternal);
+}
+
+TEST(EventTest, SharedEventOnACallerStreamFollowsItsItems) {
+  auto stream = MakeCaller("caller-shared");
+  int ran = 0;
+  absl::StatusOr<std::shared_ptr<Event>> first = RecordSharedEvent(*stream);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<std::shared_ptr<Event>> again = RecordSharedEvent(*stream);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->get(), first->get());
+  ASSERT_TRUE(stream
+                  ->Enqueue([&ran] {
+                    ++ran;
+                    return absl::OkStatus();
+                  })
+                  .ok());
+  absl::StatusOr<std::shared_ptr<Event>> second = RecordSharedEvent(*stream);
+  ASSERT_TRUE(second.ok());
+  EXPECT_NE(second->get(), first->get());
+  ASSERT_TRUE((*second)->Synchronize(Soon()).ok());
+  EXPECT_EQ(ran, 1);
+  // A failing item poisons: an error, and the next shared record is not the healthy one.
+  EXPECT_FALSE(stream->Enqueue([] { return absl::InternalError("boom"); }).ok());
+  EXPECT_EQ(RecordSharedEvent(*stream).status().code(), absl::StatusCode::kInternal);
+}
+
 class ForeignEvent final : public Event {
  public:
   Device device() const override { return Device::Cuda(3); }
@@ -1024,6 +1121,16 @@ TEST(EventTest, AHostEventCannotBeRecordedOnAForeignStream) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_THAT(Message(status), HasSubstr("foreign"));
   EXPECT_TRUE(stream->status().ok());
+}
+
+// Other kinds of stream: RecordSharedEvent is RecordEvent (a fresh event each time).
+TEST(EventTest, SharedEventOnAForeignStreamIsAFreshRecord) {
+  ForeignStream foreign_stream;
+  absl::StatusOr<std::shared_ptr<Event>> first = RecordSharedEvent(foreign_stream);
+  absl::StatusOr<std::shared_ptr<Event>> second = RecordSharedEvent(foreign_stream);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_NE(first->get(), second->get());
+  EXPECT_EQ((*first)->device(), Device::Cuda(3));
 }
 
 // ---------------------------------------------------------------------------------------------
