@@ -226,9 +226,9 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     // machine whose idle vCPU halted can take hundreds of microseconds: with a spin shorter than
     // that, two ranks fall into a lock-step where every collective waits for the other's
     // wake-up (docs/benchmarks.md has the measurements). Where this host runs more ranks than
-    // this process has CPUs, or other jobs keep more threads runnable than it has CPUs, polling
-    // hands the core to a runnable thread between polls; on an idle host with spare cores
-    // sched_yield only costs (it brought the same lock-step back at the yield threshold).
+    // this process has CPUs (or SHARDLINE_UCX_YIELD's rule says so), polling hands the core to
+    // a runnable thread between polls; on an idle host with spare cores sched_yield only costs
+    // (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
       transport_.YieldIfOversubscribed(now);
       continue;

@@ -29,15 +29,14 @@ SL_PARAM(int64_t, UcxWindow, "UCX_WINDOW", 3,
          "Chunks in flight per peer in the pipelined ucx reductions.",
          [](const int64_t& v) { return AtLeast(v, 1, "window"); });
 SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 2000,
-         "Microseconds a waiting ucx collective polls (yielding its core between polls where "
-         "this host runs more ranks than the process has CPUs, or has more runnable threads "
-         "than that) before it sleeps on the worker's event fd.",
+         "Microseconds a waiting ucx collective polls (yielding its core between polls as "
+         "SHARDLINE_UCX_YIELD says) before it sleeps on the worker's event fd.",
          [](const int64_t& v) { return AtLeast(v, 0, "spin"); });
 SL_PARAM(std::string, UcxYield, "UCX_YIELD", "auto",
          "When a waiting ucx collective hands its core to another runnable thread between polls "
          "(sched_yield): auto, where this host runs more of the communicator's ranks than the "
-         "process has CPUs or more threads are runnable than that (/proc/loadavg, every 10 ms); "
-         "always; never.",
+         "process has CPUs, or where more threads are runnable than that (/proc/loadavg, every "
+         "10 ms) while another host-stream worker of the process is awake; always; never.",
          [](const std::string& v) -> absl::Status {
            if (v == "auto" || v == "always" || v == "never") return absl::OkStatus();
            return absl::InvalidArgumentError(

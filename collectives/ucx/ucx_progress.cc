@@ -67,9 +67,8 @@ namespace {
 
 // Whether more threads were runnable on this host than `cpus` when last looked at (the first
 // number of /proc/loadavg's "runnable/total", which counts the caller), looked at again at most
-// every 10 ms. Other jobs on a loaded host take the cores this communicator's ranks would spin
-// on: a waiting rank that spins through its time slice instead of yielding then makes the peer
-// it waits for wait a scheduler period (milliseconds per small collective; docs/benchmarks.md).
+// every 10 ms. Half of the auto yield rule: a busy host is a reason to yield only where a thread
+// of this process may take the core (YieldIfOversubscribed).
 bool HostBusy(int cpus, absl::Time at) {
   static std::atomic<int64_t> next_look_ns{0};
   static std::atomic<bool> busy{false};
