@@ -4,10 +4,10 @@
 // from a few *arenas*: each arena is one anonymous memory file (memfd) mapped MAP_SHARED into
 // this process. A peer that may read this process's memory (the same ptrace permission
 // process_vm_readv needs) duplicates an arena's file descriptor with pidfd_getfd and maps the
-// arena (as far as its file reaches, again when it grows), after which it copies or reduces straight out of any block in it with
-// ordinary loads — no system call per transfer and no pinning, which on a machine whose memory
-// bandwidth is the limit is the difference between the kernel's copy (about two thirds of
-// memcpy here) and memcpy itself.
+// arena (as far as its file reaches, again when it grows), after which it copies or reduces
+// straight out of any block in it with ordinary loads — no system call per transfer and no pinning,
+// which on a machine whose memory bandwidth is the limit is the difference between the kernel's
+// copy (about two thirds of memcpy here) and memcpy itself.
 //
 //   SL_ASSIGN_OR_RETURN(void* p, AllocateShareable(bytes));
 //   if (std::optional<ShareableSpan> span = FindShareable(p + off, len)) { ...send span... }
