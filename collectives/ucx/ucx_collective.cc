@@ -230,7 +230,7 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     // a runnable thread between polls; on an idle host with spare cores sched_yield only costs
     // (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
-      transport_.YieldIfOversubscribed(now);
+      transport_.YieldIfOversubscribed(now, now - last_activity);
       continue;
     }
     // Only on the way to sleep: the spin stays free of it.

@@ -36,7 +36,8 @@ SL_PARAM(std::string, UcxYield, "UCX_YIELD", "auto",
          "When a waiting ucx collective hands its core to another runnable thread between polls "
          "(sched_yield): auto, where this host runs more of the communicator's ranks than the "
          "process has CPUs, or where more threads are runnable than that (/proc/loadavg, every "
-         "10 ms) while another host-stream worker of the process is awake; always; never.",
+         "10 ms) while another host-stream worker of the process is awake or the wait has "
+         "stalled for 50 us; always; never.",
          [](const std::string& v) -> absl::Status {
            if (v == "auto" || v == "always" || v == "never") return absl::OkStatus();
            return absl::InvalidArgumentError(

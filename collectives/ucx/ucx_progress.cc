@@ -97,7 +97,11 @@ bool HostBusy(int cpus, absl::Time at) {
 
 }  // namespace
 
-void UcxTransport::YieldIfOversubscribed(absl::Time now) const {
+void UcxTransport::YieldIfOversubscribed(absl::Time now, absl::Duration idle) const {
+  // How long a wait on a busy host spins without yielding when no thread of this process wants
+  // the core: a peer that takes longer may be one of the runnable threads (ranks of another
+  // communicator or another test host on this machine, which `oversubscribed_` does not count).
+  constexpr absl::Duration kBusyHostPatience = absl::Microseconds(50);
   switch (yield_) {
     case YieldPolicy::kNever:
       return;
@@ -105,11 +109,13 @@ void UcxTransport::YieldIfOversubscribed(absl::Time now) const {
       sched_yield();
       return;
     case YieldPolicy::kAuto:
-      // A busy host alone is no reason: yielding to another process's busy thread gives it a
-      // whole time slice while the peer waits (an 8 KiB 2-rank collective beside four busy
-      // loops took 0.4-1.9 ms per call that way, 8-35 us without; docs/benchmarks.md). Only a
-      // thread of this process that may want the core (another host stream's worker) is.
-      if (oversubscribed_ || (HostBusy(cpus_, now) && OtherAwakeHostStreamWorkers() > 0)) {
+      // A busy host alone is no reason at once: yielding to another process's busy thread
+      // gives it a whole time slice while the peer waits (an 8 KiB 2-rank collective beside four
+      // busy loops took 0.4-1.9 ms per call that way, 8-35 us without; docs/benchmarks.md). A
+      // thread of this process that may want the core (another host stream's worker) is, and
+      // so is a wait that has stalled for a while.
+      if (oversubscribed_ || (HostBusy(cpus_, now) &&
+                              (OtherAwakeHostStreamWorkers() > 0 || idle >= kBusyHostPatience))) {
         sched_yield();
       }
       return;

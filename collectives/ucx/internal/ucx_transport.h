@@ -269,9 +269,11 @@ class UcxTransport {
   bool oversubscribed() const { return oversubscribed_; }
   // Gives the CPU to another runnable thread as SHARDLINE_UCX_YIELD says: under auto, if the host
   // is oversubscribed by this communicator's own ranks or, as last seen (HostBusy), by more
-  // runnable threads than it has CPUs. `now` is the caller's clock reading (the look at the host
-  // is at most every 10 ms).
-  void YieldIfOversubscribed(absl::Time now) const;
+  // runnable threads than it has CPUs while another host-stream worker of this process is awake
+  // or the wait has made no progress for `idle` >= 50 us (the peer it waits for may be one of
+  // those threads). `now` is the caller's clock reading (the look at the host is at most every
+  // 10 ms).
+  void YieldIfOversubscribed(absl::Time now, absl::Duration idle) const;
 
   // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
   // collective ran for a short grace period (so back-to-back collectives never wake it).
