@@ -93,9 +93,18 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
   probe_ = (uint64_t{random()} << 32) ^ random();
   std::string host = HostIdentity();
   if (!shm) absl::StrAppend(&host, "|rank", rank_);  // everyone is remote
-  // host \n pid \n probe-address probe-value \n ucx-address
-  std::string value = absl::StrCat(host, "\n", getpid(), "\n", reinterpret_cast<uintptr_t>(&probe_),
-                                   " ", probe_, "\n");
+  {
+    cpu_set_t cpus;
+    CPU_ZERO(&cpus);
+    if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) == 1) {
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &cpus)) pinned_cpu_ = c;
+      }
+    }
+  }
+  // host \n pid pinned-cpu \n probe-address probe-value \n ucx-address
+  std::string value = absl::StrCat(host, "\n", getpid(), " ", pinned_cpu_, "\n",
+                                   reinterpret_cast<uintptr_t>(&probe_), " ", probe_, "\n");
   value.append(reinterpret_cast<const char*>(address), address_length);
   ucp_worker_release_address(worker_, address);
   // The keys of a communicator that existed under this name before (destroyed, aborted, or a
@@ -132,15 +141,21 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
       nl.push_back(at);
     }
     int64_t pid = 0;
-    if (nl.size() < 3 || nl[2] + 1 >= peer_value.size() ||
-        !absl::SimpleAtoi(absl::string_view(peer_value).substr(nl[0] + 1, nl[1] - nl[0] - 1),
-                          &pid)) {
+    int cpu = -1;
+    const std::vector<absl::string_view> pid_cpu =
+        nl.size() < 3
+            ? std::vector<absl::string_view>()
+            : absl::StrSplit(absl::string_view(peer_value).substr(nl[0] + 1, nl[1] - nl[0] - 1),
+                             ' ');
+    if (nl.size() < 3 || nl[2] + 1 >= peer_value.size() || pid_cpu.size() != 2 ||
+        !absl::SimpleAtoi(pid_cpu[0], &pid) || !absl::SimpleAtoi(pid_cpu[1], &cpu)) {
       return absl::InternalError(absl::StrCat(where, ": malformed address of rank ", p,
                                               " in the store (key '", keys[p], "')"));
     }
     values[p] = peer_value.substr(nl[1] + 1, nl[2] - nl[1] - 1);
     Peer& peer = peers_[p];
     peer.local = peer_value.compare(0, nl[0], host) == 0;
+    peer.cpu = peer.local ? cpu : -1;
     if (peer.local) peer_memory_.Watch(p, pid);
     error_args_.push_back(std::make_unique<ErrorArg>(ErrorArg{this, p}));
     ucp_ep_params_t ep_params{};

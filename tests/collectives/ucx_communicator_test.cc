@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -369,6 +370,58 @@ TEST(UcxCommunicatorTest, YieldKnobIsCheckedAndEveryPolicyMovesDataCorrectly) {
     });
   }
   reread();
+}
+
+TEST(UcxCommunicatorTest, RanksPinnedToOneCpuKnowWhichPeersShareIt) {
+  // Each rank's thread pins itself before creating its transport (affinity is per thread):
+  // rank r on the (r mod k)-th allowed CPU, so with 4 ranks on k >= 2 CPUs ranks r and r + k
+  // share one. Every rank learns every local peer's CPU at wire-up.
+  cpu_set_t allowed_set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed_set), &allowed_set), 0);
+  std::vector<int> allowed;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed_set)) allowed.push_back(c);
+  }
+  const int n = 4;
+  auto cpu_of = [&](int r) { return allowed[r % allowed.size()]; };
+  absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
+  ASSERT_TRUE(tuning.ok()) << tuning.status();
+  MemoryStore store;
+  std::vector<std::unique_ptr<ucx_internal::UcxTransport>> transports(n);
+  std::vector<absl::Status> created(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpu_of(r), &one);
+      ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+      absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
+          ucx_internal::UcxTransport::Create(r, n, store, "pinned", *tuning,
+                                             absl::Now() + absl::Seconds(20));
+      created[r] = t.status();
+      if (t.ok()) transports[r] = *std::move(t);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(created[r].ok()) << "rank " << r << ": " << created[r];
+    EXPECT_TRUE(transports[r]->pinned()) << r;
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      EXPECT_EQ(transports[r]->SharesCpu(p), cpu_of(p) == cpu_of(r)) << r << " and " << p;
+    }
+  }
+  // Unpinned (this thread): no peer shares "its" CPU.
+  std::unique_ptr<ucx_internal::UcxTransport> alone;
+  {
+    absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
+        ucx_internal::UcxTransport::Create(0, 1, store, "unpinned", *tuning,
+                                           absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(t.ok()) << t.status();
+    alone = *std::move(t);
+  }
+  EXPECT_EQ(alone->pinned(), allowed.size() == 1);
 }
 
 TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {

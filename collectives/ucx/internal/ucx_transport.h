@@ -273,7 +273,16 @@ class UcxTransport {
   // or the wait has made no progress for `idle` >= 50 us (the peer it waits for may be one of
   // those threads). `now` is the caller's clock reading (the look at the host is at most every
   // 10 ms).
-  void YieldIfOversubscribed(absl::Time now, absl::Duration idle) const;
+  // `waits_on_core_mate`: the caller waits for a peer pinned to this rank's own CPU. Ranks pinned
+  // one per CPU (shardline-launch --bind-to core) yield only then (the core mate needs the core to
+  // make progress), or once the wait stalled: while every awaited peer runs on another CPU,
+  // spinning costs nobody anything and saves a context switch.
+  void YieldIfOversubscribed(absl::Time now, absl::Duration idle, bool waits_on_core_mate) const;
+  // Whether this rank and `peer` are pinned to the same CPU.
+  bool SharesCpu(int peer) const {
+    return pinned_cpu_ >= 0 && peers_[peer].local && peers_[peer].cpu == pinned_cpu_;
+  }
+  bool pinned() const { return pinned_cpu_ >= 0; }
 
   // Brackets a collective: the idle progress thread pauses in between, and resumes only once no
   // collective ran for a short grace period (so back-to-back collectives never wake it).
@@ -299,6 +308,7 @@ class UcxTransport {
     bool pulled_by = false;   // the peer reads this rank's large messages (CMA)
     bool failed = false;      // endpoint error seen
     bool departed = false;    // said goodbye
+    int cpu = -1;             // local peer pinned to one CPU (shardline-launch --bind-to core)
   };
   struct ErrorArg {
     UcxTransport* transport;
@@ -377,6 +387,7 @@ class UcxTransport {
   enum class YieldPolicy { kAuto, kAlways, kNever };
   YieldPolicy yield_ = YieldPolicy::kAuto;  // SHARDLINE_UCX_YIELD
   int cpus_ = 1;                            // CPUs this process may run on
+  int pinned_cpu_ = -1;                     // the one CPU it may run on, if just one
   bool map_ = false;                        // SHARDLINE_UCX_MAP
 
   std::mutex control_mu_;  // guards the control receive
