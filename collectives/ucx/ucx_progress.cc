@@ -115,8 +115,9 @@ void UcxTransport::YieldIfOversubscribed(absl::Time now, absl::Duration idle,
       // busy loops took 0.4-1.9 ms per call that way, 8-35 us without; docs/benchmarks.md). A
       // thread of this process that may want the core (another host stream's worker) is, and
       // so is a wait that has stalled for a while.
-      if (oversubscribed_ && pinned() && !waits_on_core_mate && idle < kBusyHostPatience) {
-        return;  // the awaited peers run on other CPUs: nobody here needs this one
+      if (oversubscribed_ && pinned() && !waits_on_core_mate && idle < kBusyHostPatience &&
+          OtherAwakeHostStreamWorkers() == 0) {
+        return;  // the awaited peers run on other CPUs, no thread of ours wants this one
       }
       if (oversubscribed_ || (HostBusy(cpus_, now) &&
                               (OtherAwakeHostStreamWorkers() > 0 || idle >= kBusyHostPatience))) {

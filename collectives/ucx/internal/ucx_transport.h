@@ -275,7 +275,8 @@ class UcxTransport {
   // 10 ms).
   // `waits_on_core_mate`: the caller waits for a peer pinned to this rank's own CPU. Ranks pinned
   // one per CPU (shardline-launch --bind-to core) yield only then (the core mate needs the core to
-  // make progress), or once the wait stalled: while every awaited peer runs on another CPU,
+  // make progress), while another host-stream worker of this process is awake (it is pinned to
+  // the same CPU), or once the wait stalled: while every awaited peer runs on another CPU,
   // spinning costs nobody anything and saves a context switch.
   void YieldIfOversubscribed(absl::Time now, absl::Duration idle, bool waits_on_core_mate) const;
   // Whether this rank and `peer` are pinned to the same CPU.
