@@ -197,14 +197,6 @@ absl::StatusOr<bool> CollectiveRun::Done(const Completion* c) const {
   return true;
 }
 
-bool CollectiveRun::WaitsOnCoreMate() const {
-  if (!transport_.pinned()) return false;
-  for (const Completion& c : batch_->slots()) {
-    if (!c.done.load(std::memory_order_acquire) && transport_.SharesCpu(c.peer)) return true;
-  }
-  return false;
-}
-
 std::vector<int> CollectiveRun::PendingPeers() {
   std::vector<int> peers;
   for (const Completion& c : batch_->slots()) {
@@ -238,7 +230,7 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     // a runnable thread between polls; on an idle host with spare cores sched_yield only costs
     // (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
-      transport_.YieldIfOversubscribed(now, now - last_activity, WaitsOnCoreMate());
+      transport_.YieldIfOversubscribed(now, now - last_activity);
       continue;
     }
     // Only on the way to sleep: the spin stays free of it.

@@ -181,6 +181,13 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
     cpus_ = CPU_COUNT(&cpus);
     oversubscribed_ = on_host > cpus_;
   }
+  if (pinned_cpu_ >= 0) {
+    // Pinned ranks (shardline-launch --bind-to core) compete for this CPU only with the peers
+    // pinned to it too: two ranks on two CPUs spin, four on two yield.
+    oversubscribed_ = false;
+    for (int p = 0; p < size_; ++p)
+      oversubscribed_ = oversubscribed_ || (p != rank_ && SharesCpu(p));
+  }
   {
     std::lock_guard<std::mutex> lock(control_mu_);
     control_buffer_.reset(new uint8_t[kControlBytes]);

@@ -407,10 +407,14 @@ TEST(UcxCommunicatorTest, RanksPinnedToOneCpuKnowWhichPeersShareIt) {
   for (int r = 0; r < n; ++r) {
     ASSERT_TRUE(created[r].ok()) << "rank " << r << ": " << created[r];
     EXPECT_TRUE(transports[r]->pinned()) << r;
+    bool mate = false;
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
       EXPECT_EQ(transports[r]->SharesCpu(p), cpu_of(p) == cpu_of(r)) << r << " and " << p;
+      mate = mate || cpu_of(p) == cpu_of(r);
     }
+    // A pinned rank yields its core only where another rank is pinned to it too.
+    EXPECT_EQ(transports[r]->oversubscribed(), mate) << r;
   }
   // Unpinned (this thread): no peer shares "its" CPU.
   std::unique_ptr<ucx_internal::UcxTransport> alone;

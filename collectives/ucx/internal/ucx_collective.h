@@ -147,8 +147,6 @@ class CollectiveRun {
   };
 
   std::vector<int> PendingPeers();
-  // Whether a pending transfer is with a peer pinned to this rank's CPU (false if unpinned).
-  bool WaitsOnCoreMate() const;
   uint64_t TagSeq(Phase phase) const { return phase == Phase::kHeader ? 0 : fp_.seq; }
   // Tells `peer` that this rank has read its single-copy message of `phase` / `chunk`.
   void SendFin(int peer, Phase phase, uint64_t chunk);

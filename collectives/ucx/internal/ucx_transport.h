@@ -273,13 +273,9 @@ class UcxTransport {
   // or the wait has made no progress for `idle` >= 50 us (the peer it waits for may be one of
   // those threads). `now` is the caller's clock reading (the look at the host is at most every
   // 10 ms).
-  // `waits_on_core_mate`: the caller waits for a peer pinned to this rank's own CPU. Ranks pinned
-  // one per CPU (shardline-launch --bind-to core) yield only then (the core mate needs the core to
-  // make progress), while another host-stream worker of this process is awake (it is pinned to
-  // the same CPU), or once the wait stalled: while every awaited peer runs on another CPU,
-  // spinning costs nobody anything and saves a context switch.
-  void YieldIfOversubscribed(absl::Time now, absl::Duration idle, bool waits_on_core_mate) const;
-  // Whether this rank and `peer` are pinned to the same CPU.
+  void YieldIfOversubscribed(absl::Time now, absl::Duration idle) const;
+  // Whether this rank and `peer` are pinned to the same CPU (shardline-launch --bind-to core: each
+  // rank publishes its CPU at wire-up). A pinned rank is oversubscribed only if some peer is.
   bool SharesCpu(int peer) const {
     return pinned_cpu_ >= 0 && peers_[peer].local && peers_[peer].cpu == pinned_cpu_;
   }
