@@ -462,6 +462,26 @@ namespace {
 
 // Host-stream workers of the process that are not asleep waiting for work (running or polling).
 std::atomic<int> awake_workers{0};
+
+// What RecordSharedEvent hands out again: a stream's last shared event and the stream's position
+// (work accepted, or started, so far) when it was recorded. Guarded by the stream's lock.
+struct SharedMark {
+  std::shared_ptr<HostEvent> event;
+  uint64_t position = 0;
+
+  // The event again if the stream is still at `now` (counted), else null.
+  std::shared_ptr<Event> At(uint64_t now) const {
+    if (event == nullptr || position != now) return nullptr;
+    ++call_stats.records_shared;
+    return event;
+  }
+  // A new mark at `now`; `mark` null: an ordinary record, nothing to remember.
+  void Set(const std::shared_ptr<HostEvent>* mark, uint64_t now) {
+    if (mark == nullptr) return;
+    event = *mark;
+    position = now;
+  }
+};
 // Whether the calling thread is a host stream's worker (counted in awake_workers while awake).
 thread_local bool on_worker = false;
 // How long an idle worker polls under SHARDLINE_STREAM_SPIN_US=-1 (auto), when it may.
@@ -596,9 +616,8 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   absl::StatusOr<std::shared_ptr<Event>> RecordShared() {
     {
       std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-      if (mark_ != nullptr && mark_position_ == position_ && status_.ok()) {
-        ++call_stats.records_shared;
-        return mark_;
+      if (status_.ok()) {
+        if (std::shared_ptr<Event> shared = mark_.At(position_)) return shared;
       }
     }
     std::shared_ptr<HostEvent> event = NewHostEvent();
@@ -649,11 +668,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   // mu_ held; `mark` may be null (an ordinary record).
-  void SetMark(const std::shared_ptr<HostEvent>* mark) {
-    if (mark == nullptr) return;
-    mark_ = *mark;
-    mark_position_ = position_;
-  }
+  void SetMark(const std::shared_ptr<HostEvent>* mark) { mark_.Set(mark, position_); }
 
   absl::Status Push(Item&& item, const std::shared_ptr<HostEvent>* mark = nullptr) {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
@@ -832,9 +847,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   int sync_waiters_ ABSL_GUARDED_BY(mu_) = 0;      // blocked in done_cv_
   // Ops and waits accepted so far (records not counted: they enqueue no work).
   uint64_t position_ ABSL_GUARDED_BY(mu_) = 0;
-  // The last RecordSharedEvent's event and position_ when it was recorded.
-  std::shared_ptr<HostEvent> mark_ ABSL_GUARDED_BY(mu_);
-  uint64_t mark_position_ ABSL_GUARDED_BY(mu_) = 0;
+  SharedMark mark_ ABSL_GUARDED_BY(mu_);  // the last RecordSharedEvent's, at position_
   std::thread worker_;
 };
 
@@ -896,9 +909,8 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
   absl::StatusOr<std::shared_ptr<Event>> RecordShared() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (mark_ != nullptr && mark_ticket_ == next_ticket_ && status_.ok()) {
-        ++call_stats.records_shared;
-        return mark_;
+      if (status_.ok()) {
+        if (std::shared_ptr<Event> shared = mark_.At(next_ticket_)) return shared;
       }
     }
     std::shared_ptr<HostEvent> event = NewHostEvent();
@@ -915,10 +927,7 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
     {
       std::lock_guard<std::mutex> lock(mu_);
       status = status_;
-      if (mark != nullptr && status.ok()) {
-        mark_ = *mark;
-        mark_ticket_ = next_ticket_;
-      }
+      if (status.ok()) mark_.Set(mark, next_ticket_);
       // Items running on other threads may predate this record, even on a poisoned stream:
       // complete once the last of them has finished.
       if (!running_.empty()) {
@@ -973,9 +982,7 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
   // (tickets handed out before the record, capture), in record order.
   std::deque<std::pair<uint64_t, std::shared_ptr<HostCapture>>> pending_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
-  // The last RecordSharedEvent's event and next_ticket_ when it was recorded.
-  std::shared_ptr<HostEvent> mark_ ABSL_GUARDED_BY(mu_);
-  uint64_t mark_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  SharedMark mark_ ABSL_GUARDED_BY(mu_);  // the last RecordSharedEvent's, at next_ticket_
 };
 
 HostCaptureRecorder* AsRecorder(Stream& stream) {

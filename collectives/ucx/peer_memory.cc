@@ -182,14 +182,14 @@ const uint8_t* PeerMemory::Map(int peer, uint64_t region_id, int fd, size_t byte
   // Kept until this object is destroyed: an arena lives as long as its process, a peer has a
   // handful of them, and each is mapped again a logarithmic number of times. An outgrown
   // mapping may still be read through a borrowed chunk.
+  const Mapping mapping{static_cast<const uint8_t*>(base), length, bytes};
   if (found != mappings_.end()) {
     retired_.push_back(found->second);
-    found->second = Mapping{static_cast<const uint8_t*>(base), length, bytes};
+    found->second = mapping;
   } else {
-    mappings_.emplace(std::make_pair(peer, region_id),
-                      Mapping{static_cast<const uint8_t*>(base), length, bytes});
+    mappings_.emplace(std::make_pair(peer, region_id), mapping);
   }
-  return static_cast<const uint8_t*>(base);
+  return mapping.base;
 }
 
 }  // namespace shardline::ucx_internal

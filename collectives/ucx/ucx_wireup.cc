@@ -142,13 +142,14 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
     }
     int64_t pid = 0;
     int cpu = -1;
-    const std::vector<absl::string_view> pid_cpu =
-        nl.size() < 3
-            ? std::vector<absl::string_view>()
-            : absl::StrSplit(absl::string_view(peer_value).substr(nl[0] + 1, nl[1] - nl[0] - 1),
-                             ' ');
-    if (nl.size() < 3 || nl[2] + 1 >= peer_value.size() || pid_cpu.size() != 2 ||
-        !absl::SimpleAtoi(pid_cpu[0], &pid) || !absl::SimpleAtoi(pid_cpu[1], &cpu)) {
+    // "pid cpu" (the second line).
+    const absl::string_view pid_line =
+        nl.size() < 3 ? absl::string_view()
+                      : absl::string_view(peer_value).substr(nl[0] + 1, nl[1] - nl[0] - 1);
+    const std::pair<absl::string_view, absl::string_view> pid_cpu =
+        absl::StrSplit(pid_line, absl::MaxSplits(' ', 1));
+    if (nl.size() < 3 || nl[2] + 1 >= peer_value.size() || !absl::SimpleAtoi(pid_cpu.first, &pid) ||
+        !absl::SimpleAtoi(pid_cpu.second, &cpu)) {
       return absl::InternalError(absl::StrCat(where, ": malformed address of rank ", p,
                                               " in the store (key '", keys[p], "')"));
     }

@@ -502,6 +502,14 @@ TEST(HostStreamTest, NegativeSpinKnobIsRejected) {
   EXPECT_THAT(Message(stream.status()), HasSubstr("bad spin"));
 }
 
+// A work item that counts its runs in `ran`.
+auto CountInto(std::atomic<int>& ran) {
+  return [&ran] {
+    ran.fetch_add(1);
+    return absl::OkStatus();
+  };
+}
+
 // ---------------------------------------------------------------------------------------------
 // Poisoning.
 
@@ -510,10 +518,7 @@ TEST(HostStreamTest, FailurePoisonsStreamEventsAndWaiters) {
   auto reduce = MakeHost("reduce");
   Gate gate;
   std::atomic<int> ran{0};
-  auto count = [&ran] {
-    ran.fetch_add(1);
-    return absl::OkStatus();
-  };
+  auto count = CountInto(ran);
 
   ASSERT_TRUE(gather->Enqueue(count).ok());
   absl::StatusOr<std::shared_ptr<Event>> before = RecordEvent(*gather);
@@ -618,10 +623,7 @@ TEST(HostStreamWakeBatchTest, BlockingInsideABatchWakesTheHeldWorkersFirst) {
   for (int round = 0; round < 20; ++round) {
     HostStreamWakeBatch batch;
     std::atomic<int> ran{0};
-    auto count = [&ran] {
-      ran.fetch_add(1);
-      return absl::OkStatus();
-    };
+    auto count = CountInto(ran);
     // Stream::Synchronize.
     ASSERT_TRUE(a->Enqueue(count).ok());
     ASSERT_TRUE(a->Synchronize(Bounded()).ok()) << "round " << round;
@@ -686,10 +688,7 @@ TEST(HostStreamWakeBatchTest, AWakeUpHandedToAStreamBeingDestroyedStillArrives) 
   auto survivor = MakeHost("survivor");
   for (int round = 0; round < 20; ++round) {
     std::atomic<int> ran{0};
-    auto count = [&ran] {
-      ran.fetch_add(1);
-      return absl::OkStatus();
-    };
+    auto count = CountInto(ran);
     {
       HostStreamWakeBatch batch;
       auto doomed = MakeHost("doomed");
@@ -1002,10 +1001,7 @@ TEST(EventTest, SharedEventIsReusedOnlyWhileTheStreamPointIsUnchanged) {
   auto other = MakeHost("other");
   Gate gate;
   std::atomic<int> ran{0};
-  auto count = [&ran] {
-    ran.fetch_add(1);
-    return absl::OkStatus();
-  };
+  auto count = CountInto(ran);
   ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
   ASSERT_TRUE(stream->Enqueue(count).ok());
   absl::StatusOr<std::shared_ptr<Event>> first = RecordSharedEvent(*stream);
