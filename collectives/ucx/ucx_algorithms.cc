@@ -150,6 +150,34 @@ const void* SmallPayload(const CollectiveRun& run, int to) {
   }
 }
 
+namespace {
+// Whether the op sends each peer a block of its own (at SmallPayload(run, p)).
+bool PerPeerBlocks(const CollectiveRun& run) {
+  return run.fp().kind == CollectiveKind::kAllToAll ||
+         run.fp().kind == CollectiveKind::kReduceScatter;
+}
+}  // namespace
+
+void FillMailbox(const CollectiveRun& run, uint8_t* out) {
+  const int me = run.rank();
+  const size_t bytes = BlockBytes(run);
+  if (PerPeerBlocks(run)) {
+    for (int p = 0; p < run.size(); ++p) {
+      if (p != me) CopyBytes(out + p * bytes, SmallPayload(run, p), bytes);
+    }
+    return;
+  }
+  // Every peer gets the same bytes (none from a broadcast's non-root).
+  const int anyone = me == 0 ? 1 : 0;
+  const size_t same = SmallPayloadBytes(run, me, anyone);
+  if (same > 0) CopyBytes(out, SmallPayload(run, anyone), same);
+}
+
+const uint8_t* MailboxPayloadFor(const CollectiveRun& run, const uint8_t* box, int from) {
+  if (SmallPayloadBytes(run, from, run.rank()) == 0) return nullptr;
+  return PerPeerBlocks(run) ? box + run.rank() * BlockBytes(run) : box;
+}
+
 absl::Status FinishSmall(CollectiveRun& run, const std::vector<const uint8_t*>& staging) {
   const int n = run.size();
   const int me = run.rank();

@@ -208,6 +208,15 @@ std::vector<int> CollectiveRun::PendingPeers() {
 }
 
 absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step) {
+  return Drive(
+      step, [this](absl::Time deadline) { transport_.Sleep(deadline); },
+      [this] { return PendingPeers(); }, [] { return true; });
+}
+
+absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step,
+                                  absl::FunctionRef<void(absl::Time deadline)> sleep,
+                                  absl::FunctionRef<std::vector<int>()> pending,
+                                  absl::FunctionRef<bool()> may_yield) {
   absl::Time last_activity = absl::Now();
   while (true) {
     bool activity = transport_.Progress();
@@ -220,7 +229,7 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     const absl::Time now = absl::Now();
     absl::Status peers = transport_.CheckPeers(now);
     if (!peers.ok()) return Annotate(peers, hooks_.describe());
-    if (now >= deadline_) return hooks_.deadline_error(PendingPeers());
+    if (now >= deadline_) return hooks_.deadline_error(pending());
     if (activity) last_activity = now;
     // Poll, then sleep. Waking a sleeping rank costs a scheduler wake-up, which on a virtual
     // machine whose idle vCPU halted can take hundreds of microseconds: with a spin shorter than
@@ -230,12 +239,12 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     // a runnable thread between polls; on an idle host with spare cores sched_yield only costs
     // (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
-      transport_.YieldIfOversubscribed(now, now - last_activity);
+      if (may_yield()) transport_.YieldIfOversubscribed(now, now - last_activity);
       continue;
     }
     // Only on the way to sleep: the spin stays free of it.
-    hooks_.waiting_on(PendingPeers());
-    transport_.Sleep(deadline_);
+    hooks_.waiting_on(pending());
+    sleep(deadline_);
   }
 }
 
@@ -261,7 +270,124 @@ absl::Status CollectiveRun::WaitBatch() {
   return WaitAll(all);
 }
 
+namespace {
+
+// Every rank compares the same table the same way, so every rank names the same pair. `encoded[p]`:
+// peer p's fingerprint as it sent it (this rank's own is not read).
+absl::Status CompareFingerprints(CollectiveRun& run, const std::vector<const uint8_t*>& encoded) {
+  const int n = run.size();
+  std::vector<CollectiveFingerprint>& fps = run.scratch().fps;
+  fps.resize(n);
+  for (int p = 0; p < n; ++p) {
+    if (p == run.rank()) {
+      fps[p] = run.fp();
+      continue;
+    }
+    absl::StatusOr<CollectiveFingerprint> fp = CollectiveFingerprint::Decode(encoded[p]);
+    if (!fp.ok()) {
+      return absl::InternalError(
+          absl::StrCat(run.hooks().describe(), ": rank ", p,
+                       " sent a malformed fingerprint: ", fp.status().message()));
+    }
+    fps[p] = *fp;
+  }
+  for (int p = 1; p < n; ++p) {
+    if (!(fps[p] == fps[0])) return run.hooks().mismatch_error(0, fps[0], p, fps[p]);
+  }
+  return absl::OkStatus();
+}
+
+// The data of a collective above the small size, once the fingerprints agree.
+absl::Status RunLarge(CollectiveRun& run) {
+  switch (run.fp().kind) {
+    case CollectiveKind::kAllGather:
+      SL_RETURN_IF_ERROR(LargeAllGather(run));
+      break;
+    case CollectiveKind::kAllToAll:
+      SL_RETURN_IF_ERROR(LargeAllToAll(run));
+      break;
+    case CollectiveKind::kBroadcast:
+      SL_RETURN_IF_ERROR(LargeBroadcast(run));
+      break;
+    case CollectiveKind::kReduceScatter:
+      SL_RETURN_IF_ERROR(LargeReduceScatter(run));
+      break;
+    case CollectiveKind::kAllReduce:
+      SL_RETURN_IF_ERROR(LargeAllReduce(run));
+      break;
+    case CollectiveKind::kBarrier:
+      break;
+  }
+  // Nothing may still read or write user memory when the collective returns.
+  return run.WaitBatch();
+}
+
+// The fingerprint round through the mailboxes (mailbox.h): this rank's fingerprint and small
+// payload into its slot, then every peer's out of theirs.
+absl::Status RunThroughMailboxes(CollectiveRun& run, Mailboxes& boxes) {
+  const int n = run.size();
+  const int me = run.rank();
+  const uint64_t count = boxes.Next();
+  run.fp().Encode(boxes.fingerprint(count));
+  const bool small = IsSmall(run);
+  if (small) FillMailbox(run, boxes.payload(count));
+  boxes.Publish(count);
+
+  int next = 0;  // peers below it have arrived
+  auto arrived = [&]() -> absl::StatusOr<bool> {
+    for (; next < n; ++next) {
+      if (next != me && !boxes.Arrived(next, count)) return false;
+    }
+    return true;
+  };
+  // The spin over, sleep on the first peer still awaited, a while at most: the loop around
+  // progresses the worker (a peer's abort notice) and watches the peers' processes between.
+  constexpr absl::Duration kLongestSleep = absl::Milliseconds(10);
+  auto sleep = [&](absl::Time deadline) {
+    boxes.Sleep(next, count,
+                std::clamp(deadline - absl::Now(), absl::ZeroDuration(), kLongestSleep));
+  };
+  auto pending = [&] {
+    std::vector<int> peers;
+    for (int p = 0; p < n; ++p) {
+      if (p != me && !boxes.Arrived(p, count)) peers.push_back(p);
+    }
+    return peers;
+  };
+  // Ranks pinned to CPUs (shardline-launch --bind-to core) know who shares theirs: once every
+  // peer on this rank's CPU has published, the peers still awaited run on other CPUs and
+  // nobody here needs the core, so the wait polls without yielding it (a yield would only
+  // bounce between two waiting ranks, a context switch each way).
+  auto may_yield = [&] {
+    if (!run.pinned()) return true;
+    for (int p = 0; p < n; ++p) {
+      if (p != me && run.SharesCpu(p) && !boxes.Arrived(p, count)) return true;
+    }
+    return false;
+  };
+  SL_ASSIGN_OR_RETURN(const bool all_there, arrived());
+  if (!all_there) SL_RETURN_IF_ERROR(run.Drive(arrived, sleep, pending, may_yield));
+
+  std::vector<const uint8_t*>& encoded = run.scratch().received;
+  encoded.assign(n, nullptr);
+  for (int p = 0; p < n; ++p) {
+    if (p != me) encoded[p] = boxes.fingerprint(p, count);
+  }
+  SL_RETURN_IF_ERROR(CompareFingerprints(run, encoded));
+  if (!small) return RunLarge(run);
+  // The fingerprints agree: every peer filled its slot for this collective the same way.
+  std::vector<const uint8_t*>& staging = run.scratch().staging;
+  staging.assign(n, nullptr);
+  for (int p = 0; p < n; ++p) {
+    if (p != me) staging[p] = MailboxPayloadFor(run, boxes.payload(p, count), p);
+  }
+  return FinishSmall(run, staging);
+}
+
+}  // namespace
+
 absl::Status RunCollective(CollectiveRun& run) {
+  if (Mailboxes* boxes = run.mailboxes()) return RunThroughMailboxes(run, *boxes);
   const int n = run.size();
   const int me = run.rank();
   constexpr size_t kFp = CollectiveFingerprint::kEncodedSize;
@@ -311,30 +437,14 @@ absl::Status RunCollective(CollectiveRun& run) {
   }
   SL_RETURN_IF_ERROR(run.WaitAll(header_recvs));
 
-  // Every rank compares the same table the same way, so every rank names the same pair.
-  std::vector<CollectiveFingerprint>& fps = scratch.fps;
-  fps.resize(n);
   for (int p = 0; p < n; ++p) {
-    if (p == me) {
-      fps[p] = run.fp();
-      continue;
-    }
-    if (header_recvs[p]->length < kFp) {
+    if (p != me && header_recvs[p]->length < kFp) {
       return absl::InternalError(absl::StrCat(run.hooks().describe(), ": rank ", p, " sent ",
                                               header_recvs[p]->length,
                                               " bytes where a fingerprint was expected"));
     }
-    absl::StatusOr<CollectiveFingerprint> fp = CollectiveFingerprint::Decode(received[p]);
-    if (!fp.ok()) {
-      return absl::InternalError(
-          absl::StrCat(run.hooks().describe(), ": rank ", p,
-                       " sent a malformed fingerprint: ", fp.status().message()));
-    }
-    fps[p] = *fp;
   }
-  for (int p = 1; p < n; ++p) {
-    if (!(fps[p] == fps[0])) return run.hooks().mismatch_error(0, fps[0], p, fps[p]);
-  }
+  SL_RETURN_IF_ERROR(CompareFingerprints(run, received));
   // The fingerprints agree, so every peer took the same protocol and sent exactly this much.
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
@@ -351,27 +461,7 @@ absl::Status RunCollective(CollectiveRun& run) {
     SL_RETURN_IF_ERROR(run.WaitBatch());
     return FinishSmall(run, staging);
   }
-  switch (run.fp().kind) {
-    case CollectiveKind::kAllGather:
-      SL_RETURN_IF_ERROR(LargeAllGather(run));
-      break;
-    case CollectiveKind::kAllToAll:
-      SL_RETURN_IF_ERROR(LargeAllToAll(run));
-      break;
-    case CollectiveKind::kBroadcast:
-      SL_RETURN_IF_ERROR(LargeBroadcast(run));
-      break;
-    case CollectiveKind::kReduceScatter:
-      SL_RETURN_IF_ERROR(LargeReduceScatter(run));
-      break;
-    case CollectiveKind::kAllReduce:
-      SL_RETURN_IF_ERROR(LargeAllReduce(run));
-      break;
-    case CollectiveKind::kBarrier:
-      break;
-  }
-  // Nothing may still read or write user memory when the collective returns.
-  return run.WaitBatch();
+  return RunLarge(run);
 }
 
 }  // namespace shardline::ucx_internal

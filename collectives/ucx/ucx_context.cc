@@ -51,6 +51,11 @@ SL_PARAM(bool, UcxMap, "UCX_MAP", true,
          "Within a host, copy large messages out of the sender's shareable memory through a "
          "mapping of it (memcpy, no system call per message); off, or for private memory: "
          "process_vm_readv.");
+SL_PARAM(bool, UcxMailbox, "UCX_MAILBOX", true,
+         "Where every rank of a communicator runs on one host, exchange each collective's "
+         "fingerprint, and a small collective's payload, through shared-memory mailboxes that "
+         "the peers map (one copy in, one out, no message). Off on any rank: UCX messages on "
+         "all ranks.");
 SL_PARAM(bool, UcxShm, "UCX_SHM", true,
          "Use shared memory between ranks on the same host (off: every peer is treated as "
          "remote and UCX's shared-memory transports are left out unless UCX_TLS is set, which "
@@ -66,6 +71,7 @@ absl::StatusOr<Tuning> Tuning::FromEnvironment() {
   t.small_bytes = static_cast<size_t>(small);
   t.window = static_cast<int>(std::min<int64_t>(window, 64));
   t.spin = absl::Microseconds(spin);
+  SL_ASSIGN_OR_RETURN(t.mailbox, ParamUcxMailbox().Get());
   return t;
 }
 

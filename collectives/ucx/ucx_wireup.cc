@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "collectives/communicator.h"
 #include "collectives/ucx/internal/peer_memory.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
@@ -36,6 +37,12 @@ enum WireupWord : size_t {
   kWireupWords
 };
 constexpr size_t kWireupBytes = kWireupWords * sizeof(uint64_t);
+
+// The largest payload a mailbox slot holds (ranks x SHARDLINE_UCX_SMALL_BYTES): beyond it a
+// communicator exchanges its fingerprints through UCX.
+constexpr size_t kMaxMailboxPayload = size_t{64} << 20;
+// The key of a peer's mailbox among PeerMemory's mappings (arena ids start at 1, count up).
+constexpr uint64_t kMailboxRegion = ~uint64_t{0};
 
 }  // namespace
 
@@ -102,9 +109,23 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
       }
     }
   }
-  // host \n pid pinned-cpu \n probe-address probe-value \n ucx-address
-  std::string value = absl::StrCat(host, "\n", getpid(), " ", pinned_cpu_, "\n",
-                                   reinterpret_cast<uintptr_t>(&probe_), " ", probe_, "\n");
+  if (tuning.mailbox && shm && size_ * tuning.small_bytes <= kMaxMailboxPayload) {
+    absl::StatusOr<std::unique_ptr<Mailboxes>> made = Mailboxes::Create(
+        rank_, size_, CollectiveFingerprint::kEncodedSize, size_ * tuning.small_bytes);
+    if (made.ok()) {
+      mailboxes_ = *std::move(made);
+    } else {
+      SL_LOG(INFO, COLL) << where << ": no shared-memory mailbox (" << made.status().message()
+                         << "): fingerprints go through UCX";
+    }
+  }
+  // Before any peer may look: its probe read (CMA) and its mapping of the mailbox need it.
+  if (cma || mailboxes_ != nullptr) AllowPeerReads();
+  // host \n pid pinned-cpu mailbox-fd mailbox-bytes \n probe-address probe-value \n ucx-address
+  std::string value =
+      absl::StrCat(host, "\n", getpid(), " ", pinned_cpu_, " ", mailboxes_ ? mailboxes_->fd() : -1,
+                   " ", mailboxes_ ? mailboxes_->bytes() : 0, "\n",
+                   reinterpret_cast<uintptr_t>(&probe_), " ", probe_, "\n");
   value.append(reinterpret_cast<const char*>(address), address_length);
   ucp_worker_release_address(worker_, address);
   // The keys of a communicator that existed under this name before (destroyed, aborted, or a
@@ -132,6 +153,7 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
   }
 
   std::vector<std::string> values(size_);  // the peers' "probe-address probe-value" lines
+  std::vector<std::pair<int, size_t>> peer_mailboxes(size_, {-1, 0});  // (fd, bytes)
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     SL_ASSIGN_OR_RETURN(std::string peer_value, store.Get(keys[p], deadline));
@@ -142,14 +164,15 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
     }
     int64_t pid = 0;
     int cpu = -1;
-    // "pid cpu" (the second line).
+    // "pid cpu mailbox-fd mailbox-bytes" (the second line).
     const absl::string_view pid_line =
         nl.size() < 3 ? absl::string_view()
                       : absl::string_view(peer_value).substr(nl[0] + 1, nl[1] - nl[0] - 1);
-    const std::pair<absl::string_view, absl::string_view> pid_cpu =
-        absl::StrSplit(pid_line, absl::MaxSplits(' ', 1));
-    if (nl.size() < 3 || nl[2] + 1 >= peer_value.size() || !absl::SimpleAtoi(pid_cpu.first, &pid) ||
-        !absl::SimpleAtoi(pid_cpu.second, &cpu)) {
+    const std::vector<absl::string_view> fields = absl::StrSplit(pid_line, ' ');
+    if (nl.size() < 3 || nl[2] + 1 >= peer_value.size() || fields.size() != 4 ||
+        !absl::SimpleAtoi(fields[0], &pid) || !absl::SimpleAtoi(fields[1], &cpu) ||
+        !absl::SimpleAtoi(fields[2], &peer_mailboxes[p].first) ||
+        !absl::SimpleAtoi(fields[3], &peer_mailboxes[p].second)) {
       return absl::InternalError(absl::StrCat(where, ": malformed address of rank ", p,
                                               " in the store (key '", keys[p], "')"));
     }
@@ -173,7 +196,8 @@ absl::Status UcxTransport::Init(Store& store, const Tuning& tuning, absl::Time d
           absl::StrCat(where, ": connecting to rank ", p, " failed (ucx: ", UcxError(status), ")"));
     }
   }
-  SL_RETURN_IF_ERROR(Annotate(AgreeOnCma(store, values, cma, deadline), where));
+  const bool mailboxes_ready = MapMailboxes(peer_mailboxes);
+  SL_RETURN_IF_ERROR(Annotate(AgreeOnCma(store, values, cma, mailboxes_ready, deadline), where));
   int on_host = 1;
   for (int p = 0; p < size_; ++p) on_host += p != rank_ && peers_[p].local;
   cpu_set_t cpus;
@@ -336,15 +360,31 @@ absl::Status UcxTransport::AgreeOnTuning(Store& store, const std::vector<Tuning>
   return mismatch;
 }
 
+bool UcxTransport::MapMailboxes(const std::vector<std::pair<int, size_t>>& described) {
+  if (mailboxes_ == nullptr) return false;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    const auto [fd, bytes] = described[p];
+    if (!peers_[p].local || fd < 0 || bytes != mailboxes_->bytes()) return false;
+    const uint8_t* mapping = peer_memory_.Map(p, kMailboxRegion, fd, bytes, bytes);
+    if (mapping == nullptr) return false;
+    mailboxes_->SetPeer(p, mapping);
+  }
+  return true;
+}
+
 absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::string>& values,
-                                      bool cma, absl::Time deadline) {
+                                      bool cma, bool mailboxes_ready, absl::Time deadline) {
   std::vector<int> local;
   for (int p = 0; p < size_; ++p) {
     if (p != rank_ && peers_[p].local) local.push_back(p);
   }
-  if (local.empty()) return absl::OkStatus();
-  if (cma) AllowPeerReads();
-  // '1' at position p: this rank read p's probe and found the value p published.
+  if (local.empty()) {
+    mailboxes_ = nullptr;
+    return absl::OkStatus();
+  }
+  // '1' at position p: this rank read p's probe and found the value p published. Then 'M' if
+  // this rank's mailboxes are ready, '-' if not.
   std::string readable(size_, '0');
   for (int p : local) {
     if (!cma) continue;
@@ -365,6 +405,7 @@ absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::strin
                          << "): its large messages go through UCX's shared memory";
     }
   }
+  readable.push_back(mailboxes_ready ? 'M' : '-');
   SL_RETURN_IF_ERROR(store.Set(CmaKey(key_prefix_, rank_), readable));
   std::vector<std::string> keys;
   for (int p : local) keys.push_back(CmaKey(key_prefix_, p));
@@ -374,11 +415,16 @@ absl::Status UcxTransport::AgreeOnCma(Store& store, const std::vector<std::strin
         absl::StrCat("timed out waiting for the ranks on this host to probe each other"));
   }
   SL_RETURN_IF_ERROR(waited);
+  // Every rank must see every peer's mailbox ready (all ranks on this host), or none uses them.
+  bool all_ready = mailboxes_ready;
   for (int p : local) {
     SL_ASSIGN_OR_RETURN(std::string theirs, store.Get(CmaKey(key_prefix_, p), deadline));
     peers_[p].pulls_from = readable[p] == '1';
-    peers_[p].pulled_by = theirs.size() == static_cast<size_t>(size_) && theirs[rank_] == '1';
+    peers_[p].pulled_by = theirs.size() == static_cast<size_t>(size_) + 1 && theirs[rank_] == '1';
+    all_ready =
+        all_ready && theirs.size() == static_cast<size_t>(size_) + 1 && theirs[size_] == 'M';
   }
+  if (!all_ready) mailboxes_ = nullptr;
   return absl::OkStatus();
 }
 

@@ -10,12 +10,14 @@
 #include <gtest/gtest.h>
 
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -72,10 +74,37 @@ struct UcxBackend {
   static Comms Make(int n, absl::Duration timeout) { return MakeComms(n, timeout); }
 };
 
+// The same with the fingerprint round through UCX messages (SHARDLINE_UCX_MAILBOX=0): the path
+// of communicators whose ranks do not all share a host.
+struct UcxMessagesBackend {
+  static constexpr const char* kName = "ucx";
+  static constexpr int kWorldSizes[] = {1, 2, 3, 4};
+  static Comms Make(int n, absl::Duration timeout) {
+    absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
+    SL_CHECK_OK(tuning.status());
+    tuning->mailbox = false;
+    auto store = std::make_shared<MemoryStore>();
+    Comms comms(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        absl::StatusOr<std::shared_ptr<Communicator>> comm =
+            ucx_internal::CreateUcxCommunicatorWithTuning(
+                {.rank = r, .size = n, .store = store, .timeout = timeout}, *tuning);
+        SL_CHECK_OK(comm.status());
+        comms[r] = *std::move(comm);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return comms;
+  }
+};
+
 }  // namespace
 
 namespace testing {
 INSTANTIATE_TYPED_TEST_SUITE_P(Ucx, CommunicatorConformanceTest, UcxBackend);
+INSTANTIATE_TYPED_TEST_SUITE_P(UcxMessages, CommunicatorConformanceTest, UcxMessagesBackend);
 }  // namespace testing
 
 namespace {
@@ -426,6 +455,122 @@ TEST(UcxCommunicatorTest, RanksPinnedToOneCpuKnowWhichPeersShareIt) {
     alone = *std::move(t);
   }
   EXPECT_EQ(alone->pinned(), allowed.size() == 1);
+}
+
+// The ranks of a communicator on one host take the mailboxes all together, or none does: one
+// rank without them (SHARDLINE_UCX_MAILBOX=0) turns them off on every rank.
+TEST(UcxCommunicatorTest, MailboxesAreTakenByEveryRankOrByNone) {
+  absl::StatusOr<ucx_internal::Tuning> base = ucx_internal::Tuning::FromEnvironment();
+  ASSERT_TRUE(base.ok()) << base.status();
+  for (const bool rank1_wants : {true, false}) {
+    const int n = 3;
+    MemoryStore store;
+    std::vector<std::unique_ptr<ucx_internal::UcxTransport>> transports(n);
+    std::vector<absl::Status> created(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        ucx_internal::Tuning tuning = *base;
+        tuning.mailbox = r == 1 ? rank1_wants : true;
+        absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
+            ucx_internal::UcxTransport::Create(r, n, store, rank1_wants ? "all" : "one-off", tuning,
+                                               absl::Now() + absl::Seconds(20));
+        created[r] = t.status();
+        if (t.ok()) transports[r] = *std::move(t);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < n; ++r) {
+      ASSERT_TRUE(created[r].ok()) << "rank " << r << ": " << created[r];
+      EXPECT_EQ(transports[r]->mailboxes() != nullptr, rank1_wants) << "rank " << r;
+    }
+  }
+}
+
+// With no spin at all (SHARDLINE_UCX_SPIN_US=0, as the training example runs) every wait of the
+// fingerprint round sleeps on a peer's mailbox at once and is woken by the peer's store: small
+// and large collectives of three ranks stay right, every element checked.
+TEST(UcxCommunicatorTest, MailboxWaitsThatSleepAtOnceMoveDataCorrectly) {
+  absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
+  ASSERT_TRUE(tuning.ok()) << tuning.status();
+  tuning->spin = absl::ZeroDuration();
+  ASSERT_TRUE(tuning->mailbox);
+  const int n = 3;
+  auto store = std::make_shared<MemoryStore>();
+  Comms comms(n);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        absl::StatusOr<std::shared_ptr<Communicator>> comm =
+            ucx_internal::CreateUcxCommunicatorWithTuning(
+                {.rank = r, .size = n, .store = store, .timeout = absl::Seconds(30)}, *tuning);
+        SL_CHECK_OK(comm.status());
+        comms[r] = *std::move(comm);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  RunRanks(comms, [&](int /*r*/, Communicator& comm, Stream& stream) {
+    // 61 elements: small; 3 * 32 Ki + 5: above SHARDLINE_UCX_SMALL_BYTES per peer.
+    for (int salt = 0; salt < 40; ++salt) {
+      CheckCollectives(comm, stream, salt % 8 == 7 ? 3 * 32768 + 5 : 61, salt);
+    }
+  });
+}
+
+TEST(UcxMailboxTest, ASleeperWakesWhenItsPeerPublishesThroughAnotherMapping) {
+  using ucx_internal::Mailboxes;
+  constexpr size_t kFingerprint = 24, kPayload = 4096;
+  absl::StatusOr<std::unique_ptr<Mailboxes>> a = Mailboxes::Create(0, 2, kFingerprint, kPayload);
+  absl::StatusOr<std::unique_ptr<Mailboxes>> b = Mailboxes::Create(1, 2, kFingerprint, kPayload);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  // Each maps the other's file read-only, as a peer process does.
+  auto map = [](const Mailboxes& m) {
+    void* p = mmap(nullptr, m.bytes(), PROT_READ, MAP_SHARED, m.fd(), 0);
+    SL_CHECK(p != MAP_FAILED);
+    return static_cast<const uint8_t*>(p);
+  };
+  const uint8_t* a_seen_by_b = map(**a);
+  const uint8_t* b_seen_by_a = map(**b);
+  (*a)->SetPeer(1, b_seen_by_a);
+  (*b)->SetPeer(0, a_seen_by_b);
+  for (int round = 0; round < 3; ++round) {
+    const uint64_t count = (*a)->Next();
+    ASSERT_EQ((*b)->Next(), count);
+    EXPECT_FALSE((*a)->Arrived(1, count));
+    std::promise<void> woke;
+    std::future<void> woken = woke.get_future();
+    std::thread sleeper([&] {
+      // A timeout far beyond the bound below: only the peer's wake-up ends this in time.
+      while (!(*a)->Arrived(1, count)) (*a)->Sleep(1, count, absl::Seconds(30));
+      woke.set_value();
+    });
+    // Rank 0 says in its mailbox which peer it sleeps on (1 + the peer), before it sleeps.
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (__atomic_load_n(reinterpret_cast<const uint32_t*>(a_seen_by_b), __ATOMIC_ACQUIRE) != 2) {
+      ASSERT_LT(absl::Now(), deadline) << "rank 0 never went to sleep";
+      std::this_thread::yield();
+    }
+    for (size_t i = 0; i < kFingerprint; ++i) (*b)->fingerprint(count)[i] = uint8_t(round * 31 + i);
+    for (size_t i = 0; i < kPayload; ++i) (*b)->payload(count)[i] = uint8_t(round * 7 + i * 13);
+    (*b)->Publish(count);
+    const bool in_time = woken.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+    sleeper.join();
+    ASSERT_TRUE(in_time) << "round " << round << ": the publish did not wake the sleeper";
+    for (size_t i = 0; i < kFingerprint; ++i) {
+      ASSERT_EQ((*a)->fingerprint(1, count)[i], uint8_t(round * 31 + i)) << i;
+    }
+    for (size_t i = 0; i < kPayload; ++i) {
+      ASSERT_EQ((*a)->payload(1, count)[i], uint8_t(round * 7 + i * 13)) << i;
+    }
+    // The next collective uses the other slot: nothing there for count + 1 yet.
+    EXPECT_FALSE((*a)->Arrived(1, count + 1));
+    (*a)->Publish(count);
+  }
+  munmap(const_cast<uint8_t*>(a_seen_by_b), (*a)->bytes());
+  munmap(const_cast<uint8_t*>(b_seen_by_a), (*b)->bytes());
 }
 
 TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {

@@ -5,7 +5,8 @@
 // op's output.
 //
 //   small (per-peer payload <= SHARDLINE_UCX_SMALL_BYTES): the payload travelled with the
-//     fingerprints into staging buffers; FinishSmall copies / reduces it into the output.
+//     fingerprints into staging buffers, or sits in the peers' mailboxes (mailbox.h);
+//     FinishSmall copies / reduces it into the output.
 //   all_gather, all_to_all, broadcast: direct — every peer's data is received straight into its
 //     slice of the output (intra-node: a single CMA copy by the receiver, in place: no copy-in).
 //   reduce_scatter: direct and pipelined — chunk c of this rank's block arrives from every peer
@@ -30,6 +31,13 @@ size_t SmallPayloadBytes(const CollectiveRun& run, int from, int to);
 const void* SmallPayload(const CollectiveRun& run, int to);
 // Whether the op uses the small protocol (the same answer on every rank that agrees on it).
 bool IsSmall(const CollectiveRun& run);
+// The small payload of run's op into this rank's mailbox slot (`out`, room for size() blocks):
+// what goes to peer p (SmallPayload) at block p if the op sends each peer its own block, at the
+// start if it sends everyone the same.
+void FillMailbox(const CollectiveRun& run, uint8_t* out);
+// Where, in the mailbox payload `box` of rank `from`, this rank's part starts (null if `from`
+// sends this rank nothing).
+const uint8_t* MailboxPayloadFor(const CollectiveRun& run, const uint8_t* box, int from);
 // Writes the output from the staged payloads (staging[p]: what rank p sent; null for self).
 absl::Status FinishSmall(CollectiveRun& run, const std::vector<const uint8_t*>& staging);
 

@@ -5,7 +5,9 @@
 // functions over a CollectiveRun (ucx_algorithms.cc):
 //
 //   RunCollective   fingerprint exchange (+ the payload of small collectives), then the
-//                   large-message algorithm of the op's kind.
+//                   large-message algorithm of the op's kind. The exchange goes through the
+//                   shared-memory mailboxes (mailbox.h) where the communicator has them, else
+//                   through one UCX message to and from every peer.
 //
 // Every wait goes through Drive(): progress the worker, serve the single-copy reads whose
 // descriptors arrived, let the algorithm make a step, fail on an aborted communicator, a dead
@@ -89,6 +91,12 @@ class CollectiveRun {
   const Tuning& tuning() const { return tuning_; }
   const CollectiveHooks& hooks() const { return hooks_; }
   RunScratch& scratch() { return scratch_; }
+  // The communicator's shared-memory mailboxes (mailbox.h); null where its ranks do not all
+  // share this host or did not all agree to use them.
+  Mailboxes* mailboxes() const { return transport_.mailboxes(); }
+  // This rank is pinned to one CPU, and whether `peer` is pinned to the same (ucx_transport.h).
+  bool pinned() const { return transport_.pinned(); }
+  bool SharesCpu(int peer) const { return transport_.SharesCpu(peer); }
   Batch& batch() { return *batch_; }
   std::unique_ptr<Batch> TakeBatch() { return std::move(batch_); }
 
@@ -109,6 +117,14 @@ class CollectiveRun {
 
   // Loops until `step` returns true (or an error): see the file comment.
   absl::Status Drive(absl::FunctionRef<absl::StatusOr<bool>()> step);
+  // The same, waiting for something other than the batch's requests: `sleep(deadline)` sleeps
+  // until there may be news (or a short while), `pending()` names the peers still awaited, and
+  // `may_yield()` says whether a poll may hand the core to another thread at all (where the
+  // yield rule says so).
+  absl::Status Drive(absl::FunctionRef<absl::StatusOr<bool>()> step,
+                     absl::FunctionRef<void(absl::Time deadline)> sleep,
+                     absl::FunctionRef<std::vector<int>()> pending,
+                     absl::FunctionRef<bool()> may_yield);
   // Drive() until every completion in `cs` (nulls skipped) is done and OK.
   absl::Status WaitAll(const std::vector<Completion*>& cs);
   // Drive() until every request of the batch is done.

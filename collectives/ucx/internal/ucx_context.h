@@ -28,15 +28,20 @@ const Param<bool>& ParamUcxShm();
 const Param<std::string>& ParamUcxYield();
 const Param<bool>& ParamUcxCma();
 const Param<bool>& ParamUcxMap();
+const Param<bool>& ParamUcxMailbox();
 
 // What the SHARDLINE_UCX_* knobs say about running collectives. The wire protocol depends on
 // chunk_bytes, small_bytes and window (which messages are small, how large chunks are tagged), so
-// every rank of a communicator must use the same values; creation compares them. spin is local.
+// every rank of a communicator must use the same values; creation compares them. spin and
+// mailbox are local.
 struct Tuning {
   size_t chunk_bytes;
   size_t small_bytes;
   int window;
   absl::Duration spin;
+  // SHARDLINE_UCX_MAILBOX (local: the ranks agree at creation, falling back to UCX messages
+  // unless all have it).
+  bool mailbox = true;
   // The knobs' values (their defaults where unset); InvalidArgument for an invalid one.
   static absl::StatusOr<Tuning> FromEnvironment();
 };

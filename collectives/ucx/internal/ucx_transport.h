@@ -60,6 +60,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "collectives/store/store.h"
+#include "collectives/ucx/internal/mailbox.h"
 #include "collectives/ucx/internal/peer_memory.h"
 #include "collectives/ucx/internal/ucx_context.h"
 
@@ -260,6 +261,12 @@ class UcxTransport {
   bool read_by_every_local_peer() const;
   bool has_local_peers() const;
 
+  // The fingerprint round's shared-memory mailboxes (mailbox.h): made where every rank runs on
+  // this host, every rank mapped every peer's and none turned them off (SHARDLINE_UCX_MAILBOX);
+  // agreed at creation, so all ranks have them or none. Null otherwise. Only the thread that
+  // runs collectives may use them.
+  Mailboxes* mailboxes() const { return mailboxes_.get(); }
+
   // A dead peer on this host (Unavailable naming it) — checked at most every 200 ms; also
   // reports it through the abort handler. OK otherwise.
   absl::Status CheckPeers(absl::Time now);
@@ -325,9 +332,14 @@ class UcxTransport {
 
   UcxTransport(int rank, int size, std::string name);
   absl::Status Init(Store& store, const Tuning& tuning, absl::Time deadline);
-  // Probes which local peers this rank can read with CMA and agrees on it through the store.
+  // Probes which local peers this rank can read with CMA and agrees on it through the store;
+  // agrees on the mailboxes at the same time (`mailboxes_ready`: this rank mapped every peer's),
+  // dropping them unless every rank has them ready.
   absl::Status AgreeOnCma(Store& store, const std::vector<std::string>& values, bool cma,
-                          absl::Time deadline);
+                          bool mailboxes_ready, absl::Time deadline);
+  // Maps every peer's mailbox, given as "fd bytes" in `described` (fd -1: none); whether all
+  // were mapped (every peer on this host, each mailbox the size of this rank's).
+  bool MapMailboxes(const std::vector<std::pair<int, size_t>>& described);
   // Completes UCX's lazy wire-up with every peer before the first collective: one small message
   // each way on the kWireup tag (this rank's wire-protocol tuning), then a flush of every
   // endpoint, all until `deadline`. `tunings` receives every rank's tuning. (UCX 1.13 aborts a
@@ -386,6 +398,7 @@ class UcxTransport {
   int cpus_ = 1;                            // CPUs this process may run on
   int pinned_cpu_ = -1;                     // the one CPU it may run on, if just one
   bool map_ = false;                        // SHARDLINE_UCX_MAP
+  std::unique_ptr<Mailboxes> mailboxes_;    // see mailboxes()
 
   std::mutex control_mu_;  // guards the control receive
   Completion control_;
