@@ -31,6 +31,8 @@
 // copies from its own mapping of that arena (MapPeerRegion) instead: plain memcpy, no system
 // call. What
 // touches the local peers' processes (liveness, reads, mappings) is PeerMemory (peer_memory.h).
+// Where every rank runs on this host, the fingerprint round of each collective (and a small
+// collective's payload) goes through shared-memory mailboxes instead of messages (mailbox.h).
 //
 // The implementation is split by job: ucx_wireup.cc (creation: addresses, the CMA agreement, the
 // handshake and its tuning check), ucx_control.cc (control channel, aborts, liveness),
