@@ -195,7 +195,7 @@ void HostCapture::Complete(absl::Status status) {
   // Synchronize, a Query) also sees their effects (an allocator's block marked free). One
   // registered meanwhile joins the next round.
   while (!callbacks_.empty()) {
-    std::vector<EventCallback> callbacks;
+    Callbacks callbacks;
     callbacks.swap(callbacks_);
     const absl::Status outcome = status_;
     lock.unlock();

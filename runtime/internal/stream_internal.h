@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -78,7 +79,9 @@ class HostCapture {
   bool completing_ ABSL_GUARDED_BY(mu_) = false;  // Complete() is running the callbacks
   absl::Time completed_at_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
-  std::vector<EventCallback> callbacks_ ABSL_GUARDED_BY(mu_);
+  // Inline: most captures get one or two callbacks (the allocator's guards, a stream's wait).
+  using Callbacks = absl::InlinedVector<EventCallback, 2>;
+  Callbacks callbacks_ ABSL_GUARDED_BY(mu_);
 };
 
 // Implemented by every stream a host event can be recorded on (host, caller and CUDA streams).
