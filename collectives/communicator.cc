@@ -13,6 +13,7 @@
 #include "collectives/internal/flight_dump.h"
 #include "runtime/config.h"
 #include "runtime/logging.h"
+#include "runtime/recycling.h"
 #include "runtime/status.h"
 
 namespace shardline {
@@ -371,7 +372,7 @@ absl::Status Communicator::SkippedError(const Op& op, absl::string_view stream_n
 }
 
 absl::Status Communicator::Launch(Op op, Stream& stream) {
-  // One allocation per collective: run and cancel share it (each closure then holds only a
+  // One block per collective, recycled: run and cancel share it (each closure then holds only a
   // shared pointer, which fits in its inline storage).
   struct Task {
     std::shared_ptr<Communicator> comm;
@@ -379,7 +380,8 @@ absl::Status Communicator::Launch(Op op, Stream& stream) {
     Stream* stream;
   };
   op.clock = &stream.clock();
-  auto task = std::make_shared<Task>(Task{shared_from_this(), op, &stream});
+  auto task =
+      std::allocate_shared<Task>(RecyclingAllocator<Task>(), Task{shared_from_this(), op, &stream});
   StreamOp run;
   run.name = std::string(CollectiveName(op.fingerprint.kind));  // short: no allocation
   run.kind = StreamOpKind::kCollective;

@@ -100,9 +100,9 @@ struct AdoptedRelease {
 
 void Buffer::Reset() {
   if (allocator_ != nullptr && data_ != nullptr) {
-    allocator_->Release(data_, size_, std::move(guards_));
+    allocator_->Release(data_, size_, guards_);
   } else if (release_ != nullptr) {
-    std::erase(guards_, nullptr);
+    guards_.erase(std::remove(guards_.begin(), guards_.end(), nullptr), guards_.end());
     if (guards_.empty()) {
       std::move(release_)(data_);
     } else {
@@ -127,52 +127,146 @@ void Buffer::Reset() {
 
 // ---- Allocator -------------------------------------------------------------------------------
 
+// The pending blocks live in nodes that are recycled, so that a guarded release allocates nothing
+// once the set has warmed up; each guard's completion callback refers to its block by one pointer
+// (GuardCallback), small enough for the EventCallback's inline storage.
+//
+// A node is held by the set while its block is pending and by each registered callback until the
+// callback is destroyed (run or not); it is recycled once nobody holds it. The set lives until the
+// allocator is gone and no node is held, so a callback that runs late (after its block was taken
+// for reuse, or after the allocator was destroyed) only updates the set.
 struct Allocator::PendingSet {
+  struct Guard {
+    std::shared_ptr<Event> event;
+    bool completed = false;
+  };
   struct Block {
+    PendingSet* set = nullptr;
     void* data = nullptr;
     size_t bytes = 0;
-    std::vector<std::shared_ptr<Event>> guards;
-    std::vector<bool> completed;  // per guard
-    size_t outstanding = 0;       // guards not completed
+    std::vector<Guard> guards;  // keeps its capacity across the node's uses
+    size_t outstanding = 0;     // guards not completed
+    int holds = 0;              // the set's (while pending) + one per callback alive
+    bool pending = false;       // in `blocks`: callbacks of a block taken out change nothing
   };
 
-  // Called by guard `index` of block `id` when it completes. Only bookkeeping: this may run on
-  // a stream's worker or a CUDA callback thread, where freeing memory is not allowed.
-  void GuardCompleted(uint64_t id, size_t index) {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = blocks.find(id);
-    if (it == blocks.end() || it->second.completed[index]) return;  // taken for reuse
-    it->second.completed[index] = true;
-    if (--it->second.outstanding == 0) {
-      ++ready;
-      cv.notify_all();
+  // The completion callback of guard `index` of `block`.
+  class GuardCallback {
+   public:
+    GuardCallback(Block* block, size_t index) : block_(block), index_(index) {}
+    GuardCallback(GuardCallback&& other) noexcept
+        : block_(std::exchange(other.block_, nullptr)), index_(other.index_) {}
+    GuardCallback& operator=(GuardCallback&&) = delete;
+    // A callback dropped unrun (its event will never complete) leaves the guard outstanding.
+    ~GuardCallback() {
+      if (block_ != nullptr) block_->set->Drop(block_, index_, /*completed=*/false);
     }
+    void operator()(const absl::Status&) && {
+      Block* block = std::exchange(block_, nullptr);
+      block->set->Drop(block, index_, /*completed=*/true);
+    }
+
+   private:
+    Block* block_;
+    size_t index_;
+  };
+
+  // A callback of guard `index` of `block` is done with it: run (`completed`) or dropped. Only
+  // bookkeeping: this may run on a stream's worker or a CUDA callback thread, where freeing
+  // memory is not allowed.
+  void Drop(Block* block, size_t index, bool completed) {
+    bool destroy = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (completed && block->pending && !block->guards[index].completed) {
+        block->guards[index].completed = true;
+        if (--block->outstanding == 0) {
+          ++ready;
+          cv.notify_all();
+        }
+      }
+      destroy = UnholdLocked(block);
+    }
+    if (destroy) delete this;
+  }
+
+  // A pending block of `bytes` at `data`, without guards yet, held by the set (mu held).
+  Block* NewBlockLocked(void* data, size_t bytes) {
+    Block* block = nullptr;
+    if (free.empty()) {
+      nodes.push_back(std::make_unique<Block>());
+      block = nodes.back().get();
+      block->set = this;
+    } else {
+      block = free.back();
+      free.pop_back();
+    }
+    ++held_nodes;
+    block->data = data;
+    block->bytes = bytes;
+    block->pending = true;
+    block->holds = 1;
+    blocks.push_back(block);
+    return block;
+  }
+
+  // Drops one hold of `block`, recycling its node when it was the last (mu held). True if the
+  // set must now be deleted (by the caller, after unlocking).
+  bool UnholdLocked(Block* block) {
+    if (--block->holds > 0) return false;
+    free.push_back(block);
+    --held_nodes;
+    return owner_gone && held_nodes == 0;
+  }
+
+  // Takes a pending block out of the set; its guards' late callbacks change nothing (mu held).
+  // Only the allocator calls this: the set outlives it.
+  void RemoveLocked(std::vector<Block*>::iterator it) {
+    Block* block = *it;
+    blocks.erase(it);
+    if (block->outstanding == 0) --ready;
+    block->pending = false;
+    block->guards.clear();
+    (void)UnholdLocked(block);
   }
 
   // Moves the blocks whose guards all completed out of the set (mu held).
-  void TakeReadyLocked(std::vector<Freed>& out) {
+  template <typename Out>
+  void TakeReadyLocked(Out& out) {
     // Most calls (every Allocate and guarded Release) find none ready: no walk over the set.
-    if (ready == 0) return;
-    for (auto it = blocks.begin(); it != blocks.end() && ready > 0;) {
-      if (it->second.outstanding == 0) {
-        out.push_back(Freed{it->second.data, it->second.bytes});
-        it = blocks.erase(it);
-        --ready;
+    for (size_t i = 0; i < blocks.size() && ready > 0;) {
+      Block* block = blocks[i];
+      if (block->outstanding == 0) {
+        out.push_back(Freed{block->data, block->bytes});
+        RemoveLocked(blocks.begin() + static_cast<std::ptrdiff_t>(i));
       } else {
-        ++it;
+        ++i;
       }
     }
   }
 
   std::mutex mu;
   std::condition_variable cv;  // DrainPending waits for outstanding == 0
-  uint64_t next_id = 0;
-  std::map<uint64_t, Block> blocks;  // by id: oldest first
-  size_t ready = 0;                  // blocks with outstanding == 0
+  std::vector<Block*> blocks;  // pending, oldest first
+  size_t ready = 0;            // blocks with outstanding == 0
+  std::vector<std::unique_ptr<Block>> nodes;
+  std::vector<Block*> free;  // nodes nobody holds
+  size_t held_nodes = 0;     // nodes.size() - free.size()
+  bool owner_gone = false;   // the allocator was destroyed
 };
 
+void Allocator::PendingSetDeleter::operator()(PendingSet* set) const {
+  bool destroy = false;
+  {
+    std::lock_guard<std::mutex> lock(set->mu);
+    set->owner_gone = true;
+    destroy = set->held_nodes == 0;
+  }
+  if (destroy) delete set;
+}
+
 Allocator::Allocator(Device device, std::string name)
-    : device_(device), name_(std::move(name)), pending_(std::make_shared<PendingSet>()) {}
+    : device_(device), name_(std::move(name)), pending_(new PendingSet) {}
 
 Allocator::~Allocator() {
   {
@@ -240,14 +334,13 @@ void Allocator::ResetStats() {
 }
 
 int Allocator::Collect() {
-  std::vector<Freed> ready;
+  absl::InlinedVector<Freed, 8> ready;
   {
     std::lock_guard<std::mutex> lock(pending_->mu);
     pending_->TakeReadyLocked(ready);
   }
-  const int n = static_cast<int>(ready.size());
   FreeBlocks(ready);
-  return n;
+  return static_cast<int>(ready.size());
 }
 
 int64_t Allocator::pending_blocks() const {
@@ -255,7 +348,7 @@ int64_t Allocator::pending_blocks() const {
   return static_cast<int64_t>(pending_->blocks.size());
 }
 
-void Allocator::FreeBlocks(std::vector<Freed>& blocks) {
+void Allocator::FreeBlocks(absl::Span<const Freed> blocks) {
   if (blocks.empty()) return;
   int64_t bytes = 0;
   for (const Freed& block : blocks) {
@@ -265,39 +358,37 @@ void Allocator::FreeBlocks(std::vector<Freed>& blocks) {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.current_bytes -= bytes;
   stats_.live_allocations -= static_cast<int64_t>(blocks.size());
-  blocks.clear();
 }
 
-void Allocator::Release(void* data, size_t bytes, std::vector<std::shared_ptr<Event>> guards) {
-  std::erase(guards, nullptr);
-  // The same event given twice (shared events: RecordSharedEvent) is one guard.
-  for (size_t i = 1; i < guards.size();) {
-    if (std::find(guards.begin(), guards.begin() + i, guards[i]) != guards.begin() + i) {
-      guards.erase(guards.begin() + i);
-    } else {
-      ++i;
-    }
-  }
-  if (guards.empty()) {
-    std::vector<Freed> now{Freed{data, bytes}};
-    FreeBlocks(now);
+void Allocator::Release(void* data, size_t bytes, absl::Span<const std::shared_ptr<Event>> guards) {
+  // The guards that count: not null, and the same event given twice (shared events:
+  // RecordSharedEvent) is one guard. Both loops below walk them in the same order.
+  auto counts = [&](size_t i) {
+    return guards[i] != nullptr &&
+           std::find(guards.begin(), guards.begin() + static_cast<std::ptrdiff_t>(i), guards[i]) ==
+               guards.begin() + static_cast<std::ptrdiff_t>(i);
+  };
+  size_t n = 0;
+  for (size_t i = 0; i < guards.size(); ++i) n += counts(i) ? 1 : 0;
+  if (n == 0) {
+    FreeBlocks({Freed{data, bytes}});
     return;
   }
-  uint64_t id = 0;
+  PendingSet::Block* block = nullptr;
   {
     std::lock_guard<std::mutex> lock(pending_->mu);
-    id = pending_->next_id++;
-    PendingSet::Block& block = pending_->blocks[id];
-    block.data = data;
-    block.bytes = bytes;
-    block.completed.assign(guards.size(), false);
-    block.outstanding = guards.size();
-    block.guards = guards;
+    block = pending_->NewBlockLocked(data, bytes);
+    for (size_t i = 0; i < guards.size(); ++i) {
+      if (counts(i)) block->guards.push_back(PendingSet::Guard{guards[i], false});
+    }
+    block->outstanding = n;
+    // The callbacks' holds, taken now: the node stays ours until they are registered.
+    block->holds += static_cast<int>(n);
   }
-  // Outside the lock: a guard that already completed calls back at once, on this thread.
-  for (size_t i = 0; i < guards.size(); ++i) {
-    guards[i]->OnComplete(
-        [set = pending_, id, i](const absl::Status&) { set->GuardCompleted(id, i); });
+  // Outside the lock: a guard that already completed calls back at once, on this thread. The
+  // events are the caller's (`guards`), not the block's, which another thread may take meanwhile.
+  for (size_t i = 0, index = 0; i < guards.size(); ++i) {
+    if (counts(i)) guards[i]->OnComplete(PendingSet::GuardCallback(block, index++));
   }
   // Most releases are unguarded or their readers are already done: free those at once.
   Collect();
@@ -309,16 +400,15 @@ std::optional<Allocator::PendingBlock> Allocator::TakePending(
   {
     std::lock_guard<std::mutex> lock(pending_->mu);
     auto it = std::find_if(pending_->blocks.begin(), pending_->blocks.end(),
-                           [&](const auto& entry) { return fits(entry.second.bytes); });
+                           [&](const PendingSet::Block* block) { return fits(block->bytes); });
     if (it == pending_->blocks.end()) return std::nullopt;
-    PendingSet::Block& block = it->second;
-    if (block.outstanding == 0) --pending_->ready;
+    PendingSet::Block& block = **it;
     taken.data = block.data;
     taken.bytes = block.bytes;
-    for (size_t i = 0; i < block.guards.size(); ++i) {
-      if (!block.completed[i]) taken.outstanding.push_back(std::move(block.guards[i]));
+    for (PendingSet::Guard& guard : block.guards) {
+      if (!guard.completed) taken.outstanding.push_back(std::move(guard.event));
     }
-    pending_->blocks.erase(it);
+    pending_->RemoveLocked(it);
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.current_bytes -= static_cast<int64_t>(taken.bytes);
@@ -334,7 +424,7 @@ void Allocator::ReturnPending(PendingBlock block) {
     ++stats_.live_allocations;
     --stats_.stream_ordered_reuses;
   }
-  Release(block.data, block.bytes, std::move(block.outstanding));
+  Release(block.data, block.bytes, block.outstanding);
 }
 
 void Allocator::DrainPending() {
@@ -346,12 +436,14 @@ void Allocator::DrainPending() {
     std::unique_lock<std::mutex> lock(pending_->mu);
     WallClock().WaitUntil(pending_->cv, lock, deadline, [&] {
       return std::all_of(pending_->blocks.begin(), pending_->blocks.end(),
-                         [](const auto& entry) { return entry.second.outstanding == 0; });
+                         [](const PendingSet::Block* block) { return block->outstanding == 0; });
     });
     pending_->TakeReadyLocked(freeable);
-    for (auto& [id, block] : pending_->blocks) leaked.push_back(Freed{block.data, block.bytes});
-    pending_->blocks.clear();
-    pending_->ready = 0;
+    while (!pending_->blocks.empty()) {
+      const PendingSet::Block& block = *pending_->blocks.back();
+      leaked.push_back(Freed{block.data, block.bytes});
+      pending_->RemoveLocked(pending_->blocks.end() - 1);
+    }
   }
   FreeBlocks(freeable);
   if (leaked.empty()) return;

@@ -45,16 +45,17 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
 
@@ -111,7 +112,7 @@ class Buffer {
   // several readers on different streams); every event must complete. Ignores nullptr.
   void ReleaseAfter(std::shared_ptr<Event> event);
   // The guards given so far.
-  const std::vector<std::shared_ptr<Event>>& guards() const { return guards_; }
+  absl::Span<const std::shared_ptr<Event>> guards() const { return guards_; }
 
   // Returns the memory now (guarded by the events given to ReleaseAfter); the buffer is empty.
   void Reset();
@@ -124,7 +125,8 @@ class Buffer {
   Allocator* allocator_ = nullptr;
   void* data_ = nullptr;
   size_t size_ = 0;
-  std::vector<std::shared_ptr<Event>> guards_;
+  // Inline: a buffer is typically released after a handful of readers.
+  absl::InlinedVector<std::shared_ptr<Event>, 4> guards_;
   Device device_ = Device::Host();  // adopted memory and views
   ReleaseFn release_;               // adopted memory
 };
@@ -179,7 +181,7 @@ class Allocator {
   struct PendingBlock {
     void* data = nullptr;
     size_t bytes = 0;
-    std::vector<std::shared_ptr<Event>> outstanding;
+    absl::InlinedVector<std::shared_ptr<Event>, 4> outstanding;
   };
   // Removes and returns a pending block for which `fits(block_bytes)` holds (the oldest such),
   // or nullopt. The block stops counting as allocated (the caller hands it out again through
@@ -197,23 +199,29 @@ class Allocator {
 
  private:
   friend class Buffer;
-  // The pending blocks, shared with the guards' completion callbacks (which may run after the
-  // allocator is gone: they then only update this set).
+  // The pending blocks. The guards' completion callbacks keep it alive (they may run after the
+  // allocator is gone: they then only update this set); the deleter only gives the allocator's
+  // hold up.
   struct PendingSet;
+  struct PendingSetDeleter {
+    void operator()(PendingSet* set) const;
+  };
   struct Freed {
     void* data;
     size_t bytes;
   };
   absl::StatusOr<Buffer> AllocateImpl(size_t bytes, Stream* first_user);
-  void Release(void* data, size_t bytes, std::vector<std::shared_ptr<Event>> guards);
+  // Returns the memory once every non-null event of `guards` has completed. Copies the events:
+  // `guards` is the caller's to clear.
+  void Release(void* data, size_t bytes, absl::Span<const std::shared_ptr<Event>> guards);
   // DeallocateRaw for each block, then updates the counters.
-  void FreeBlocks(std::vector<Freed>& blocks);
+  void FreeBlocks(absl::Span<const Freed> blocks);
 
   Device device_;
   std::string name_;
   mutable std::mutex mu_;
   MemoryStats stats_;
-  std::shared_ptr<PendingSet> pending_;
+  std::unique_ptr<PendingSet, PendingSetDeleter> pending_;
 };
 
 // Aligned private host memory. `alignment` must be a power of two (checked).

@@ -24,7 +24,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "runtime/config.h"
+#include "runtime/internal/lock_spinning.h"
 #include "runtime/internal/stream_internal.h"
+#include "runtime/recycling.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
 #include "runtime/trace.h"
@@ -100,22 +102,6 @@ absl::StatusOr<absl::Duration> ElapsedBetween(const Event& start, const Event& e
 }
 
 namespace stream_internal {
-
-// Locks `mu`, polling it a little first. The stream code's critical sections are a few dozen
-// instructions, and the thread that finds one held is typically a worker popping while the
-// submitter pushes (or the reverse): waiting that long in user space spares it a futex wait and
-// the holder a futex wake, each a system call and the wake often a cross-CPU interrupt.
-namespace {
-std::unique_lock<std::mutex> LockSpinning(std::mutex& mu) {
-  for (int i = 0; i < 32; ++i) {
-    if (mu.try_lock()) return std::unique_lock<std::mutex>(mu, std::adopt_lock);
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
-  return std::unique_lock<std::mutex>(mu);
-}
-}  // namespace
 
 // ThisThreadHostStreamCallStats(): plain increments, each thread its own.
 thread_local HostStreamCallStats call_stats;
@@ -195,7 +181,7 @@ void HostCapture::Complete(absl::Status status) {
   // Synchronize, a Query) also sees their effects (an allocator's block marked free). One
   // registered meanwhile joins the next round.
   while (!callbacks_.empty()) {
-    std::vector<EventCallback> callbacks;
+    Callbacks callbacks;
     callbacks.swap(callbacks_);
     const absl::Status outcome = status_;
     lock.unlock();
@@ -228,7 +214,7 @@ absl::Status HostCapture::Wait(absl::Time deadline, absl::FunctionRef<std::strin
   std::unique_lock<std::mutex> lock(mu_);
   if (!clock_->WaitUntil(cv_, lock, deadline, [this] { return done_; })) {
     return absl::DeadlineExceededError(absl::StrCat(
-        waiter(), ": timed out waiting for an event recorded on stream '", stream_name_, "'"));
+        waiter(), ": timed out waiting for an event recorded on stream '", stream_name(), "'"));
   }
   return status_;
 }
@@ -308,18 +294,19 @@ absl::Status HostEvent::Record(Stream& stream) {
                                                    "); create the event with its CreateEvent()"));
   }
   ++call_stats.records;
+  std::shared_ptr<const std::string> name = recorder->shared_name();
   std::shared_ptr<HostCapture> capture;
   {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     bool embedded = false;
     if (!embedded_.has_value()) {
       if (std::shared_ptr<HostEvent> self = weak_from_this().lock()) {
-        embedded_.emplace(stream);
+        embedded_.emplace(stream, std::move(name));
         capture = std::shared_ptr<HostCapture>(std::move(self), &*embedded_);
         embedded = true;
       }
     }
-    if (!embedded) capture = std::make_shared<HostCapture>(stream);
+    if (!embedded) capture = std::make_shared<HostCapture>(stream, std::move(name));
     current_embedded_ = embedded;
     current_ = embedded ? nullptr : capture;
     recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
@@ -328,12 +315,13 @@ absl::Status HostEvent::Record(Stream& stream) {
 }
 
 std::shared_ptr<HostCapture> HostEvent::PrepareFresh(const std::shared_ptr<HostEvent>& self,
-                                                     Stream& stream) {
+                                                     Stream& stream,
+                                                     const HostCaptureRecorder& recorder) {
   ++call_stats.records;
   HostEvent& event = *self;
   // No other thread holds the event yet: its fields need no lock (the stream's lock, taken
   // when the stream records the capture, publishes them to the worker that completes it).
-  event.embedded_.emplace(stream);
+  event.embedded_.emplace(stream, recorder.shared_name());
   event.current_embedded_ = true;
   event.recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
   return std::shared_ptr<HostCapture>(self, &*event.embedded_);
@@ -341,7 +329,7 @@ std::shared_ptr<HostCapture> HostEvent::PrepareFresh(const std::shared_ptr<HostE
 
 absl::Status HostEvent::RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
                                     HostCaptureRecorder& recorder) {
-  return recorder.RecordHostCapture(PrepareFresh(self, stream));
+  return recorder.RecordHostCapture(PrepareFresh(self, stream, recorder));
 }
 
 std::shared_ptr<HostCapture> HostEvent::current() const {
@@ -527,7 +515,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
  public:
   HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock, StreamTracer tracer,
              absl::Duration spin, bool batch)
-      : name_(std::move(name)),
+      : name_(std::make_shared<const std::string>(std::move(name))),
         wait_timeout_(wait_timeout),
         clock_(clock),
         tracer_(tracer),
@@ -559,7 +547,8 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   Device device() const override { return Device::Host(); }
-  const std::string& name() const override { return name_; }
+  const std::string& name() const override { return *name_; }
+  std::shared_ptr<const std::string> shared_name() const override { return name_; }
   const Clock& clock() const override { return clock_; }
 
   absl::Status Submit(StreamOp op) override {
@@ -584,7 +573,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   absl::Status Synchronize(absl::Time deadline) override {
     if (std::this_thread::get_id() == worker_.get_id()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("stream '", name_,
+          absl::StrCat("stream '", *name_,
                        "': Synchronize called from the stream's own work would wait forever"));
     }
     std::unique_lock<std::mutex> lock(mu_);
@@ -595,7 +584,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     --sync_waiters_;
     if (!done) {
       return absl::DeadlineExceededError(
-          absl::StrCat("stream '", name_, "': Synchronize timed out with ", target - finished_,
+          absl::StrCat("stream '", *name_, "': Synchronize timed out with ", target - finished_,
                        " enqueued item(s) still pending"));
     }
     return status_;
@@ -621,7 +610,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       }
     }
     std::shared_ptr<HostEvent> event = NewHostEvent();
-    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this), &event));
+    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this, *this), &event));
     return event;
   }
 
@@ -712,7 +701,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       case Item::kOp:
         if (poison.ok()) {
           result = tracer_.RunOp(item.op, clock_);
-          if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", name_, "'"));
+          if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", *name_, "'"));
         } else if (item.op.cancel != nullptr) {
           std::move(item.op.cancel)(poison);
         }
@@ -722,7 +711,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         item.wait.capture->Complete(poison);
         break;
       case Item::kWait:
-        if (poison.ok()) result = RunTracedWait(tracer_, item.wait, wait_timeout_, clock_, name_);
+        if (poison.ok()) result = RunTracedWait(tracer_, item.wait, wait_timeout_, clock_, *name_);
         break;
     }
     item.wait.capture = nullptr;
@@ -823,7 +812,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     }
   }
 
-  const std::string name_;
+  const std::shared_ptr<const std::string> name_;  // shared with the captures
   const absl::Duration wait_timeout_;
   const Clock& clock_;
   const StreamTracer tracer_;
@@ -862,17 +851,21 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
  public:
   CallerStream(std::string name, absl::Duration wait_timeout, const Clock& clock,
                StreamTracer tracer)
-      : name_(std::move(name)), wait_timeout_(wait_timeout), clock_(clock), tracer_(tracer) {}
+      : name_(std::make_shared<const std::string>(std::move(name))),
+        wait_timeout_(wait_timeout),
+        clock_(clock),
+        tracer_(tracer) {}
 
   Device device() const override { return Device::Host(); }
-  const std::string& name() const override { return name_; }
+  const std::string& name() const override { return *name_; }
+  std::shared_ptr<const std::string> shared_name() const override { return name_; }
   const Clock& clock() const override { return clock_; }
 
   absl::Status Submit(StreamOp op) override {
     SL_ASSIGN_OR_RETURN(const uint64_t ticket, Start());
     absl::Status result = tracer_.RunOp(op, clock_);
     op = StreamOp();
-    if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", name_, "'"));
+    if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", *name_, "'"));
     return Finish(ticket, std::move(result));
   }
 
@@ -881,14 +874,14 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
     SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return absl::OkStatus();
     SL_ASSIGN_OR_RETURN(const uint64_t ticket, Start());
-    return Finish(ticket, RunTracedWait(tracer_, target, wait_timeout_, clock_, name_));
+    return Finish(ticket, RunTracedWait(tracer_, target, wait_timeout_, clock_, *name_));
   }
 
   absl::Status Synchronize(absl::Time deadline) override {
     std::unique_lock<std::mutex> lock(mu_);
     if (!clock_.WaitUntil(idle_cv_, lock, deadline, [this] { return running_.empty(); })) {
       return absl::DeadlineExceededError(
-          absl::StrCat("stream '", name_, "': Synchronize timed out with ", running_.size(),
+          absl::StrCat("stream '", *name_, "': Synchronize timed out with ", running_.size(),
                        " item(s) still running on other threads"));
     }
     return status_;
@@ -914,7 +907,7 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
       }
     }
     std::shared_ptr<HostEvent> event = NewHostEvent();
-    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this), &event));
+    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this, *this), &event));
     return event;
   }
 
@@ -970,7 +963,7 @@ class CallerStream final : public Stream, public HostCaptureRecorder {
     return status;
   }
 
-  const std::string name_;
+  const std::shared_ptr<const std::string> name_;  // shared with the captures
   const absl::Duration wait_timeout_;
   const Clock& clock_;
   const StreamTracer tracer_;
@@ -1030,84 +1023,6 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateStream(Device device, StreamOption
                                                "(SHARDLINE_WITH_CUDA=OFF)"));
 #endif
 }
-
-namespace {
-
-// AddressSanitizer sees every event's lifetime only if the blocks go back to malloc.
-// (ThreadSanitizer keeps the recycling: the list's mutex orders a block's users.)
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kRecycleEvents = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kRecycleEvents = false;
-#else
-constexpr bool kRecycleEvents = true;
-#endif
-#else
-constexpr bool kRecycleEvents = true;
-#endif
-
-// Free blocks of one size, shared by all threads.
-class BlockList {
- public:
-  static constexpr size_t kMaxBlocks = 1024;
-  BlockList() { blocks_.reserve(kMaxBlocks); }
-  void* Take() {
-    std::unique_lock<std::mutex> lock = stream_internal::LockSpinning(mu_);
-    if (blocks_.empty()) return nullptr;
-    void* block = blocks_.back();
-    blocks_.pop_back();
-    return block;
-  }
-  // false: the list is full; the caller frees the block.
-  bool Give(void* block) {
-    std::unique_lock<std::mutex> lock = stream_internal::LockSpinning(mu_);
-    if (blocks_.size() >= kMaxBlocks) return false;
-    blocks_.push_back(block);
-    return true;
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<void*> blocks_ ABSL_GUARDED_BY(mu_);
-};
-
-// The allocator of host events (with their shared_ptr control block): blocks are recycled
-// through a free list instead of going back to malloc. Every record makes an event; the
-// scheduler's thread allocates them and the streams' workers often release them, which sends
-// glibc's per-thread caches to the slow path on both sides.
-template <typename T>
-class RecyclingAllocator {
- public:
-  using value_type = T;
-  RecyclingAllocator() = default;
-  template <typename U>
-  RecyclingAllocator(const RecyclingAllocator<U>&) noexcept {}  // NOLINT: rebinding
-  T* allocate(size_t n) {
-    if (kRecycleEvents && n == 1) {
-      if (void* block = List().Take()) return static_cast<T*>(block);
-    }
-    return std::allocator<T>().allocate(n);
-  }
-  void deallocate(T* p, size_t n) noexcept {
-    if (kRecycleEvents && n == 1 && List().Give(p)) return;
-    std::allocator<T>().deallocate(p, n);
-  }
-  template <typename U>
-  bool operator==(const RecyclingAllocator<U>&) const noexcept {
-    return true;
-  }
-
- private:
-  // One list per block type; never destroyed (events may be released during static
-  // destruction).
-  static BlockList& List() {
-    static BlockList* const list = new BlockList;
-    return *list;
-  }
-};
-
-}  // namespace
 
 HostStreamWakeBatch::HostStreamWakeBatch() { ++stream_internal::wake_batch.depth; }
 

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/host_kernels.h"
+#include "runtime/recycling.h"
 #include "runtime/shard_norms.h"
 #include "runtime/status.h"
 
@@ -18,7 +19,9 @@
 namespace shardline {
 namespace {
 
-// A host op: its name, kind and cost, then `run`.
+// A host op: its name, kind and cost, then `run`. A closure larger than the two pointers that
+// an AnyInvocable stores inline goes into a recycled block (a cast's or a reduction's arguments):
+// the hooks enqueue several per unit, and malloc would see each freed on another thread.
 template <typename Run>
 absl::Status SubmitHost(Stream& stream, StreamOpKind kind, std::string name, uint64_t bytes,
                         Run run) {
@@ -26,7 +29,11 @@ absl::Status SubmitHost(Stream& stream, StreamOpKind kind, std::string name, uin
   op.name = std::move(name);
   op.kind = kind;
   op.bytes = bytes;
-  op.run = std::move(run);
+  if constexpr (sizeof(Run) > 2 * sizeof(void*)) {
+    op.run = [boxed = MakeRecycled<Run>(std::move(run))]() { return std::move(*boxed)(); };
+  } else {
+    op.run = std::move(run);
+  }
   return stream.Submit(std::move(op));
 }
 

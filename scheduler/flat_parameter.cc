@@ -433,9 +433,8 @@ absl::Status FlatParameter::AddConsumer(Stream& stream, absl::string_view call) 
   return absl::OkStatus();
 }
 
-std::vector<std::shared_ptr<Event>> FlatParameter::RecordOnConsumers(
-    const std::vector<Stream*>& streams) {
-  std::vector<std::shared_ptr<Event>> events;
+FlatParameter::EventList FlatParameter::RecordOnConsumers(const std::vector<Stream*>& streams) {
+  EventList events;
   for (Stream* stream : streams) {
     // A stream that cannot record is poisoned: it runs nothing more that could read the buffer.
     // Shared: several consumers' records (and the scheduler's) often mark the same point.
@@ -601,7 +600,7 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   }
   // The reduction reads the gradient after the backward, the zero-fill and every stream that
   // prepared it. Waits read no buffer: on failure the new buffer goes back unguarded.
-  std::vector<std::shared_ptr<Event>> grad_users = RecordOnConsumers(grad_consumers_);
+  EventList grad_users = RecordOnConsumers(grad_consumers_);
   const size_t fresh = grad_users.size();
   for (const std::shared_ptr<Event>* event : {&grad_ready, &grad_zeroed_}) {
     // An event last recorded on a consumer stream is covered by the record just made there.

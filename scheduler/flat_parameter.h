@@ -107,6 +107,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -362,7 +363,9 @@ class FlatParameter {
   // Makes `stream` wait for the gather (once per stream) and remembers it as a consumer.
   absl::Status AddConsumer(Stream& stream, absl::string_view call);
   // Events recorded now on every consumer stream (nothing for a poisoned one: it runs no more).
-  static std::vector<std::shared_ptr<Event>> RecordOnConsumers(const std::vector<Stream*>& streams);
+  // Inline: a unit has one or two consumer streams, and ReduceScatter adds two events.
+  using EventList = absl::InlinedVector<std::shared_ptr<Event>, 4>;
+  static EventList RecordOnConsumers(const std::vector<Stream*>& streams);
   // Returns the unsharded gradient and its reduce-dtype copy after the events that cover their
   // users (the reduction's last step, the backward, the zero-fill).
   void ReleaseReductionInputs();

@@ -282,7 +282,6 @@ absl::StatusOr<int> Scheduler::RegisterUnit(UnitSpec spec) {
     return Annotate(filled, absl::StrCat(what, ": initialising the master shard"));
   }
   unit.param = *std::move(param);
-  unit.metrics.name = unit.name;
   units_.push_back(std::move(unit));
 
   if (options_.budget_bytes > 0 && MinimumBudgetBytes() > options_.budget_bytes) {
@@ -576,7 +575,8 @@ absl::Status Scheduler::BeginStep() {
     unit.reduced = false;
     unit.grad_ready_event = nullptr;
     unit.final_event = nullptr;
-    unit.metrics = UnitStepMetrics{.name = unit.name};
+    // Without the name: LastStepMetrics fills it in, so steps copy no strings.
+    unit.metrics = UnitStepMetrics{};
     unit.waits.clear();
     unit.comm.clear();
   }
@@ -949,15 +949,26 @@ absl::Status Scheduler::FinishBackward() {
   }
   current_.gather_pool_peak_bytes = gather_pool_->stats().peak_bytes;
   current_.reduce_pool_peak_bytes = reduce_pool_->stats().peak_bytes;
-  finished_ = FinishedStep{.metrics = current_, .start = step_start_, .end = *std::move(end)};
-  finished_->metrics.units.reserve(units_.size());
-  finished_->waits.reserve(units_.size());
-  finished_->comm.reserve(units_.size());
-  for (Unit& unit : units_) {
-    finished_->metrics.units.push_back(unit.metrics);
-    // Nothing reads the step's event pairs before the next BeginStep clears them.
-    finished_->waits.push_back(std::move(unit.waits));
-    finished_->comm.push_back(std::move(unit.comm));
+  // The finished step replaces the one before in place: its vectors keep their capacity, and
+  // the units' event-pair vectors trade places with the previous step's (emptied here).
+  if (!finished_.has_value()) finished_.emplace();
+  FinishedStep& finished = *finished_;
+  std::vector<UnitStepMetrics> unit_metrics = std::move(finished.metrics.units);
+  finished.metrics = current_;  // current_.units is always empty
+  finished.metrics.units = std::move(unit_metrics);
+  finished.metrics.units.resize(units_.size());
+  finished.start = step_start_;
+  finished.end = *std::move(end);
+  finished.computed = false;
+  finished.waits.resize(units_.size());
+  finished.comm.resize(units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = units_[u];
+    finished.metrics.units[u] = unit.metrics;
+    finished.waits[u].swap(unit.waits);
+    finished.comm[u].swap(unit.comm);
+    unit.waits.clear();
+    unit.comm.clear();
   }
   if (record_pending_check_) {
     // The recorded order may show units used twice, whose gradients live through the backward.
@@ -1319,9 +1330,11 @@ absl::StatusOr<StepMetrics> Scheduler::LastStepMetrics(absl::Time deadline) {
       m.overlap_fraction = std::clamp(1.0 - absl::FDivDuration(exposed, communication), 0.0, 1.0);
     }
   }
+  for (size_t u = 0; u < m.units.size(); ++u) m.units[u].name = units_[u].name;
   f.computed = true;
-  f.waits.clear();
-  f.comm.clear();
+  // The events are no longer needed; the vectors' storage is, by the next step.
+  for (std::vector<Unit::EventPair>& pairs : f.waits) pairs.clear();
+  for (std::vector<Unit::EventPair>& pairs : f.comm) pairs.clear();
   return m;
 }
 

@@ -18,10 +18,11 @@
 // steps timed per rank; timer_cpu_ns_per_unit = the part of hook_cpu_ns_per_unit that is this
 // benchmark's own timing (measured on an empty hook); submits, records, records_queued, waits,
 // waits_queued, wakes, events, records_shared = what the hooks asked of the host streams per unit
-// per step (ThisThreadHostStreamCallStats); with SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls,
-// futex, ctx_switches of the hook thread inside the hooks (SyscallCounters); with
-// SHARDLINE_HOOKS_BENCH_CPU=0 no CPU-clock reads at all (wall only). The benchmark's own time is
-// the whole step (hooks + waiting for the streams).
+// per step (ThisThreadHostStreamCallStats); allocs = heap allocations (operator new, every form)
+// made by the calling thread inside the hooks per unit per step; with
+// SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls, futex, ctx_switches of the hook thread inside the
+// hooks (SyscallCounters); with SHARDLINE_HOOKS_BENCH_CPU=0 no CPU-clock reads at all (wall only).
+// The benchmark's own time is the whole step (hooks + waiting for the streams).
 
 #include <linux/perf_event.h>
 #include <sys/ioctl.h>
@@ -37,6 +38,7 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -49,6 +51,58 @@
 #include "runtime/check.h"
 #include "runtime/stream.h"
 #include "scheduler/scheduler.h"
+
+// Heap allocations of the calling thread: every form of the global operator new counts, so that
+// Timed() can report the hooks' allocations (allocs). Deallocation is plain free().
+namespace {
+thread_local int64_t thread_allocs = 0;
+
+void* CountedAlloc(std::size_t size, std::size_t alignment) {
+  ++thread_allocs;
+  if (size == 0) size = 1;
+  if (alignment <= alignof(std::max_align_t)) return std::malloc(size);
+  // aligned_alloc needs a size that is a multiple of the alignment.
+  return std::aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment);
+}
+void* CountedAllocOrThrow(std::size_t size, std::size_t alignment) {
+  void* p = CountedAlloc(size, alignment);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+}  // namespace
+
+void* operator new(std::size_t size) { return CountedAllocOrThrow(size, 0); }
+void* operator new[](std::size_t size) { return CountedAllocOrThrow(size, 0); }
+void* operator new(std::size_t size, std::align_val_t al) {
+  return CountedAllocOrThrow(size, static_cast<std::size_t>(al));
+}
+void* operator new[](std::size_t size, std::align_val_t al) {
+  return CountedAllocOrThrow(size, static_cast<std::size_t>(al));
+}
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
+  return CountedAlloc(size, 0);
+}
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
+  return CountedAlloc(size, 0);
+}
+void* operator new(std::size_t size, std::align_val_t al, const std::nothrow_t&) noexcept {
+  return CountedAlloc(size, static_cast<std::size_t>(al));
+}
+void* operator new[](std::size_t size, std::align_val_t al, const std::nothrow_t&) noexcept {
+  return CountedAlloc(size, static_cast<std::size_t>(al));
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace shardline {
 namespace {
@@ -157,6 +211,7 @@ struct HookTimes {
   int64_t wall_ns = 0;
   int64_t cpu_ns = 0;
   int64_t hooks = 0;
+  int64_t allocs = 0;  // heap allocations of the calling thread inside the hooks
   HostStreamCallStats calls;
   SyscallCounters::Values sys;
   SyscallCounters* counters = nullptr;
@@ -193,11 +248,13 @@ absl::Status Timed(HookTimes* times, Hook&& hook) {
   const bool cpu = MeasureCpu();
   const int64_t c0 = cpu ? ThreadCpuNs() : 0;
   const HostStreamCallStats calls0 = ThisThreadHostStreamCallStats();
+  const int64_t allocs0 = thread_allocs;
   SyscallCounters::Values sys0;
   if (times->counters != nullptr) sys0 = times->counters->Read();
   const Clock::time_point t0 = Clock::now();
   const absl::Status status = hook();
   const Clock::time_point t1 = Clock::now();
+  times->allocs += thread_allocs - allocs0;
   if (times->counters != nullptr) {
     const SyscallCounters::Values sys1 = times->counters->Read();
     times->sys.syscalls += sys1.syscalls - sys0.syscalls - 1;  // the read
@@ -301,6 +358,7 @@ void BM_SchedulerHooks(benchmark::State& state) {
   per_unit("events", static_cast<double>(times.calls.events));
   per_unit("records_shared", static_cast<double>(times.calls.records_shared));
   per_unit("hooks", static_cast<double>(times.hooks));
+  per_unit("allocs", static_cast<double>(times.allocs));
   // The share of hook_cpu_ns_per_unit that is the benchmark's own timing (subtract it for the
   // scheduler's).
   per_unit("timer_cpu_ns_per_unit", timer_cpu_ns_per_hook * static_cast<double>(times.hooks));

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -41,8 +42,14 @@ class HostCapture {
  public:
   // `clock` is the recording stream's (it must outlive the capture: streams' clocks outlive
   // the streams, and a capture is completed at the latest when its stream is destroyed).
-  explicit HostCapture(const Stream& stream)
-      : stream_name_(stream.name()), stream_id_(stream.id()), clock_(&stream.clock()) {}
+  // `shared_name` is the stream's name, shared by the stream and its captures (which may outlive
+  // it: HostCaptureRecorder::shared_name()); null: the capture keeps a copy of stream.name().
+  explicit HostCapture(const Stream& stream,
+                       std::shared_ptr<const std::string> shared_name = nullptr)
+      : shared_name_(std::move(shared_name)),
+        own_name_(shared_name_ == nullptr ? stream.name() : std::string()),
+        stream_id_(stream.id()),
+        clock_(&stream.clock()) {}
 
   // Marks the capture complete with `status` (OK, or the failure of the stream it was recorded
   // on) at clock().Now(): runs the callbacks, then wakes every waiter. Only the first call counts.
@@ -64,12 +71,15 @@ class HostCapture {
   // Runs `callback` when complete (at once, here, if it already is).
   void OnComplete(EventCallback callback);
 
-  const std::string& stream_name() const { return stream_name_; }
+  const std::string& stream_name() const {
+    return shared_name_ != nullptr ? *shared_name_ : own_name_;
+  }
   uint64_t stream_id() const { return stream_id_; }
   const Clock& clock() const { return *clock_; }
 
  private:
-  const std::string stream_name_;
+  const std::shared_ptr<const std::string> shared_name_;
+  const std::string own_name_;  // without a shared name
   const uint64_t stream_id_;
   const Clock* const clock_;
   std::mutex mu_;
@@ -78,7 +88,9 @@ class HostCapture {
   bool completing_ ABSL_GUARDED_BY(mu_) = false;  // Complete() is running the callbacks
   absl::Time completed_at_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
-  std::vector<EventCallback> callbacks_ ABSL_GUARDED_BY(mu_);
+  // Inline: most captures get one or two callbacks (the allocator's guards, a stream's wait).
+  using Callbacks = absl::InlinedVector<EventCallback, 2>;
+  Callbacks callbacks_ ABSL_GUARDED_BY(mu_);
 };
 
 // Implemented by every stream a host event can be recorded on (host, caller and CUDA streams).
@@ -87,6 +99,10 @@ class HostCaptureRecorder {
   // Completes `capture` once the work enqueued so far has run. If the stream is poisoned the
   // capture completes at once with the stream's Status, which is also returned.
   virtual absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) = 0;
+
+  // The stream's name, for its captures to share without copying it; null: each capture copies
+  // it.
+  virtual std::shared_ptr<const std::string> shared_name() const { return nullptr; }
 
  protected:
   ~HostCaptureRecorder() = default;
@@ -144,9 +160,10 @@ class HostEvent final : public Event, public std::enable_shared_from_this<HostEv
   static absl::Status RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
                                   HostCaptureRecorder& recorder);
   // RecordFresh's first half: sets up the first Record() of `self` (no other thread can see it
-  // yet) on `stream` and returns its capture, for the stream to record.
+  // yet) on `stream` (which `recorder` is) and returns its capture, for the stream to record.
   static std::shared_ptr<HostCapture> PrepareFresh(const std::shared_ptr<HostEvent>& self,
-                                                   Stream& stream);
+                                                   Stream& stream,
+                                                   const HostCaptureRecorder& recorder);
 
  private:
   // Stream::id() of the latest Record()'s stream, readable without the lock.

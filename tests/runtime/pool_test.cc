@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <set>
 #include <thread>
@@ -403,6 +404,67 @@ TEST(CachingPoolTest, StreamOrderedReuseCarriesTheReadersFailure) {
   gate.Open();
   EXPECT_EQ(writer->Synchronize(absl::Now() + absl::Seconds(30)).code(),
             absl::StatusCode::kInternal);
+}
+
+// A block taken for stream-ordered reuse leaves its guards' callbacks registered: when they run
+// later they must change nothing, neither the blocks released meanwhile (which the allocator
+// keeps in recycled records) nor, once the pool is gone, anything at all.
+TEST(CachingPoolTest, LateGuardCallbacksOfATakenBlockChangeNothing) {
+  auto host = CreateHostAllocator();
+  auto pool = std::make_unique<CachingPool>(*host);
+  auto writer = *CreateHostStream({.name = "gather"});
+  constexpr size_t kBytes = 7001;
+  auto e1 = ManualEvent::Create(), e2 = ManualEvent::Create(), e3 = ManualEvent::Create(),
+       e4 = ManualEvent::Create();
+  absl::StatusOr<Buffer> a = pool->Allocate(kBytes);
+  ASSERT_TRUE(a.ok());
+  void* const x = a->data();
+  a->ReleaseAfter(e1);
+  a->ReleaseAfter(e2);
+  a->ReleaseAfter(e1);  // the same event twice is one guard
+  a->Reset();
+  e1->Complete();
+  EXPECT_EQ(pool->pending_blocks(), 1);
+  // Taken for reuse while e2 is outstanding: the writer waits for e2.
+  absl::StatusOr<Buffer> b = pool->Allocate(kBytes, *writer);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->data(), x);
+  EXPECT_EQ(pool->pending_blocks(), 0);
+  // Two blocks released while e2's callback (of the taken block) is still registered.
+  absl::StatusOr<Buffer> c = pool->Allocate(kBytes), d = pool->Allocate(kBytes);
+  ASSERT_TRUE(c.ok() && d.ok());
+  c->ReleaseAfter(e3);
+  c->Reset();
+  e2->Complete();  // the taken block's late callback
+  d->ReleaseAfter(e4);
+  d->Reset();
+  EXPECT_EQ(pool->pending_blocks(), 2);
+  EXPECT_EQ(pool->Collect(), 0) << "e2 completed no block of the set";
+  e4->Complete();
+  EXPECT_EQ(pool->Collect(), 1);
+  EXPECT_EQ(pool->pending_blocks(), 1);
+  e3->Complete();
+  EXPECT_EQ(pool->Collect(), 1);
+  EXPECT_EQ(pool->pending_blocks(), 0);
+  ASSERT_TRUE(writer->Synchronize(absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_EQ(pool->stats().live_allocations, 1);  // b
+  EXPECT_EQ(pool->stats().current_bytes, static_cast<int64_t>(kBytes));
+
+  // The same once the pool is gone: the late callback runs after its allocator was destroyed.
+  auto e5 = ManualEvent::Create(), e6 = ManualEvent::Create();
+  pool->EmptyCache();  // c's and d's blocks: the next allocation must take b's pending one
+  b->ReleaseAfter(e5);
+  b->ReleaseAfter(e6);
+  b->Reset();
+  e5->Complete();
+  absl::StatusOr<Buffer> f = pool->Allocate(kBytes, *writer);  // takes the block; waits for e6
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->data(), x);
+  f->Reset();
+  pool.reset();
+  e6->Complete();
+  ASSERT_TRUE(writer->Synchronize(absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_EQ(host->stats().live_allocations, 0);
 }
 
 TEST(CachingPoolTest, ConcurrentUseKeepsExactCounts) {
