@@ -107,4 +107,12 @@ void Mailboxes::Sleep(int peer, uint64_t count, absl::Duration timeout) {
   __atomic_store_n(sleeping, 0, __ATOMIC_RELAXED);
 }
 
+void Mailboxes::MarkAborted() {
+  __atomic_store_n(const_cast<uint32_t*>(AbortedWord(base_)), 1, __ATOMIC_RELEASE);
+}
+
+bool Mailboxes::Aborted(int peer) const {
+  return __atomic_load_n(AbortedWord(peers_[peer]), __ATOMIC_ACQUIRE) != 0;
+}
+
 }  // namespace shardline::ucx_internal

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "collectives/ucx/internal/ucx_algorithms.h"
@@ -248,6 +249,22 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
   }
 }
 
+absl::Status CollectiveRun::PeerAborted(int peer) {
+  // The notice follows the mark (BroadcastAbort): it is here or on its way.
+  const absl::Time until = absl::Now() + absl::Milliseconds(100);
+  while (true) {
+    transport_.Progress();
+    absl::Status comm = hooks_.comm_status();
+    if (!comm.ok()) return Annotate(comm, hooks_.describe());
+    if (absl::Now() >= until) break;
+    std::this_thread::yield();
+  }
+  return MarkPeerError(
+      absl::AbortedError(absl::StrCat(hooks_.describe(), ": rank ", peer,
+                                      " aborted the communicator (its reason did not arrive)")),
+      absl::StrCat(peer));
+}
+
 absl::Status CollectiveRun::WaitAll(const std::vector<Completion*>& cs) {
   size_t next = 0;  // completions finish roughly in order: skip the prefix known done
   auto step = [&]() -> absl::StatusOr<bool> {
@@ -367,6 +384,10 @@ absl::Status RunThroughMailboxes(CollectiveRun& run, Mailboxes& boxes) {
   };
   SL_ASSIGN_OR_RETURN(const bool all_there, arrived());
   if (!all_there) SL_RETURN_IF_ERROR(run.Drive(arrived, sleep, pending, may_yield));
+  // A peer that aborted (having given up on this collective, say) published before it did.
+  for (int p = 0; p < n; ++p) {
+    if (p != me && boxes.Aborted(p)) return run.PeerAborted(p);
+  }
 
   std::vector<const uint8_t*>& encoded = run.scratch().received;
   encoded.assign(n, nullptr);

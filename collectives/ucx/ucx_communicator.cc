@@ -38,22 +38,23 @@ class UcxCommunicator final : public Communicator {
         transport_(std::move(transport)),
         tuning_(tuning) {}
 
-  // Connects the transport's failure reports to Abort(); after construction, since it needs
-  // weak_from_this().
+  // Connects the transport's failure reports to Abort(). The handler holds a plain pointer:
+  // the destructor removes it (waiting for a call in flight) before anything is destroyed, and
+  // a strong reference taken on the transport's progress thread could make that thread the
+  // last owner, destroying the transport from its own thread.
   void Attach() {
     if (transport_ == nullptr) return;
-    std::weak_ptr<Communicator> weak = weak_from_this();
-    transport_->SetAbortHandler([weak](const absl::Status& reason, bool forward) {
-      std::shared_ptr<Communicator> self = weak.lock();
-      if (self == nullptr) return;
+    transport_->SetAbortHandler([this](const absl::Status& reason, bool forward) {
       forward_abort_ = forward;
       // Only peers' aborts and deaths come through here.
-      self->Abort(MarkPeerError(reason, "peer"));
+      Abort(MarkPeerError(reason, "peer"));
       forward_abort_ = true;
     });
   }
 
-  ~UcxCommunicator() override = default;
+  ~UcxCommunicator() override {
+    if (transport_ != nullptr) transport_->ClearAbortHandler();
+  }
 
   absl::string_view backend() const override { return "ucx"; }
 

@@ -5,6 +5,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/clock.h"
+#include "runtime/config.h"
 #include "runtime/logging.h"
 
 namespace shardline::ucx_internal {
@@ -83,18 +85,45 @@ void UcxTransport::HandleControl(const Completion& c, std::vector<absl::Status>*
                      << ": ignoring a control message of unknown type " << int{type};
 }
 
+namespace {
+// The transport whose abort handler this thread is running, if any.
+thread_local const UcxTransport* reporting = nullptr;
+}  // namespace
+
 void UcxTransport::Report(const absl::Status& status, bool forward) {
   unclean_ = true;
   AbortHandler handler;
   {
     std::lock_guard<std::mutex> lock(handler_mu_);
+    if (cleared_) return;
     if (!abort_handler_) {
       early_reports_.emplace_back(status, forward);
       return;
     }
     handler = abort_handler_;
+    ++handler_calls_;
   }
+  const UcxTransport* outer = reporting;
+  reporting = this;
   handler(status, forward);
+  reporting = outer;
+  std::lock_guard<std::mutex> lock(handler_mu_);
+  if (--handler_calls_ == 0) handler_cv_.notify_all();
+}
+
+void UcxTransport::ClearAbortHandler() {
+  std::unique_lock<std::mutex> lock(handler_mu_);
+  cleared_ = true;
+  abort_handler_ = nullptr;
+  early_reports_.clear();
+  // Not for a call on this thread: the handler itself let go of the communicator.
+  const int own = reporting == this ? 1 : 0;
+  if (!WallClock().WaitUntil(handler_cv_, lock, DefaultDeadline(),
+                             [&] { return handler_calls_ == own; })) {
+    SL_LOG(WARN, COLL) << "ucx communicator " << name_ << " rank " << rank_
+                       << ": an abort report still runs after SHARDLINE_TIMEOUT_S; destroying "
+                          "the communicator anyway";
+  }
 }
 
 void UcxTransport::SendControl(int peer, uint8_t type, const absl::Status& status) {
@@ -117,6 +146,8 @@ void UcxTransport::SendControl(int peer, uint8_t type, const absl::Status& statu
 }
 
 void UcxTransport::BroadcastAbort(const absl::Status& reason) {
+  // First: a peer that finds this rank's mailbox slot complete must not take it as agreement.
+  if (mailboxes_ != nullptr) mailboxes_->MarkAborted();
   for (int p = 0; p < size_; ++p) {
     bool skip;
     {

@@ -75,6 +75,12 @@ class Mailboxes {
   // Sleeps until `peer` publishes `count`, `timeout` passes, or a spurious wake-up.
   void Sleep(int peer, uint64_t count, absl::Duration timeout);
 
+  // Says in this rank's mailbox that it aborted the communicator (any thread), so that a peer
+  // that finds this rank's slot complete does not finish the collective with it: this rank may
+  // have given up on that collective (its reason follows as a UCX abort notice).
+  void MarkAborted();
+  bool Aborted(int peer) const;
+
  private:
   static constexpr size_t kLine = 64;
 
@@ -91,6 +97,10 @@ class Mailboxes {
   }
   // The first word of a mailbox: 1 + the peer whose sequence word its owner sleeps on, or 0.
   static uint32_t* SleepingOn(uint8_t* base) { return reinterpret_cast<uint32_t*>(base); }
+  // The second: 1 once its owner aborted.
+  static const uint32_t* AbortedWord(const uint8_t* base) {
+    return reinterpret_cast<const uint32_t*>(base) + 1;
+  }
 
   const int rank_;
   const int fd_;

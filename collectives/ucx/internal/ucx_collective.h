@@ -136,6 +136,11 @@ class CollectiveRun {
   // True if done; an error if done badly.
   absl::StatusOr<bool> Done(const Completion* c) const;
 
+  // The error of a collective whose peer `peer` said in its mailbox that it aborted: the
+  // communicator's abort reason once the peer's notice is in (waited for 100 ms at most), else
+  // Aborted naming the peer.
+  absl::Status PeerAborted(int peer);
+
   // Marks single-copy receives that will never be served (the collective failed) as cancelled,
   // so that the batch can be released.
   void AbandonReads();

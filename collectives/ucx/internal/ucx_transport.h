@@ -220,6 +220,12 @@ class UcxTransport {
   // delivered then.
   using AbortHandler = std::function<void(const absl::Status&, bool forward)>;
   void SetAbortHandler(AbortHandler handler);
+  // Removes the handler and returns once no call of it is running (bounded by
+  // SHARDLINE_TIMEOUT_S); reports that arrive later are dropped. The communicator calls it
+  // first thing in its destructor, so its handler can hold a plain pointer to it: the
+  // transport's threads never own the communicator, and so never destroy the transport from one
+  // of its own threads (whose destructor joins the progress thread).
+  void ClearAbortHandler();
 
   // Posts a tagged send of `bytes` at `buffer` to `peer` / a receive from `peer` of at most
   // `bytes` into `buffer`. The buffer must stay valid until `c` is done. Internal on a UCX error.
@@ -375,8 +381,11 @@ class UcxTransport {
   PeerMemory peer_memory_;  // of the local peers
   std::vector<std::unique_ptr<ErrorArg>> error_args_;
 
-  std::mutex handler_mu_;  // guards abort_handler_, early_reports_
+  std::mutex handler_mu_;  // guards abort_handler_, early_reports_, handler_calls_, cleared_
+  std::condition_variable handler_cv_;  // handler_calls_ dropped to 0
   AbortHandler abort_handler_;
+  int handler_calls_ = 0;                                     // calls of abort_handler_ running
+  bool cleared_ = false;                                      // ClearAbortHandler was called
   std::vector<std::pair<absl::Status, bool>> early_reports_;  // before SetAbortHandler
 
   // Guards peers_[].ep against a close while another thread sends on it (SendControl from any
