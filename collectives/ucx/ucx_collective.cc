@@ -217,7 +217,7 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
 absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step,
                                   absl::FunctionRef<void(absl::Time deadline)> sleep,
                                   absl::FunctionRef<std::vector<int>()> pending,
-                                  absl::FunctionRef<bool()> may_yield) {
+                                  absl::FunctionRef<bool()> mates_pending) {
   absl::Time last_activity = absl::Now();
   while (true) {
     bool activity = transport_.Progress();
@@ -240,7 +240,7 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     // a runnable thread between polls; on an idle host with spare cores sched_yield only costs
     // (it brought the same lock-step back at the yield threshold).
     if (now - last_activity < tuning_.spin) {
-      if (may_yield()) transport_.YieldIfOversubscribed(now, now - last_activity);
+      transport_.YieldIfOversubscribed(now, now - last_activity, mates_pending());
       continue;
     }
     // Only on the way to sleep: the spin stays free of it.
@@ -372,10 +372,10 @@ absl::Status RunThroughMailboxes(CollectiveRun& run, Mailboxes& boxes) {
     return peers;
   };
   // Ranks pinned to CPUs (shardline-launch --bind-to core) know who shares theirs: once every
-  // peer on this rank's CPU has published, the peers still awaited run on other CPUs and
-  // nobody here needs the core, so the wait polls without yielding it (a yield would only
-  // bounce between two waiting ranks, a context switch each way).
-  auto may_yield = [&] {
+  // peer on this rank's CPU has published, the peers still awaited run on other CPUs and no
+  // rank here needs the core, so sharing it with them is no reason to yield (a yield would
+  // only bounce between two waiting ranks, a context switch each way).
+  auto mates_pending = [&] {
     if (!run.pinned()) return true;
     for (int p = 0; p < n; ++p) {
       if (p != me && run.SharesCpu(p) && !boxes.Arrived(p, count)) return true;
@@ -383,7 +383,7 @@ absl::Status RunThroughMailboxes(CollectiveRun& run, Mailboxes& boxes) {
     return false;
   };
   SL_ASSIGN_OR_RETURN(const bool all_there, arrived());
-  if (!all_there) SL_RETURN_IF_ERROR(run.Drive(arrived, sleep, pending, may_yield));
+  if (!all_there) SL_RETURN_IF_ERROR(run.Drive(arrived, sleep, pending, mates_pending));
   // A peer that aborted (having given up on this collective, say) published before it did.
   for (int p = 0; p < n; ++p) {
     if (p != me && boxes.Aborted(p)) return run.PeerAborted(p);

@@ -97,7 +97,8 @@ bool HostBusy(int cpus, absl::Time at) {
 
 }  // namespace
 
-void UcxTransport::YieldIfOversubscribed(absl::Time now, absl::Duration idle) const {
+void UcxTransport::YieldIfOversubscribed(absl::Time now, absl::Duration idle,
+                                         bool mates_pending) const {
   // How long a wait on a busy host spins without yielding when no thread of this process wants
   // the core: a peer that takes longer may be one of the runnable threads (ranks of another
   // communicator or another test host on this machine, which `oversubscribed_` does not count).
@@ -114,8 +115,9 @@ void UcxTransport::YieldIfOversubscribed(absl::Time now, absl::Duration idle) co
       // busy loops took 0.4-1.9 ms per call that way, 8-35 us without; docs/benchmarks.md). A
       // thread of this process that may want the core (another host stream's worker) is, and
       // so is a wait that has stalled for a while.
-      if (oversubscribed_ || (HostBusy(cpus_, now) &&
-                              (OtherAwakeHostStreamWorkers() > 0 || idle >= kBusyHostPatience))) {
+      if ((oversubscribed_ && mates_pending) ||
+          (HostBusy(cpus_, now) &&
+           (OtherAwakeHostStreamWorkers() > 0 || idle >= kBusyHostPatience))) {
         sched_yield();
       }
       return;

@@ -119,12 +119,12 @@ class CollectiveRun {
   absl::Status Drive(absl::FunctionRef<absl::StatusOr<bool>()> step);
   // The same, waiting for something other than the batch's requests: `sleep(deadline)` sleeps
   // until there may be news (or a short while), `pending()` names the peers still awaited, and
-  // `may_yield()` says whether a poll may hand the core to another thread at all (where the
-  // yield rule says so).
+  // `mates_pending()` whether a rank that shares this rank's CPU may still be awaited
+  // (UcxTransport::YieldIfOversubscribed).
   absl::Status Drive(absl::FunctionRef<absl::StatusOr<bool>()> step,
                      absl::FunctionRef<void(absl::Time deadline)> sleep,
                      absl::FunctionRef<std::vector<int>()> pending,
-                     absl::FunctionRef<bool()> may_yield);
+                     absl::FunctionRef<bool()> mates_pending);
   // Drive() until every completion in `cs` (nulls skipped) is done and OK.
   absl::Status WaitAll(const std::vector<Completion*>& cs);
   // Drive() until every request of the batch is done.

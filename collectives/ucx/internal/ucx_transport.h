@@ -288,7 +288,9 @@ class UcxTransport {
   // or the wait has made no progress for `idle` >= 50 us (the peer it waits for may be one of
   // those threads). `now` is the caller's clock reading (the look at the host is at most every
   // 10 ms).
-  void YieldIfOversubscribed(absl::Time now, absl::Duration idle) const;
+  // `mates_pending` false: the caller knows that none of the ranks it awaits shares its CPU
+  // (mailbox waits of pinned ranks), so the communicator's own oversubscription is no reason.
+  void YieldIfOversubscribed(absl::Time now, absl::Duration idle, bool mates_pending = true) const;
   // Whether this rank and `peer` are pinned to the same CPU (shardline-launch --bind-to core: each
   // rank publishes its CPU at wire-up). A pinned rank is oversubscribed only if some peer is.
   bool SharesCpu(int peer) const {
