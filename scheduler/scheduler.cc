@@ -405,11 +405,13 @@ absl::Status Scheduler::IssueGather(int u, bool backward, bool demanded) {
     if (!demanded) return absl::OkStatus();
     ++current_.budget_overshoots;
   }
+  const bool timed = options_.time_communication;
   std::shared_ptr<Event> start;
-  SL_ASSIGN_OR_RETURN(Work work, unit.param->Gather(*gather_comm_, *gather_stream_,
-                                                    {.collective = {.tag = unit.name},
-                                                     .collective_start = &start}));
-  unit.comm.emplace_back(std::move(start), work.event());
+  SL_ASSIGN_OR_RETURN(Work work,
+                      unit.param->Gather(*gather_comm_, *gather_stream_,
+                                         {.collective = {.tag = unit.name},
+                                          .collective_start = timed ? &start : nullptr}));
+  if (timed) unit.comm.emplace_back(std::move(start), work.event());
   unit.gathered = true;
   unit.backward_gather = backward;
   Charge(unit, bytes);
@@ -519,7 +521,9 @@ absl::Status Scheduler::AcquireForCompute(int u) {
   Unit& unit = units_[u];
   // A gather that already completed holds the compute stream up for nothing: no wait to time
   // (two events fewer; the unit's exposed wait gains zero).
-  if (unit.param->GatherCompleted()) return unit.param->Acquire(compute_);
+  if (!options_.time_communication || unit.param->GatherCompleted()) {
+    return unit.param->Acquire(compute_);
+  }
   // Fresh events (RecordEvent), not shared ones: the pair times the wait by completion times, and
   // a shared event recorded earlier on a drained stream reports that earlier time.
   SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordEvent(compute_));
@@ -809,14 +813,15 @@ absl::Status Scheduler::IssueReduction(int u) {
   const MixedPrecisionPolicy& mp = unit.param->policy();
   // The flight recorder tags every collective of the unit with its name.
   const ReduceGradOptions ro{.op = unit.reduce_op, .collective = {.tag = unit.name}};
+  const bool timed = options_.time_communication;
   std::shared_ptr<Event> start;
   ReduceGradOptions rs = ro;
-  rs.collective_start = &start;
+  rs.collective_start = timed ? &start : nullptr;
   SL_ASSIGN_OR_RETURN(
       std::shared_ptr<Event> scattered,
       unit.param->ReduceScatter(*reduce_comm_, *reduce_stream_, unit.grad_ready_event, rs));
   issue_log_.push_back({Issued::kReduceScatter, u});
-  unit.comm.emplace_back(std::move(start), scattered);
+  if (timed) unit.comm.emplace_back(std::move(start), scattered);
   const uint64_t reduced_bytes = unit.param->layout().total_elements() * DTypeSize(mp.reduce_dtype);
   unit.metrics.bytes_reduced += reduced_bytes;
   current_.bytes_reduced += reduced_bytes;
@@ -837,7 +842,7 @@ absl::Status Scheduler::IssueReduction(int u) {
     SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> reduced,
                         unit.param->AllReduce(replicate_comm_.get(), *all_reduce_stream_, ro));
     issue_log_.push_back({Issued::kAllReduce, u});
-    unit.comm.emplace_back(scattered, std::move(reduced));
+    if (timed) unit.comm.emplace_back(scattered, reduced);
     accumulate = all_reduce_stream_.get();
   }
   SL_ASSIGN_OR_RETURN(unit.final_event, unit.param->Accumulate(*accumulate));
@@ -847,11 +852,14 @@ absl::Status Scheduler::IssueReduction(int u) {
     ReduceOptions ar{};
     ar.op = unit.reduce_op;
     ar.tag = unit.name;
-    SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> before, RecordEvent(*all_reduce_stream_));
+    std::shared_ptr<Event> before;
+    if (timed) {
+      SL_ASSIGN_OR_RETURN(before, RecordEvent(*all_reduce_stream_));
+    }
     SL_ASSIGN_OR_RETURN(Work work, replicate_comm_->AllReduce(grad.data, grad.data, grad.elements,
                                                               grad.dtype, *all_reduce_stream_, ar));
     issue_log_.push_back({Issued::kAllReduceAccumulated, u});
-    unit.comm.emplace_back(std::move(before), work.event());
+    if (timed) unit.comm.emplace_back(std::move(before), work.event());
     unit.final_event = work.event();
     unit.all_reduce_deferred = false;
   }
@@ -1308,7 +1316,7 @@ absl::StatusOr<StepMetrics> Scheduler::LastStepMetrics(absl::Time deadline) {
   }
   StepMetrics& m = f.metrics;
   m.step_time = Between(f.start, f.end);
-  bool timed = m.step_time.has_value();
+  bool timed = m.step_time.has_value() && options_.time_communication;
   absl::Duration exposed, communication;
   for (size_t u = 0; u < f.waits.size(); ++u) {
     absl::Duration unit_exposed;

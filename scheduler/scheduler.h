@@ -180,6 +180,12 @@ struct SchedulerOptions {
   // Chrome-trace spans of the scheduler's streams (tracks "gather", "reduce", "all_reduce") and
   // counters of the bytes in flight. Null: none. Must outlive the scheduler.
   TraceWriter* trace = nullptr;
+  // Whether StepMetrics time the communication: an event pair around each wait of the compute
+  // stream for a gather and an event before each collective, read back by LastStepMetrics
+  // (exposed_communication, communication_time, overlap_fraction, the units' exposed_wait).
+  // Off: those stay nullopt, and the hooks record up to seven events fewer per unit per step
+  // (scheduler_hooks_bench). Counts, bytes, budget figures, step_time and host_hook_time stay.
+  bool time_communication = true;
 };
 
 struct UnitStepMetrics {

@@ -21,7 +21,9 @@
 // per step (ThisThreadHostStreamCallStats); allocs = heap allocations (operator new, every form)
 // made by the calling thread inside the hooks per unit per step; with
 // SHARDLINE_HOOKS_BENCH_SYSCALLS=1 also syscalls, futex, ctx_switches of the hook thread inside the
-// hooks (SyscallCounters); with SHARDLINE_HOOKS_BENCH_CPU=0 no CPU-clock reads at all (wall only).
+// hooks (SyscallCounters); with SHARDLINE_HOOKS_BENCH_CPU=0 no CPU-clock reads at all (wall only);
+// with SHARDLINE_HOOKS_BENCH_UNTIMED=1 the schedulers do not time their communication
+// (SchedulerOptions::time_communication).
 // The benchmark's own time is the whole step (hooks + waiting for the streams).
 
 #include <linux/perf_event.h>
@@ -314,6 +316,9 @@ void BM_SchedulerHooks(benchmark::State& state) {
   options.backward_prefetch_depth = std::max(depth, 1);
   options.root_unit = -1;
   options.budget_bytes = static_cast<size_t>(budget_units * elements) * sizeof(float);
+  // SHARDLINE_HOOKS_BENCH_UNTIMED=1: SchedulerOptions::time_communication off.
+  const char* untimed = std::getenv("SHARDLINE_HOOKS_BENCH_UNTIMED");
+  options.time_communication = untimed == nullptr || std::strcmp(untimed, "1") != 0;
   absl::StatusOr<std::unique_ptr<Scheduler>> scheduler =
       Scheduler::Create(world, **compute, options, absl::Now() + absl::Seconds(60));
   SL_CHECK(scheduler.ok()) << scheduler.status();

@@ -276,5 +276,58 @@ TEST(SchedulerVirtualTest, PrefetchHidesEveryGatherButTheFirst) {
   EXPECT_GE(absl::ToDoubleMicroseconds(*off.step_time - *on.step_time), 6 * gather_us);
 }
 
+TEST(SchedulerVirtualTest, UntimedCommunicationRunsTheSameStepAndLeavesItsTimesOut) {
+  // SchedulerOptions::time_communication = false records no timing events: the same issue order
+  // and, on virtual time, the same step; the communication times are absent, not zero.
+  std::vector<int> uses = {0, 1, 2, 3, 1};
+  struct Result {
+    StepMetrics metrics;
+    std::string issued;
+  };
+  auto run = [&](bool timed) -> Result {
+    SchedulerOptions options;
+    options.forward_order = uses;
+    options.root_unit = -1;
+    options.time_communication = timed;
+    std::unique_ptr<World> w = MakeWorld(2, options, 1e9);
+    for (int r = 0; r < 2; ++r) {
+      for (int u = 0; u < 4; ++u) {
+        SL_CHECK(w->schedulers[r]
+                     ->RegisterUnit({.name = absl::StrCat("u", u),
+                                     .tensors = {{.name = "w", .shape = {77 * 1024 + u}}}})
+                     .ok());
+      }
+    }
+    for (int step = 0; step < 2; ++step) {
+      absl::StatusOr<bool> blocked =
+          Step(*w, uses, absl::Microseconds(300), absl::Microseconds(600));
+      SL_CHECK(blocked.ok()) << blocked.status();
+    }
+    auto m = w->schedulers[0]->LastStepMetrics(absl::InfiniteFuture());
+    SL_CHECK(m.ok()) << m.status();
+    return {*m, absl::StrJoin(w->schedulers[0]->issue_log(), ", ")};
+  };
+  const Result timed = run(true);
+  const Result untimed = run(false);
+  EXPECT_EQ(untimed.issued, timed.issued);
+  ASSERT_TRUE(timed.metrics.step_time.has_value() && untimed.metrics.step_time.has_value());
+  EXPECT_EQ(*untimed.metrics.step_time, *timed.metrics.step_time);
+  EXPECT_TRUE(timed.metrics.exposed_communication.has_value());
+  EXPECT_TRUE(timed.metrics.communication_time.has_value());
+  EXPECT_FALSE(untimed.metrics.exposed_communication.has_value());
+  EXPECT_FALSE(untimed.metrics.communication_time.has_value());
+  EXPECT_FALSE(untimed.metrics.overlap_fraction.has_value());
+  EXPECT_EQ(untimed.metrics.bytes_gathered, timed.metrics.bytes_gathered);
+  EXPECT_EQ(untimed.metrics.bytes_reduced, timed.metrics.bytes_reduced);
+  EXPECT_EQ(untimed.metrics.peak_inflight_bytes, timed.metrics.peak_inflight_bytes);
+  ASSERT_EQ(untimed.metrics.units.size(), 4u);
+  for (int u = 0; u < 4; ++u) {
+    EXPECT_TRUE(timed.metrics.units[u].exposed_wait.has_value()) << u;
+    EXPECT_FALSE(untimed.metrics.units[u].exposed_wait.has_value()) << u;
+    EXPECT_EQ(untimed.metrics.units[u].gathers, timed.metrics.units[u].gathers) << u;
+    EXPECT_EQ(untimed.metrics.units[u].name, absl::StrCat("u", u));
+  }
+}
+
 }  // namespace
 }  // namespace shardline
