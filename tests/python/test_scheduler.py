@@ -70,8 +70,8 @@ def reference(params):
     return params
 
 
-def run_rank(world, init, out):
-    s = shardline.Scheduler(world, timeout=30)
+def run_rank(world, init, out, time_communication=True):
+    s = shardline.Scheduler(world, timeout=30, time_communication=time_communication)
     for name, op, (d_in, d_out) in zip(UNITS, REDUCE_OPS, zip(DIMS[:-1], DIMS[1:])):
         s.register_unit(name, [(f"{name}.w", (d_in, d_out)), (f"{name}.b", (d_out,))],
                         reduce_op=op)
@@ -150,15 +150,15 @@ def unshard(per_rank, u):
     return [flat[names[0]].reshape(DIMS[u], DIMS[u + 1]), flat[names[1]]]
 
 
-def test_scheduler_sgd_matches_unsharded():
-    init = initial_params()
+def run_world(init, time_communication=True):
+    """Every rank's run_rank on a thread; their outputs."""
     worlds = shardline.init_local(WORLD, timeout=30)
     outs = [{} for _ in worlds]
     failures = []
 
     def target(world, out):
         try:
-            run_rank(world, init, out)
+            run_rank(world, init, out, time_communication)
         except BaseException as e:  # noqa: BLE001 - reported below
             failures.append(f"rank {world.rank}: {type(e).__name__}: {e}")
             world.abort()  # the other rank fails at once instead of at its deadline
@@ -170,6 +170,27 @@ def test_scheduler_sgd_matches_unsharded():
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a rank did not finish within 120 s"
     assert not failures, "\n".join(failures)
+    return outs
+
+
+def test_scheduler_untimed_trains_the_same_and_leaves_the_times_out():
+    init = initial_params()
+    timed, untimed = run_world(init), run_world(init, time_communication=False)
+    for u in range(len(UNITS)):
+        for a, b in zip(unshard([o["final"][u] for o in timed], u),
+                        unshard([o["final"][u] for o in untimed], u)):
+            np.testing.assert_array_equal(a, b)
+    for out in untimed:
+        for m in out["metrics"]:
+            assert m.exposed_communication is None and m.communication_time is None
+            assert m.overlap_fraction is None and m.step_time is not None
+            assert all(u.exposed_wait is None for u in m.units)
+    assert all(m.exposed_communication is not None for m in timed[0]["metrics"])
+
+
+def test_scheduler_sgd_matches_unsharded():
+    init = initial_params()
+    outs = run_world(init)
 
     for u in range(len(UNITS)):
         # set_values kept each rank's shard of the initial values.

@@ -124,7 +124,8 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
             std::vector<int> forward_order, size_t budget_bytes, int budget_units, int root_unit,
             bool cpu_offload, const std::string& param_dtype, const std::string& reduce_dtype,
             bool keep_low_precision_grads, const std::string& name, nb::object trace,
-            const std::string& framework, std::optional<double> timeout_s) {
+            const std::string& framework, std::optional<double> timeout_s,
+            bool time_communication) {
   PyComm& comm = nb::cast<PyComm&>(world);
   if (framework != "numpy" && framework != "torch") {
     ThrowInvalid(absl::StrCat("framework '", framework, "' is not 'numpy' or 'torch'"));
@@ -146,6 +147,7 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
   options.budget_units = budget_units;
   options.root_unit = root_unit;
   options.cpu_offload = cpu_offload;
+  options.time_communication = time_communication;
   if (!trace.is_none()) options.trace = &nb::cast<TraceWriter&>(trace);
   MixedPrecisionPolicy precision;
   precision.param_dtype = Unwrap(ParseDType(param_dtype));
@@ -306,7 +308,7 @@ void RegisterScheduler(nb::module_& m) {
            nb::arg("param_dtype") = "float32", nb::arg("reduce_dtype") = "float32",
            nb::arg("keep_low_precision_grads") = false, nb::arg("name") = "fsdp",
            nb::arg("trace") = nb::none(), nb::arg("framework") = "numpy",
-           nb::arg("timeout") = nb::none())
+           nb::arg("timeout") = nb::none(), nb::arg("time_communication") = true)
       .def("register_unit", &RegisterUnit, nb::arg("name"), nb::arg("tensors"),
            nb::arg("reshard_after_forward") = nb::none(), nb::arg("reduce_op") = "avg",
            "Registers a unit of float32 tensors [(name, shape) or (name, shape, tied_to)]; "
