@@ -30,7 +30,8 @@ SL_PARAM(int64_t, UcxWindow, "UCX_WINDOW", 3,
          [](const int64_t& v) { return AtLeast(v, 1, "window"); });
 SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 2000,
          "Microseconds a waiting ucx collective polls (yielding its core between polls as "
-         "SHARDLINE_UCX_YIELD says) before it sleeps on the worker's event fd.",
+         "SHARDLINE_UCX_YIELD says) before it sleeps on the worker's event fd (in the "
+         "mailboxes' fingerprint round: on the awaited peer's sequence word).",
          [](const int64_t& v) { return AtLeast(v, 0, "spin"); });
 SL_PARAM(std::string, UcxYield, "UCX_YIELD", "auto",
          "When a waiting ucx collective hands its core to another runnable thread between polls "
