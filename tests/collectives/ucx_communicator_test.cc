@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/local/local_communicator.h"
@@ -68,6 +69,51 @@ Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30),
   return comms;
 }
 
+// The same through CreateUcxCommunicatorWithTuning: every rank with `tuning`.
+Comms MakeCommsWithTuning(int n, absl::Duration timeout, const ucx_internal::Tuning& tuning) {
+  auto store = std::make_shared<MemoryStore>();
+  Comms comms(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      absl::StatusOr<std::shared_ptr<Communicator>> comm =
+          ucx_internal::CreateUcxCommunicatorWithTuning(
+              {.rank = r, .size = n, .store = store, .timeout = timeout}, tuning);
+      SL_CHECK_OK(comm.status());
+      comms[r] = *std::move(comm);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return comms;
+}
+
+// n transports created concurrently under `name`, rank r with tuning_of(r) after on_thread(r)
+// ran on its thread; each rank's creation status beside it.
+struct Transports {
+  std::vector<std::unique_ptr<ucx_internal::UcxTransport>> transports;
+  std::vector<absl::Status> created;
+};
+Transports CreateTransports(int n, Store& store, const std::string& name,
+                            absl::FunctionRef<ucx_internal::Tuning(int)> tuning_of,
+                            absl::FunctionRef<void(int)> on_thread) {
+  Transports out;
+  out.transports.resize(n);
+  out.created.resize(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      on_thread(r);
+      absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
+          ucx_internal::UcxTransport::Create(r, n, store, name, tuning_of(r),
+                                             absl::Now() + absl::Seconds(20));
+      out.created[r] = t.status();
+      if (t.ok()) out.transports[r] = *std::move(t);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
 struct UcxBackend {
   static constexpr const char* kName = "ucx";
   static constexpr int kWorldSizes[] = {1, 2, 3, 4};
@@ -83,20 +129,7 @@ struct UcxMessagesBackend {
     absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
     SL_CHECK_OK(tuning.status());
     tuning->mailbox = false;
-    auto store = std::make_shared<MemoryStore>();
-    Comms comms(n);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        absl::StatusOr<std::shared_ptr<Communicator>> comm =
-            ucx_internal::CreateUcxCommunicatorWithTuning(
-                {.rank = r, .size = n, .store = store, .timeout = timeout}, *tuning);
-        SL_CHECK_OK(comm.status());
-        comms[r] = *std::move(comm);
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    return comms;
+    return MakeCommsWithTuning(n, timeout, *tuning);
   }
 };
 
@@ -416,23 +449,14 @@ TEST(UcxCommunicatorTest, RanksPinnedToOneCpuKnowWhichPeersShareIt) {
   absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
   ASSERT_TRUE(tuning.ok()) << tuning.status();
   MemoryStore store;
-  std::vector<std::unique_ptr<ucx_internal::UcxTransport>> transports(n);
-  std::vector<absl::Status> created(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      cpu_set_t one;
-      CPU_ZERO(&one);
-      CPU_SET(cpu_of(r), &one);
-      ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
-      absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
-          ucx_internal::UcxTransport::Create(r, n, store, "pinned", *tuning,
-                                             absl::Now() + absl::Seconds(20));
-      created[r] = t.status();
-      if (t.ok()) transports[r] = *std::move(t);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  auto [transports, created] = CreateTransports(
+      n, store, "pinned", [&](int) { return *tuning; },
+      [&](int r) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu_of(r), &one);
+        ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+      });
   for (int r = 0; r < n; ++r) {
     ASSERT_TRUE(created[r].ok()) << "rank " << r << ": " << created[r];
     EXPECT_TRUE(transports[r]->pinned()) << r;
@@ -465,21 +489,14 @@ TEST(UcxCommunicatorTest, MailboxesAreTakenByEveryRankOrByNone) {
   for (const bool rank1_wants : {true, false}) {
     const int n = 3;
     MemoryStore store;
-    std::vector<std::unique_ptr<ucx_internal::UcxTransport>> transports(n);
-    std::vector<absl::Status> created(n);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        ucx_internal::Tuning tuning = *base;
-        tuning.mailbox = r == 1 ? rank1_wants : true;
-        absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
-            ucx_internal::UcxTransport::Create(r, n, store, rank1_wants ? "all" : "one-off", tuning,
-                                               absl::Now() + absl::Seconds(20));
-        created[r] = t.status();
-        if (t.ok()) transports[r] = *std::move(t);
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    auto [transports, created] = CreateTransports(
+        n, store, rank1_wants ? "all" : "one-off",
+        [&](int r) {
+          ucx_internal::Tuning tuning = *base;
+          tuning.mailbox = r == 1 ? rank1_wants : true;
+          return tuning;
+        },
+        [](int) {});
     for (int r = 0; r < n; ++r) {
       ASSERT_TRUE(created[r].ok()) << "rank " << r << ": " << created[r];
       EXPECT_EQ(transports[r]->mailboxes() != nullptr, rank1_wants) << "rank " << r;
@@ -496,21 +513,7 @@ TEST(UcxCommunicatorTest, MailboxWaitsThatSleepAtOnceMoveDataCorrectly) {
   tuning->spin = absl::ZeroDuration();
   ASSERT_TRUE(tuning->mailbox);
   const int n = 3;
-  auto store = std::make_shared<MemoryStore>();
-  Comms comms(n);
-  {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        absl::StatusOr<std::shared_ptr<Communicator>> comm =
-            ucx_internal::CreateUcxCommunicatorWithTuning(
-                {.rank = r, .size = n, .store = store, .timeout = absl::Seconds(30)}, *tuning);
-        SL_CHECK_OK(comm.status());
-        comms[r] = *std::move(comm);
-      });
-    }
-    for (std::thread& t : threads) t.join();
-  }
+  Comms comms = MakeCommsWithTuning(n, absl::Seconds(30), *tuning);
   RunRanks(comms, [&](int /*r*/, Communicator& comm, Stream& stream) {
     // 61 elements: small; 3 * 32 Ki + 5: above SHARDLINE_UCX_SMALL_BYTES per peer.
     for (int salt = 0; salt < 40; ++salt) {
