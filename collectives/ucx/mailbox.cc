@@ -108,11 +108,13 @@ void Mailboxes::Sleep(int peer, uint64_t count, absl::Duration timeout) {
 }
 
 void Mailboxes::MarkAborted() {
-  __atomic_store_n(const_cast<uint32_t*>(AbortedWord(base_)), 1, __ATOMIC_RELEASE);
+  __atomic_store_n(const_cast<uint64_t*>(AbortedWord(base_)),
+                   completed_.load(std::memory_order_relaxed) + 1, __ATOMIC_RELEASE);
 }
 
-bool Mailboxes::Aborted(int peer) const {
-  return __atomic_load_n(AbortedWord(peers_[peer]), __ATOMIC_ACQUIRE) != 0;
+bool Mailboxes::AbortedBefore(int peer, uint64_t count) const {
+  const uint64_t mark = __atomic_load_n(AbortedWord(peers_[peer]), __ATOMIC_ACQUIRE);
+  return mark != 0 && mark - 1 < count;
 }
 
 }  // namespace shardline::ucx_internal

@@ -384,9 +384,10 @@ absl::Status RunThroughMailboxes(CollectiveRun& run, Mailboxes& boxes) {
   };
   SL_ASSIGN_OR_RETURN(const bool all_there, arrived());
   if (!all_there) SL_RETURN_IF_ERROR(run.Drive(arrived, sleep, pending, mates_pending));
-  // A peer that aborted (having given up on this collective, say) published before it did.
+  // A peer that aborted before it finished this collective (it gave up on it, say) published
+  // its slot before it did. One that aborted later finished this one: its slot stands.
   for (int p = 0; p < n; ++p) {
-    if (p != me && boxes.Aborted(p)) return run.PeerAborted(p);
+    if (p != me && boxes.AbortedBefore(p, count)) return run.PeerAborted(p);
   }
 
   std::vector<const uint8_t*>& encoded = run.scratch().received;
@@ -395,14 +396,19 @@ absl::Status RunThroughMailboxes(CollectiveRun& run, Mailboxes& boxes) {
     if (p != me) encoded[p] = boxes.fingerprint(p, count);
   }
   SL_RETURN_IF_ERROR(CompareFingerprints(run, encoded));
-  if (!small) return RunLarge(run);
-  // The fingerprints agree: every peer filled its slot for this collective the same way.
-  std::vector<const uint8_t*>& staging = run.scratch().staging;
-  staging.assign(n, nullptr);
-  for (int p = 0; p < n; ++p) {
-    if (p != me) staging[p] = MailboxPayloadFor(run, boxes.payload(p, count), p);
+  if (small) {
+    // The fingerprints agree: every peer filled its slot for this collective the same way.
+    std::vector<const uint8_t*>& staging = run.scratch().staging;
+    staging.assign(n, nullptr);
+    for (int p = 0; p < n; ++p) {
+      if (p != me) staging[p] = MailboxPayloadFor(run, boxes.payload(p, count), p);
+    }
+    SL_RETURN_IF_ERROR(FinishSmall(run, staging));
+  } else {
+    SL_RETURN_IF_ERROR(RunLarge(run));
   }
-  return FinishSmall(run, staging);
+  boxes.Completed(count);
+  return absl::OkStatus();
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_MAILBOX_H_
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_MAILBOX_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -75,11 +76,14 @@ class Mailboxes {
   // Sleeps until `peer` publishes `count`, `timeout` passes, or a spurious wake-up.
   void Sleep(int peer, uint64_t count, absl::Duration timeout);
 
-  // Says in this rank's mailbox that it aborted the communicator (any thread), so that a peer
-  // that finds this rank's slot complete does not finish the collective with it: this rank may
-  // have given up on that collective (its reason follows as a UCX abort notice).
+  // Collective `count` finished well on this rank (its data moved, its output written).
+  void Completed(uint64_t count) { completed_.store(count, std::memory_order_relaxed); }
+  // Says in this rank's mailbox that it aborted the communicator (any thread), and after which
+  // collective, so that a peer that finds this rank's slot of a later one complete does not
+  // finish it: this rank may have given up on it (its reason follows as a UCX abort notice).
   void MarkAborted();
-  bool Aborted(int peer) const;
+  // Whether `peer` aborted before it finished collective `count`.
+  bool AbortedBefore(int peer, uint64_t count) const;
 
  private:
   static constexpr size_t kLine = 64;
@@ -97,9 +101,10 @@ class Mailboxes {
   }
   // The first word of a mailbox: 1 + the peer whose sequence word its owner sleeps on, or 0.
   static uint32_t* SleepingOn(uint8_t* base) { return reinterpret_cast<uint32_t*>(base); }
-  // The second: 1 once its owner aborted.
-  static const uint32_t* AbortedWord(const uint8_t* base) {
-    return reinterpret_cast<const uint32_t*>(base) + 1;
+  // The second (8-byte aligned): 1 + the last collective its owner finished, once it aborted;
+  // 0 before.
+  static const uint64_t* AbortedWord(const uint8_t* base) {
+    return reinterpret_cast<const uint64_t*>(base) + 1;
   }
 
   const int rank_;
@@ -111,6 +116,7 @@ class Mailboxes {
   const size_t slot_stride_;
   std::vector<const uint8_t*> peers_;  // their mailboxes (this rank's own: null)
   uint64_t count_ = 0;
+  std::atomic<uint64_t> completed_{0};  // the last collective finished here (MarkAborted reads it)
 };
 
 }  // namespace shardline::ucx_internal
