@@ -576,6 +576,24 @@ TEST(UcxMailboxTest, ASleeperWakesWhenItsPeerPublishesThroughAnotherMapping) {
   munmap(const_cast<uint8_t*>(b_seen_by_a), (*b)->bytes());
 }
 
+// A rank's abort mark names the last collective it finished: a peer fails only later ones.
+TEST(UcxMailboxTest, TheAbortMarkSparesWhatTheAbortingRankFinished) {
+  using ucx_internal::Mailboxes;
+  absl::StatusOr<std::unique_ptr<Mailboxes>> a = Mailboxes::Create(0, 2, 24, 64);
+  absl::StatusOr<std::unique_ptr<Mailboxes>> b = Mailboxes::Create(1, 2, 24, 64);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  void* b_mapped = mmap(nullptr, (*b)->bytes(), PROT_READ, MAP_SHARED, (*b)->fd(), 0);
+  ASSERT_NE(b_mapped, MAP_FAILED);
+  (*a)->SetPeer(1, static_cast<const uint8_t*>(b_mapped));
+  for (uint64_t c = 1; c <= 3; ++c) (*b)->Completed(c);
+  EXPECT_FALSE((*a)->AbortedBefore(1, 4)) << "not aborted yet";
+  (*b)->MarkAborted();
+  EXPECT_FALSE((*a)->AbortedBefore(1, 3)) << "rank 1 finished collective 3";
+  EXPECT_TRUE((*a)->AbortedBefore(1, 4)) << "rank 1 aborted before it finished collective 4";
+  munmap(b_mapped, (*b)->bytes());
+}
+
 TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {
   // SHARDLINE_UCX_CMA=0: no single-copy reads, UCX moves the large messages itself.
   setenv("SHARDLINE_UCX_CMA", "0", 1);
