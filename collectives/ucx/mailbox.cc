@@ -68,7 +68,7 @@ Mailboxes::Mailboxes(int rank, int size, int fd, uint8_t* base, size_t bytes,
       bytes_(bytes),
       fingerprint_stride_(fingerprint_stride),
       payload_bytes_(payload_bytes),
-      slot_stride_(kLine + fingerprint_stride + RoundUp(payload_bytes, kLine)),
+      slot_stride_((bytes - kLine) / 2),  // Create: kLine + 2 slots
       peers_(size, nullptr) {}
 
 Mailboxes::~Mailboxes() {
