@@ -22,7 +22,8 @@
 
 namespace shardline {
 
-// dst[i] = (dst_dtype) src[i] for i < count (a copy when the dtypes agree).
+// dst[i] = (dst_dtype) src[i] for i < count (a copy when the dtypes agree; nothing is enqueued
+// when they agree and src == dst).
 absl::Status EnqueueCast(Stream& stream, const void* src, DType src_dtype, void* dst,
                          DType dst_dtype, size_t count);
 

@@ -398,18 +398,27 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
                  CallContext(name_, kCall, ": copying the offloaded master shard to the device")));
     master = staging.data();
   }
-  absl::Status cast = EnqueueCast(gather_stream, master, policy_.master_dtype, slice, param, count);
-  if (offload_) {
-    absl::StatusOr<std::shared_ptr<Event>> cast_done = RecordEvent(gather_stream);
-    if (cast_done.ok()) staging.ReleaseAfter(*cast_done);
+  // Where the master shard already is in the parameters' dtype on this device, the all-gather
+  // reads it directly (out of place): no copy of the shard into its slice ahead of the
+  // collective, which the collective's own copy of this rank's block replaces, overlapped with
+  // the peers' blocks. Otherwise the shard is cast into its slice first (in place).
+  const bool direct = !offload_ && policy_.master_dtype == param;
+  const void* input = direct ? master : slice;
+  if (!direct) {
+    absl::Status cast =
+        EnqueueCast(gather_stream, master, policy_.master_dtype, slice, param, count);
+    if (offload_) {
+      absl::StatusOr<std::shared_ptr<Event>> cast_done = RecordEvent(gather_stream);
+      if (cast_done.ok()) staging.ReleaseAfter(*cast_done);
+    }
+    SL_RETURN_IF_ERROR(Annotate(cast, context));
   }
-  SL_RETURN_IF_ERROR(Annotate(cast, context));
   if (options.collective_start != nullptr) {
     absl::StatusOr<std::shared_ptr<Event>> start = RecordEvent(gather_stream);
     *options.collective_start = start.ok() ? *std::move(start) : nullptr;
   }
   absl::StatusOr<Work> work =
-      shard_comm.AllGather(slice, buffer->data(), count, param, gather_stream, options.collective);
+      shard_comm.AllGather(input, buffer->data(), count, param, gather_stream, options.collective);
   if (!work.ok()) {
     // The cast may still be queued: the buffer goes back after it. If no event can be recorded,
     // the stream is poisoned and runs nothing more, so nothing reads the buffer.
@@ -611,13 +620,25 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
     }
     grad_users.push_back(*event);
   }
+  // Where the sharded gradient holds nothing to add to (zeroed since its last reduction), is in
+  // the reduce dtype and on this device, the reduce-scatter writes the reduced shard straight
+  // into it (out of place) after its last users, and Accumulate() has nothing left to copy.
+  // Otherwise the reduced shard lands in its own slice of the input (in place).
+  const bool into_shard_grad = !offload_ && shard_grad_live_ && !shard_grad_written_ &&
+                               policy_.sharded_grad_dtype() == reduce;
+  if (into_shard_grad) {
+    grad_users.push_back(reduce_done_);
+    grad_users.push_back(shard_grad_last_use_);
+  }
   for (const std::shared_ptr<Event>& event : grad_users) {
     SL_RETURN_IF_ERROR(Annotate(WaitUnlessSameStream(stream, event), context));
   }
 
   void* grad = unsharded_grad_.data();
   void* input = reduce != param ? reduce_input.data() : grad;
-  void* slice = ElementAt(input, layout_.ShardBegin(shard_rank_), DTypeSize(reduce));
+  void* slice = into_shard_grad
+                    ? shard_grad_.data()
+                    : ElementAt(input, layout_.ShardBegin(shard_rank_), DTypeSize(reduce));
   ReduceOptions collective;
   static_cast<CollectiveOptions&>(collective) = options.collective;
   collective.op = options.op;
@@ -629,7 +650,6 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   }
   std::shared_ptr<Event> scattered;
   if (status.ok()) {
-    // In place: this rank's reduced shard lands in its own slice of the input.
     absl::StatusOr<Work> work =
         shard_comm.ReduceScatter(input, slice, count, reduce, stream, collective);
     status = work.status();
@@ -640,6 +660,7 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   // From here on, work that uses the buffers may be queued.
   reduce_input_ = std::move(reduce_input);
   reduced_slice_ = slice;
+  reduced_into_shard_grad_ = into_shard_grad;
   reduce_options_ = options;
   grad_ready_ = grad_ready;
   // The backward that produced the gradient was the parameters' last reader.
@@ -716,6 +737,14 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
   const size_t count = layout_.shard_elements();
   const bool fresh = !shard_grad_live_;
   const bool accumulate = !fresh && shard_grad_written_;
+  if (reduced_into_shard_grad_) {
+    // The reduce-scatter (and the all-reduce, in place) already wrote the sharded gradient.
+    shard_grad_written_ = true;
+    reduce_done_ = reduce_step_;
+    reduce_phase_ = ReducePhase::kAccumulated;
+    ReleaseReductionInputs();
+    return reduce_done_;
+  }
 
   // Everything is allocated before anything is enqueued, so that running out of memory leaves
   // the reduction where it was (it can be retried).
@@ -799,6 +828,7 @@ void FlatParameter::ReleaseReductionInputs() {
   grad_zeroed_ = nullptr;
   grad_ready_ = nullptr;
   reduced_slice_ = nullptr;
+  reduced_into_shard_grad_ = false;
 }
 
 absl::Status FlatParameter::AbortReduction(absl::Status error) {

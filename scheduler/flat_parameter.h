@@ -52,11 +52,12 @@
 //
 // Streams (each must be on the device of the allocators' memory; a host pool needs host or
 // caller streams):
-//   gather stream    Gather(): the cast into place and the all-gather.
+//   gather stream    Gather(): the all-gather (out of place from the master shard; under a
+//                    mixed-precision policy or CPU offload, after the shard's cast into place).
 //   compute stream   the framework's. WaitGathered(compute) makes it wait for the gather (the host
 //                    is not blocked, except on a caller stream); the views are valid for work
 //                    enqueued on it afterwards. PrepareGrad(compute) zero-fills the gradient on it.
-//   reduce stream    ReduceScatter(): waits for `grad_ready`, then the cast and the
+//   reduce stream    ReduceScatter(): waits for `grad_ready`, then any cast and the
 //                    reduce-scatter; AllReduce() and Accumulate() on the same or other streams
 //                    (each waits for the step before it); the host is never blocked.
 //
@@ -191,7 +192,7 @@ struct GatherOptions {
   std::shared_ptr<Event> shard_ready;
   CollectiveOptions collective;
   // If set, receives an event recorded on the gather stream right before the all-gather (after
-  // the waits and the cast into place): with the Work's event, the collective's own duration.
+  // the waits and any cast into place): with the Work's event, the collective's own duration.
   std::shared_ptr<Event>* collective_start = nullptr;
 };
 
@@ -299,7 +300,10 @@ class FlatParameter {
   // unsharded → reducing: the post-backward of FSDP, step 1. Requires an unsharded gradient.
   // Enqueues on `stream`: a wait for `grad_ready` (the event after the backward that wrote the
   // gradient; null if it is complete already), the cast to reduce_dtype (if it differs from
-  // param_dtype) and the reduce-scatter over `shard_comm`, in place. Also reshards the
+  // param_dtype) and the reduce-scatter over `shard_comm`: in place, or, where the sharded
+  // gradient was zeroed (ZeroShardGrad) since its last reduction and is in the reduce dtype on
+  // this device, straight into the sharded gradient (after its last users; Accumulate then
+  // copies nothing; an error after that leaves it undefined, as below). Also reshards the
   // parameters: the unsharded buffer goes back to the pool after `grad_ready` (the backward is
   // its last reader) and the acquiring streams' work so far. Returns the event after the
   // reduce-scatter. InvalidArgument for a mismatched communicator, another device or an op other
@@ -407,6 +411,7 @@ class FlatParameter {
   ReduceGradOptions reduce_options_;
   Buffer reduce_input_;                         // the gradient in reduce_dtype, if not param_dtype
   void* reduced_slice_ = nullptr;               // this rank's reduced shard (in reduce_dtype)
+  bool reduced_into_shard_grad_ = false;        // reduced_slice_ is the sharded gradient
   std::shared_ptr<Event> reduce_step_;          // after the last step enqueued
   std::shared_ptr<Event> grad_ready_;           // the backward's event given to ReduceScatter
   std::shared_ptr<Event> grad_zeroed_;          // after PrepareGrad's zero-fill

@@ -39,6 +39,7 @@
 #include "collectives/process_mesh.h"
 #include "runtime/caching_pool.h"
 #include "runtime/check.h"
+#include "runtime/trace.h"
 #include "testing/typed_values.h"
 #include "tests/common/gate.h"
 #include "tests/common/status_and_hash.h"
@@ -552,6 +553,92 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat(kPolicies[std::get<0>(info.param)].name, "_",
                           ComputeKindName(std::get<1>(info.param)));
     });
+
+// ---- Copies the dtypes make unnecessary ---------------------------------------------------
+
+// Casts ("cast f32->bf16", "cast f32->f32") in a trace.
+int CountCasts(const TraceWriter& trace) {
+  const std::string json = trace.ToJson();
+  int n = 0;
+  for (size_t at = json.find("\"cast "); at != std::string::npos;
+       at = json.find("\"cast ", at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+// Where the master shard is in the parameters' dtype, the gather reads it directly: no cast on
+// the gather stream. Where the sharded gradient was zeroed and is in the reduce dtype, the
+// reduce-scatter writes it directly: after the first reduction (which creates the sharded
+// gradient and copies into it), no cast on the reduce stream. A policy that changes dtypes keeps
+// its casts. The direct write still waits for the zero-fill, here on a held stream of its own
+// (written after the reduction, it would erase the reduced shard); both cycles' values are
+// checked against the reference.
+TEST(FlatParameterCopyTest, MatchingDtypesSkipTheCopiesAndKeepTheirOrder) {
+  constexpr int kRanks = 2;
+  for (const int policy_index : {0, 1, 5}) {  // f32 throughout; bf16 params; bf16 reduction
+    const MixedPrecisionPolicy& policy = kPolicies[policy_index].policy;
+    SCOPED_TRACE(kPolicies[policy_index].name);
+    const bool gather_casts = policy.param_dtype != policy.master_dtype;
+    const bool reduce_casts_in = policy.reduce_dtype != policy.param_dtype;
+    const bool direct_reduce = policy.sharded_grad_dtype() == policy.reduce_dtype;
+    std::mt19937_64 rng(3100 + policy_index);
+    const FlatLayout layout = RandomFloatLayout(rng, kRanks, policy.master_dtype);
+    const FullTensors full = MakeFullTensors(layout, rng);
+    auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
+    RunRanks(kRanks, [&](int r) {
+      TraceWriter gather_trace(r), reduce_trace(r);
+      RankRig rig(ComputeKind::kHost);
+      rig.gather =
+          *CreateHostStream({.name = "gather", .wait_timeout = kTimeout, .trace = &gather_trace});
+      rig.reduce =
+          *CreateHostStream({.name = "reduce", .wait_timeout = kTimeout, .trace = &reduce_trace});
+      Stream& compute = *rig.compute;
+      Stream& optimizer = rig.NewStream("optimizer");
+      auto unit = *FlatParameter::Create(layout, r, policy, rig.Options());
+      ASSERT_OK(unit->SetShardFromTensors(full.pointers));
+      std::shared_ptr<Event> reduced;
+      auto cycle = [&](uint64_t seed) {
+        ASSERT_TRUE(unit->Gather(*comms[r], *rig.gather).ok());
+        ASSERT_OK(unit->WaitGathered(compute));
+        ASSERT_OK(compute.Enqueue(CheckViews(GatheredViews(*unit, full))));
+        ASSERT_OK(unit->PrepareGrad(compute));
+        ASSERT_OK(compute.Enqueue(WriteGrad(*unit, seed, r, 0, /*accumulate=*/false)));
+        absl::StatusOr<std::shared_ptr<Event>> done =
+            unit->ReduceGrad(*comms[r], nullptr, *rig.reduce, *RecordEvent(compute));
+        ASSERT_TRUE(done.ok()) << done.status();
+        reduced = *std::move(done);
+      };
+
+      ASSERT_NO_FATAL_FAILURE(cycle(41));
+      ASSERT_OK(unit->WaitReduced(Deadline()));
+      ExpectShardGrad(*unit, ReferenceFor(*unit, 41, kRanks, 1, ReduceOp::kAvg),
+                      GradTolerance(policy, kRanks, 1));
+      ASSERT_OK(rig.gather->Synchronize(Deadline()));
+      EXPECT_EQ(CountCasts(gather_trace), gather_casts ? 1 : 0);
+      // The first reduction creates the sharded gradient and copies the reduced shard into it.
+      EXPECT_EQ(CountCasts(reduce_trace), (reduce_casts_in ? 1 : 0) + 1);
+
+      // zero_grad on a stream of its own, held until the second cycle is issued.
+      Gate& gate = rig.NewGate();
+      ASSERT_OK(optimizer.Enqueue(Hold(gate)));
+      ASSERT_OK(unit->ZeroShardGrad(optimizer));
+      ASSERT_NO_FATAL_FAILURE(cycle(42));
+      // The reduction cannot finish while the zero-fill it must follow is held (a bounded wait
+      // that must run out: a reduction not ordered after the fill finishes well within it, and
+      // the fill then erases the reduced shard).
+      EXPECT_FALSE(reduced->Synchronize(absl::Now() + absl::Milliseconds(200)).ok());
+      gate.Open();
+      ASSERT_OK(unit->WaitReduced(Deadline()));
+      ExpectShardGrad(*unit, ReferenceFor(*unit, 42, kRanks, 1, ReduceOp::kAvg),
+                      GradTolerance(policy, kRanks, 1));
+      ASSERT_OK(rig.gather->Synchronize(Deadline()));
+      EXPECT_EQ(CountCasts(gather_trace), gather_casts ? 2 : 0);
+      EXPECT_EQ(CountCasts(reduce_trace), (reduce_casts_in ? 2 : 0) + 1 + (direct_reduce ? 0 : 1));
+      ASSERT_OK(compute.Synchronize(Deadline()));
+    });
+  }
+}
 
 // ---- Hybrid sharding ----------------------------------------------------------------------
 
