@@ -398,27 +398,22 @@ absl::StatusOr<Work> FlatParameter::Gather(Communicator& shard_comm, Stream& gat
                  CallContext(name_, kCall, ": copying the offloaded master shard to the device")));
     master = staging.data();
   }
-  // Where the master shard already is in the parameters' dtype on this device, the all-gather
-  // reads it directly (out of place): no copy of the shard into its slice ahead of the
-  // collective, which the collective's own copy of this rank's block replaces, overlapped with
-  // the peers' blocks. Otherwise the shard is cast into its slice first (in place).
-  const bool direct = !offload_ && policy_.master_dtype == param;
-  const void* input = direct ? master : slice;
-  if (!direct) {
-    absl::Status cast =
-        EnqueueCast(gather_stream, master, policy_.master_dtype, slice, param, count);
-    if (offload_) {
-      absl::StatusOr<std::shared_ptr<Event>> cast_done = RecordEvent(gather_stream);
-      if (cast_done.ok()) staging.ReleaseAfter(*cast_done);
-    }
-    SL_RETURN_IF_ERROR(Annotate(cast, context));
+  // The shard is cast (or copied) into its slot first and gathered in place, also where the
+  // dtypes match: an out-of-place all-gather from the master shard does the same copy inside
+  // the collective, after the peers arrived, where it lengthens the collective instead of
+  // overlapping a late peer's arrival (tried: docs/benchmarks.md, "session 11").
+  absl::Status cast = EnqueueCast(gather_stream, master, policy_.master_dtype, slice, param, count);
+  if (offload_) {
+    absl::StatusOr<std::shared_ptr<Event>> cast_done = RecordEvent(gather_stream);
+    if (cast_done.ok()) staging.ReleaseAfter(*cast_done);
   }
+  SL_RETURN_IF_ERROR(Annotate(cast, context));
   if (options.collective_start != nullptr) {
     absl::StatusOr<std::shared_ptr<Event>> start = RecordEvent(gather_stream);
     *options.collective_start = start.ok() ? *std::move(start) : nullptr;
   }
   absl::StatusOr<Work> work =
-      shard_comm.AllGather(input, buffer->data(), count, param, gather_stream, options.collective);
+      shard_comm.AllGather(slice, buffer->data(), count, param, gather_stream, options.collective);
   if (!work.ok()) {
     // The cast may still be queued: the buffer goes back after it. If no event can be recorded,
     // the stream is poisoned and runs nothing more, so nothing reads the buffer.

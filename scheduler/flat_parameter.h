@@ -52,8 +52,7 @@
 //
 // Streams (each must be on the device of the allocators' memory; a host pool needs host or
 // caller streams):
-//   gather stream    Gather(): the all-gather (out of place from the master shard; under a
-//                    mixed-precision policy or CPU offload, after the shard's cast into place).
+//   gather stream    Gather(): the cast into place and the all-gather.
 //   compute stream   the framework's. WaitGathered(compute) makes it wait for the gather (the host
 //                    is not blocked, except on a caller stream); the views are valid for work
 //                    enqueued on it afterwards. PrepareGrad(compute) zero-fills the gradient on it.
