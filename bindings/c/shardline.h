@@ -328,12 +328,17 @@ typedef struct {
   const shardlineAllocator_t* shard_allocator;
   /* The trace the scheduler's streams record into (see Traces); NULL: none. */
   shardlineTrace_t trace;
+  /* Added after trace (the struct then ended at trace, sizeof 104 on LP64). Whether the step
+   * metrics time the communication (SchedulerOptions::time_communication): 0 records no timing
+   * events in the hooks, and the metrics' exposed_communication_s and overlap_fraction are then
+   * < 0 (unknown); counts, bytes, budget figures, step_time_s and host_hook_time_s stay. */
+  int time_communication; /* 1 */
 } shardlineSchedulerConfig_t;
 #define SHARDLINE_SCHEDULER_CONFIG_INIT                                                           \
   {                                                                                               \
     sizeof(shardlineSchedulerConfig_t), SHARDLINE_VERSION_CODE, "fsdp", shardlineFullShard, 0, 1, \
         shardlineBackwardPrefetchBeforeGrad, 1, 0, 0, 0, 0, shardlineFloat32, shardlineFloat32,   \
-        shardlineAvg, NULL, NULL, NULL                                                            \
+        shardlineAvg, NULL, NULL, NULL, 1                                                         \
   }
 
 typedef struct {

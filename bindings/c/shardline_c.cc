@@ -365,6 +365,12 @@ static_assert(offsetof(shardlineSchedulerConfig_t, unsharded_allocator) >=
                     alignof(shardlineSchedulerConfig_t) - 1) /
                    alignof(shardlineSchedulerConfig_t) * alignof(shardlineSchedulerConfig_t)),
               "a field added to shardlineSchedulerConfig_t overlaps the first layout's padding");
+// The second layout ended with trace.
+static_assert(offsetof(shardlineSchedulerConfig_t, time_communication) >=
+                  ((offsetof(shardlineSchedulerConfig_t, trace) + sizeof(shardlineTrace_t) +
+                    alignof(shardlineSchedulerConfig_t) - 1) /
+                   alignof(shardlineSchedulerConfig_t) * alignof(shardlineSchedulerConfig_t)),
+              "a field added to shardlineSchedulerConfig_t overlaps the second layout's padding");
 
 namespace {
 
@@ -962,6 +968,7 @@ shardlineResult_t shardline_scheduler_create(shardlineComm_t world, shardlineStr
     o.budget_units = c.budget_units;
     o.root_unit = c.root_unit;
     o.cpu_offload = c.cpu_offload != 0;
+    o.time_communication = c.time_communication != 0;
     auto s = std::make_unique<shardlineScheduler_s>();
     DType param, reduce;
     SL_C_REQUIRE(ToDType(c.param_dtype, &param) && ToDType(c.reduce_dtype, &reduce),

@@ -273,8 +273,10 @@ static int RegisterUnits(shardlineScheduler_t sched) {
  * owns is compared with the unsharded run. Given `executor` (the framework's stream behind
  * `compute`), the compute and the optimizer run there, asynchronously, as the framework's tasks
  * ordered with shardline's. */
+/* `timed`: whether the scheduler times its communication (the metrics' exposed time and overlap
+ * are known, >= 0, or unknown, < 0). */
 static int TrainAndCheck(shardlineScheduler_t sched, int rank, size_t budget_bytes,
-                         shardlineStream_t compute, struct Executor* executor) {
+                         shardlineStream_t compute, struct Executor* executor, int timed) {
   for (int s = 0; s < STEPS; ++s) {
     for (int u = 0; u < UNITS; ++u) {
       CALL(shardline_pre_forward(sched, u));
@@ -338,6 +340,12 @@ static int TrainAndCheck(shardlineScheduler_t sched, int rank, size_t budget_byt
     CHECK(budget_bytes == 0 || metrics.peak_inflight_bytes <= budget_bytes,
           "peak %llu over the budget", (unsigned long long)metrics.peak_inflight_bytes);
     CHECK(metrics.bytes_gathered > 0 && metrics.bytes_reduced > 0, "no traffic in the metrics");
+    CHECK(metrics.step_time_s >= 0 && metrics.host_hook_time_s > 0, "step %g s, hooks %g s",
+          metrics.step_time_s, metrics.host_hook_time_s);
+    CHECK(timed ? metrics.exposed_communication_s >= 0 && metrics.overlap_fraction >= 0
+                : metrics.exposed_communication_s < 0 && metrics.overlap_fraction < 0,
+          "%s scheduler: exposed %g s, overlap %g", timed ? "a timed" : "an untimed",
+          metrics.exposed_communication_s, metrics.overlap_fraction);
   }
   if (compute != NULL) CALL(shardline_stream_synchronize(compute, 30));
   /* Every element this rank owns equals the unsharded run. */
@@ -406,10 +414,25 @@ static int Train(shardlineComm_t comm, int rank) {
   const size_t old_size = (offsetof(shardlineSchedulerConfig_t, param_dtype) + 7) & ~(size_t)7;
   if (CreateFromOlder(comm, compute, &config, old_size, &sched) != 0) return 1;
   if (RegisterUnits(sched) != 0) return 1;
-  if (TrainAndCheck(sched, rank, config.budget_bytes, NULL, NULL) != 0) return 1;
+  if (TrainAndCheck(sched, rank, config.budget_bytes, NULL, NULL, 1) != 0) return 1;
   /* A hook on an unknown unit is an error naming it. */
   CHECK(shardline_pre_forward(sched, 9) == shardlineInvalidArgument, "unit 9 accepted");
   CHECK(strstr(shardline_last_error(), "9") != NULL, "message: %s", shardline_last_error());
+  CALL(shardline_scheduler_destroy(sched));
+  /* The layout that ended with trace (before time_communication) trains timed; the whole struct
+   * with time_communication = 0 trains the same, untimed. */
+  const size_t second_release =
+      (offsetof(shardlineSchedulerConfig_t, trace) + sizeof(shardlineTrace_t) + 7) & ~(size_t)7;
+  CHECK(second_release <= offsetof(shardlineSchedulerConfig_t, time_communication),
+        "time_communication lies in the padding of the layout before it");
+  if (CreateFromOlder(comm, compute, &config, second_release, &sched) != 0) return 1;
+  if (RegisterUnits(sched) != 0) return 1;
+  if (TrainAndCheck(sched, rank, config.budget_bytes, NULL, NULL, 1) != 0) return 1;
+  CALL(shardline_scheduler_destroy(sched));
+  config.time_communication = 0;
+  CALL(shardline_scheduler_create(comm, compute, &config, 30, &sched));
+  if (RegisterUnits(sched) != 0) return 1;
+  if (TrainAndCheck(sched, rank, config.budget_bytes, NULL, NULL, 0) != 0) return 1;
   CALL(shardline_scheduler_destroy(sched));
   CALL(shardline_stream_destroy(compute));
   return 0;
@@ -580,7 +603,7 @@ static int TrainWithFrameworkMemory(shardlineComm_t comm, int rank, int cpu_offl
     }
   }
   /* The optimizer steps on the arrays (they are the master shards); compared with the reference. */
-  if (TrainAndCheck(sched, rank, config.budget_bytes, compute, NULL) != 0) return 1;
+  if (TrainAndCheck(sched, rank, config.budget_bytes, compute, NULL, 1) != 0) return 1;
   CHECK(unsharded.allocs > 0 && shard.allocs > 0, "the framework's allocators were not called");
   CALL(shardline_scheduler_destroy(sched));
   CHECK(unsharded.allocs == unsharded.frees && unsharded.live_bytes == 0,
@@ -637,7 +660,7 @@ static int TrainOnFrameworkStream(shardlineComm_t comm, int rank) {
   shardlineScheduler_t sched;
   CALL(shardline_scheduler_create(comm, compute, &config, 30, &sched));
   if (RegisterUnits(sched) != 0) return 1;
-  if (TrainAndCheck(sched, rank, config.budget_bytes, compute, &executor) != 0) return 1;
+  if (TrainAndCheck(sched, rank, config.budget_bytes, compute, &executor, 1) != 0) return 1;
   CALL(shardline_scheduler_destroy(sched));
   CALL(shardline_stream_destroy(compute));
   CHECK(executor.released == 1, "the framework's stream was released %d times", executor.released);
