@@ -52,15 +52,43 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   auto num_chunks = [&](size_t bytes) { return (bytes + chunk - 1) / chunk; };
   auto chunk_len = [&](size_t bytes, size_t c) { return std::min(chunk, bytes - c * chunk); };
 
-  // Every peer's share of this rank's input, all at once (rendezvous: the peers pull them as
-  // they post their receives).
+  // Every peer's share of this rank's input, a window of chunks ahead of what the peer has
+  // finished reading (rendezvous: the peers pull them as they post their receives). Not all at
+  // once: each offer is a message, and a shared-memory transport's queue to a peer holds only
+  // so many (UCX's mm FIFO: 64 by default); the rest wait in UCX's pending queue and move only
+  // when this rank progresses its worker, which nothing wakes it for. Both ranks of a 64 MiB
+  // reduce-scatter (64 chunks each way) then slept out their polls with offers stuck on each
+  // side: 1-3 s instead of a few ms with SHARDLINE_UCX_SPIN_US=0. A peer's fin for chunk c
+  // (it has read it) lets chunk c + window go.
+  const size_t send_window = static_cast<size_t>(std::max(run.tuning().window, 1));
+  std::vector<std::vector<Completion*>>& offers = run.scratch().offers;
+  offers.assign(n, {});
+  size_t offers_left = 0;
+  auto offer = [&](int p) {
+    const Block& b = blocks[p];
+    const size_t c = offers[p].size();
+    offers[p].push_back(
+        run.Send(p, run.input() + b.offset + c * chunk, chunk_len(b.bytes, c), Phase::kData, c));
+    --offers_left;
+  };
   for (int i = 1; i < n; ++i) {
     const int p = (me + i) % n;
-    const Block& b = blocks[p];
-    for (size_t c = 0; c < num_chunks(b.bytes); ++c) {
-      run.Send(p, run.input() + b.offset + c * chunk, chunk_len(b.bytes, c), Phase::kData, c);
-    }
+    offers_left += num_chunks(blocks[p].bytes);
+    while (offers[p].size() < std::min(send_window, num_chunks(blocks[p].bytes))) offer(p);
   }
+  // Offers the next chunks to every peer that has read far enough (cheap: one check per peer).
+  auto offer_more = [&]() -> absl::Status {
+    if (offers_left == 0) return absl::OkStatus();
+    for (int i = 1; i < n; ++i) {
+      const int p = (me + i) % n;
+      while (offers[p].size() < num_chunks(blocks[p].bytes)) {
+        SL_ASSIGN_OR_RETURN(const bool read, run.Done(offers[p][offers[p].size() - send_window]));
+        if (!read) break;
+        offer(p);
+      }
+    }
+    return absl::OkStatus();
+  };
   if (gather) {
     for (int i = 1; i < n; ++i) {
       const int p = (me - i + n) % n;
@@ -73,7 +101,12 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
 
   const Block& mine = blocks[me];
   const size_t total = num_chunks(mine.bytes);
-  if (total == 0) return absl::OkStatus();
+  if (total == 0) {
+    return run.Drive([&]() -> absl::StatusOr<bool> {
+      SL_RETURN_IF_ERROR(offer_more());
+      return offers_left == 0;
+    });
+  }
   const size_t window = std::min<size_t>(run.tuning().window, total);
   uint8_t* scratch = run.batch().Buffer(window * (n - 1) * chunk);
   auto slot = [&](size_t c, int p) {
@@ -93,6 +126,7 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   size_t next_reduce = 0;
   std::vector<const void*> inputs(n);
   return run.Drive([&]() -> absl::StatusOr<bool> {
+    SL_RETURN_IF_ERROR(offer_more());
     while (next_reduce < total) {
       const size_t c = next_reduce;
       for (int p = 0; p < n; ++p) {
@@ -115,7 +149,9 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
       ++next_reduce;
       if (next_post < total) post(next_post++);
     }
-    return true;
+    // Done reducing; the peers may still be reading this rank's chunks: offer the rest.
+    SL_RETURN_IF_ERROR(offer_more());
+    return offers_left == 0;
   });
 }
 

@@ -210,7 +210,10 @@ std::vector<int> CollectiveRun::PendingPeers() {
 
 absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step) {
   return Drive(
-      step, [this](absl::Time deadline) { transport_.Sleep(deadline); },
+      step,
+      [this](absl::Time deadline) {
+        if (!transport_.Sleep(deadline)) CountCollectiveSleepRunOut();
+      },
       [this] { return PendingPeers(); }, [] { return true; });
 }
 

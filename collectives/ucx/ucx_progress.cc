@@ -55,12 +55,24 @@ bool UcxTransport::Progress() {
   return activity || !reports.empty() || !notices.empty();
 }
 
-void UcxTransport::Sleep(absl::Time until) {
-  if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) return;
+bool UcxTransport::Sleep(absl::Time until) {
+  if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) return true;
   const int64_t ms = std::clamp<int64_t>(
       absl::ToInt64Milliseconds(until - absl::Now() + absl::Microseconds(999)), 0, 200);
   pollfd fd{efd_, POLLIN, 0};
-  poll(&fd, 1, static_cast<int>(ms));
+  return poll(&fd, 1, static_cast<int>(ms)) != 0 || ms == 0;
+}
+
+namespace {
+std::atomic<uint64_t> collective_sleeps_run_out{0};
+}  // namespace
+
+uint64_t CollectiveSleepsRunOut() {
+  return collective_sleeps_run_out.load(std::memory_order_relaxed);
+}
+
+void CountCollectiveSleepRunOut() {
+  collective_sleeps_run_out.fetch_add(1, std::memory_order_relaxed);
 }
 
 namespace {

@@ -522,6 +522,57 @@ TEST(UcxCommunicatorTest, MailboxWaitsThatSleepAtOnceMoveDataCorrectly) {
   });
 }
 
+// With no spin every wait of a pipelined reduction sleeps on the worker's event fd. Reductions
+// of many more chunks than a shared-memory queue between two ranks holds (4 KiB chunks, 257 per
+// peer; UCX's mm FIFO holds 64 messages) stay right and never sleep out a poll: every sleep ends
+// with a peer's message. Offering every chunk at once left offers in UCX's pending queue on
+// both sides, which nothing woke either rank to move: each such wait ran to the 200 ms poll
+// limit (0.3-0.9 s per collective of this size).
+TEST(UcxCommunicatorTest, PipelinedReductionsOfManyChunksNeverSleepOutAPoll) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "under ThreadSanitizer a rank can stall 200 ms without losing a wake-up";
+#endif
+  absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
+  ASSERT_TRUE(tuning.ok()) << tuning.status();
+  tuning->spin = absl::ZeroDuration();
+  tuning->chunk_bytes = 4096;
+  for (const int n : {2, 3}) {
+    SCOPED_TRACE(absl::StrCat(n, " ranks"));
+    const size_t count = 257 * 1024 + 3;  // per rank: 257 chunks and a ragged one
+    Comms comms = MakeCommsWithTuning(n, absl::Seconds(60), *tuning);
+    const uint64_t run_out_before = ucx_internal::CollectiveSleepsRunOut();
+    RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+      std::unique_ptr<Allocator> host =
+          comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
+      absl::StatusOr<Buffer> input = host->Allocate(n * count * 4);
+      absl::StatusOr<Buffer> output = host->Allocate(n * count * 4);
+      ASSERT_TRUE(input.ok() && output.ok());
+      const std::vector<uint8_t> pattern = PatternBuffer(DType::kF32, r, n * count);
+      for (int round = 0; round < 2; ++round) {
+        std::copy(pattern.begin(), pattern.end(), input->as<uint8_t>());
+        ASSERT_TRUE(
+            WaitFor(comm.ReduceScatter(input->data(), output->data(), count, DType::kF32, stream))
+                .ok());
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(GetElement(DType::kF32, output->data(), i),
+                    ReferenceReduce(DType::kF32, ReduceOp::kSum, n, r * count + i))
+              << "reduce-scatter element " << i;
+        }
+        ASSERT_TRUE(
+            WaitFor(comm.AllReduce(input->data(), output->data(), n * count, DType::kF32, stream))
+                .ok());
+        for (size_t i = 0; i < n * count; ++i) {
+          ASSERT_EQ(GetElement(DType::kF32, output->data(), i),
+                    ReferenceReduce(DType::kF32, ReduceOp::kSum, n, i))
+              << "all-reduce element " << i;
+        }
+      }
+    });
+    EXPECT_EQ(ucx_internal::CollectiveSleepsRunOut(), run_out_before)
+        << "a wait slept out its poll: a lost wake-up";
+  }
+}
+
 TEST(UcxMailboxTest, ASleeperWakesWhenItsPeerPublishesThroughAnotherMapping) {
   using ucx_internal::Mailboxes;
   constexpr size_t kFingerprint = 24, kPayload = 4096;

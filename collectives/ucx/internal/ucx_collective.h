@@ -62,6 +62,7 @@ struct RunScratch {
   std::vector<CollectiveFingerprint> fps;
   std::vector<const void*> inputs;
   std::vector<Completion*> waits;
+  std::vector<std::vector<Completion*>> offers;  // per peer, the pipelined reductions' sends
 };
 
 class CollectiveRun {

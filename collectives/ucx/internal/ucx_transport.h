@@ -240,7 +240,8 @@ class UcxTransport {
   // whether UCX reported any activity.
   bool Progress();
   // Sleeps until the worker has events, Wake() is called, or `until` (capped at 200 ms).
-  void Sleep(absl::Time until);
+  // Returns false where the sleep ran to that limit with no event.
+  bool Sleep(absl::Time until);
   // Interrupts Sleep() (from any thread).
   void Wake();
 
@@ -429,6 +430,12 @@ class UcxTransport {
   absl::Time next_peer_check_ = absl::InfinitePast();
   absl::Status peers_status_;
 };
+
+// How many times, in this process, a collective waiting for its peers slept out a whole poll
+// (200 ms, or up to its deadline) with no event from them. A lost wake-up shows here; a healthy
+// run of ranks that keep each other busy leaves it unchanged (tests read it).
+uint64_t CollectiveSleepsRunOut();
+void CountCollectiveSleepRunOut();
 
 }  // namespace shardline::ucx_internal
 
