@@ -59,8 +59,13 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   // when this rank progresses its worker, which nothing wakes it for. Both ranks of a 64 MiB
   // reduce-scatter (64 chunks each way) then slept out their polls with offers stuck on each
   // side: 1-3 s instead of a few ms with SHARDLINE_UCX_SPIN_US=0. A peer's fin for chunk c
-  // (it has read it) lets chunk c + window go.
-  const size_t send_window = static_cast<size_t>(std::max(run.tuning().window, 1));
+  // (it has read it) lets chunk c + offer_window go. Two receive windows: the next offers are
+  // already at the peer when it posts its receives (one window ahead cost 2 ranks 27-34% of a
+  // 64 MiB reduce-scatter's bandwidth with the default spin, two 14-16%), and, beside the fins
+  // and the all-reduce's gather offers on the same queue, few enough for it (UCX releases FIFO
+  // slots in batches: four windows ahead stalled again).
+  const size_t offer_window =
+      std::clamp<size_t>(2 * static_cast<size_t>(std::max(run.tuning().window, 1)), 4, 16);
   std::vector<std::vector<Completion*>>& offers = run.scratch().offers;
   offers.assign(n, {});
   size_t offers_left = 0;
@@ -74,7 +79,7 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   for (int i = 1; i < n; ++i) {
     const int p = (me + i) % n;
     offers_left += num_chunks(blocks[p].bytes);
-    while (offers[p].size() < std::min(send_window, num_chunks(blocks[p].bytes))) offer(p);
+    while (offers[p].size() < std::min(offer_window, num_chunks(blocks[p].bytes))) offer(p);
   }
   // Offers the next chunks to every peer that has read far enough (cheap: one check per peer).
   auto offer_more = [&]() -> absl::Status {
@@ -82,7 +87,7 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
     for (int i = 1; i < n; ++i) {
       const int p = (me + i) % n;
       while (offers[p].size() < num_chunks(blocks[p].bytes)) {
-        SL_ASSIGN_OR_RETURN(const bool read, run.Done(offers[p][offers[p].size() - send_window]));
+        SL_ASSIGN_OR_RETURN(const bool read, run.Done(offers[p][offers[p].size() - offer_window]));
         if (!read) break;
         offer(p);
       }
