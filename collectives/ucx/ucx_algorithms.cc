@@ -153,6 +153,12 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
       for (int p = 0; p < n; ++p) pending[c % window][p] = nullptr;
       ++next_reduce;
       if (next_post < total) post(next_post++);
+      // The peers' fins for this rank's chunks may have arrived meanwhile: offer on at once
+      // rather than after the chunks ready now are all reduced (a peer may be waiting).
+      if (offers_left > 0 && next_reduce < total) {
+        SL_RETURN_IF_ERROR(run.PollOnce());
+        SL_RETURN_IF_ERROR(offer_more());
+      }
     }
     // Done reducing; the peers may still be reading this rank's chunks: offer the rest.
     SL_RETURN_IF_ERROR(offer_more());

@@ -252,6 +252,11 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
   }
 }
 
+absl::Status CollectiveRun::PollOnce() {
+  bool activity = transport_.Progress();
+  return ServeReads(&activity);
+}
+
 absl::Status CollectiveRun::PeerAborted(int peer) {
   // The notice follows the mark (BroadcastAbort): it is here or on its way.
   const absl::Time until = absl::Now() + absl::Milliseconds(100);

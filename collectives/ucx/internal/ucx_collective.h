@@ -126,6 +126,9 @@ class CollectiveRun {
                      absl::FunctionRef<void(absl::Time deadline)> sleep,
                      absl::FunctionRef<std::vector<int>()> pending,
                      absl::FunctionRef<bool()> mates_pending);
+  // One poll between steps of work: progresses the worker and serves the single-copy receives
+  // whose offers arrived (what each turn of Drive does before its step).
+  absl::Status PollOnce();
   // Drive() until every completion in `cs` (nulls skipped) is done and OK.
   absl::Status WaitAll(const std::vector<Completion*>& cs);
   // Drive() until every request of the batch is done.
