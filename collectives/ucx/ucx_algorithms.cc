@@ -61,7 +61,7 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   // side: 1-3 s instead of a few ms with SHARDLINE_UCX_SPIN_US=0. A peer's fin for chunk c
   // (it has read it) lets chunk c + offer_window go. Two receive windows: the next offers are
   // already at the peer when it posts its receives (one window ahead cost 2 ranks 27-34% of a
-  // 64 MiB reduce-scatter's bandwidth with the default spin, two 14-16%), and, beside the fins
+  // 64 MiB reduce-scatter's bandwidth with the default spin, two 14-19%), and, beside the fins
   // and the all-reduce's gather offers on the same queue, few enough for it (UCX releases FIFO
   // slots in batches: four windows ahead stalled again).
   const size_t offer_window =
