@@ -655,7 +655,6 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::ReduceScatter(
   // From here on, work that uses the buffers may be queued.
   reduce_input_ = std::move(reduce_input);
   reduced_slice_ = slice;
-  reduced_into_shard_grad_ = into_shard_grad;
   reduce_options_ = options;
   grad_ready_ = grad_ready;
   // The backward that produced the gradient was the parameters' last reader.
@@ -729,10 +728,7 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
   const CallContext context(name_, kCall);
   const DType reduce = policy_.reduce_dtype;
   const DType grad_dtype = policy_.sharded_grad_dtype();
-  const size_t count = layout_.shard_elements();
-  const bool fresh = !shard_grad_live_;
-  const bool accumulate = !fresh && shard_grad_written_;
-  if (reduced_into_shard_grad_) {
+  if (shard_grad_live_ && reduced_slice_ == shard_grad_.data()) {
     // The reduce-scatter (and the all-reduce, in place) already wrote the sharded gradient.
     shard_grad_written_ = true;
     reduce_done_ = reduce_step_;
@@ -740,6 +736,9 @@ absl::StatusOr<std::shared_ptr<Event>> FlatParameter::Accumulate(Stream& stream)
     ReleaseReductionInputs();
     return reduce_done_;
   }
+  const size_t count = layout_.shard_elements();
+  const bool fresh = !shard_grad_live_;
+  const bool accumulate = !fresh && shard_grad_written_;
 
   // Everything is allocated before anything is enqueued, so that running out of memory leaves
   // the reduction where it was (it can be retried).
@@ -823,7 +822,6 @@ void FlatParameter::ReleaseReductionInputs() {
   grad_zeroed_ = nullptr;
   grad_ready_ = nullptr;
   reduced_slice_ = nullptr;
-  reduced_into_shard_grad_ = false;
 }
 
 absl::Status FlatParameter::AbortReduction(absl::Status error) {

@@ -408,9 +408,10 @@ class FlatParameter {
   enum class ReducePhase : uint8_t { kScattered, kAllReduced, kAccumulated };
   ReducePhase reduce_phase_ = ReducePhase::kAccumulated;
   ReduceGradOptions reduce_options_;
-  Buffer reduce_input_;                         // the gradient in reduce_dtype, if not param_dtype
-  void* reduced_slice_ = nullptr;               // this rank's reduced shard (in reduce_dtype)
-  bool reduced_into_shard_grad_ = false;        // reduced_slice_ is the sharded gradient
+  Buffer reduce_input_;  // the gradient in reduce_dtype, if not param_dtype
+  // This rank's reduced shard (in reduce_dtype): a slice of the reduction's input, or the sharded
+  // gradient itself where the reduce-scatter wrote it directly.
+  void* reduced_slice_ = nullptr;
   std::shared_ptr<Event> reduce_step_;          // after the last step enqueued
   std::shared_ptr<Event> grad_ready_;           // the backward's event given to ReduceScatter
   std::shared_ptr<Event> grad_zeroed_;          // after PrepareGrad's zero-fill
