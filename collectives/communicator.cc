@@ -92,6 +92,7 @@ void CollectiveFingerprint::Encode(uint8_t out[kEncodedSize]) const {
   for (int i = 0; i < 4; ++i) out[4 + i] = static_cast<uint8_t>(r >> (8 * i));
   PutU64(out + 8, seq);
   PutU64(out + 16, count);
+  PutU64(out + 24, key);
 }
 
 absl::StatusOr<CollectiveFingerprint> CollectiveFingerprint::Decode(
@@ -111,6 +112,7 @@ absl::StatusOr<CollectiveFingerprint> CollectiveFingerprint::Decode(
   fp.root = static_cast<int32_t>(r);
   fp.seq = GetU64(in + 8);
   fp.count = GetU64(in + 16);
+  fp.key = GetU64(in + 24);
   return fp;
 }
 
@@ -288,6 +290,14 @@ absl::StatusOr<std::string> Communicator::DumpFlightRecord(absl::string_view dir
   return path;
 }
 
+std::string Communicator::KeyName(uint64_t key) const {
+  if (key == 0) return "no key";
+  std::lock_guard<std::mutex> lock(key_mu_);
+  auto it = key_tags_.find(key);
+  if (it == key_tags_.end() || it->second.empty()) return absl::StrCat("key ", key);
+  return absl::StrCat("'", it->second, "'");
+}
+
 std::string Communicator::Describe(const Op& op) const {
   return absl::StrCat(CollectiveName(op.fingerprint.kind), " #", op.fingerprint.seq, " on ", name_,
                       " (rank ", rank_, " of ", size_, ", ", backend(), ")");
@@ -296,11 +306,16 @@ std::string Communicator::Describe(const Op& op) const {
 absl::Status Communicator::MismatchError(const Op& op, int rank_a,
                                          const CollectiveFingerprint& fp_a, int rank_b,
                                          const CollectiveFingerprint& fp_b) const {
-  std::string detail = absl::StrCat("rank ", rank_a, " called ", fp_a.CallString(), " but rank ",
-                                    rank_b, " called ", fp_b.CallString());
+  // Keys are named only where they differ (the same key says nothing new).
+  const bool keyed = fp_a.key != fp_b.key;
+  auto call = [&](const CollectiveFingerprint& fp) {
+    return keyed ? absl::StrCat(fp.CallString(), " for ", KeyName(fp.key)) : fp.CallString();
+  };
+  std::string detail = absl::StrCat("rank ", rank_a, " called ", call(fp_a), " but rank ", rank_b,
+                                    " called ", call(fp_b));
   if (fp_a.seq != fp_b.seq) {
-    detail = absl::StrCat("rank ", rank_a, " is at collective #", fp_a.seq, " (", fp_a.CallString(),
-                          ") but rank ", rank_b, " at #", fp_b.seq, " (", fp_b.CallString(), ")");
+    detail = absl::StrCat("rank ", rank_a, " is at collective #", fp_a.seq, " (", call(fp_a),
+                          ") but rank ", rank_b, " at #", fp_b.seq, " (", call(fp_b), ")");
   }
   const int peer = rank_a == rank_ ? rank_b : rank_a;
   return MarkPeerError(absl::InvalidArgumentError(absl::StrCat(
@@ -493,7 +508,12 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
                                          count,
                                          dtype,
                                          IsReduction(kind) ? reduce_op : ReduceOp::kSum,
-                                         kind == CollectiveKind::kBroadcast ? root : 0};
+                                         kind == CollectiveKind::kBroadcast ? root : 0,
+                                         options.key};
+  if (options.key != 0 && !options.tag.empty()) {
+    std::lock_guard<std::mutex> lock(key_mu_);
+    if (key_tags_.size() < kMaxKeyTags) key_tags_.try_emplace(options.key, options.tag);
+  }
   op.input = input;
   op.output = output;
   op.element_size = esize;

@@ -77,6 +77,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -118,6 +119,8 @@ struct CollectiveFingerprint {
   DType dtype = DType::kU8;
   ReduceOp op = ReduceOp::kSum;
   int32_t root = 0;
+  // CollectiveOptions::key: what the caller says the collective moves (0: unsaid).
+  uint64_t key = 0;
 
   friend bool operator==(const CollectiveFingerprint&, const CollectiveFingerprint&) = default;
 
@@ -127,7 +130,7 @@ struct CollectiveFingerprint {
   std::string CallString() const;
 
   // Fixed-size little-endian wire form, for backends that ship fingerprints to peers.
-  static constexpr size_t kEncodedSize = 24;
+  static constexpr size_t kEncodedSize = 32;
   void Encode(uint8_t out[kEncodedSize]) const;
   // InvalidArgument if the bytes do not decode to a valid fingerprint.
   static absl::StatusOr<CollectiveFingerprint> Decode(const uint8_t in[kEncodedSize]);
@@ -140,6 +143,12 @@ struct CollectiveOptions {
   // A label for the flight recorder ("block.17": the scheduler puts the unit's name here). Not
   // part of the fingerprint: ranks may tag the same collective differently.
   std::string tag;
+  // What the collective moves, as a number every rank must pass the same (the scheduler: its
+  // unit's id + 1); 0: unsaid. Part of the fingerprint: ranks that pass different keys fail the
+  // collective on every rank before any data moves (InvalidArgument, a peer error), as for a
+  // different count or dtype. The message names each key by the tag this rank last issued it
+  // with ("for 'block3'"), else by its number.
+  uint64_t key = 0;
 };
 
 struct ReduceOptions : CollectiveOptions {
@@ -412,6 +421,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                              int rank_b, const CollectiveFingerprint& fp_b) const;
   // "all_gather #12 on world (rank 0 of 4)": the prefix of every error about `op`.
   std::string Describe(const Op& op) const;
+  // A CollectiveOptions::key as this rank knows it: "'block3'" (the tag of the first collective
+  // issued here with that key), else "key 4".
+  std::string KeyName(uint64_t key) const;
   // DeadlineExceeded for `op`, naming the ranks that did not show up (and recording them as the
   // peers it waits on).
   absl::Status DeadlineError(const Op& op, const std::vector<int>& missing_ranks) const;
@@ -446,6 +458,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::atomic<uint64_t> next_shrink_{0};
   std::atomic<uint64_t> next_registration_{0};
   std::atomic<int64_t> live_registrations_{0};
+  // The tag of each key issued here (KeyName), at most kMaxKeyTags of them.
+  static constexpr size_t kMaxKeyTags = 1 << 16;
+  mutable std::mutex key_mu_;
+  absl::flat_hash_map<uint64_t, std::string> key_tags_;
   mutable std::mutex mu_;
   absl::Status abort_status_;
   std::atomic<bool> aborted_{false};

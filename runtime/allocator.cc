@@ -98,6 +98,25 @@ struct AdoptedRelease {
 
 }  // namespace
 
+void Buffer::Leak() {
+  if (allocator_ != nullptr && data_ != nullptr) allocator_->CountLeaked(size_);
+  release_ = nullptr;  // adopted memory: its release never runs
+  allocator_ = nullptr;
+  data_ = nullptr;
+  size_ = 0;
+  guards_.clear();
+}
+
+void Allocator::CountLeaked(size_t bytes) {
+  SL_LOG(WARN, ALLOC) << "allocator '" << name_ << "': leaking a block of " << bytes
+                      << " bytes that a stream may still use";
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.current_bytes -= static_cast<int64_t>(bytes);
+  --stats_.live_allocations;
+  ++stats_.leaked_blocks;
+  stats_.leaked_bytes += static_cast<int64_t>(bytes);
+}
+
 void Buffer::Reset() {
   if (allocator_ != nullptr && data_ != nullptr) {
     allocator_->Release(data_, size_, guards_);
@@ -430,14 +449,27 @@ void Allocator::ReturnPending(PendingBlock block) {
 void Allocator::DrainPending() {
   // One deadline for all blocks: a destructor blocks at most SHARDLINE_TIMEOUT_S in total.
   const absl::Time deadline = DefaultDeadline();
+  // Each outstanding guard is synchronized, not waited for on a condition: a virtual-time
+  // event completes only when some thread drives its timeline, which Synchronize does (and a
+  // stalled timeline answers at once, instead of the wall clock running out).
+  std::vector<std::shared_ptr<Event>> outstanding;
+  {
+    std::lock_guard<std::mutex> lock(pending_->mu);
+    for (const PendingSet::Block* block : pending_->blocks) {
+      for (const PendingSet::Guard& guard : block->guards) {
+        if (!guard.completed) outstanding.push_back(guard.event);
+      }
+    }
+  }
+  for (const std::shared_ptr<Event>& event : outstanding) {
+    if (absl::Now() >= deadline) break;
+    event->Synchronize(deadline).IgnoreError();  // a failed reader has finished all the same
+  }
+  outstanding.clear();
   std::vector<Freed> freeable;
   std::vector<Freed> leaked;
   {
     std::unique_lock<std::mutex> lock(pending_->mu);
-    WallClock().WaitUntil(pending_->cv, lock, deadline, [&] {
-      return std::all_of(pending_->blocks.begin(), pending_->blocks.end(),
-                         [](const PendingSet::Block* block) { return block->outstanding == 0; });
-    });
     pending_->TakeReadyLocked(freeable);
     while (!pending_->blocks.empty()) {
       const PendingSet::Block& block = *pending_->blocks.back();
@@ -452,11 +484,14 @@ void Allocator::DrainPending() {
   SL_LOG(WARN, ALLOC) << "allocator '" << name_ << "': leaking " << leaked.size() << " block(s) of "
                       << leaked_bytes
                       << " bytes at destruction: their readers did not finish by the "
-                         "SHARDLINE_TIMEOUT_S deadline";
+                         "SHARDLINE_TIMEOUT_S deadline (or wait for work that will never run)";
+  for (const Freed& block : leaked) LeakRaw(block.data, block.bytes);
   // Leaked blocks are gone from this allocator's point of view.
   std::lock_guard<std::mutex> lock(mu_);
   stats_.current_bytes -= leaked_bytes;
   stats_.live_allocations -= static_cast<int64_t>(leaked.size());
+  stats_.leaked_blocks += static_cast<int64_t>(leaked.size());
+  stats_.leaked_bytes += leaked_bytes;
 }
 
 // ---- Host allocator --------------------------------------------------------------------------

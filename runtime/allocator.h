@@ -70,6 +70,11 @@ struct MemoryStats {
   // Allocations served by a block whose guards were still pending, after a stream wait
   // (Allocate(bytes, first_user); since creation or ResetStats()).
   int64_t stream_ordered_reuses = 0;
+  // Blocks given up for good (since creation): guarded blocks whose readers had not finished
+  // when the allocator was destroyed (DrainPending), and Buffers leaked with Buffer::Leak. A
+  // leaked block is never freed (a stream may still use it) and no longer counts as allocated.
+  int64_t leaked_blocks = 0;
+  int64_t leaked_bytes = 0;
 };
 
 class Allocator;
@@ -116,6 +121,10 @@ class Buffer {
 
   // Returns the memory now (guarded by the events given to ReleaseAfter); the buffer is empty.
   void Reset();
+  // Gives the memory up without returning it, for memory a stream may still use when its owner
+  // goes away: it is never freed, and its allocator counts it as leaked (MemoryStats), not as
+  // allocated. Adopted memory's release function never runs. The buffer is empty.
+  void Leak();
 
  private:
   friend class Allocator;
@@ -190,12 +199,17 @@ class Allocator {
   // Puts a block from TakePending back into the pending set, with its outstanding guards.
   void ReturnPending(PendingBlock block);
 
-  // Blocks until every guarded block's events complete (at most until one SHARDLINE_TIMEOUT_S
-  // deadline for all of them) and frees them through DeallocateRaw; a block whose guards have
-  // not completed by then is leaked (logged), never freed under a possible reader. Every
-  // implementation calls this first thing in its destructor: the base destructor runs after the
-  // derived part is gone and cannot call DeallocateRaw.
+  // Synchronizes every guarded block's events (at most until one SHARDLINE_TIMEOUT_S deadline
+  // for all of them; virtual-time events by driving their timeline, a stalled one at once) and
+  // frees the blocks through DeallocateRaw; a block whose guards have not completed by then is
+  // leaked (logged, counted in MemoryStats::leaked_*, handed to LeakRaw), never freed under a
+  // possible reader. Every implementation calls this first thing in its destructor: the base
+  // destructor runs after the derived part is gone and cannot call DeallocateRaw.
   void DrainPending();
+  // A block that DrainPending leaks: it will never come back through DeallocateRaw. An
+  // implementation that keeps track of its blocks (a pool) forgets it here; the default does
+  // nothing.
+  virtual void LeakRaw(void* data, size_t bytes) {}
 
  private:
   friend class Buffer;
@@ -216,6 +230,8 @@ class Allocator {
   void Release(void* data, size_t bytes, absl::Span<const std::shared_ptr<Event>> guards);
   // DeallocateRaw for each block, then updates the counters.
   void FreeBlocks(absl::Span<const Freed> blocks);
+  // Buffer::Leak: the block no longer counts as allocated; it counts as leaked.
+  void CountLeaked(size_t bytes);
 
   Device device_;
   std::string name_;

@@ -129,6 +129,22 @@ void CachingPool::DeallocateRaw(void* data, size_t bytes) {
   }
 }
 
+void CachingPool::LeakRaw(void* data, size_t bytes) {
+  const size_t cls = SizeClass(bytes);
+  Buffer block;
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    auto it = in_use_.find(data);
+    SL_CHECK(it != in_use_.end()) << "caching pool '" << name() << "': leaking unknown block "
+                                  << data;
+    block = std::move(it->second);
+    in_use_.erase(it);
+    cache_stats_.in_use_bytes -= static_cast<int64_t>(cls);
+    cache_stats_.reserved_bytes -= static_cast<int64_t>(cls);
+  }
+  block.Leak();
+}
+
 std::vector<Buffer> CachingPool::TakeCacheLocked() {
   std::vector<Buffer> blocks;
   for (auto& [cls, list] : cache_) {

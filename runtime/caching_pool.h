@@ -65,7 +65,8 @@ class CachingPool : public Allocator {
  public:
   explicit CachingPool(Allocator& backing, CachingPoolOptions options = {});
   // Waits for guarded blocks (DrainPending), then returns every cached block to the backing
-  // allocator. Blocks still handed out are a bug (checked).
+  // allocator. A guarded block whose readers did not finish is leaked in the backing allocator
+  // too (Buffer::Leak: counted there, never freed). Blocks still handed out are a bug (checked).
   ~CachingPool() override;
 
   // The size class of a request of `bytes` > 0 (see the table above).
@@ -81,6 +82,7 @@ class CachingPool : public Allocator {
  protected:
   absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream* first_user) override;
   void DeallocateRaw(void* data, size_t bytes) override;
+  void LeakRaw(void* data, size_t bytes) override;
 
  private:
   // Moves every cached block out (pool_mu_ held).

@@ -29,6 +29,10 @@ namespace {
 
 constexpr int kOrderHeader = 3;  // length, hash of the order, hash of the units' layouts
 
+// The unit as every collective the scheduler issues for it names it (CollectiveOptions::key):
+// ranks that issue the same collective for different units fail it before any data moves.
+uint64_t UnitKey(int unit) { return static_cast<uint64_t>(unit) + 1; }
+
 uint64_t Mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
   return h;
@@ -303,13 +307,16 @@ absl::StatusOr<int> Scheduler::RegisterUnit(UnitSpec spec) {
   return id;
 }
 
+bool Scheduler::Kept(const Unit& unit) {
+  return !unit.reshard_after_forward || !unit.reshard_after_backward;
+}
+
 uint64_t Scheduler::MinimumBudgetBytes() const {
   uint64_t kept = 0;
   uint64_t largest = 0;
   for (const Unit& u : units_) {
-    const uint64_t extra =
-        u.reshard_after_forward ? u.backward_bytes : u.backward_bytes - u.param_bytes;
-    if (!u.reshard_after_forward) kept += u.param_bytes;
+    const uint64_t extra = Kept(u) ? u.backward_bytes - u.param_bytes : u.backward_bytes;
+    if (Kept(u)) kept += u.param_bytes;
     largest = std::max(largest, extra);
   }
   // A unit used more than once keeps its gradient from its first backward use to its last.
@@ -325,10 +332,10 @@ uint64_t Scheduler::MinimumBudgetBytes() const {
 
 int Scheduler::MinimumBudgetUnits() const {
   int kept = 0;
-  for (const Unit& u : units_) kept += u.reshard_after_forward ? 0 : 1;
+  for (const Unit& u : units_) kept += Kept(u) ? 1 : 0;
   std::vector<int> uses(units_.size(), 0);
   for (int u : order_) {
-    if (u >= 0 && u < num_units() && ++uses[u] == 2 && units_[u].reshard_after_forward) ++kept;
+    if (u >= 0 && u < num_units() && ++uses[u] == 2 && !Kept(units_[u])) ++kept;
   }
   return kept + 1;
 }
@@ -354,9 +361,38 @@ absl::Status Scheduler::HookError(absl::string_view hook, int unit, absl::Status
   if (status.ok()) return status;
   status = Annotate(status, absl::StrCat("scheduler '", options_.name, "': ", hook, "('",
                                          units_[unit].name, "') in step ", step_));
-  // A failed stream or collective leaves the step inconsistent across ranks: stop here.
+  // A failed stream or collective leaves the step inconsistent across ranks: stop here. A peer's
+  // disagreement is InvalidArgument too, but with the peer payload; a misuse of the hooks on
+  // this rank (an unknown unit, a call out of order) issued nothing and poisons nothing.
+  if (IsPeerError(status)) {
+    failed_ = WithOrderNote(std::move(status));
+    return failed_;
+  }
   if (!absl::IsInvalidArgument(status) && !absl::IsFailedPrecondition(status)) failed_ = status;
   return status;
+}
+
+absl::Status Scheduler::WithOrderNote(absl::Status status) const {
+  // Ranks that issue the same collective for different units (the unit is in every collective's
+  // fingerprint) ran different forwards: say whether this rank kept to the known order.
+  // On an asynchronous compute stream the error may surface only in the next step's hooks.
+  if (!order_known_ || !IsPeerError(status)) return status;
+  if (deviation_step_ >= 0 && deviation_step_ + 1 >= step_) {
+    return Annotate(status, absl::StrCat("this rank deviated from the known forward order in step ",
+                                         deviation_step_, ": ", deviation_));
+  }
+  return Annotate(status, step_ == 0 ? std::string("this rank's forward follows the known order")
+                                     : absl::StrCat("this rank's forward followed the known "
+                                                    "order in steps ",
+                                                    step_ - 1, " and ", step_));
+}
+
+absl::Status Scheduler::StreamError(absl::string_view hook, int unit, absl::Status status) {
+  if (status.ok()) return status;
+  failed_ = WithOrderNote(Annotate(
+      status, absl::StrCat("scheduler '", options_.name, "': ", hook, "('", units_[unit].name,
+                           "') in step ", step_, ": stream '", compute_.name(), "' failed")));
+  return failed_;
 }
 
 // --- Budget ---------------------------------------------------------------------------------
@@ -369,22 +405,25 @@ bool Scheduler::Fits(uint64_t bytes, bool new_unit) const {
   return true;
 }
 
-void Scheduler::Charge(Unit& unit, uint64_t bytes) {
+void Scheduler::Charge(Unit& unit, uint64_t params, uint64_t grad) {
+  const uint64_t bytes = params + grad;
   if (bytes == 0) return;
-  if (unit.charged == 0) ++inflight_units_;
-  unit.charged += bytes;
+  if (unit.charged() == 0) ++inflight_units_;
+  unit.charged_params += params;
+  unit.charged_grad += grad;
   inflight_bytes_ += bytes;
   current_.peak_inflight_bytes = std::max(current_.peak_inflight_bytes, inflight_bytes_);
   current_.peak_inflight_units = std::max(current_.peak_inflight_units, inflight_units_);
   TraceCounters();
 }
 
-void Scheduler::Discharge(Unit& unit, uint64_t bytes) {
-  bytes = std::min(bytes, unit.charged);
+void Scheduler::Discharge(Unit& unit, bool params, bool grad) {
+  const uint64_t bytes = (params ? unit.charged_params : 0) + (grad ? unit.charged_grad : 0);
   if (bytes == 0) return;
-  unit.charged -= bytes;
+  if (params) unit.charged_params = 0;
+  if (grad) unit.charged_grad = 0;
   inflight_bytes_ -= bytes;
-  if (unit.charged == 0) --inflight_units_;
+  if (unit.charged() == 0) --inflight_units_;
   TraceCounters();
 }
 
@@ -399,9 +438,11 @@ void Scheduler::TraceCounters() {
 
 absl::Status Scheduler::IssueGather(int u, bool backward, bool demanded) {
   Unit& unit = units_[u];
-  const uint64_t bytes =
-      backward && !unit.param->has_unsharded_grad() ? unit.backward_bytes : unit.param_bytes;
-  if (!Fits(bytes, unit.charged == 0)) {
+  // A backward gather also brings the unsharded gradient, unless one is kept from earlier
+  // micro-batches (outside the budget) or from an earlier backward use (charged already).
+  const uint64_t grad =
+      backward && !unit.param->has_unsharded_grad() ? unit.backward_bytes - unit.param_bytes : 0;
+  if (!Fits(unit.param_bytes + grad, unit.charged() == 0)) {
     if (!demanded) return absl::OkStatus();
     ++current_.budget_overshoots;
   }
@@ -409,12 +450,12 @@ absl::Status Scheduler::IssueGather(int u, bool backward, bool demanded) {
   std::shared_ptr<Event> start;
   SL_ASSIGN_OR_RETURN(Work work,
                       unit.param->Gather(*gather_comm_, *gather_stream_,
-                                         {.collective = {.tag = unit.name},
+                                         {.collective = {.tag = unit.name, .key = UnitKey(u)},
                                           .collective_start = timed ? &start : nullptr}));
   if (timed) unit.comm.emplace_back(std::move(start), work.event());
   unit.gathered = true;
   unit.backward_gather = backward;
-  Charge(unit, bytes);
+  Charge(unit, unit.param_bytes, grad);
   ++unit.metrics.gathers;
   if (!demanded) ++unit.metrics.prefetched;
   unit.metrics.bytes_gathered += unit.param_bytes;
@@ -429,7 +470,7 @@ absl::Status Scheduler::PrefetchForward() {
   while (forward_cursor_ < order_.size() && forward_cursor_ < limit) {
     Unit& unit = units_[order_[forward_cursor_]];
     if (!unit.gathered) {
-      if (!Fits(unit.param_bytes, unit.charged == 0)) {
+      if (!Fits(unit.param_bytes, unit.charged() == 0)) {
         if (deferred_forward_ != forward_cursor_) ++current_.deferred_prefetches;
         deferred_forward_ = forward_cursor_;
         return absl::OkStatus();  // retried at the next hook, in order
@@ -449,7 +490,7 @@ absl::Status Scheduler::HandleBackwardPosition(size_t pos, bool demanded, bool* 
   if (!unit.gathered) {
     const uint64_t bytes =
         unit.param->has_unsharded_grad() ? unit.param_bytes : unit.backward_bytes;
-    if (!demanded && !Fits(bytes, unit.charged == 0)) {
+    if (!demanded && !Fits(bytes, unit.charged() == 0)) {
       *issued = false;
       return absl::OkStatus();
     }
@@ -467,7 +508,7 @@ absl::Status Scheduler::HandleBackwardPosition(size_t pos, bool demanded, bool* 
       }
       ++current_.budget_overshoots;
     }
-    Charge(unit, extra);
+    Charge(unit, 0, extra);
     unit.backward_gather = true;
     return PrepareGradAhead(unit);
   }
@@ -538,18 +579,16 @@ absl::Status Scheduler::ReshardUnit(int u, std::shared_ptr<Event> last_use) {
   SL_RETURN_IF_ERROR(unit.param->Reshard(std::move(last_use)));
   unit.gathered = false;
   unit.backward_gather = false;
-  // The gradient (if any) stays: it is charged until its reduction, or accumulated outside the
-  // budget when gradient sync is off.
-  uint64_t keep = 0;
-  if (unit.param->has_unsharded_grad() && sync_grads_)
-    keep = unit.backward_bytes - unit.param_bytes;
-  Discharge(unit, unit.charged > keep ? unit.charged - keep : 0);
+  // A gradient charged by this step's backward stays charged until its reduction; with gradient
+  // sync off it is accumulated outside the budget from here on. A gradient kept from earlier
+  // micro-batches was never charged.
+  Discharge(unit, /*params=*/true, /*grad=*/!sync_grads_);
   return absl::OkStatus();
 }
 
 void Scheduler::KeepAfterBackward(Unit& unit) {
   unit.backward_gather = false;
-  Discharge(unit, unit.charged > unit.param_bytes ? unit.charged - unit.param_bytes : 0);
+  Discharge(unit, /*params=*/false, /*grad=*/true);
 }
 
 // --- Steps ----------------------------------------------------------------------------------
@@ -617,6 +656,9 @@ absl::Status Scheduler::BeginBackward() {
     record_pending_check_ = true;
   } else if (!deviated_ && step_sequence_.size() != order_.size()) {
     deviated_ = true;
+    deviation_step_ = step_;
+    deviation_ = absl::StrCat("it ran ", step_sequence_.size(),
+                              " forward uses where the order has ", order_.size());
     ++current_.order_deviations;
     SL_LOG(WARN, SCHED) << "scheduler '" << options_.name << "': step " << step_ << " ran "
                         << step_sequence_.size() << " forward uses but the recorded "
@@ -667,11 +709,15 @@ absl::Status Scheduler::PreForward(int u) {
     SL_RETURN_IF_ERROR(HookError("PreForward", u, BeginBackward()));
     return PreForward(u);
   }
-  if (phase_ == Phase::kIdle) SL_RETURN_IF_ERROR(BeginStep());
+  if (phase_ == Phase::kIdle) SL_RETURN_IF_ERROR(HookError("PreForward", u, BeginStep()));
   const size_t pos = step_sequence_.size();
   step_sequence_.push_back(u);
   if (order_known_ && !deviated_ && (pos >= order_.size() || order_[pos] != u)) {
     deviated_ = true;
+    deviation_step_ = step_;
+    deviation_ = absl::StrCat(
+        "at position ", pos, " it ran '", unit->name, "' where the order has ",
+        pos < order_.size() ? absl::StrCat("'", units_[order_[pos]].name, "'") : "its end");
     ++current_.order_deviations;
     SL_LOG(WARN, SCHED) << "scheduler '" << options_.name << "': step " << step_
                         << " deviates from the recorded forward order at position " << pos
@@ -709,7 +755,7 @@ absl::Status Scheduler::PostForward(int u) {
   }
   // The compute stream acquired the unit in PreForward: the reshard records its last use there
   // (FlatParameter records on every acquiring stream), so no event of its own is needed here.
-  SL_RETURN_IF_ERROR(compute_.status());
+  SL_RETURN_IF_ERROR(StreamError("PostForward", u, compute_.status()));
   --unit->active;
   if (unit->active == 0 && unit->reshard_after_forward && !PrefetchedAgain(u)) {
     SL_RETURN_IF_ERROR(HookError("PostForward", u, ReshardUnit(u, nullptr)));
@@ -812,7 +858,8 @@ absl::Status Scheduler::IssueReduction(int u) {
   Unit& unit = units_[u];
   const MixedPrecisionPolicy& mp = unit.param->policy();
   // The flight recorder tags every collective of the unit with its name.
-  const ReduceGradOptions ro{.op = unit.reduce_op, .collective = {.tag = unit.name}};
+  const ReduceGradOptions ro{.op = unit.reduce_op,
+                             .collective = {.tag = unit.name, .key = UnitKey(u)}};
   const bool timed = options_.time_communication;
   std::shared_ptr<Event> start;
   ReduceGradOptions rs = ro;
@@ -852,6 +899,7 @@ absl::Status Scheduler::IssueReduction(int u) {
     ReduceOptions ar{};
     ar.op = unit.reduce_op;
     ar.tag = unit.name;
+    ar.key = UnitKey(u);
     std::shared_ptr<Event> before;
     if (timed) {
       SL_ASSIGN_OR_RETURN(before, RecordEvent(*all_reduce_stream_));
@@ -864,7 +912,7 @@ absl::Status Scheduler::IssueReduction(int u) {
     unit.all_reduce_deferred = false;
   }
   // The buffers went back to their pools, stream-ordered after the reduction's events.
-  Discharge(unit, unit.charged);
+  Discharge(unit, /*params=*/true, /*grad=*/true);
   return absl::OkStatus();
 }
 
@@ -889,9 +937,8 @@ absl::Status Scheduler::FinishBackward() {
     }
   }
   auto fail = [&](absl::Status status) {
-    status = Annotate(status, hook());
-    failed_ = status;
-    return status;
+    failed_ = WithOrderNote(Annotate(status, hook()));
+    return failed_;
   };
   // Every remaining backward gather, in order: a unit whose backward did not run here may have
   // run on another rank, which gathered it at this position.
@@ -1173,7 +1220,21 @@ absl::Status Scheduler::SetReshardAfterBackward(int unit, bool reshard) {
     return absl::FailedPreconditionError(absl::StrCat(
         "scheduler '", options_.name, "': SetReshardAfterBackward('", u->name, "') during a step"));
   }
+  const bool before = u->reshard_after_backward;
   u->reshard_after_backward = reshard;
+  // Parameters kept after a backward stay charged into the next step: the minimum counts them.
+  const uint64_t minimum = MinimumBudgetBytes();
+  const int minimum_units = MinimumBudgetUnits();
+  if ((options_.budget_bytes > 0 && minimum > options_.budget_bytes) ||
+      (options_.budget_units > 0 && minimum_units > options_.budget_units)) {
+    u->reshard_after_backward = before;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scheduler '", options_.name, "': SetReshardAfterBackward('", u->name,
+        "', false): ", "the budget (", options_.budget_bytes, " bytes, ", options_.budget_units,
+        " units) is below the ", minimum, " bytes and ", minimum_units,
+        " units the units need with its parameters kept between micro-batches (SetBudget "
+        "first)"));
+  }
   return absl::OkStatus();
 }
 

@@ -42,12 +42,16 @@
 // naming the first differing position and both units. Later steps prefetch along the recorded
 // order. A step whose forward deviates from it logs a warning naming the expected and the actual
 // unit and falls back to on-demand gathering for the rest of that step (never a wrong buffer,
-// never a hang). The backward order is the reverse of the step's actual forward order; backward
-// gathers are issued along it by a cursor that never skips a unit (a unit whose backward does
-// not run on this rank is still gathered at its turn), and reductions are issued in the order of
-// each unit's last backward use, a unit that is not ready holding back the ones after it until
-// it is ready or FinishBackward supplies it. So every rank issues the same gathers and the same
-// reductions in the same order even if some rank skips a unit's backward.
+// never a hang). Every collective the scheduler issues carries its unit in the fingerprint
+// (CollectiveOptions::key): ranks whose forwards differ fail the first collective that differs
+// on every rank, before any data moves, with InvalidArgument (a peer error) naming both ranks and
+// both units, and each rank adds whether its own forward kept to the known order. The backward
+// order is the reverse of the step's actual forward order; backward gathers are issued along it by
+// a cursor that never skips a unit (a unit whose backward does not run on this rank is still
+// gathered at its turn), and reductions are issued in the order of each unit's last backward use, a
+// unit that is not ready holding back the ones after it until it is ready or FinishBackward
+// supplies it. So every rank issues the same gathers and the same reductions in the same order even
+// if some rank skips a unit's backward.
 //
 // The budget. Memory "in flight" is charged on the host, at issue, deterministically (the issue
 // decisions depend only on the sequence of hook calls, never on clocks or completions):
@@ -58,17 +62,29 @@
 //                    reduce_dtype differs), from the gather's issue until the reduction is issued
 //                    (the buffers then go back stream-ordered, after the reduction's events).
 // Units kept unsharded after forward (reshard_after_forward off, shard-grad-op, no-shard) stay
-// charged. A prefetch is issued only if it fits (bytes and count); otherwise it is deferred and
-// retried at every later hook, in order. A gather the compute needs now is always issued; if it
-// does not fit, that is counted as an overshoot in the metrics (it happens only when the forward
-// deviates from the known order, a unit's backward is skipped, or the budget is below the
-// minimum). RegisterUnit refuses (InvalidArgument) a budget below the minimum it can know then
-// (MinimumBudgetBytes/Units: the units kept after forward plus the largest backward footprint;
-// with an explicit order also the gradients of units used twice); when the first step records an
-// order with units used twice and the budget is below the new minimum, a warning names it.
-// Unsharded gradients accumulated across micro-batches without reduction
-// (SetRequiresGradientSync(false)) persist between steps: they are outside the budget and reported
-// separately (accumulated_grad_bytes).
+// charged, and so do parameters kept after a backward that does not reduce
+// (SetReshardAfterBackward(false)). A prefetch is issued only if it fits (bytes and count), in
+// every accumulation mode; otherwise it is deferred and retried at every later hook, in order. A
+// gather the compute needs now is always issued; if it does not fit, that is counted as an
+// overshoot in the metrics (it happens only when the forward deviates from the known order, a
+// unit's backward is skipped, or the budget is below the minimum). RegisterUnit refuses
+// (InvalidArgument) a budget below the minimum it can know then (MinimumBudgetBytes/Units: the
+// units kept after forward or after backward plus the largest backward footprint; with an
+// explicit order also the gradients of units used twice), and so do SetBudget and
+// SetReshardAfterBackward(u, false); when the first step records an order with units used twice
+// and the budget is below the new minimum, a warning names it. Unsharded gradients accumulated
+// across micro-batches without reduction (SetRequiresGradientSync(false)) persist between steps:
+// they are outside the budget and reported separately (accumulated_grad_bytes); a later backward
+// gather of such a unit charges only its parameters.
+//
+// Errors. Misuse of a hook on this rank (an unknown unit, a call out of order) returns
+// InvalidArgument or FailedPrecondition and changes nothing. A failed stream or collective, or a
+// peer's disagreement (an error with the peer payload, IsPeerError), leaves the step
+// inconsistent across ranks: the hook that sees it returns it and every later hook returns that
+// same error. Destroying the scheduler is safe in any state, mid-step included: buffers go back
+// to their pools after their readers' events; what is still read after one SHARDLINE_TIMEOUT_S
+// is leaked (warned, counted in the pools' MemoryStats::leaked_*), never freed under a reader;
+// on virtual time the drain drives the timeline.
 //
 // Thread safety: one thread at a time calls the hooks (as PyTorch's autograd engine does, one
 // backward at a time); the streams run anywhere.
@@ -247,7 +263,7 @@ class Scheduler {
                                                            SchedulerOptions options,
                                                            absl::Time deadline);
   // Returns every buffer to its pool after the events that guard it; waits (bounded by the
-  // streams' timeouts) for the scheduler's streams to drain.
+  // streams' timeouts) for the scheduler's streams to drain. Safe mid-step (see "Errors").
   ~Scheduler();
 
   Scheduler(const Scheduler&) = delete;
@@ -320,8 +336,10 @@ class Scheduler {
   // gathered (charged like a unit kept after forward) into the next step, whose forward then
   // uses them without a gather. The optimizer must not change the master shard in between (the
   // kept parameters would be stale), as in FSDP2. A step that reduces reshards as usual: the
-  // reduction takes the unit back to sharded. InvalidArgument for an unknown unit,
-  // FailedPrecondition during a step.
+  // reduction takes the unit back to sharded. Kept parameters are charged to the budget and
+  // counted in MinimumBudgetBytes/Units while the unit's setting is false. InvalidArgument for an
+  // unknown unit or, for false, a budget below the minimum with the unit kept (naming it: set the
+  // budget first); FailedPrecondition during a step.
   absl::Status SetReshardAfterBackward(int unit, bool reshard);
   // Changes the budget (SchedulerOptions::budget_bytes/budget_units; 0: unlimited) between steps.
   // InvalidArgument below MinimumBudgetBytes()/MinimumBudgetUnits(), FailedPrecondition during a
@@ -347,10 +365,10 @@ class Scheduler {
   // The recorded (or explicit) forward order; empty before the first step ends.
   const std::vector<int>& forward_order() const { return order_; }
   // The minimum budget_bytes and budget_units the registered units need so that no gather ever
-  // overshoots on the known order: the units kept unsharded after forward, the gradients of units
-  // used more than once (they live from the first backward use to the last), and the largest
-  // backward footprint. Before the order is known (recorded in the first step, or explicit) units
-  // used twice are not counted.
+  // overshoots on the known order: the units kept unsharded after forward or after backward
+  // (SetReshardAfterBackward(false)), the gradients of units used more than once (they live from
+  // the first backward use to the last), and the largest backward footprint. Before the order is
+  // known (recorded in the first step, or explicit) units used twice are not counted.
   uint64_t MinimumBudgetBytes() const;
   int MinimumBudgetUnits() const;
 
@@ -372,11 +390,13 @@ class Scheduler {
     uint64_t backward_bytes = 0;  // parameters + gradient (+ its reduce_dtype copies)
 
     // This step.
-    bool gathered = false;             // a gather issued and not resharded
-    bool backward_gather = false;      // charged for its backward (parameters + gradient)
-    int active = 0;                    // hook uses in progress (Pre called, Post not yet)
-    int recomputing = 0;               // of which recomputations inside the backward
-    uint64_t charged = 0;              // bytes charged to the budget
+    bool gathered = false;         // a gather issued and not resharded
+    bool backward_gather = false;  // charged for its backward (parameters + gradient)
+    int active = 0;                // hook uses in progress (Pre called, Post not yet)
+    int recomputing = 0;           // of which recomputations inside the backward
+    uint64_t charged_params = 0;   // bytes charged to the budget: the unsharded parameters
+    uint64_t charged_grad = 0;     // and the unsharded gradient (+ its reduce_dtype copies)
+    uint64_t charged() const { return charged_params + charged_grad; }
     int forward_uses = 0;              // PreForward calls in this step's forward
     int backward_left = 0;             // forward uses whose backward has not finished
     bool grad_ready = false;           // last backward use finished; reduction not yet issued
@@ -426,7 +446,14 @@ class Scheduler {
   Scheduler(ProcessMesh mesh, Stream& compute, SchedulerOptions options);
 
   absl::StatusOr<Unit*> Lookup(int unit, absl::string_view hook);
+  // Annotates a hook's error with the hook, the unit and the step; an error that leaves the step
+  // inconsistent across ranks (a failed stream or collective, a peer's disagreement) is kept:
+  // every later hook returns it.
   absl::Status HookError(absl::string_view hook, int unit, absl::Status status);
+  // A failed compute stream: kept like HookError's, whatever its code.
+  absl::Status StreamError(absl::string_view hook, int unit, absl::Status status);
+  // A peer's error during a step, with whether this rank kept to the known forward order.
+  absl::Status WithOrderNote(absl::Status status) const;
   absl::Status BeginStep();
   absl::Status BeginBackward();
   // Issues the gather of unit `u`, charging its forward or backward footprint. `demanded`: the
@@ -452,8 +479,12 @@ class Scheduler {
   absl::Status StartOrderCheck();
   absl::Status CheckOrderResult();
   bool Fits(uint64_t bytes, bool new_unit) const;
-  void Charge(Unit& unit, uint64_t bytes);
-  void Discharge(Unit& unit, uint64_t bytes);
+  // Whether the unit's parameters may stay gathered outside a use: kept after forward, or after a
+  // backward that does not reduce (SetReshardAfterBackward).
+  static bool Kept(const Unit& unit);
+  void Charge(Unit& unit, uint64_t params, uint64_t grad);
+  // Takes the unit's parameter and/or gradient charge off the budget.
+  void Discharge(Unit& unit, bool params, bool grad);
   void TraceCounters();
 
   ProcessMesh mesh_;
@@ -489,6 +520,10 @@ class Scheduler {
   bool order_known_ = false;
   std::vector<int> step_sequence_;
   bool deviated_ = false;
+  // The last deviation from the known order, for errors: its step and where ("at position 0 it
+  // ran 'u1' where the order has 'u0'").
+  int64_t deviation_step_ = -1;
+  std::string deviation_;
   size_t forward_cursor_ = 0;  // positions of order_ before it were prefetched or skipped
   // The cursor positions whose prefetch was last deferred (a deferral is counted once).
   size_t deferred_forward_ = SIZE_MAX;

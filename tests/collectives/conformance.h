@@ -323,6 +323,35 @@ TYPED_TEST_P(CommunicatorConformanceTest, MismatchedCountsFailOnEveryRankNamingB
   }
 }
 
+// Counts and dtypes agree but the keys differ (ranks gathering different units of one size): a
+// mismatch on every rank, nothing written, each key named by the tag its rank issued it with
+// (every rank has issued both keys before, so each knows both tags).
+TYPED_TEST_P(CommunicatorConformanceTest, MismatchedKeysFailOnEveryRankNamingTheirTags) {
+  const int n = 3;
+  std::vector<absl::Status> results(n);
+  RunRanks(this->Make(n), [&](int r, Communicator& comm, Stream& stream) {
+    std::vector<float> in(5, 1.0f), out(5 * n, -1.0f);
+    for (uint64_t key : {1, 2}) {
+      ASSERT_TRUE(WaitFor(comm.AllGather(in.data(), out.data(), 5, DType::kF32, stream,
+                                         {.tag = absl::StrCat("unit", key), .key = key}))
+                      .ok());
+    }
+    std::fill(out.begin(), out.end(), -1.0f);
+    const uint64_t key = r == 2 ? 2 : 1;
+    results[r] = WaitFor(comm.AllGather(in.data(), out.data(), 5, DType::kF32, stream,
+                                        {.tag = absl::StrCat("unit", key), .key = key}));
+    for (float x : out) ASSERT_EQ(x, -1.0f) << "no data may be written on a mismatch";
+  });
+  for (const absl::Status& status : results) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_TRUE(IsPeerError(status)) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(),
+                                  "rank 0 called all_gather(count=5, f32) for 'unit1' but rank 2 "
+                                  "called all_gather(count=5, f32) for 'unit2'"))
+        << status;
+  }
+}
+
 // One rank's count is large (the ucx backend's zero-copy path), the others' small: nothing may
 // be written and nothing truncated into user memory.
 TYPED_TEST_P(CommunicatorConformanceTest, MismatchedSmallAndLargeCountsWriteNothing) {
@@ -602,17 +631,15 @@ TYPED_TEST_P(CommunicatorConformanceTest, PeerErrorsAreToldApartFromLocalOnes) {
   }
 }
 
-REGISTER_TYPED_TEST_SUITE_P(CommunicatorConformanceTest, AllGather, ReduceScatter, AllReduce,
-                            BroadcastFromEveryRoot, AllToAll, SplitIntoReversedHalves,
-                            OddMegaElementBuffers, MismatchedCountsFailOnEveryRankNamingBoth,
-                            MismatchedSmallAndLargeCountsWriteNothing, MismatchedDTypesAndKindsFail,
-                            MissingRankIsADeadlineErrorNamingIt,
-                            AbortReachesPeersBlockedInACollective,
-                            WorkHandleSynchronizesAnotherStream,
-                            CollectivesOnTwoStreamsRunInIssueOrder,
-                            ThreadsIssueOnOneCommunicatorAtOnce,
-                            CollectiveDroppedByAPoisonedStreamFailsEveryRank,
-                            DupRunsIndependentlyOfTheOriginal, PeerErrorsAreToldApartFromLocalOnes);
+REGISTER_TYPED_TEST_SUITE_P(
+    CommunicatorConformanceTest, AllGather, ReduceScatter, AllReduce, BroadcastFromEveryRoot,
+    AllToAll, SplitIntoReversedHalves, OddMegaElementBuffers,
+    MismatchedCountsFailOnEveryRankNamingBoth, MismatchedKeysFailOnEveryRankNamingTheirTags,
+    MismatchedSmallAndLargeCountsWriteNothing, MismatchedDTypesAndKindsFail,
+    MissingRankIsADeadlineErrorNamingIt, AbortReachesPeersBlockedInACollective,
+    WorkHandleSynchronizesAnotherStream, CollectivesOnTwoStreamsRunInIssueOrder,
+    ThreadsIssueOnOneCommunicatorAtOnce, CollectiveDroppedByAPoisonedStreamFailsEveryRank,
+    DupRunsIndependentlyOfTheOriginal, PeerErrorsAreToldApartFromLocalOnes);
 
 }  // namespace shardline::testing
 

@@ -79,7 +79,8 @@ TEST(LocalCommunicatorTest, InvalidArgumentsEnqueueNothing) {
 
 TEST(CollectiveFingerprintTest, EncodeDecodeRoundTrip) {
   CollectiveFingerprint fp{
-      CollectiveKind::kBroadcast, 1234567890123ull, 4097, DType::kBF16, ReduceOp::kSum, 5};
+      CollectiveKind::kBroadcast, 1234567890123ull, 4097, DType::kBF16, ReduceOp::kSum, 5,
+      0x0123456789abcdefull};
   uint8_t bytes[CollectiveFingerprint::kEncodedSize];
   fp.Encode(bytes);
   absl::StatusOr<CollectiveFingerprint> back = CollectiveFingerprint::Decode(bytes);

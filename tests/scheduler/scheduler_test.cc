@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -203,6 +204,14 @@ struct RunOptions {
   int deviate_step = -1;
   // Ranks whose first step runs another order.
   int odd_order_rank = -1;
+  // In step `swap_step`, rank `swap_rank` runs its first two forward uses the other way round.
+  int swap_rank = -1;
+  int swap_step = -1;
+  // >= 0: after registering, the budget is set this far above MinimumBudgetBytes (and units
+  // above MinimumBudgetUnits; -1: no unit budget). With keep_after_backward the parameters are
+  // marked kept first, so that the minimum counts them.
+  int64_t budget_above = -1;
+  int budget_units_above = -1;
 };
 
 struct RankResult {
@@ -213,6 +222,10 @@ struct RankResult {
   std::vector<double> norms;                 // ClipGradNorm's results
   std::vector<std::vector<size_t>> offsets;  // [unit][tensor] element offset of the shard start
   std::vector<FlightRecord> gather_flights;  // the flight records of the gather communicator
+  uint64_t budget_bytes = 0;                 // the budget set (budget_above)
+  int budget_units = 0;
+  // After a failed run: what the next PreForward returned (the error must stay).
+  absl::Status after_error;
 };
 
 // The element range of tensor t that shard `shard` of `layout` owns, as (first element in the
@@ -245,6 +258,12 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
     }
     SL_ASSIGN_OR_RETURN(std::unique_ptr<Scheduler> sched,
                         Scheduler::Create(comm, *compute, sopt, Deadline()));
+    // A failed run: the scheduler's next hook must return an error too (the step is
+    // inconsistent across ranks). Runs before the scheduler goes away.
+    bool finished = false;
+    absl::Cleanup probe = [&] {
+      if (!finished) result.after_error = sched->PreForward(0);
+    };
     for (size_t u = 0; u < m.units.size(); ++u) {
       SL_ASSIGN_OR_RETURN(
           int id, sched->RegisterUnit({.name = absl::StrCat("u", u), .tensors = m.units[u]}));
@@ -256,6 +275,17 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
       }
       for (auto& v : init) ptrs.push_back(v.data());
       SL_RETURN_IF_ERROR(sched->unit(id).SetShardFromTensors(ptrs, Deadline()));
+    }
+    if (o.budget_above >= 0) {
+      if (o.keep_after_backward) {
+        for (int u = 0; u < sched->num_units(); ++u) {
+          SL_RETURN_IF_ERROR(sched->SetReshardAfterBackward(u, false));
+        }
+      }
+      result.budget_bytes = sched->MinimumBudgetBytes() + static_cast<uint64_t>(o.budget_above);
+      result.budget_units =
+          o.budget_units_above >= 0 ? sched->MinimumBudgetUnits() + o.budget_units_above : 0;
+      SL_RETURN_IF_ERROR(sched->SetBudget(result.budget_bytes, result.budget_units));
     }
     // The data rank: hybrid and no-shard replicas see different data too (every world rank is a
     // data-parallel rank).
@@ -285,6 +315,7 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
       if ((s == o.deviate_step) || (s == 0 && rank == o.odd_order_rank)) {
         std::reverse(uses.begin() + 1, uses.end() - 1);
       }
+      if (s == o.swap_step && rank == o.swap_rank) std::swap(uses[0], uses[1]);
       for (int mb = 0; mb < o.micro; ++mb) {
         const bool last = mb + 1 == o.micro;
         sched->SetRequiresGradientSync(o.accumulation != RunOptions::Accumulation::kNoSync || last);
@@ -378,6 +409,7 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
       mark("");
     }
     SL_RETURN_IF_ERROR(compute->Synchronize(Deadline()));
+    finished = true;
     result.gather_flights = sched->mesh().shard()->FlightRecords();
     for (int u = 0; u < sched->num_units(); ++u) {
       const FlatLayout& layout = sched->unit(u).layout();
@@ -629,8 +661,9 @@ TEST(SchedulerOrderTest, ADeviatingStepTrainsCorrectlyAndIsCounted) {
 }
 
 TEST(SchedulerOrderTest, RanksWithDifferentOrdersFailOnEveryRank) {
-  // Units of one size, so that the mismatched gathers do not fail on their counts first: the
-  // order check at the end of the first step must catch it.
+  // Units of one size, so that the mismatched gathers do not fail on their counts: the unit in
+  // every collective's fingerprint catches it at the first gather that differs, before any data
+  // moves, on every rank.
   ToyModel m;
   for (int u = 0; u < 4; ++u) m.units.push_back({{.name = "w", .shape = {41}}});
   m.uses = {0, 1, 2, 3};
@@ -640,10 +673,70 @@ TEST(SchedulerOrderTest, RanksWithDifferentOrdersFailOnEveryRank) {
   o.odd_order_rank = 1;  // rank 1 runs u0, u2, u1, u3 in its first step
   std::vector<RankResult> results = Train(m, o);
   for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(absl::IsFailedPrecondition(results[r].status)) << results[r].status;
+    EXPECT_TRUE(absl::IsInvalidArgument(results[r].status)) << results[r].status;
+    EXPECT_TRUE(IsPeerError(results[r].status)) << results[r].status;
     EXPECT_TRUE(absl::StrContains(results[r].status.message(),
-                                  "at position 1 rank 0 ran 'u1' but rank 1 ran 'u2'"))
+                                  "rank 0 called all_gather(count=24, f32) for 'u1' but rank 1 "
+                                  "called all_gather(count=24, f32) for 'u2'"))
         << results[r].status;
+  }
+}
+
+// A rank that runs two units of one size the other way round in a later step (issue 27, case
+// 3): before the unit was part of the fingerprint, both ranks gathered each other's unit into
+// the peer's half and trained on swapped gradients with no error. Now every rank fails at the
+// first gather, naming both units and both ranks; the rank that deviated says so; the error
+// stays (every later hook returns it).
+TEST(SchedulerOrderTest, ARankThatSwapsUnitsFailsEveryRankNamingTheUnits) {
+  for (const bool equal : {true, false}) {
+    for (const int deviating : {0, 1}) {
+      ToyModel m;
+      for (int u = 0; u < 3; ++u) {
+        m.units.push_back({{.name = "w", .shape = {equal ? 1000 : 1000 + 12 * u}}});
+      }
+      m.uses = {0, 1, 2};
+      RunOptions o;
+      o.world = 2;
+      o.steps = 3;
+      o.scheduler.root_unit = -1;
+      o.swap_rank = deviating;
+      o.swap_step = 2;  // runs [1, 0, 2]
+      std::vector<RankResult> results = Train(m, o);
+      for (int r = 0; r < 2; ++r) {
+        const absl::Status& st = results[r].status;
+        SCOPED_TRACE(absl::StrCat("equal sizes ", equal, ", rank ", deviating, " deviates, rank ",
+                                  r, ": ", st.ToString()));
+        ASSERT_TRUE(absl::IsInvalidArgument(st));
+        EXPECT_TRUE(IsPeerError(st));
+        EXPECT_TRUE(absl::StrContains(st.message(), "ranks disagree on the collective"));
+        if (equal) {
+          // rank 0's unit first: the deviating rank gathers 'u1' where the other gathers 'u0'.
+          const std::string u0 = deviating == 0 ? "'u1'" : "'u0'";
+          const std::string u1 = deviating == 0 ? "'u0'" : "'u1'";
+          EXPECT_TRUE(absl::StrContains(
+              st.message(),
+              absl::StrCat("rank 0 called all_gather(count=500, f32) for ", u0,
+                           " but rank 1 called all_gather(count=500, f32) for ", u1)));
+        }
+        // The host compute stream is asynchronous: the error surfaced from it (at the end of the
+        // step). Sticky: the next hook returns the same error, and says whether this rank kept to
+        // the order.
+        const absl::Status& next = results[r].after_error;
+        EXPECT_EQ(next.code(), st.code()) << next;
+        EXPECT_TRUE(IsPeerError(next)) << next;
+        EXPECT_TRUE(absl::StrContains(next.message(), st.message())) << next;
+        EXPECT_TRUE(absl::StrContains(next.message(), r == deviating
+                                                          ? "this rank deviated from the known "
+                                                            "forward order in step 2: at position "
+                                                            "0 it ran 'u1' where the order has "
+                                                            "'u0'"
+                                                          : "this rank's forward followed the "
+                                                            "known order in steps"))
+            << next;
+        // Steps 0 and 1 trained; the swapped step failed at its first gather.
+        EXPECT_EQ(results[r].metrics.size(), 2u);
+      }
+    }
   }
 }
 
@@ -839,6 +932,142 @@ TEST(SchedulerOffloadTest, OffloadedShardsTrainLikeTheReference) {
       EXPECT_GE(stats.total_allocations, 10 + 30) << "rank " << r;
       EXPECT_GT(stats.peak_bytes, 0);
     }
+  }
+}
+
+// ---- Randomized: the toy model on real threads against the unsharded reference ---------------
+
+// Seeded random runs (a failure names its seed): worlds of 1-4 ranks, every strategy, 2-6 units
+// with ties, forward prefetch 0-4, every backward mode at depth 0-4, 1-3 micro-batches with sync,
+// no_sync, no_sync + parameters kept after backward or deferred all-reduce, activation
+// recomputation, a root or none, budgets at or above the minimum (bytes, units). Each trains 3
+// steps on asynchronous host compute streams and checks every element against the plain-loop
+// reference, the budget (peak <= budget, no overshoot) and that every rank issued the same
+// collectives. One run in five swaps two units on one rank in its last step instead: every rank
+// must then fail with a peer error that stays (the next hook returns it).
+TEST(SchedulerPropertyTest, RandomRunsTrainExactlyWithinTheBudget) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  const int seeds = 12;
+#else
+  const int seeds = 40;
+#endif
+  int swapped = 0;
+  for (int i = 0; i < seeds; ++i) {
+    const uint64_t seed = 1129 + i;
+    std::mt19937_64 rng(seed);
+    const bool swap = rng() % 5 == 0;
+    const int units = 2 + static_cast<int>(rng() % 5);
+    ToyModel m = MakeToy(units, /*tied=*/rng() % 2 == 0);
+    if (swap) {
+      // Two units of one size, so that only the unit in the fingerprint tells them apart.
+      m.units[1] = m.units[0];
+    }
+    RunOptions o;
+    o.world = 1 + static_cast<int>(rng() % 4);
+    o.steps = 3;
+    switch (rng() % 4) {
+      case 0:
+        o.scheduler.strategy = ShardingStrategy::kShardGradOp;
+        break;
+      case 1:
+        o.scheduler.strategy = ShardingStrategy::kNoShard;
+        break;
+      case 2:
+        if (o.world == 4) {
+          o.scheduler.strategy = ShardingStrategy::kHybridShard;
+          o.scheduler.shard_size = 2;
+        }
+        break;
+      default:
+        break;
+    }
+    o.scheduler.forward_prefetch = static_cast<int>(rng() % 5);
+    o.scheduler.backward_prefetch = static_cast<BackwardPrefetch>(rng() % 3);
+    o.scheduler.backward_prefetch_depth = static_cast<int>(rng() % 5);
+    o.scheduler.root_unit = static_cast<int>(rng() % (units + 1)) - 1;
+    o.micro = 1 + static_cast<int>(rng() % 3);
+    const int mode =
+        static_cast<int>(rng() % (o.scheduler.strategy == ShardingStrategy::kHybridShard ? 4 : 3));
+    o.accumulation = mode == 0   ? RunOptions::Accumulation::kSync
+                     : mode == 3 ? RunOptions::Accumulation::kDeferAllReduce
+                                 : RunOptions::Accumulation::kNoSync;
+    o.keep_after_backward = mode == 2;
+    o.recompute = rng() % 4 == 0;
+    if (rng() % 4 != 0) {
+      // An explicit order: its units used twice are in the minimum from the start (a recorded
+      // order raises the minimum after the first step, with a warning).
+      o.scheduler.forward_order = m.uses;
+      o.budget_above = rng() % 3 == 0 ? 0 : static_cast<int64_t>(rng() % 4000);
+      o.budget_units_above = rng() % 2 == 0 ? -1 : static_cast<int>(rng() % 2);
+    }
+    if (swap && o.world > 1) {
+      o.swap_rank = static_cast<int>(rng() % o.world);
+      o.swap_step = 2;
+      o.recompute = false;
+      // The first two uses must be the two units of one size.
+      m.uses = {0, 1};
+      for (int u = 2; u < units; ++u) m.uses.push_back(u);
+      if (!o.scheduler.forward_order.empty()) o.scheduler.forward_order = m.uses;
+    }
+    SCOPED_TRACE(absl::StrCat(
+        "seed ", seed, ": ", o.world, " ranks, ", ShardingStrategyName(o.scheduler.strategy), ", ",
+        units, " units, uses [", absl::StrJoin(m.uses, ","), "], forward prefetch ",
+        o.scheduler.forward_prefetch, ", backward ",
+        BackwardPrefetchName(o.scheduler.backward_prefetch), " depth ",
+        o.scheduler.backward_prefetch_depth, ", root ", o.scheduler.root_unit, ", ", o.micro,
+        " micro-batches mode ", mode, ", recompute ", o.recompute, ", budget +", o.budget_above,
+        " units +", o.budget_units_above, ", swap rank ", o.swap_rank));
+    std::vector<RankResult> results = Train(m, o);
+    if (o.swap_rank >= 0) {
+      ++swapped;
+      for (const RankResult& r : results) {
+        EXPECT_TRUE(absl::IsInvalidArgument(r.status) && IsPeerError(r.status)) << r.status;
+        EXPECT_TRUE(absl::StrContains(r.status.message(), "'u0'") &&
+                    absl::StrContains(r.status.message(), "'u1'"))
+            << r.status;
+        EXPECT_TRUE(IsPeerError(r.after_error) &&
+                    absl::StrContains(r.after_error.message(), r.status.message()))
+            << r.after_error;
+      }
+    } else {
+      ExpectMatchesReference(m, results, Reference(m, o.world, o.steps, o.micro));
+      for (size_t r = 0; r < results.size(); ++r) {
+        for (const StepMetrics& step : results[r].metrics) {
+          if (results[r].budget_bytes > 0) {
+            EXPECT_LE(step.peak_inflight_bytes, results[r].budget_bytes) << step.ToString();
+          }
+          if (results[r].budget_units > 0) {
+            EXPECT_LE(step.peak_inflight_units, results[r].budget_units) << step.ToString();
+          }
+          EXPECT_EQ(step.budget_overshoots, 0) << step.ToString();
+        }
+        EXPECT_EQ(Log(results[r].issue_log), Log(results[0].issue_log))
+            << "ranks 0 and " << r << " issued different collectives";
+      }
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+  EXPECT_GT(swapped, 0);
+}
+
+// A peer's disagreement (InvalidArgument with the peer payload) leaves the step inconsistent
+// across ranks: every later hook returns that same error (issue 27, case 4), while a misuse of
+// the hooks on this rank (an unknown unit) poisons nothing.
+TEST(SchedulerErrorsTest, APeersDisagreementIsStickyAndAMisuseIsNot) {
+  ToyModel m;
+  for (int u = 0; u < 3; ++u) m.units.push_back({{.name = "w", .shape = {64}}});
+  m.uses = {0, 1, 2};
+  RunOptions o;
+  o.world = 2;
+  o.steps = 2;
+  o.scheduler.root_unit = -1;
+  o.swap_rank = 1;
+  o.swap_step = 1;
+  o.host_compute = false;  // caller streams: the error surfaces in the hook that waits
+  std::vector<RankResult> results = Train(m, o);
+  for (const RankResult& r : results) {
+    ASSERT_TRUE(absl::IsInvalidArgument(r.status) && IsPeerError(r.status)) << r.status;
+    EXPECT_EQ(r.after_error, r.status);
   }
 }
 
