@@ -1051,23 +1051,54 @@ TEST(SchedulerPropertyTest, RandomRunsTrainExactlyWithinTheBudget) {
 }
 
 // A peer's disagreement (InvalidArgument with the peer payload) leaves the step inconsistent
-// across ranks: every later hook returns that same error (issue 27, case 4), while a misuse of
-// the hooks on this rank (an unknown unit) poisons nothing.
-TEST(SchedulerErrorsTest, APeersDisagreementIsStickyAndAMisuseIsNot) {
-  ToyModel m;
-  for (int u = 0; u < 3; ++u) m.units.push_back({{.name = "w", .shape = {64}}});
-  m.uses = {0, 1, 2};
-  RunOptions o;
-  o.world = 2;
-  o.steps = 2;
-  o.scheduler.root_unit = -1;
-  o.swap_rank = 1;
-  o.swap_step = 1;
-  o.host_compute = false;  // caller streams: the error surfaces in the hook that waits
-  std::vector<RankResult> results = Train(m, o);
-  for (const RankResult& r : results) {
-    ASSERT_TRUE(absl::IsInvalidArgument(r.status) && IsPeerError(r.status)) << r.status;
-    EXPECT_EQ(r.after_error, r.status);
+// across ranks: every later hook returns that same error (issue 27, case 4), also a hook that
+// issues no collective (here: PreForward of the root unit, kept gathered since its first use).
+// Caller compute streams, so that the error surfaces in the hook that waits for the gather.
+TEST(SchedulerErrorsTest, APeersDisagreementIsSticky) {
+  auto comms = CreateLocalCommunicators(2, {.timeout = kTimeout});
+  ASSERT_OK(comms.status());
+  std::vector<absl::Status> first(2), next(2), finish(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto run = [&]() -> absl::Status {
+        SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, CreateCallerStream());
+        SL_ASSIGN_OR_RETURN(
+            std::unique_ptr<Scheduler> s,
+            Scheduler::Create((*comms)[r], *compute,
+                              {.forward_prefetch = 0, .forward_order = {0, 1, 2}}, Deadline()));
+        for (int u = 0; u < 3; ++u) {
+          SL_RETURN_IF_ERROR(s->RegisterUnit({.name = absl::StrCat("u", u),
+                                              .tensors = {{.name = "w", .shape = {100 + 50 * u}}}})
+                                 .status());
+        }
+        for (int u : {0, 1, 2}) {
+          SL_RETURN_IF_ERROR(s->PreForward(u));
+          SL_RETURN_IF_ERROR(s->PostForward(u));
+        }
+        for (int u : {2, 1, 0}) {
+          SL_RETURN_IF_ERROR(s->PreBackward(u));
+          SL_RETURN_IF_ERROR(s->PostBackward(u));
+        }
+        SL_RETURN_IF_ERROR(s->FinishBackward());
+        // Step 1: the root u0 is gathered and kept; then rank 1 runs u2 where rank 0 runs u1.
+        SL_RETURN_IF_ERROR(s->PreForward(0));
+        SL_RETURN_IF_ERROR(s->PostForward(0));
+        first[r] = s->PreForward(r == 0 ? 1 : 2);
+        next[r] = s->PreForward(0);  // no collective: u0 is gathered
+        finish[r] = s->FinishBackward();
+        return absl::OkStatus();
+      };
+      EXPECT_OK(run());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    ASSERT_TRUE(absl::IsInvalidArgument(first[r]) && IsPeerError(first[r])) << first[r];
+    EXPECT_TRUE(absl::StrContains(first[r].message(), "ranks disagree on the collective"));
+    EXPECT_EQ(next[r], first[r]);
+    EXPECT_EQ(finish[r], first[r]);
   }
 }
 
