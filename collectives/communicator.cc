@@ -532,8 +532,13 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
   absl::Status launched = Launch(op, stream);
   if (!launched.ok()) {
     // The sequence number is spent, so the peers would wait for this rank in vain: tell them.
-    launched =
+    absl::Status skipped =
         SkippedError(op, stream.name(), absl::StrCat("did not accept it: ", launched.message()));
+    // A stream poisoned by a peer's error (a mismatch, a dead peer) refused it: that peer's doing.
+    if (absl::optional<absl::Cord> peers = launched.GetPayload(kPeerErrorPayload)) {
+      skipped.SetPayload(kPeerErrorPayload, *std::move(peers));
+    }
+    launched = std::move(skipped);
     RecordEnded(op, launched);
     Abort(launched);
     return launched;

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -631,6 +632,155 @@ TYPED_TEST_P(CommunicatorConformanceTest, PeerErrorsAreToldApartFromLocalOnes) {
   }
 }
 
+// A seeded fault-injection sweep: each trial runs a random sequence of collectives (all-reduce,
+// all-gather, reduce-scatter, broadcast from a random root, barrier; odd counts on both sides of
+// the small-message threshold) on 2-4 ranks, and at a random point one rank misbehaves: it
+// passes another count, another dtype or another key, never shows up (a dead rank), or aborts
+// its communicator. Every collective before the fault must move exactly the right data; at the
+// fault, every rank that is still there must get an error (InvalidArgument and a peer error for
+// the disagreements, naming the faulty rank for a missing one) within the timeout, and nothing
+// may hang or abort the process.
+TYPED_TEST_P(CommunicatorConformanceTest, RandomFaultsFailEveryRankWithinTheDeadline) {
+  enum Fault { kCount, kDType, kKey, kMissing, kAbort, kFaults };
+  const char* const kFaultNames[] = {"count", "dtype", "key", "missing", "abort"};
+  enum Kind { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kBarrier, kKinds };
+  int largest = 0;
+  for (int n : TypeParam::kWorldSizes) largest = std::max(largest, n);
+  if (largest < 2) GTEST_SKIP() << "one rank only";
+#if defined(__SANITIZE_THREAD__)
+  const int trials = 5;
+#else
+  const int trials = 12;
+#endif
+  for (int trial = 0; trial < trials; ++trial) {
+    std::mt19937_64 rng(4242 + trial);
+    const int n = 2 + static_cast<int>(rng() % std::min(3, largest - 1));
+    const int steps = 2 + static_cast<int>(rng() % 6);
+    const int at = static_cast<int>(rng() % steps);
+    const int culprit = static_cast<int>(rng() % n);
+    // Every fault once in the first trials, then at random.
+    const Fault fault = static_cast<Fault>(trial < kFaults ? trial : rng() % kFaults);
+    std::vector<Kind> kinds(steps);
+    std::vector<size_t> counts(steps);
+    std::vector<int> roots(steps);
+    for (int i = 0; i < steps; ++i) {
+      kinds[i] = static_cast<Kind>(rng() % kKinds);
+      counts[i] = std::vector<size_t>{1, 7, 301, 5003}[rng() % 4];
+      roots[i] = static_cast<int>(rng() % n);
+    }
+    // A count/dtype/key fault needs a collective that has them.
+    if (fault != kMissing && fault != kAbort && kinds[at] == kBarrier) kinds[at] = kAllReduce;
+    SCOPED_TRACE(absl::StrCat("trial ", trial, ": ", n, " ranks, ", steps, " collectives, rank ",
+                              culprit, " faults (", kFaultNames[fault], ") at collective ", at));
+    const absl::Duration timeout = absl::Milliseconds(700);
+    Comms comms = this->Make(n, timeout);
+    std::vector<absl::Status> at_fault(n);
+    std::vector<int> reached(n, -1);
+    const absl::Time start = absl::Now();
+    RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+      for (int i = 0; i < steps; ++i) {
+        const bool faulty = r == culprit && i == at;
+        if (faulty && fault == kMissing) return;  // dead: never issues it
+        if (faulty && fault == kAbort) comm.Abort(absl::AbortedError("injected fault"));
+        size_t count = counts[i];
+        DType dtype = DType::kF32;
+        uint64_t key = 7;
+        if (faulty && fault == kCount) ++count;
+        if (faulty && fault == kDType) dtype = DType::kI32;  // same size, another meaning
+        if (faulty && fault == kKey) key = 8;
+        std::vector<float> in = HashedFloats(r, counts[i] * n + 1, i);
+        std::vector<float> out(counts[i] * n + 1, -2.0f);
+        ReduceOptions reduce;
+        reduce.key = key;
+        BroadcastOptions broadcast;
+        broadcast.key = key;
+        broadcast.root = roots[i];
+        absl::StatusOr<Work> work;
+        switch (kinds[i]) {
+          case kAllReduce:
+            work = comm.AllReduce(in.data(), out.data(), count, dtype, stream, reduce);
+            break;
+          case kAllGather:
+            work = comm.AllGather(in.data(), out.data(), count, dtype, stream, {.key = key});
+            break;
+          case kReduceScatter:
+            work = comm.ReduceScatter(in.data(), out.data(), count, dtype, stream, reduce);
+            break;
+          case kBroadcast:
+            out = in;
+            work = comm.Broadcast(out.data(), count, dtype, stream, broadcast);
+            break;
+          case kBarrier:
+          case kKinds:
+            work = comm.Barrier(stream, {.key = key});
+            break;
+        }
+        const absl::Status status = WaitFor(work);
+        reached[r] = i;
+        if (i == at) {
+          at_fault[r] = status;
+          return;  // a failed collective aborts the communicator
+        }
+        ASSERT_TRUE(status.ok()) << "collective " << i << " before the fault: " << status;
+        const size_t c = counts[i];
+        for (size_t e = 0; e < c; ++e) {
+          switch (kinds[i]) {
+            case kAllReduce: {
+              double sum = 0;
+              for (int p = 0; p < n; ++p) sum += HashedFloat(p, e, i);
+              ASSERT_NEAR(out[e], sum, 1e-5) << "all_reduce " << i << " element " << e;
+              break;
+            }
+            case kAllGather:
+              for (int p = 0; p < n; ++p) {
+                ASSERT_EQ(out[p * c + e], HashedFloat(p, e, i)) << "all_gather " << i;
+              }
+              break;
+            case kReduceScatter: {
+              double sum = 0;
+              for (int p = 0; p < n; ++p) sum += HashedFloat(p, r * c + e, i);
+              ASSERT_NEAR(out[e], sum, 1e-5) << "reduce_scatter " << i << " element " << e;
+              break;
+            }
+            case kBroadcast:
+              ASSERT_EQ(out[e], HashedFloat(roots[i], e, i)) << "broadcast " << i;
+              break;
+            default:
+              break;
+          }
+        }
+      }
+    });
+    EXPECT_LT(absl::Now() - start, timeout + absl::Seconds(15)) << "an error took too long";
+    for (int r = 0; r < n; ++r) {
+      if (r == culprit && fault == kMissing) continue;
+      SCOPED_TRACE(absl::StrCat("rank ", r));
+      ASSERT_EQ(reached[r], at) << "rank stopped early";
+      const absl::Status& status = at_fault[r];
+      EXPECT_FALSE(status.ok());
+      switch (fault) {
+        case kCount:
+        case kDType:
+        case kKey:
+          EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+          EXPECT_TRUE(IsPeerError(status)) << status;
+          EXPECT_TRUE(absl::StrContains(status.message(), absl::StrCat("rank ", culprit)))
+              << status;
+          break;
+        case kMissing:
+          EXPECT_TRUE(absl::StrContains(status.message(), absl::StrCat(culprit))) << status;
+          break;
+        case kAbort:
+          if (r != culprit) EXPECT_TRUE(IsPeerError(status)) << status;
+          break;
+        case kFaults:
+          break;
+      }
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
 REGISTER_TYPED_TEST_SUITE_P(
     CommunicatorConformanceTest, AllGather, ReduceScatter, AllReduce, BroadcastFromEveryRoot,
     AllToAll, SplitIntoReversedHalves, OddMegaElementBuffers,
@@ -639,7 +789,8 @@ REGISTER_TYPED_TEST_SUITE_P(
     MissingRankIsADeadlineErrorNamingIt, AbortReachesPeersBlockedInACollective,
     WorkHandleSynchronizesAnotherStream, CollectivesOnTwoStreamsRunInIssueOrder,
     ThreadsIssueOnOneCommunicatorAtOnce, CollectiveDroppedByAPoisonedStreamFailsEveryRank,
-    DupRunsIndependentlyOfTheOriginal, PeerErrorsAreToldApartFromLocalOnes);
+    DupRunsIndependentlyOfTheOriginal, PeerErrorsAreToldApartFromLocalOnes,
+    RandomFaultsFailEveryRankWithinTheDeadline);
 
 }  // namespace shardline::testing
 
