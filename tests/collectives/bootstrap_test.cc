@@ -83,6 +83,22 @@ TEST(LaunchEnvironmentTest, TorchrunErrorsNameTheVariable) {
   }
 }
 
+TEST(LaunchEnvironmentTest, MasterAddrWithAPortIsRefusedNamingIt) {
+  CLEAN_LAUNCH_ENV;
+  for (const char* addr : {"node0:29500", "10.0.0.1:29500", "[::1]:29500", "tcp://node0"}) {
+    ScopedEnv env{
+        {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", addr}, {"MASTER_PORT", "29500"}};
+    absl::Status status = ReadLaunchEnvironment().status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), absl::StrCat("MASTER_ADDR='", addr, "'")))
+        << status;
+  }
+  // IPv6 literals are plain addresses.
+  ScopedEnv env{
+      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "fe80::1"}, {"MASTER_PORT", "1"}};
+  EXPECT_TRUE(ReadLaunchEnvironment().ok());
+}
+
 TEST(LaunchEnvironmentTest, SingleProcessNeedsNoStoreAddress) {
   CLEAN_LAUNCH_ENV;
   ScopedEnv env{{"RANK", "0"}, {"WORLD_SIZE", "1"}};
@@ -284,6 +300,50 @@ TEST(InitProcessGroupTest, MissingRankTimesOutNamingIt) {
     EXPECT_TRUE(absl::StrContains(results[1].message(), "waiting for rank(s) 2")) << results[1];
   } else {
     EXPECT_EQ(results[1].code(), absl::StatusCode::kUnavailable) << results[1];
+  }
+}
+
+// Joins one thread per entry of `ranks` (a rank may repeat) into a world of `world_size`.
+std::vector<absl::Status> JoinRanks(const std::vector<int>& ranks, int world_size,
+                                    absl::Duration timeout) {
+  const int port = FreePort();
+  std::vector<absl::Status> results(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    threads.emplace_back([&, i] {
+      InitOptions options;
+      options.device = Device::Host();
+      options.timeout = timeout;
+      LaunchInfo info;
+      info.rank = ranks[i];
+      info.world_size = world_size;
+      info.local_rank = ranks[i];
+      info.local_world_size = world_size;
+      info.master_port = port;
+      info.launcher = "torchrun";
+      options.launch = info;
+      results[i] = InitProcessGroup(options).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+TEST(InitProcessGroupTest, DuplicateRankIsNamedOnEveryRankAtOnce) {
+  // Ranks 0, 1, 1 of a world of 3: rank 2 never comes, the second rank 1 is the cause. Rank 0 is
+  // the duplicate in the second case (it finds the port taken by the first one's store).
+  for (const std::vector<int>& ranks : {std::vector<int>{0, 1, 1}, std::vector<int>{0, 1, 0}}) {
+    const int duplicate = ranks.back();
+    const absl::Time start = absl::Now();
+    std::vector<absl::Status> results = JoinRanks(ranks, 3, absl::Seconds(30));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not at the deadline
+    for (const absl::Status& status : results) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+      EXPECT_TRUE(absl::StrContains(
+          status.message(), absl::StrCat("rank ", duplicate, " was given to two processes")))
+          << status;
+      EXPECT_TRUE(absl::StrContains(status.message(), "RANK")) << status;
+    }
   }
 }
 
