@@ -9,10 +9,14 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "runtime/logging.h"
 #include "tests/common/scoped_env.h"
 
 namespace shardline {
@@ -345,6 +349,61 @@ TEST(InitProcessGroupTest, DuplicateRankIsNamedOnEveryRankAtOnce) {
       EXPECT_TRUE(absl::StrContains(status.message(), "RANK")) << status;
     }
   }
+}
+
+// Whether a TCP connection to `ip`:`port` is accepted.
+bool Connects(const char* ip, int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, ip, &addr.sin_addr);
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return ok;
+}
+
+TEST(InitProcessGroupTest, StoreListensOnTheAddressOfMasterAddrAndSaysSoWhenItIsLoopback) {
+  const std::string log_path =
+      absl::StrCat(::testing::TempDir(), "/bootstrap_test_log_", getpid(), ".txt");
+  std::remove(log_path.c_str());
+  const int port = FreePort();
+  std::vector<absl::StatusOr<ProcessGroup>> groups(2, absl::UnknownError("not run"));
+  {
+    ScopedEnv log("SHARDLINE_DEBUG_FILE", log_path.c_str());
+    ReinitLoggingForTesting();
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        InitOptions options;
+        options.device = Device::Host();
+        options.timeout = absl::Seconds(20);
+        LaunchInfo info;
+        info.rank = r;
+        info.world_size = 2;
+        info.local_world_size = 1;  // as if each rank ran on a host of its own
+        info.master_addr = "localhost";
+        info.master_port = port;
+        options.launch = info;
+        groups[r] = InitProcessGroup(options);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  ReinitLoggingForTesting();
+  for (const auto& group : groups) ASSERT_TRUE(group.ok()) << group.status();
+  // Bound to the loopback address "localhost" names, not to every interface: another loopback
+  // address of this host does not reach it.
+  EXPECT_TRUE(Connects("127.0.0.1", port));
+  EXPECT_FALSE(Connects("127.0.0.2", port));
+  std::ifstream file(log_path);
+  std::stringstream text;
+  text << file.rdbuf();
+  EXPECT_TRUE(absl::StrContains(
+      text.str(), absl::StrCat("the store listens on 127.0.0.1:", port,
+                               " only: localhost resolves to a loopback address on this host")))
+      << text.str();
+  std::remove(log_path.c_str());
 }
 
 TEST(CreateCommunicatorTest, RejectsBadArguments) {
