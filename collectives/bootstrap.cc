@@ -30,6 +30,9 @@ constexpr absl::string_view kVersion = "0.1.0";
 constexpr char kAbandonedRecord = '\x01';
 // How long a duplicate waits for the first holder of its rank to say who it is.
 constexpr absl::Duration kOwnerWait = absl::Seconds(2);
+// After a duplicate rank ended the join, how long rank 0 keeps the store up for ranks that had
+// not arrived yet to read why.
+constexpr absl::Duration kLateRankGrace = absl::Seconds(2);
 
 SL_PARAM(std::string, StoreListenAddr, "STORE_LISTEN_ADDR", "",
          "Address rank 0's store listens on. Empty: the address MASTER_ADDR names (so the store "
@@ -200,9 +203,11 @@ absl::Status ClaimRank(Store& store, const std::string& name, const LaunchInfo& 
 }
 
 // Publishes this rank's join fields and compares everyone's. `joined` receives the ranks that
-// showed up (all of them unless the deadline passed).
+// showed up (all of them unless the deadline passed), which rank 0 waits for before it takes the
+// store away; `linger`, if CheckJoin sets it, bounds that wait.
 absl::Status CheckJoin(Store& store, const std::string& name, const LaunchInfo& info,
-                       const std::string& mine, absl::Time deadline, std::vector<int>* joined) {
+                       const std::string& mine, absl::Time deadline, std::vector<int>* joined,
+                       std::optional<absl::Time>* linger) {
   std::vector<std::string> keys;
   for (int r = 0; r < info.world_size; ++r) keys.push_back(absl::StrCat(name, "/join/", r));
   SL_RETURN_IF_ERROR(ClaimRank(store, name, info, deadline));
@@ -225,20 +230,14 @@ absl::Status CheckJoin(Store& store, const std::string& name, const LaunchInfo& 
                      "): timed out waiting for rank(s) ", absl::StrJoin(missing, ", ")));
   }
   SL_RETURN_IF_ERROR(all_joined);
-  // A process that found its rank taken ended the wait: report what it found. Only the ranks
-  // with real records read on (and are waited for before rank 0 takes the store away).
+  // A process that found its rank taken ended the wait: report what it found. Some ranks may
+  // not have arrived (the records the duplicate wrote for them ended the wait): rank 0 keeps the
+  // store up a little for them to read the error too, rather than until the deadline.
   const std::string error_key = absl::StrCat(name, "/join_error");
   SL_ASSIGN_OR_RETURN(bool failed, store.Check({error_key}));
   if (failed) {
     SL_ASSIGN_OR_RETURN(std::string message, store.Get(error_key, deadline));
-    joined->clear();
-    for (int r = 0; r < info.world_size; ++r) {
-      absl::StatusOr<std::string> record = store.Get(keys[r], deadline);
-      if (record.ok() &&
-          absl::string_view(*record).substr(0, 1) != std::string(1, kAbandonedRecord)) {
-        joined->push_back(r);
-      }
-    }
+    *linger = std::min(deadline, absl::Now() + kLateRankGrace);
     return absl::FailedPreconditionError(message);
   }
   // Every rank compares every rank with rank 0, so all report the same first difference.
@@ -405,7 +404,7 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   store_options.rank = info.rank;
   store_options.timeout = timeout;
   SL_ASSIGN_OR_RETURN(std::string listen_addr, ParamStoreListenAddr().Get());
-  store_options.listen_host = listen_addr.empty() ? info.master_addr : listen_addr;
+  store_options.listen_host = listen_addr;  // empty: MASTER_ADDR
   absl::StatusOr<std::unique_ptr<TcpStore>> store =
       TcpStore::Create(store_options, /*is_server=*/info.rank == 0, deadline);
   if (info.rank == 0 && absl::IsFailedPrecondition(store.status())) {
@@ -424,10 +423,10 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   if (info.rank == 0) SL_RETURN_IF_ERROR((*store)->Set(HostKey(options.name), ThisProcess()));
   if (const TcpStoreServer* server = (*store)->server(); server != nullptr) {
     const std::string& bound = server->bound_address();
+    const std::string& listen = listen_addr.empty() ? store_options.host : listen_addr;
     if (store_internal::IsLoopbackAddress(bound) && info.local_world_size < info.world_size) {
       SL_LOG(WARN, INIT) << "the store listens on "
-                         << store_internal::HostPort(bound, server->port())
-                         << " only: " << store_options.listen_host
+                         << store_internal::HostPort(bound, server->port()) << " only: " << listen
                          << " resolves to a loopback address on this host"
                          << ", which ranks on other hosts cannot reach (" << info.local_world_size
                          << " of " << info.world_size
@@ -435,8 +434,8 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
                             "SHARDLINE_STORE_LISTEN_ADDR=0.0.0.0 to listen on every interface";
     } else {
       SL_LOG(INFO, INIT) << "the store listens on "
-                         << store_internal::HostPort(bound, server->port()) << " ("
-                         << store_options.listen_host << ")";
+                         << store_internal::HostPort(bound, server->port()) << " (" << listen
+                         << ")";
     }
   }
   group.store = *std::move(store);
@@ -444,9 +443,10 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   Device device = options.device.value_or(options.backend == "nccl" ? Device::Cuda(info.local_rank)
                                                                     : Device::Host());
   std::vector<int> joined;
+  std::optional<absl::Time> linger;
   absl::Status join = CheckJoin(*group.store, options.name, info,
                                 EncodeFields(JoinFields(info, options.backend, device, timeout)),
-                                deadline, &joined);
+                                deadline, &joined, &linger);
   // Rank 0 hosts the store: it must not take it away while the others still read the join
   // records, whether the join succeeded or not. Each rank marks that it is done reading; rank 0
   // waits for the marks of everyone who joined (bounded: a few seconds past the deadline).
@@ -455,7 +455,8 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   if (info.rank == 0 && marked.ok()) {
     std::vector<std::string> done_keys;
     for (int r : joined) done_keys.push_back(absl::StrCat(done_prefix, r));
-    (void)group.store->Wait(done_keys, std::max(deadline, absl::Now()) + absl::Seconds(5));
+    (void)group.store->Wait(done_keys,
+                            linger.value_or(std::max(deadline, absl::Now()) + absl::Seconds(5)));
   }
   SL_RETURN_IF_ERROR(join);
   SL_LOG(INFO, INIT) << "rank " << info.rank << " of " << info.world_size << " joined "

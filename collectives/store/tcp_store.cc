@@ -422,7 +422,7 @@ absl::StatusOr<std::unique_ptr<TcpStore>> TcpStore::Create(TcpStoreOptions optio
   std::unique_ptr<TcpStoreServer> server;
   if (is_server) {
     TcpStoreServerOptions server_options;
-    server_options.host = options.listen_host;
+    server_options.host = options.listen_host.empty() ? options.host : options.listen_host;
     server_options.port = options.port;
     server_options.token = token;
     server_options.max_message_bytes = max_payload;

@@ -156,8 +156,10 @@ struct TcpStoreOptions {
   // busy, kept for reuse). A call beyond this many waits for a free connection until its own
   // deadline, then fails with DeadlineExceeded naming the call.
   int max_concurrent_calls = 8;
-  // Create(is_server=true) only: where the hosted server listens.
-  std::string listen_host = "0.0.0.0";
+  // Create(is_server=true) only: where the hosted server listens. Empty: `host`, the address the
+  // clients are given (so the store is not reachable through other interfaces); "0.0.0.0" or
+  // "::" for every interface.
+  std::string listen_host;
   int max_connections = 4096;
 };
 
