@@ -40,6 +40,9 @@
 //   unreachable store    Unavailable "store at h:p unreachable: ... attempts ...: <last error>"
 //   wrong/missing token  PermissionDenied "store at h:p refused the token (SHARDLINE_STORE_TOKEN)"
 //   server gone          Unavailable "store at h:p: connection lost during GET 'k': ..."
+//   server's buffer full ResourceExhausted "store at h:p: SET of N bytes refused: the store server
+//                        already buffers M bytes of incomplete requests (limit L, ...); retry"
+//   host with a port     InvalidArgument "store host='node0:29500' is not a plain host name ..."
 
 #ifndef SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_
 #define SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_

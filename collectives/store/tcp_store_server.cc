@@ -438,8 +438,9 @@ void TcpStoreServer::Impl::FinishPayload(const std::shared_ptr<Conn>& conn) {
 bool TcpStoreServer::Impl::Reserve(const std::shared_ptr<Conn>& conn, size_t bytes, bool capped) {
   const size_t before = conn->payload.capacity();
   if (bytes <= before) return true;
-  if (capped && buffered_bytes_ + static_cast<int64_t>(bytes - before) > max_buffered_)
+  if (capped && buffered_bytes_ + static_cast<int64_t>(bytes - before) > max_buffered_) {
     return false;
+  }
   conn->payload.reserve(bytes);
   buffered_bytes_ += static_cast<int64_t>(conn->payload.capacity() - before);
   UpdateStats([&](Stats& s) { s.buffered_bytes = buffered_bytes_; });
