@@ -1,6 +1,9 @@
 #include "collectives/bootstrap.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <vector>
 
@@ -8,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "collectives/store/internal/tcp_util.h"
 #include "collectives/store/tcp_store.h"
 #include "collectives/ucx/ucx_communicator.h"
 #ifdef SHARDLINE_WITH_CUDA
@@ -21,6 +25,33 @@ namespace shardline {
 namespace {
 
 constexpr absl::string_view kVersion = "0.1.0";
+// The join record of a rank that never registered, written by a process that found its rank
+// taken, so that everyone's Wait for the records ends at once. No real record starts with it.
+constexpr char kAbandonedRecord = '\x01';
+// How long a duplicate waits for the first holder of its rank to say who it is.
+constexpr absl::Duration kOwnerWait = absl::Seconds(2);
+// After a duplicate rank ended the join, how long rank 0 keeps the store up for ranks that had
+// not arrived yet to read why.
+constexpr absl::Duration kLateRankGrace = absl::Seconds(2);
+
+SL_PARAM(std::string, StoreListenAddr, "STORE_LISTEN_ADDR", "",
+         "Address rank 0's store listens on. Empty: the address MASTER_ADDR names (so the store "
+         "is reachable where the job was told it is, and nowhere else); 0.0.0.0 or :: listens on "
+         "every interface (behind NAT, say).");
+
+// Where each launcher puts the rank.
+std::string RankVariable(absl::string_view launcher) {
+  if (launcher == "torchrun") return "RANK";
+  if (launcher == "openmpi") return "OMPI_COMM_WORLD_RANK";
+  if (launcher == "slurm") return "SLURM_PROCID";
+  return "the rank given to InitProcessGroup";
+}
+
+std::string Hostname() {
+  char name[HOST_NAME_MAX + 1] = {};
+  if (gethostname(name, sizeof(name)) != 0) return "unknown host";
+  return name;
+}
 
 std::optional<std::string> Env(const char* name) {
   const char* value = std::getenv(name);
@@ -83,6 +114,10 @@ absl::Status FillStoreAddress(LaunchInfo& info, absl::string_view hint,
                               std::optional<std::string> fallback_addr = std::nullopt,
                               std::optional<int> fallback_port = std::nullopt) {
   std::optional<std::string> addr = Env("MASTER_ADDR");
+  if (addr.has_value()) {
+    SL_RETURN_IF_ERROR(
+        store_internal::CheckHostHasNoPort(*addr, "environment variable MASTER_ADDR"));
+  }
   SL_ASSIGN_OR_RETURN(std::optional<int> port_or, ([]() -> absl::StatusOr<std::optional<int>> {
                         if (!Env("MASTER_PORT").has_value()) return std::optional<int>();
                         SL_ASSIGN_OR_RETURN(int port, IntEnv("MASTER_PORT", 1, 65535, {}));
@@ -133,12 +168,49 @@ std::string EncodeFields(const std::vector<std::pair<std::string, std::string>>&
   return absl::StrJoin(fields, "\n", absl::PairFormatter("="));
 }
 
+std::string ThisProcess() { return absl::StrCat("pid ", getpid(), " on ", Hostname()); }
+
+// The key under which the process hosting the store (the one rank 0) names itself.
+std::string HostKey(const std::string& name) { return absl::StrCat(name, "/store_host"); }
+
+// This process holds the same rank as `owner`: FailedPrecondition naming the rank and both
+// processes, after making every other rank's join fail at once with the same message (their
+// Wait for the records ends on the records of the ranks nobody will register).
+absl::Status ReportDuplicateRank(Store& store, const std::string& name, const LaunchInfo& info,
+                                 const std::string& owner) {
+  const std::string message = absl::StrCat(
+      "join of ", name, ": rank ", info.rank, " was given to two processes (", owner, " and ",
+      ThisProcess(), "): check ", RankVariable(info.launcher), " of each process");
+  (void)store.CompareSet(absl::StrCat(name, "/join_error"), "", message);
+  for (int r = 0; r < info.world_size; ++r) {
+    (void)store.CompareSet(absl::StrCat(name, "/join/", r), "", std::string(1, kAbandonedRecord));
+  }
+  return absl::FailedPreconditionError(message);
+}
+
+// Registers this process as the holder of its rank; a second process with the same rank (two
+// RANK=3) gets ReportDuplicateRank's error. (Rank 0 is the process that hosts the store; a
+// second rank 0 finds the port taken and is caught in InitProcessGroup.)
+absl::Status ClaimRank(Store& store, const std::string& name, const LaunchInfo& info,
+                       absl::Time deadline) {
+  const std::string owner_key = absl::StrCat(name, "/owner/", info.rank);
+  SL_ASSIGN_OR_RETURN(int64_t claims, store.Add(absl::StrCat(name, "/claim/", info.rank), 1));
+  if (claims == 1) return store.Set(owner_key, ThisProcess());
+  absl::StatusOr<std::string> owner =
+      store.Get(owner_key, std::min(deadline, absl::Now() + kOwnerWait));
+  return ReportDuplicateRank(store, name, info,
+                             owner.ok() ? *owner : std::string("another process"));
+}
+
 // Publishes this rank's join fields and compares everyone's. `joined` receives the ranks that
-// showed up (all of them unless the deadline passed).
+// showed up (all of them unless the deadline passed), which rank 0 waits for before it takes the
+// store away; `linger`, if CheckJoin sets it, bounds that wait.
 absl::Status CheckJoin(Store& store, const std::string& name, const LaunchInfo& info,
-                       const std::string& mine, absl::Time deadline, std::vector<int>* joined) {
+                       const std::string& mine, absl::Time deadline, std::vector<int>* joined,
+                       std::optional<absl::Time>* linger) {
   std::vector<std::string> keys;
   for (int r = 0; r < info.world_size; ++r) keys.push_back(absl::StrCat(name, "/join/", r));
+  SL_RETURN_IF_ERROR(ClaimRank(store, name, info, deadline));
   SL_RETURN_IF_ERROR(store.Set(keys[info.rank], mine));
   absl::Status all_joined = store.Wait(keys, deadline);
   for (int r = 0; r < info.world_size; ++r) joined->push_back(r);
@@ -158,6 +230,16 @@ absl::Status CheckJoin(Store& store, const std::string& name, const LaunchInfo& 
                      "): timed out waiting for rank(s) ", absl::StrJoin(missing, ", ")));
   }
   SL_RETURN_IF_ERROR(all_joined);
+  // A process that found its rank taken ended the wait: report what it found. Some ranks may
+  // not have arrived (the records the duplicate wrote for them ended the wait): rank 0 keeps the
+  // store up a little for them to read the error too, rather than until the deadline.
+  const std::string error_key = absl::StrCat(name, "/join_error");
+  SL_ASSIGN_OR_RETURN(bool failed, store.Check({error_key}));
+  if (failed) {
+    SL_ASSIGN_OR_RETURN(std::string message, store.Get(error_key, deadline));
+    *linger = std::min(deadline, absl::Now() + kLateRankGrace);
+    return absl::FailedPreconditionError(message);
+  }
   // Every rank compares every rank with rank 0, so all report the same first difference.
   SL_ASSIGN_OR_RETURN(std::string reference, store.Get(keys[0], deadline));
   std::vector<std::string> ref_lines = absl::StrSplit(reference, '\n');
@@ -321,16 +403,50 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   store_options.port = info.master_port;
   store_options.rank = info.rank;
   store_options.timeout = timeout;
-  SL_ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> store,
-                      TcpStore::Create(store_options, /*is_server=*/info.rank == 0, deadline));
-  group.store = std::move(store);
+  SL_ASSIGN_OR_RETURN(std::string listen_addr, ParamStoreListenAddr().Get());
+  store_options.listen_host = listen_addr;  // empty: MASTER_ADDR
+  absl::StatusOr<std::unique_ptr<TcpStore>> store =
+      TcpStore::Create(store_options, /*is_server=*/info.rank == 0, deadline);
+  if (info.rank == 0 && absl::IsFailedPrecondition(store.status())) {
+    // The port is taken. If by this job's store (its host named itself there), another process
+    // got rank 0 as well: say that rather than blame the port.
+    absl::StatusOr<std::unique_ptr<TcpStore>> other =
+        TcpStore::Create(store_options, /*is_server=*/false, absl::Now() + kOwnerWait);
+    if (other.ok()) {
+      absl::StatusOr<std::string> owner =
+          (*other)->Get(HostKey(options.name), absl::Now() + kOwnerWait);
+      if (owner.ok()) return ReportDuplicateRank(**other, options.name, info, *owner);
+    }
+    return store.status();
+  }
+  SL_RETURN_IF_ERROR(store.status());
+  if (info.rank == 0) SL_RETURN_IF_ERROR((*store)->Set(HostKey(options.name), ThisProcess()));
+  if (const TcpStoreServer* server = (*store)->server(); server != nullptr) {
+    const std::string& bound = server->bound_address();
+    const std::string& listen = listen_addr.empty() ? store_options.host : listen_addr;
+    if (store_internal::IsLoopbackAddress(bound) && info.local_world_size < info.world_size) {
+      SL_LOG(WARN, INIT) << "the store listens on "
+                         << store_internal::HostPort(bound, server->port()) << " only: " << listen
+                         << " resolves to a loopback address on this host"
+                         << ", which ranks on other hosts cannot reach (" << info.local_world_size
+                         << " of " << info.world_size
+                         << " ranks run here); set MASTER_ADDR to this host's network address, or "
+                            "SHARDLINE_STORE_LISTEN_ADDR=0.0.0.0 to listen on every interface";
+    } else {
+      SL_LOG(INFO, INIT) << "the store listens on "
+                         << store_internal::HostPort(bound, server->port()) << " (" << listen
+                         << ")";
+    }
+  }
+  group.store = *std::move(store);
 
   Device device = options.device.value_or(options.backend == "nccl" ? Device::Cuda(info.local_rank)
                                                                     : Device::Host());
   std::vector<int> joined;
+  std::optional<absl::Time> linger;
   absl::Status join = CheckJoin(*group.store, options.name, info,
                                 EncodeFields(JoinFields(info, options.backend, device, timeout)),
-                                deadline, &joined);
+                                deadline, &joined, &linger);
   // Rank 0 hosts the store: it must not take it away while the others still read the join
   // records, whether the join succeeded or not. Each rank marks that it is done reading; rank 0
   // waits for the marks of everyone who joined (bounded: a few seconds past the deadline).
@@ -339,7 +455,8 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   if (info.rank == 0 && marked.ok()) {
     std::vector<std::string> done_keys;
     for (int r : joined) done_keys.push_back(absl::StrCat(done_prefix, r));
-    (void)group.store->Wait(done_keys, std::max(deadline, absl::Now()) + absl::Seconds(5));
+    (void)group.store->Wait(done_keys,
+                            linger.value_or(std::max(deadline, absl::Now()) + absl::Seconds(5)));
   }
   SL_RETURN_IF_ERROR(join);
   SL_LOG(INFO, INIT) << "rank " << info.rank << " of " << info.world_size << " joined "

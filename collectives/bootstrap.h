@@ -73,7 +73,11 @@ struct ProcessGroup {
 
 // Connects to (rank 0: hosts) the TCP store at MASTER_ADDR:MASTER_PORT, checks the join
 // fingerprints, and creates the world communicator. Blocks until every rank has joined or the
-// timeout passes (DeadlineExceeded naming the ranks that did not join).
+// timeout passes (DeadlineExceeded naming the ranks that did not join). Two processes with the
+// same rank fail at once (FailedPrecondition naming the rank and both processes), and so do the
+// ranks waiting for the rank nobody holds. Rank 0's store listens on the address MASTER_ADDR
+// names (SHARDLINE_STORE_LISTEN_ADDR overrides it), with a WARN if that is a loopback address
+// while ranks run on other hosts.
 absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options = {});
 
 // Creates this rank's communicator of `backend` over `store` (which all `size` ranks share and

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdio>
 #include <mutex>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -207,6 +208,33 @@ bool LogEnabled(LogLevel level, uint32_t subsys) {
   if (static_cast<int>(level) > current) return false;
   if (level <= LogLevel::kWarn) return true;
   return (g_subsys.load(std::memory_order_relaxed) & subsys) != 0;
+}
+
+bool LogRateLimiter::Allow(int64_t* suppressed, absl::Time now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (now - window_start_ >= period_) {
+    window_start_ = now;
+    in_window_ = 0;
+  }
+  if (in_window_ >= burst_) {
+    ++suppressed_;
+    return false;
+  }
+  ++in_window_;
+  if (suppressed != nullptr) *suppressed = suppressed_;
+  suppressed_ = 0;
+  return true;
+}
+
+int64_t LogRateLimiter::TakeSuppressed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(suppressed_, 0);
+}
+
+std::string SuppressedSuffix(int64_t suppressed) {
+  if (suppressed == 0) return "";
+  return absl::StrCat(" (", suppressed, " similar message", suppressed == 1 ? "" : "s",
+                      " suppressed)");
 }
 
 void SetLogRank(int rank) { g_rank.store(rank, std::memory_order_relaxed); }

@@ -20,11 +20,14 @@
 #define SHARDLINE_RUNTIME_LOGGING_H_
 
 #include <cstdint>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace shardline {
 
@@ -57,6 +60,37 @@ void SetLogRank(int rank);
 
 // Re-reads the SHARDLINE_DEBUG* variables (tests; normally they are read once).
 void ReinitLoggingForTesting();
+
+// Throttles a warning that a peer can trigger at will (a flood of bad connections): at most
+// `burst` events per `period` are let through, the rest are counted, and the next event let
+// through reports how many were held back. Thread-safe.
+//
+//   static LogRateLimiter limiter(10, absl::Seconds(10));
+//   if (int64_t held_back; limiter.Allow(&held_back)) {
+//     SL_LOG(WARN, STORE) << "dropping " << peer << SuppressedSuffix(held_back);
+//   }
+class LogRateLimiter {
+ public:
+  LogRateLimiter(int burst, absl::Duration period) : burst_(burst), period_(period) {}
+
+  // True if the event at `now` may be logged; then `*suppressed` (optional) receives the number
+  // of events refused since the last one let through.
+  bool Allow(int64_t* suppressed = nullptr, absl::Time now = absl::Now());
+  // Events refused since the last one let through (for a summary line at shutdown, say); resets
+  // the count.
+  int64_t TakeSuppressed();
+
+ private:
+  const int burst_;
+  const absl::Duration period_;
+  std::mutex mu_;
+  absl::Time window_start_ = absl::InfinitePast();
+  int in_window_ = 0;
+  int64_t suppressed_ = 0;
+};
+
+// "" if `suppressed` is 0, else " (N similar messages suppressed)".
+std::string SuppressedSuffix(int64_t suppressed);
 
 namespace logging_internal {
 

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -123,6 +124,8 @@ def main():
     groups = QUICK_GROUPS if args.quick else GROUPS
     nranks = args.hosts * args.per_host
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    # Every host's launcher must present the same store token (each refuses to start without).
+    env.setdefault("SHARDLINE_STORE_TOKEN", secrets.token_hex(16))
     env.update(SHARDLINE_TIMEOUT_S="120", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_base_warn_component_unused="0")
     records, failures, link_bytes = [], [], {"shardline": 0, "openmpi": 0}

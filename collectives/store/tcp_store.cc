@@ -5,7 +5,10 @@
 // case the socket is closed (so no late answer can be mistaken for the answer to a later
 // request).
 
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <array>
@@ -136,6 +139,7 @@ class TcpStore::Client {
 
     // Exchanges `request` for its response, first reconnecting once if the connection was lost.
     absl::StatusOr<proto::Response> Call(proto::Request request, absl::Time deadline) {
+      DisconnectIfClosedByPeer();
       if (!connected_) {
         absl::Status status = ConnectOnce(std::min(deadline, absl::Now() + kReconnectTimeout));
         if (!status.ok()) {
@@ -169,6 +173,18 @@ class TcpStore::Client {
       io_.restart();
       io_.run();
       return false;
+    }
+
+    // A pooled connection the server closed while it sat unused (its idle timeout, say) has a
+    // FIN waiting: reopen it rather than fail the call on it.
+    void DisconnectIfClosedByPeer() {
+      if (!connected_) return;
+      char byte;
+      const ssize_t n = recv(socket_.native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+      Disconnect(n == 0  ? "the server closed it while it was idle"
+                 : n > 0 ? "the server sent bytes nobody asked for"
+                         : "the connection failed while it was idle");
     }
 
     void CloseSocket() {
@@ -393,6 +409,7 @@ absl::StatusOr<std::unique_ptr<TcpStore>> TcpStore::Create(TcpStoreOptions optio
   if (options.host.empty()) {
     return absl::InvalidArgumentError("store host (MASTER_ADDR) must not be empty");
   }
+  SL_RETURN_IF_ERROR(store_internal::CheckHostHasNoPort(options.host, "store host"));
   if (options.timeout == absl::ZeroDuration()) {
     SL_ASSIGN_OR_RETURN(options.timeout, DefaultTimeout());
   } else if (options.timeout < absl::ZeroDuration()) {
@@ -405,7 +422,7 @@ absl::StatusOr<std::unique_ptr<TcpStore>> TcpStore::Create(TcpStoreOptions optio
   std::unique_ptr<TcpStoreServer> server;
   if (is_server) {
     TcpStoreServerOptions server_options;
-    server_options.host = options.listen_host;
+    server_options.host = options.listen_host.empty() ? options.host : options.listen_host;
     server_options.port = options.port;
     server_options.token = token;
     server_options.max_message_bytes = max_payload;

@@ -13,9 +13,15 @@
 // when the key appears or its timeout passes — nothing polls. One request per connection is
 // in flight at a time and each read buffer is capped by the maximum message size (by
 // kMaxHelloPayloadBytes until the connection's HELLO is accepted), so a connection costs bounded
-// memory. A connection that sends a malformed, oversized, truncated or out-of-order message, or
-// that has not completed HELLO within TcpStoreServerOptions::handshake_timeout, is closed with
-// one WARN line naming the peer and the reason; every other connection keeps being served. If a
+// memory: a request's buffer grows as its bytes arrive, and all connections' incomplete requests
+// together stay under TcpStoreServerOptions::max_buffered_bytes (a request that would exceed it
+// is read and discarded, then answered ResourceExhausted). A connection that sends a malformed,
+// oversized, truncated or out-of-order message, that has not completed HELLO within
+// TcpStoreServerOptions::handshake_timeout, or that stalls in the middle of a message for
+// idle_timeout, is closed with a WARN line naming the peer and the reason (at most 10 such
+// lines per 10 s; the next one says how many were held back); every other connection keeps
+// being served. An idle connection (no Get/Wait waiting, no byte moved for idle_timeout) is
+// closed quietly, and the client reopens it on its next call. If a
 // token is configured (SHARDLINE_STORE_TOKEN), the first message of every connection must carry
 // it (compared in constant time) or the client is refused.
 //
@@ -34,6 +40,9 @@
 //   unreachable store    Unavailable "store at h:p unreachable: ... attempts ...: <last error>"
 //   wrong/missing token  PermissionDenied "store at h:p refused the token (SHARDLINE_STORE_TOKEN)"
 //   server gone          Unavailable "store at h:p: connection lost during GET 'k': ..."
+//   server's buffer full ResourceExhausted "store at h:p: SET of N bytes refused: the store server
+//                        already buffers M bytes of incomplete requests (limit L, ...); retry"
+//   host with a port     InvalidArgument "store host='node0:29500' is not a plain host name ..."
 
 #ifndef SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_
 #define SHARDLINE_COLLECTIVES_STORE_TCP_STORE_H_
@@ -57,6 +66,12 @@ class ServerAccess;
 const Param<std::string>& ParamStoreToken();
 // SHARDLINE_STORE_MAX_MESSAGE_BYTES: largest accepted message payload (default 64 MiB).
 const Param<int64_t>& ParamStoreMaxMessageBytes();
+// SHARDLINE_STORE_MAX_BUFFERED_BYTES: bytes of incomplete requests a server holds for all its
+// connections together (default 256 MiB).
+const Param<int64_t>& ParamStoreMaxBufferedBytes();
+// SHARDLINE_STORE_IDLE_TIMEOUT_S: seconds after which a server closes a connection that has
+// neither a Get/Wait waiting nor moved a byte (default 120).
+const Param<double>& ParamStoreIdleTimeout();
 
 struct TcpStoreServerOptions {
   // Address to listen on: "0.0.0.0" (every IPv4 interface), "::", "127.0.0.1", a hostname.
@@ -72,6 +87,15 @@ struct TcpStoreServerOptions {
   // A connection that has not completed HELLO this long after it was accepted is closed with a
   // WARN line, so that half-open connections cannot hold the connection slots.
   absl::Duration handshake_timeout = absl::Seconds(10);
+  // Past HELLO, a connection that has no Get/Wait waiting and has moved no byte for this long
+  // is closed (half-open, or stalled in the middle of a message). TcpStore clients reopen such
+  // a connection on their next call. Zero: SHARDLINE_STORE_IDLE_TIMEOUT_S.
+  absl::Duration idle_timeout = absl::ZeroDuration();
+  // Bytes of incomplete requests buffered for all connections together. A request's buffer
+  // grows as its bytes arrive (never from the length its header announces); one that would take
+  // the total over this is read to its end without being kept and answered ResourceExhausted.
+  // 0: SHARDLINE_STORE_MAX_BUFFERED_BYTES.
+  int64_t max_buffered_bytes = 0;
 };
 
 class TcpStoreServer {
@@ -90,6 +114,9 @@ class TcpStoreServer {
   void Shutdown();
 
   const std::string& host() const;
+  // The address the listener is bound to, as resolved from host() ("127.0.1.1" for a hostname
+  // that /etc/hosts maps to a loopback alias).
+  const std::string& bound_address() const;
   // The bound port (the ephemeral one if options.port was 0).
   int port() const;
 
@@ -98,6 +125,9 @@ class TcpStoreServer {
     int64_t parked_requests = 0;      // Get/Wait waiting for keys
     int64_t dropped_connections = 0;  // closed for a protocol violation or a wrong token
     int64_t refused_connections = 0;  // over max_connections
+    int64_t idle_closed = 0;          // closed after idle_timeout without traffic
+    int64_t buffered_bytes = 0;       // held for incomplete requests (and small reusable buffers)
+    int64_t refused_requests = 0;     // answered ResourceExhausted: over max_buffered_bytes
     int64_t keys = 0;
   };
   Stats stats() const;
@@ -129,8 +159,10 @@ struct TcpStoreOptions {
   // busy, kept for reuse). A call beyond this many waits for a free connection until its own
   // deadline, then fails with DeadlineExceeded naming the call.
   int max_concurrent_calls = 8;
-  // Create(is_server=true) only: where the hosted server listens.
-  std::string listen_host = "0.0.0.0";
+  // Create(is_server=true) only: where the hosted server listens. Empty: `host`, the address the
+  // clients are given (so the store is not reachable through other interfaces); "0.0.0.0" or
+  // "::" for every interface.
+  std::string listen_host;
   int max_connections = 4096;
 };
 

@@ -9,10 +9,14 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "runtime/logging.h"
 #include "tests/common/scoped_env.h"
 
 namespace shardline {
@@ -81,6 +85,22 @@ TEST(LaunchEnvironmentTest, TorchrunErrorsNameTheVariable) {
     absl::Status status = ReadLaunchEnvironment().status();
     EXPECT_TRUE(absl::StrContains(status.message(), "MASTER_PORT='70000'")) << status;
   }
+}
+
+TEST(LaunchEnvironmentTest, MasterAddrWithAPortIsRefusedNamingIt) {
+  CLEAN_LAUNCH_ENV;
+  for (const char* addr : {"node0:29500", "10.0.0.1:29500", "[::1]:29500", "tcp://node0"}) {
+    ScopedEnv env{
+        {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", addr}, {"MASTER_PORT", "29500"}};
+    absl::Status status = ReadLaunchEnvironment().status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), absl::StrCat("MASTER_ADDR='", addr, "'")))
+        << status;
+  }
+  // IPv6 literals are plain addresses.
+  ScopedEnv env{
+      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "fe80::1"}, {"MASTER_PORT", "1"}};
+  EXPECT_TRUE(ReadLaunchEnvironment().ok());
 }
 
 TEST(LaunchEnvironmentTest, SingleProcessNeedsNoStoreAddress) {
@@ -285,6 +305,105 @@ TEST(InitProcessGroupTest, MissingRankTimesOutNamingIt) {
   } else {
     EXPECT_EQ(results[1].code(), absl::StatusCode::kUnavailable) << results[1];
   }
+}
+
+// Joins one thread per entry of `ranks` (a rank may repeat) into a world of `world_size`.
+std::vector<absl::Status> JoinRanks(const std::vector<int>& ranks, int world_size,
+                                    absl::Duration timeout) {
+  const int port = FreePort();
+  std::vector<absl::Status> results(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    threads.emplace_back([&, i] {
+      InitOptions options;
+      options.device = Device::Host();
+      options.timeout = timeout;
+      LaunchInfo info;
+      info.rank = ranks[i];
+      info.world_size = world_size;
+      info.local_rank = ranks[i];
+      info.local_world_size = world_size;
+      info.master_port = port;
+      info.launcher = "torchrun";
+      options.launch = info;
+      results[i] = InitProcessGroup(options).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+TEST(InitProcessGroupTest, DuplicateRankIsNamedOnEveryRankAtOnce) {
+  // Ranks 0, 1, 1 of a world of 3: rank 2 never comes, the second rank 1 is the cause. Rank 0 is
+  // the duplicate in the second case (it finds the port taken by the first one's store).
+  for (const std::vector<int>& ranks : {std::vector<int>{0, 1, 1}, std::vector<int>{0, 1, 0}}) {
+    const int duplicate = ranks.back();
+    const absl::Time start = absl::Now();
+    std::vector<absl::Status> results = JoinRanks(ranks, 3, absl::Seconds(30));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not at the deadline
+    for (const absl::Status& status : results) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+      EXPECT_TRUE(absl::StrContains(
+          status.message(), absl::StrCat("rank ", duplicate, " was given to two processes")))
+          << status;
+      EXPECT_TRUE(absl::StrContains(status.message(), "RANK")) << status;
+    }
+  }
+}
+
+// Whether a TCP connection to `ip`:`port` is accepted.
+bool Connects(const char* ip, int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, ip, &addr.sin_addr);
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return ok;
+}
+
+TEST(InitProcessGroupTest, StoreListensOnTheAddressOfMasterAddrAndSaysSoWhenItIsLoopback) {
+  const std::string log_path =
+      absl::StrCat(::testing::TempDir(), "/bootstrap_test_log_", getpid(), ".txt");
+  std::remove(log_path.c_str());
+  const int port = FreePort();
+  std::vector<absl::StatusOr<ProcessGroup>> groups(2, absl::UnknownError("not run"));
+  {
+    ScopedEnv log("SHARDLINE_DEBUG_FILE", log_path.c_str());
+    ReinitLoggingForTesting();
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        InitOptions options;
+        options.device = Device::Host();
+        options.timeout = absl::Seconds(20);
+        LaunchInfo info;
+        info.rank = r;
+        info.world_size = 2;
+        info.local_world_size = 1;  // as if each rank ran on a host of its own
+        info.master_addr = "localhost";
+        info.master_port = port;
+        options.launch = info;
+        groups[r] = InitProcessGroup(options);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  ReinitLoggingForTesting();
+  for (const auto& group : groups) ASSERT_TRUE(group.ok()) << group.status();
+  // Bound to the loopback address "localhost" names, not to every interface: another loopback
+  // address of this host does not reach it.
+  EXPECT_TRUE(Connects("127.0.0.1", port));
+  EXPECT_FALSE(Connects("127.0.0.2", port));
+  std::ifstream file(log_path);
+  std::stringstream text;
+  text << file.rdbuf();
+  EXPECT_TRUE(absl::StrContains(
+      text.str(), absl::StrCat("the store listens on 127.0.0.1:", port,
+                               " only: localhost resolves to a loopback address on this host")))
+      << text.str();
+  std::remove(log_path.c_str());
 }
 
 TEST(CreateCommunicatorTest, RejectsBadArguments) {

@@ -5,11 +5,13 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <random>
@@ -18,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "collectives/store/internal/server_access.h"
@@ -27,6 +30,9 @@
 #include "collectives/store/tcp_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "runtime/logging.h"
+#include "runtime/status.h"
+#include "tests/common/scoped_env.h"
 
 namespace shardline {
 namespace {
@@ -976,6 +982,286 @@ TEST(TcpStoreTest, RankZeroHostsAndManyClientsRendezvous) {
   for (int r = 1; r < kRanks; ++r) EXPECT_EQ(seen[r], "host0") << "rank " << r;
   EXPECT_EQ((*host)->Get("adds", Bound()).value(), absl::StrCat((kRanks - 1) * kAdds));
   EXPECT_EQ((*host)->Get("arrived", Bound()).value(), absl::StrCat(kRanks - 1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resource bounds: what a peer can make the server hold, and for how long.
+
+// This process's resident set, from /proc/self/status (-1 if unreadable).
+int64_t ResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    int64_t kib = 0;
+    if (sscanf(line.c_str(), "VmRSS: %ld kB", &kib) == 1) return kib << 10;
+  }
+  return -1;
+}
+
+// A raw connection that has completed HELLO.
+std::unique_ptr<RawSocket> Authenticated(int port) {
+  auto raw = std::make_unique<RawSocket>(port);
+  if (!raw->connected()) return nullptr;
+  raw->Send(HelloFrame());
+  if (!raw->ReadResponse(Bound()).ok()) return nullptr;
+  return raw;
+}
+
+// The first `prefix_bytes` of a SET frame whose value is `value_bytes` long.
+std::string SetFramePrefix(absl::string_view key, size_t value_bytes, size_t prefix_bytes) {
+  store_protocol::Request set;
+  set.op = store_protocol::Op::kSet;
+  set.id = 2;
+  set.key = std::string(key);
+  set.value = std::string(value_bytes, 'v');
+  return store_protocol::EncodeRequest(set).substr(0, prefix_bytes);
+}
+
+TEST(TcpStoreTest, StalledLargeSetsCostWhatWasSentNotWhatWasAnnounced) {
+  constexpr int kClients = 40;
+  constexpr size_t kAnnounced = 64u << 20;  // the default maximum message
+  constexpr size_t kSent = 4096;
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  // The header announces a 64 MiB value; 4 KiB of it follow, then nothing.
+  const std::string prefix =
+      SetFramePrefix("big", kAnnounced - 64, store_protocol::kHeaderBytes + kSent);
+  const int64_t before = ResidentBytes();
+  ASSERT_GT(before, 0);
+  std::vector<std::unique_ptr<RawSocket>> stalled;
+  for (int i = 0; i < kClients; ++i) {
+    stalled.push_back(Authenticated(server->port()));
+    ASSERT_NE(stalled.back(), nullptr);
+    stalled.back()->Send(prefix);
+  }
+  ASSERT_TRUE(AwaitStats(
+      *server, [&](const TcpStoreServer::Stats& s) { return s.buffered_bytes >= kClients * kSent; },
+      Bound()));
+  const int64_t grown = ResidentBytes() - before;
+  // Sized from the headers, the buffers would take 40 x 64 MiB = 2.5 GiB.
+  EXPECT_LT(grown, 200 << 20) << "resident set grew by " << (grown >> 20) << " MiB";
+  EXPECT_LT(server->stats().buffered_bytes, 200 << 20);
+  // The server serves others meanwhile, and forgets the buffers of those that leave.
+  auto store = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->Set("k", "v").ok());
+  EXPECT_EQ((*store)->Get("k", Bound()).value_or(""), "v");
+  stalled.clear();
+  EXPECT_TRUE(AwaitStats(
+      *server,
+      [](const TcpStoreServer::Stats& s) {
+        return s.open_connections == 1 && s.buffered_bytes <= 4096;
+      },
+      Bound()));
+}
+
+TEST(TcpStoreTest, RequestOverTheBufferedBytesCapIsRefusedAndTheConnectionStaysUsable) {
+  TcpStoreServerOptions server_options = ServerOptions();
+  server_options.max_buffered_bytes = 1536 << 10;
+  auto server = StartServer(server_options);
+  ASSERT_NE(server, nullptr);
+  // A peer holds most of the budget: 700 KiB of a 4 MiB value (a 1 MiB buffer), then it stalls.
+  std::unique_ptr<RawSocket> hog = Authenticated(server->port());
+  ASSERT_NE(hog, nullptr);
+  hog->Send(SetFramePrefix("hog", 4 << 20, store_protocol::kHeaderBytes + (700 << 10)));
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.buffered_bytes >= (700 << 10); },
+      Bound()));
+
+  auto store = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  const std::string big(512 << 10, 'b');
+  absl::Status refused = (*store)->Set("big", big);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("SHARDLINE_STORE_MAX_BUFFERED_BYTES"));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("SET of"));
+  EXPECT_EQ(server->stats().refused_requests, 1);
+  // Small requests still pass, on the same connection.
+  ASSERT_TRUE((*store)->Set("small", "v").ok());
+  EXPECT_EQ((*store)->Get("small", Bound()).value_or(""), "v");
+  EXPECT_EQ((*store)->Check({"big"}).value_or(true), false);
+  // Once the hog is gone, the large value fits.
+  hog.reset();
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.buffered_bytes <= 4096; }, Bound()));
+  ASSERT_TRUE((*store)->Set("big", big).ok());
+  EXPECT_EQ((*store)->Get("big", Bound()).value_or("").size(), big.size());
+}
+
+TEST(TcpStoreTest, IdleAndStalledConnectionsAreClosedButAParkedWaitIsNot) {
+  constexpr absl::Duration kIdle = absl::Milliseconds(300);
+  TcpStoreServerOptions server_options = ServerOptions();
+  server_options.idle_timeout = kIdle;
+  auto server = StartServer(server_options);
+  ASSERT_NE(server, nullptr);
+  // Connected first, so its idle check runs before the others' would close them.
+  std::unique_ptr<RawSocket> waiter = Authenticated(server->port());
+  ASSERT_NE(waiter, nullptr);
+  store_protocol::Request wait;
+  wait.op = store_protocol::Op::kWait;
+  wait.id = 2;
+  wait.keys = {"later"};
+  wait.timeout_ms = -1;
+  waiter->Send(store_protocol::EncodeRequest(wait));
+  ASSERT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.parked_requests == 1; }, Bound()));
+
+  const absl::Time start = absl::Now();
+  std::unique_ptr<RawSocket> idle = Authenticated(server->port());
+  std::unique_ptr<RawSocket> stalled = Authenticated(server->port());
+  ASSERT_TRUE(idle != nullptr && stalled != nullptr);
+  stalled->Send(SetFramePrefix("k", 1 << 20, store_protocol::kHeaderBytes + 100));
+  EXPECT_TRUE(idle->AwaitClosed(Bound()));
+  EXPECT_TRUE(stalled->AwaitClosed(Bound()));
+  EXPECT_GE(absl::Now() - start, kIdle - absl::Milliseconds(5));
+  EXPECT_TRUE(AwaitStats(
+      *server,
+      [](const TcpStoreServer::Stats& s) {
+        return s.idle_closed == 2 && s.dropped_connections == 1 && s.open_connections == 1 &&
+               s.parked_requests == 1 && s.buffered_bytes <= 4096;
+      },
+      Bound()));
+  // The waiter, silent for longer than the idle timeout, still gets its answer.
+  auto store = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->Set("later", "now").ok());
+  absl::StatusOr<store_protocol::Response> answer = waiter->ReadResponse(Bound());
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_TRUE(answer->status().ok()) << answer->status();
+}
+
+TEST(TcpStoreTest, ClientReopensAConnectionTheServerClosedWhileIdle) {
+  TcpStoreServerOptions server_options = ServerOptions();
+  server_options.idle_timeout = absl::Milliseconds(100);
+  auto server = StartServer(server_options);
+  ASSERT_NE(server, nullptr);
+  auto store = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->Set("k", "v").ok());
+  ASSERT_TRUE(AwaitStats(
+      *server,
+      [](const TcpStoreServer::Stats& s) { return s.idle_closed == 1 && s.open_connections == 0; },
+      Bound()));
+  absl::StatusOr<std::string> value = (*store)->Get("k", Bound());
+  ASSERT_TRUE(value.ok()) << value.status();
+  EXPECT_EQ(*value, "v");
+}
+
+TEST(TcpStoreTest, HostWithAPortIsRefusedAtOnce) {
+  for (const char* host : {"node0:29500", "[::1]:29500", "tcp://node0"}) {
+    TcpStoreOptions options = ClientOptions(29500);
+    options.host = host;
+    const absl::Time start = absl::Now();
+    auto store = TcpStore::Connect(options, In(absl::Seconds(30)));
+    EXPECT_TRUE(absl::IsInvalidArgument(store.status())) << store.status();
+    EXPECT_THAT(std::string(store.status().message()), HasSubstr(host));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  }
+}
+
+TEST(TcpStoreTest, ServerReportsTheAddressItIsBoundTo) {
+  TcpStoreServerOptions options = ServerOptions();
+  options.host = "localhost";
+  auto server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  EXPECT_TRUE(server->bound_address() == "127.0.0.1" || server->bound_address() == "::1")
+      << server->bound_address();
+}
+
+// Routes this process's log lines to a file while it lives.
+class LogCapture {
+ public:
+  LogCapture()
+      : path_(absl::StrCat(::testing::TempDir(), "/store_test_log_", getpid(), ".txt")),
+        env_(std::make_unique<testing::ScopedEnv>("SHARDLINE_DEBUG_FILE", path_.c_str())) {
+    std::remove(path_.c_str());
+    ReinitLoggingForTesting();
+  }
+  ~LogCapture() {
+    env_.reset();
+    ReinitLoggingForTesting();
+    std::remove(path_.c_str());
+  }
+  std::vector<std::string> Lines(absl::string_view containing) const {
+    std::ifstream file(path_);
+    std::vector<std::string> lines;
+    for (std::string line; std::getline(file, line);) {
+      if (absl::StrContains(line, containing)) lines.push_back(line);
+    }
+    return lines;
+  }
+
+ private:
+  std::string path_;
+  std::unique_ptr<testing::ScopedEnv> env_;
+};
+
+TEST(TcpStoreTest, JobRunsBesideAFloodOfConnectionsAndItsWarningsAreRateLimited) {
+  constexpr int kFlood = 4000;
+  constexpr int kGarbage = kFlood / 2;  // dropped at once, each a warning
+  constexpr int kRanks = 4;
+  // Both ends of every connection live in this process.
+  rlimit files{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &files), 0);
+  const rlim_t needed = 2 * kFlood + 512;
+  if (files.rlim_cur < needed) {
+    if (files.rlim_max < needed) {
+      GTEST_SKIP() << "needs " << needed << " file descriptors, the hard limit is "
+                   << files.rlim_max;
+    }
+    files.rlim_cur = needed;
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &files), 0);
+  }
+  LogCapture log;
+  auto server = StartServer();  // the default 4096 connections
+  ASSERT_NE(server, nullptr);
+
+  std::vector<std::unique_ptr<RawSocket>> flood;
+  const std::string garbage(store_protocol::kHeaderBytes, 'x');
+  const std::string hello = HelloFrame();
+  for (int i = 0; i < kFlood; ++i) {
+    flood.push_back(std::make_unique<RawSocket>(server->port()));
+    ASSERT_TRUE(flood.back()->connected()) << "connection " << i;
+    flood.back()->Send(i < kGarbage ? garbage : hello);
+  }
+
+  // The job: every rank publishes a value, then waits for and reads everyone's.
+  std::vector<absl::Status> results(kRanks);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      results[r] = [&]() -> absl::Status {
+        TcpStoreOptions options = ClientOptions(server->port());
+        options.rank = r;
+        SL_ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> store, TcpStore::Connect(options, Bound()));
+        SL_RETURN_IF_ERROR(store->Set(absl::StrCat("job/", r), absl::StrCat("value", r)));
+        SL_RETURN_IF_ERROR(store->Add("job/arrived", 1).status());
+        std::vector<std::string> keys;
+        for (int k = 0; k < kRanks; ++k) keys.push_back(absl::StrCat("job/", k));
+        SL_RETURN_IF_ERROR(store->Wait(keys, Bound()));
+        for (int k = 0; k < kRanks; ++k) {
+          SL_ASSIGN_OR_RETURN(std::string value, store->Get(keys[k], Bound()));
+          if (value != absl::StrCat("value", k)) {
+            return absl::InternalError(absl::StrCat("rank ", r, " read ", value, " for ", k));
+          }
+        }
+        return absl::OkStatus();
+      }();
+    });
+  }
+  for (std::thread& rank : ranks) rank.join();
+  for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << results[r];
+  EXPECT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.dropped_connections == kGarbage; },
+      Bound()))
+      << server->stats().dropped_connections;
+  // 2,000 drops, but only a burst of warnings.
+  const std::vector<std::string> warnings = log.Lines("WARN STORE");
+  EXPECT_GE(warnings.size(), 1u);
+  EXPECT_LE(warnings.size(), 25u) << warnings.size() << " warnings, the first: " << warnings[0];
+  flood.clear();
+  EXPECT_TRUE(AwaitStats(
+      *server, [](const TcpStoreServer::Stats& s) { return s.open_connections == 0; }, Bound()));
 }
 
 }  // namespace

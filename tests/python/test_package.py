@@ -109,8 +109,9 @@ def test_launch_run_one_node_of_several():
             "('4', '1', '10.9.8.7', '29411') and e['RANK'] == str(2 + int(e['LOCAL_RANK'])); "
             "sys.exit(0 if ok else 9)")
     from shardline import launch
+    env = dict(os.environ, SHARDLINE_STORE_TOKEN="shared")  # every node's launcher needs one
     assert launch.run(2, [sys.executable, "-c", code], timeout=60, nnodes=2, node_rank=1,
-                      master_addr="10.9.8.7", master_port=29411) == 0
+                      master_addr="10.9.8.7", master_port=29411, env=env) == 0
 
 
 def test_launch_usage_error():

@@ -181,5 +181,30 @@ TEST(LoggingTest, BadLevelIsReportedNotFatal) {
   EXPECT_TRUE(absl::StrContains(all.message(), "SHARDLINE_DEBUG")) << all;
 }
 
+TEST(LoggingTest, RateLimiterLetsABurstThroughPerPeriodAndCountsTheRest) {
+  LogRateLimiter limiter(3, absl::Seconds(10));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  int64_t suppressed = -1;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(limiter.Allow(&suppressed, t0 + absl::Seconds(i))) << i;
+    EXPECT_EQ(suppressed, 0);
+  }
+  int allowed = 0;
+  for (int i = 0; i < 4900; ++i) allowed += limiter.Allow(&suppressed, t0 + absl::Seconds(9));
+  EXPECT_EQ(allowed, 0);
+  // A new window: the first event through reports what the old one held back.
+  EXPECT_TRUE(limiter.Allow(&suppressed, t0 + absl::Seconds(10)));
+  EXPECT_EQ(suppressed, 4900);
+  EXPECT_TRUE(limiter.Allow(&suppressed, t0 + absl::Seconds(11)));
+  EXPECT_EQ(suppressed, 0);
+  EXPECT_TRUE(limiter.Allow(nullptr, t0 + absl::Seconds(12)));
+  EXPECT_FALSE(limiter.Allow(nullptr, t0 + absl::Seconds(13)));
+  EXPECT_EQ(limiter.TakeSuppressed(), 1);
+  EXPECT_EQ(limiter.TakeSuppressed(), 0);
+  EXPECT_EQ(SuppressedSuffix(0), "");
+  EXPECT_EQ(SuppressedSuffix(1), " (1 similar message suppressed)");
+  EXPECT_EQ(SuppressedSuffix(7), " (7 similar messages suppressed)");
+}
+
 }  // namespace
 }  // namespace shardline

@@ -68,9 +68,47 @@ class LauncherTest(unittest.TestCase):
         r = launch("-n", "2", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT", env=env)
         self.assertEqual(r.stdout.split(), ["localhost:29511"] * 2)
 
+    def test_every_job_gets_a_random_store_token(self):
+        env = {k: v for k, v in os.environ.items() if k != "SHARDLINE_STORE_TOKEN"}
+        tokens = []
+        for _ in range(2):
+            r = launch("-n", "2", "--", "sh", "-c", "echo $SHARDLINE_STORE_TOKEN", env=env)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            lines = r.stdout.split()
+            self.assertEqual(len(lines), 2)
+            self.assertEqual(lines[0], lines[1])  # one token for the whole job
+            self.assertRegex(lines[0], r"^[0-9a-f]{32}$")
+            tokens.append(lines[0])
+        self.assertNotEqual(tokens[0], tokens[1])
+        # The environment's token wins, an empty one included (authentication off).
+        for given in ("s3cret", ""):
+            r = launch("-n", "2", "--", "sh", "-c", "echo \"[$SHARDLINE_STORE_TOKEN]\"",
+                       env=dict(env, SHARDLINE_STORE_TOKEN=given))
+            self.assertEqual(r.stdout.split(), [f"[{given}]"] * 2, r.stderr)
+
+    def test_several_nodes_need_a_shared_store_token(self):
+        env = {k: v for k, v in os.environ.items() if k != "SHARDLINE_STORE_TOKEN"}
+        r = launch("-n", "1", "--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port",
+                   "29400", "--", "true", env=env)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("same store token", r.stderr)
+        self.assertIn("SHARDLINE_STORE_TOKEN", r.stderr)
+
+    def test_master_addr_with_a_port_is_refused(self):
+        for args, env_addr in ((("--master-addr", "node0:29500"), None), ((), "node0:29500"),
+                               ((), "tcp://node0")):
+            env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+            if env_addr:
+                env["MASTER_ADDR"] = env_addr
+            r = launch("-n", "1", *args, "--", "true", env=env)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("MASTER_ADDR", r.stderr)
+            self.assertIn("not a plain host", r.stderr)
+
     def test_one_launcher_per_node(self):
         # Node 1 of 3, 2 processes each: ranks 2 and 3 of 6, the given store for every node.
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        env["SHARDLINE_STORE_TOKEN"] = "shared"
         r = launch("-n", "2", "--nnodes", "3", "--node-rank", "1", "--master-addr", "10.0.0.1",
                    "--master-port", "29400", "--", "sh", "-c",
                    "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $NODE_RANK $GROUP_RANK "
@@ -81,7 +119,7 @@ class LauncherTest(unittest.TestCase):
         # Failures name the global rank.
         r = launch("-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0",
                    "--master-port", "29400", "--grace", "1", "--", "sh", "-c",
-                   'if [ "$RANK" = 3 ]; then exit 5; fi; exec sleep 60')
+                   'if [ "$RANK" = 3 ]; then exit 5; fi; exec sleep 60', env=env)
         self.assertEqual(r.returncode, 5)
         self.assertIn("rank 3 (pid", r.stderr)
         self.assertIn("terminating rank(s) 2", r.stderr)

@@ -43,6 +43,8 @@ class Job:
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
             full_env.pop(name, None)
         full_env.setdefault("SHARDLINE_TIMEOUT_S", "30")
+        # One store token for every host's launcher (each would otherwise refuse to start).
+        full_env.setdefault("SHARDLINE_STORE_TOKEN", "multihost-test-token")
         full_env.update(env or {})
         self.procs, self.readers = [], []
         for k in range(len(hosts)):

@@ -5,9 +5,11 @@
     shardline-launch -n 4 --nnodes 2 --node-rank K --master-addr HOST0 --master-port 29500 -- ...
 
 Every process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT,
-which shardline.init() reads. Across machines, one launcher per machine (--nnodes, --node-rank,
-the same --master-addr/--master-port: docs/collectives.md, "shardline-launch"). A failing process stops the others after a grace period; the
-launcher exits with the first failure's code. This wraps the launcher the C++ tree ships
+which shardline.init() reads, and SHARDLINE_STORE_TOKEN (the environment's, else a random one per
+job; with nnodes > 1 it must come from the environment, the same on every machine). Across
+machines, one launcher per machine (--nnodes, --node-rank, the same --master-addr/--master-port:
+docs/collectives.md, "shardline-launch"). A failing process stops the others after a grace
+period; the launcher exits with the first failure's code. This wraps the launcher the C++ tree ships
 (collectives/tools/shardline-launch), bundled in the package.
 """
 
