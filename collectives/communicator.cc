@@ -286,6 +286,7 @@ absl::StatusOr<std::string> Communicator::DumpFlightRecord(absl::string_view dir
         absl::StrCat("flight record of ", name_, " (rank ", rank_, "): no directory given"));
   }
   std::string path = FlightDumpPath(dir, name_, rank_);
+  std::lock_guard<std::mutex> lock(dump_mu_);
   SL_RETURN_IF_ERROR(WriteFlightDump(path, FlightRecordJson(reason)));
   return path;
 }
@@ -296,6 +297,23 @@ std::string Communicator::KeyName(uint64_t key) const {
   auto it = key_tags_.find(key);
   if (it == key_tags_.end() || it->second.empty()) return absl::StrCat("key ", key);
   return absl::StrCat("'", it->second, "'");
+}
+
+void Communicator::DumpAfterAbort() const {
+  if (!aborted_.load(std::memory_order_acquire) || !flight_->enabled() ||
+      flight_->recorded() == 0) {
+    return;
+  }
+  const std::string dir = flight_internal::Dir();
+  if (dir.empty()) return;
+  absl::StatusOr<std::string> path =
+      DumpFlightRecord(dir, absl::StrCat("aborted: ", status().ToString()));
+  if (path.ok()) {
+    SL_LOG(WARN, COLL) << "flight recorder: communicator " << name_ << " rank " << rank_
+                       << " aborted; wrote " << *path;
+  } else {
+    SL_LOG(WARN, COLL) << "flight recorder: " << path.status();
+  }
 }
 
 std::string Communicator::Describe(const Op& op) const {
@@ -345,19 +363,7 @@ void Communicator::Abort(absl::Status reason) {
                      << " aborted: " << abort_status_;
   OnAbort(abort_status_);
   // After the peers were told: the dump must not delay their failure.
-  if (flight_->enabled() && flight_->recorded() > 0) {
-    const std::string dir = flight_internal::Dir();
-    if (!dir.empty()) {
-      absl::StatusOr<std::string> path =
-          DumpFlightRecord(dir, absl::StrCat("aborted: ", abort_status_.ToString()));
-      if (path.ok()) {
-        SL_LOG(WARN, COLL) << "flight recorder: communicator " << name_ << " rank " << rank_
-                           << " aborted; wrote " << *path;
-      } else {
-        SL_LOG(WARN, COLL) << "flight recorder: " << path.status();
-      }
-    }
-  }
+  DumpAfterAbort();
 }
 
 absl::Status Communicator::status() const {
@@ -414,12 +420,20 @@ absl::Status Communicator::Launch(Op op, Stream& stream) {
     Communicator& comm = *task->comm;
     comm.RecordStarted(task->op);
     absl::Status status = comm.status();
-    if (status.ok()) {
+    const bool ran = status.ok();
+    if (ran) {
       task->op.deadline = task->op.clock->Now() + task->op.timeout;
       status = comm.Run(task->op);
     }
     comm.RecordEnded(task->op, status);
-    if (!status.ok()) comm.Abort(status);
+    if (!status.ok()) {
+      // An abort raised while it ran (inside Run, a peer's notice, Abort() on another thread)
+      // dumped it as running: write the dump again now that it shows the failure. Otherwise
+      // the Abort below is the first and dumps it failed.
+      const bool dumped_running = ran && comm.aborted_.load(std::memory_order_acquire);
+      comm.Abort(status);
+      if (dumped_running) comm.DumpAfterAbort();
+    }
     return status;
   };
   return stream.Submit(std::move(run));

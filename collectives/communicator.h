@@ -57,8 +57,9 @@
 // Flight recorder (flight_recorder.h): every communicator keeps its last SHARDLINE_FLIGHT_RECORDER
 // collectives (default 2048, 0: off) with their state, and, where SHARDLINE_FLIGHT_RECORDER_DIR
 // is set, writes them as JSON into that directory when it is aborted (a collective error, a
-// deadline, a peer's abort, Abort()) and, for every communicator of the process, on SIGUSR1. The
-// sim backend records nothing (a thousand simulated ranks share one process).
+// deadline, a peer's abort, Abort()) — and again once the collective running then has ended, so
+// the file shows it failed — and, for every communicator of the process, on SIGUSR1. The sim
+// backend records nothing (a thousand simulated ranks share one process).
 //
 // Thread safety: collectives may be issued from several threads at once (PyTorch runs backward
 // hooks on its own threads); Issue is serialized, and the order in which the calls take the
@@ -411,6 +412,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Launch records both.)
   void RecordStarted(const Op& op) const;
   void RecordEnded(const Op& op, const absl::Status& status) const;
+  // Once aborted, with SHARDLINE_FLIGHT_RECORDER_DIR set: writes the dump again ("aborted:
+  // <reason>"). Abort() dumps at once, while the collective in flight still runs; a backend that
+  // records its end later (the NCCL watchdog) calls this then, so that the dump on disk shows it
+  // failed. (The default Launch does it for Run().) Nothing if not aborted.
+  void DumpAfterAbort() const;
   // Turns recording off; only in a backend's constructor.
   void DisableFlightRecorder();
 
@@ -451,6 +457,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Event> last_done_;
   std::unique_ptr<FlightRecorder> flight_;
   bool flight_registered_ = false;  // guarded by issue_mu_
+  // Serializes the dumps of this communicator (snapshot and write), so that of two dumps racing
+  // (an abort's on one thread, the failed collective's on its stream) the later snapshot is the
+  // file that stays.
+  mutable std::mutex dump_mu_;
   // "all_gather on world (rank 0 of 2)" per kind, for Issue's messages: built at the first call
   // of each kind, so that issuing a collective formats no string. Guarded by issue_mu_.
   std::string call_sites_[static_cast<size_t>(CollectiveKind::kBarrier) + 1];

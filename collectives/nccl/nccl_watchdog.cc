@@ -73,18 +73,22 @@ void NcclCommunicator::WatchdogLoop() {
       continue;
     }
     lock.unlock();
-    const absl::Status failure = Sweep();
+    bool ended_after_abort = false;
+    const absl::Status failure = Sweep(&ended_after_abort);
     if (!failure.ok() && status().ok()) {
       SL_LOG(WARN, COLL) << "nccl watchdog aborts communicator " << name() << " (rank " << rank()
                          << " of " << size() << "): " << failure;
       Abort(failure);
     }
+    // Abort() dumped the collectives then in flight as running; ncclCommAbort has ended some
+    // since: the dump on disk shows them failed.
+    if (ended_after_abort) DumpAfterAbort();
     lock.lock();
     watch_cv_.wait_for(lock, interval, [&] { return stop_; });
   }
 }
 
-absl::Status NcclCommunicator::Sweep() {
+absl::Status NcclCommunicator::Sweep(bool* ended_after_abort) {
   const bool healthy = status().ok();
   absl::Status failure;
   if (healthy) {
@@ -116,6 +120,7 @@ absl::Status NcclCommunicator::Sweep() {
       if (!f.deadline.has_value()) RecordStarted(f.op);
       // Once aborted, ncclCommAbort may have cut it short: it counts as failed then.
       RecordEnded(f.op, healthy ? absl::OkStatus() : status());
+      if (!healthy) *ended_after_abort = true;
       free_events_.push_back(f.start);
       free_events_.push_back(f.done);
       it = in_flight_.erase(it);
@@ -125,6 +130,7 @@ absl::Status NcclCommunicator::Sweep() {
       // The device context is broken: this collective will never report; stop watching it.
       if (failure.ok()) failure = Annotate(SL_CUDA_STATUS(done), Describe(f.op));
       RecordEnded(f.op, Annotate(SL_CUDA_STATUS(done), Describe(f.op)));
+      if (!healthy) *ended_after_abort = true;
       (void)cudaEventDestroy(f.start);
       (void)cudaEventDestroy(f.done);
       it = in_flight_.erase(it);
@@ -133,6 +139,8 @@ absl::Status NcclCommunicator::Sweep() {
     if (failure.ok() && f.deadline.has_value() && now >= *f.deadline) {
       failure = absl::DeadlineExceededError(absl::StrCat(
           DeadlineError(f.op, {}).message(), " (NCCL cannot tell which rank(s) did not arrive)"));
+      // Before the abort that follows dumps it: it failed (ncclCommAbort ends its kernel).
+      if (healthy) RecordEnded(f.op, failure);
     }
     ++it;
   }

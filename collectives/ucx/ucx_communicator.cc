@@ -169,7 +169,8 @@ absl::Status UcxCommunicator::Run(const Op& op) {
   run.AbandonReads();
   if (!status.ok()) {
     // Tell the peers before the release below waits for cancellations (Launch's Abort is then
-    // a no-op).
+    // a no-op). Recorded first, so that the abort's flight dump shows it failed.
+    RecordEnded(op, status);
     Abort(status);
   }
   // The next collective reuses the batch (its slots and buffers) unless requests are still

@@ -1,6 +1,7 @@
 // The flight recorder (collectives/flight_recorder.h): the ring, the states, the JSON dump, and
 // what the Communicator records over the local backend — tags, times, the peers a running or
-// timed-out collective waits on, mismatches, dumps on abort and on SIGUSR1.
+// timed-out collective waits on, mismatches, dumps on abort and on SIGUSR1 — and that the dump on
+// disk shows a collective that failed as failed (local and ucx).
 #include "collectives/flight_recorder.h"
 
 #include <gtest/gtest.h>
@@ -20,6 +21,8 @@
 #include "absl/time/clock.h"
 #include "collectives/communicator.h"
 #include "collectives/local/local_communicator.h"
+#include "collectives/store/memory_store.h"
+#include "collectives/ucx/ucx_communicator.h"
 #include "runtime/check.h"
 #include "runtime/config.h"
 #include "runtime/stream.h"
@@ -376,6 +379,95 @@ TEST(FlightRecorderCommunicatorTest, DeadlineRecordsTheMissingRankAndDumps) {
   }
   // Rank 2's communicator was never aborted itself (it issued nothing after the barrier).
   EXPECT_FALSE(std::filesystem::exists(FlightDumpPath(dir, "deadline", 2)));
+}
+
+// Issue 27: the abort's dump was written while the collective it ended still ran, and nothing
+// wrote it again: the file said "running" for a collective that had failed.
+TEST(FlightRecorderCommunicatorTest, AbortWhileRunningLeavesADumpThatSaysFailed) {
+  const std::string dir = TempDir();
+  SetKnob("SHARDLINE_FLIGHT_RECORDER_DIR", dir);
+  absl::StatusOr<Comms> comms =
+      CreateLocalCommunicators(2, {.name = "aborted", .timeout = absl::Seconds(30)});
+  ASSERT_TRUE(comms.ok());
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = "s0"});
+  ASSERT_TRUE(stream.ok());
+  Communicator& comm = *(*comms)[0];
+  float v = 1.0f;
+  // Rank 1 never comes: rank 0's all-reduce runs until the abort.
+  absl::StatusOr<Work> work =
+      comm.AllReduce(&v, &v, 1, DType::kF32, **stream, {{.tag = "block.3"}});
+  ASSERT_TRUE(work.ok()) << work.status();
+  ASSERT_TRUE(Eventually([&] {
+    std::vector<FlightRecord> records = comm.FlightRecords();
+    return records.size() == 1 && records[0].state == FlightState::kRunning;
+  }));
+  comm.Abort(absl::AbortedError("stopped by the test"));
+  const absl::Status status = work->Wait(absl::Now() + absl::Seconds(30));
+  ClearKnob("SHARDLINE_FLIGHT_RECORDER_DIR");
+  ASSERT_EQ(status.code(), absl::StatusCode::kAborted) << status;
+  ASSERT_EQ(comm.FlightRecords()[0].state, FlightState::kFailed);
+  // The collective's failure was reported after its record ended, and the dump after that.
+  const std::string json = ReadFile(FlightDumpPath(dir, "aborted", 0));
+  EXPECT_TRUE(absl::StrContains(json, "\"reason\": \"aborted: ABORTED: stopped by the test\""))
+      << json;
+  EXPECT_TRUE(absl::StrContains(json, "\"tag\": \"block.3\"")) << json;
+  EXPECT_TRUE(absl::StrContains(json, "\"state\": \"failed\"")) << json;
+  EXPECT_FALSE(absl::StrContains(json, "\"state\": \"running\"")) << json;
+}
+
+// The ucx backend aborts inside Run (to tell the peers at once), before the collective's end is
+// recorded: its deadline dumps said "running" for the collective that timed out, and so did the
+// dumps of the ranks that its abort notice reached while they waited.
+TEST(FlightRecorderCommunicatorTest, UcxDeadlineDumpsSayFailed) {
+  const std::string dir = TempDir();
+  SetKnob("SHARDLINE_FLIGHT_RECORDER_DIR", dir);
+  const int n = 3;
+  auto store = std::make_shared<MemoryStore>();
+  Comms comms(n);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        absl::StatusOr<std::shared_ptr<Communicator>> comm =
+            CreateUcxCommunicator({.rank = r,
+                                   .size = n,
+                                   .store = store,
+                                   .name = "ucxdeadline",
+                                   .timeout = absl::Seconds(30)});
+        SL_CHECK_OK(comm.status());
+        comms[r] = *std::move(comm);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  // Everyone completes #0; rank 2 never issues #1.
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    ASSERT_TRUE(WaitFor(comm.Barrier(stream, {.tag = "warmup"})).ok());
+    if (r == 2) return;
+    float v = 1.0f;
+    ReduceOptions options;
+    options.tag = "block.1";
+    options.timeout = absl::Milliseconds(400);
+    const absl::Status status = WaitFor(comm.AllReduce(&v, &v, 1, DType::kF32, stream, options));
+    ASSERT_FALSE(status.ok());
+  });
+  ClearKnob("SHARDLINE_FLIGHT_RECORDER_DIR");
+  bool timed_out = false;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<FlightRecord> records = comms[r]->FlightRecords();
+    ASSERT_EQ(records.size(), 2u);
+    ASSERT_EQ(records[1].state, FlightState::kFailed) << records[1].error;
+    // The first rank to time out names rank 2; the other may have been told of its abort.
+    if (absl::StrContains(records[1].error, "DEADLINE_EXCEEDED")) {
+      timed_out = true;
+      EXPECT_EQ(records[1].waiting_on, std::vector<int>({2}));
+    }
+    const std::string json = ReadFile(FlightDumpPath(dir, "ucxdeadline", r));
+    EXPECT_TRUE(absl::StrContains(json, "\"reason\": \"aborted: ")) << json;
+    EXPECT_TRUE(absl::StrContains(json, "\"tag\": \"block.1\", \"state\": \"failed\"")) << json;
+    EXPECT_FALSE(absl::StrContains(json, "\"state\": \"running\"")) << json;
+  }
+  EXPECT_TRUE(timed_out);
 }
 
 TEST(FlightRecorderCommunicatorTest, MismatchKeepsEachRanksOwnCall) {

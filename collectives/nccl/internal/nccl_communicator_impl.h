@@ -125,8 +125,9 @@ class NcclCommunicator final : public Communicator {
   void ReturnEvents(cudaEvent_t start, cudaEvent_t done);
   void Track(const Op& op, cudaEvent_t start, cudaEvent_t done);
   void WatchdogLoop();
-  // One sweep: the first failure found, or OK.
-  absl::Status Sweep();
+  // One sweep: the first failure found, or OK. Sets *ended_after_abort when it ended a
+  // collective of the aborted communicator.
+  absl::Status Sweep(bool* ended_after_abort);
   void StopWatchdog();
 
   // The error of NCCL's asynchronous state `state` of comm_, for messages.
