@@ -110,6 +110,10 @@ void Mailboxes::Sleep(int peer, uint64_t count, absl::Duration timeout) {
 void Mailboxes::MarkAborted() {
   __atomic_store_n(const_cast<uint64_t*>(AbortedWord(base_)),
                    completed_.load(std::memory_order_relaxed) + 1, __ATOMIC_RELEASE);
+  // Before anything this rank writes later (the buffers of the collective it gave up on, freed
+  // and reused): a peer that reads such a write and then looks (its acquire fence in
+  // AbortedBefore's callers) finds the mark.
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 
 bool Mailboxes::AbortedBefore(int peer, uint64_t count) const {

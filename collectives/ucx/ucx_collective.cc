@@ -1,6 +1,7 @@
 #include "collectives/ucx/internal/ucx_collective.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -322,8 +323,11 @@ absl::Status CompareFingerprints(CollectiveRun& run, const std::vector<const uin
   return absl::OkStatus();
 }
 
+std::atomic<void (*)(int, uint64_t)> before_data_hook{nullptr};
+
 // The data of a collective above the small size, once the fingerprints agree.
 absl::Status RunLarge(CollectiveRun& run) {
+  if (auto* hook = before_data_hook.load(std::memory_order_acquire)) hook(run.rank(), run.fp().seq);
   switch (run.fp().kind) {
     case CollectiveKind::kAllGather:
       SL_RETURN_IF_ERROR(LargeAllGather(run));
@@ -415,6 +419,18 @@ absl::Status RunThroughMailboxes(CollectiveRun& run, Mailboxes& boxes) {
   } else {
     SL_RETURN_IF_ERROR(RunLarge(run));
   }
+  // Every read of a peer's memory for this collective is done: its slot, and the buffers of a
+  // large one (mapped, borrowed or read with process_vm_readv). A peer that gave up on this
+  // collective may have freed and reused those buffers meanwhile, so what was read may be
+  // garbage even though every read and fin went well: a straggler resumed after its peers
+  // timed out would return OK with it. Such a peer marked its mailbox before it returned from
+  // the collective (UcxCommunicator::Run), ordered before its later writes (MarkAborted); read
+  // after this fence, no mark means every peer was still in this collective, or past it, while
+  // this rank read its memory. One load per peer.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  for (int p = 0; p < n; ++p) {
+    if (p != me && boxes.AbortedBefore(p, count)) return run.PeerAborted(p);
+  }
   boxes.Completed(count);
   return absl::OkStatus();
 }
@@ -496,7 +512,20 @@ absl::Status RunCollective(CollectiveRun& run) {
     SL_RETURN_IF_ERROR(run.WaitBatch());
     return FinishSmall(run, staging);
   }
-  return RunLarge(run);
+  SL_RETURN_IF_ERROR(RunLarge(run));
+  // No mailboxes to hold an abort mark here (ranks on several hosts, or SHARDLINE_UCX_MAILBOX=0):
+  // the peers' abort notices are the only word. A rank whose receives all matched queued
+  // messages finishes without having looked for them; one poll takes in those that arrived
+  // meanwhile (a straggler resumed after its peers gave up finds theirs queued). Best effort:
+  // a notice still in flight is missed (docs/collectives.md).
+  SL_RETURN_IF_ERROR(run.PollOnce());
+  const absl::Status comm = run.hooks().comm_status();
+  if (!comm.ok()) return Annotate(comm, run.hooks().describe());
+  return absl::OkStatus();
+}
+
+void SetBeforeDataHookForTesting(void (*hook)(int rank, uint64_t seq)) {
+  before_data_hook.store(hook, std::memory_order_release);
 }
 
 }  // namespace shardline::ucx_internal

@@ -91,6 +91,7 @@ class UcxCommunicator final : public Communicator {
     if (forward_abort_) {
       transport_->BroadcastAbort(reason);
     } else {
+      transport_->MarkAborted();
       transport_->Wake();
     }
   }
@@ -172,6 +173,10 @@ absl::Status UcxCommunicator::Run(const Op& op) {
     // a no-op). Recorded first, so that the abort's flight dump shows it failed.
     RecordEnded(op, status);
     Abort(status);
+    // Where another thread aborted first, its OnAbort may not have marked the mailbox yet: this
+    // rank gave up on the collective, and peers may still read the buffers it is about to hand
+    // back (RunCollective's last check needs the mark before they can be reused).
+    transport_->MarkAborted();
   }
   // The next collective reuses the batch (its slots and buffers) unless requests are still
   // pending after a failure (then the transport keeps it).

@@ -145,9 +145,13 @@ void UcxTransport::SendControl(int peer, uint8_t type, const absl::Status& statu
       .IgnoreError();
 }
 
+void UcxTransport::MarkAborted() {
+  if (mailboxes_ != nullptr) mailboxes_->MarkAborted();
+}
+
 void UcxTransport::BroadcastAbort(const absl::Status& reason) {
   // First: a peer that finds this rank's mailbox slot complete must not take it as agreement.
-  if (mailboxes_ != nullptr) mailboxes_->MarkAborted();
+  MarkAborted();
   for (int p = 0; p < size_; ++p) {
     bool skip;
     {

@@ -14,6 +14,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -22,11 +23,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/local/local_communicator.h"
 #include "collectives/store/memory_store.h"
+#include "collectives/ucx/internal/ucx_collective.h"
 #include "collectives/ucx/internal/ucx_communicator_internal.h"
 #include "collectives/ucx/internal/ucx_transport.h"
 #include "runtime/allocator.h"
@@ -520,6 +523,77 @@ TEST(UcxCommunicatorTest, MailboxWaitsThatSleepAtOnceMoveDataCorrectly) {
       CheckCollectives(comm, stream, salt % 8 == 7 ? 3 * 32768 + 5 : 61, salt);
     }
   });
+}
+
+// The rank whose large collectives stall after their fingerprint round (the hook below) until
+// `g_straggler_resume` opens; -1: none.
+std::atomic<int> g_straggler{-1};
+Gate* g_straggler_resume = nullptr;
+void StallTheStraggler(int rank, uint64_t /*seq*/) {
+  if (rank == g_straggler.load()) EXPECT_TRUE(g_straggler_resume->Wait()) << "never resumed";
+}
+
+// A straggler resumed after its peer gave up on a collective never returns OK from it: rank 1
+// stalls inside a large broadcast (its fingerprint round done, its read of the root's buffer not
+// yet) until the root has timed out, aborted and reused its buffer; then it reads the buffer —
+// private memory (process_vm_readv) or shareable (mapped) — and its fin and every completion go
+// well. It must fail naming rank 0, with mailboxes (the abort mark) and without (the notice,
+// queued by then). Before the check after the reads it returned OK with the reused bytes.
+TEST(UcxCommunicatorTest, AStragglerNeverReturnsOkFromACollectiveItsPeerGaveUpOn) {
+  constexpr size_t kCount = 64 * 1024;  // 256 KiB: above SHARDLINE_UCX_SMALL_BYTES
+  absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
+  ASSERT_TRUE(tuning.ok()) << tuning.status();
+  ucx_internal::SetBeforeDataHookForTesting(&StallTheStraggler);
+  absl::Cleanup unhook = [] { ucx_internal::SetBeforeDataHookForTesting(nullptr); };
+  for (const bool mailbox : {true, false}) {
+    for (const bool shareable : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(mailbox ? "mailboxes" : "messages", ", ",
+                                shareable ? "shareable" : "private", " memory"));
+      tuning->mailbox = mailbox;
+      Comms comms = MakeCommsWithTuning(2, absl::Seconds(30), *tuning);
+      Gate resume;
+      g_straggler_resume = &resume;
+      g_straggler = 1;
+      RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+        std::unique_ptr<Allocator> host =
+            comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
+        std::vector<float> vec;
+        absl::StatusOr<Buffer> block;
+        float* data;
+        if (shareable) {
+          block = host->Allocate(kCount * sizeof(float));
+          ASSERT_TRUE(block.ok()) << block.status();
+          data = block->as<float>();
+        } else {
+          vec.resize(kCount);
+          data = vec.data();
+        }
+        const std::vector<float> sent = HashedFloats(0, kCount, 1);
+        if (r == 0) {
+          std::copy(sent.begin(), sent.end(), data);
+        } else {
+          std::fill(data, data + kCount, -1.0f);
+        }
+        BroadcastOptions options;
+        options.root = 0;
+        options.timeout = r == 0 ? absl::Milliseconds(300) : absl::Seconds(20);
+        const absl::Status status =
+            WaitFor(comm.Broadcast(data, kCount, DType::kF32, stream, options));
+        if (r == 0) {
+          EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+          // The root's buffer is the caller's again, and reused: not what it broadcast.
+          std::fill(data, data + kCount, 7.0f);
+          resume.Open();
+          return;
+        }
+        EXPECT_FALSE(status.ok()) << "returned OK; element 0 reads " << data[0] << " where rank 0 "
+                                  << "sent " << sent[0];
+        EXPECT_TRUE(IsPeerError(status)) << status;
+        EXPECT_TRUE(absl::StrContains(status.message(), "rank 0")) << status;
+      });
+      g_straggler = -1;
+    }
+  }
 }
 
 // With no spin every wait of a pipelined reduction sleeps on the worker's event fd. Reductions

@@ -81,8 +81,13 @@ class Mailboxes {
   // Says in this rank's mailbox that it aborted the communicator (any thread), and after which
   // collective, so that a peer that finds this rank's slot of a later one complete does not
   // finish it: this rank may have given up on it (its reason follows as a UCX abort notice).
+  // Idempotent. Every abort writes it (also one on a peer's notice), before the rank returns
+  // from a collective it gave up on, and ordered before every later write of the rank (the
+  // buffers of that collective, freed and reused).
   void MarkAborted();
-  // Whether `peer` aborted before it finished collective `count`.
+  // Whether `peer` aborted before it finished collective `count`. A rank that has read a peer's
+  // memory for `count` and then finds no such mark read it while the peer was still in that
+  // collective (or had finished it): what it read was the peer's data.
   bool AbortedBefore(int peer, uint64_t count) const;
 
  private:

@@ -193,8 +193,16 @@ class CollectiveRun {
   std::vector<Borrowed> borrowed_;
 };
 
-// The whole collective (size >= 2): fingerprints first, then the data.
+// The whole collective (size >= 2): fingerprints first, then the data. OK only if no peer had
+// given up on the collective when this rank's reads of peer memory were done: with mailboxes,
+// every peer's abort mark is checked after them (a peer that aborted before it finished the
+// collective: its error, naming it); without, the abort notices that have arrived by then.
 absl::Status RunCollective(CollectiveRun& run);
+
+// Tests only: `hook` runs on the thread of every
+// large collective of the process after its fingerprint round, before its data moves, with the
+// rank and the collective's sequence number; null (the default) for none.
+void SetBeforeDataHookForTesting(void (*hook)(int rank, uint64_t seq));
 
 }  // namespace shardline::ucx_internal
 

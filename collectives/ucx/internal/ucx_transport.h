@@ -304,8 +304,13 @@ class UcxTransport {
   void BeginCollective();
   void EndCollective();
 
-  // Sends `reason` to every peer still reachable (best effort, does not wait).
+  // Marks this rank's mailbox aborted (Mailboxes::MarkAborted; any thread, idempotent), then
+  // sends `reason` to every peer still reachable (best effort, does not wait).
   void BroadcastAbort(const absl::Status& reason);
+  // The mark alone (an abort on a peer's notice, which the peers have had already): a peer
+  // that read this rank's memory for a collective it gave up on must find it. No-op without
+  // mailboxes.
+  void MarkAborted();
 
   // Cancels what is still pending in `batch` (after a failed collective), waits (bounded: 1 s
   // for cancelled receives, 100 ms for sends to live peers, which UCX cannot cancel) and frees
