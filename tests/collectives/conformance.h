@@ -771,7 +771,9 @@ TYPED_TEST_P(CommunicatorConformanceTest, RandomFaultsFailEveryRankWithinTheDead
           EXPECT_TRUE(absl::StrContains(status.message(), absl::StrCat(culprit))) << status;
           break;
         case kAbort:
-          if (r != culprit) EXPECT_TRUE(IsPeerError(status)) << status;
+          if (r != culprit) {
+            EXPECT_TRUE(IsPeerError(status)) << status;
+          }
           break;
         case kFaults:
           break;
