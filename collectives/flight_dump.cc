@@ -18,17 +18,10 @@
 namespace shardline {
 namespace {
 
-absl::Status CheckCapacity(const int64_t& n) {
-  if (n < 0 || n > (int64_t{1} << 24)) {
-    return absl::InvalidArgumentError(absl::StrCat("must be in [0, 16777216], got ", n));
-  }
-  return absl::OkStatus();
-}
-
 SL_PARAM(int64_t, FlightRecorder, "FLIGHT_RECORDER", 2048,
          "How many of its last collectives each communicator's flight recorder keeps (sequence "
          "number, fingerprint, stream, tag, times, state, awaited peers). 0: no recording.",
-         CheckCapacity);
+         InRange<int64_t>(0, int64_t{1} << 24));
 SL_PARAM(std::string, FlightRecorderDir, "FLIGHT_RECORDER_DIR", "",
          "Directory where each rank writes its communicators' flight records as JSON when a "
          "communicator is aborted (collective error, deadline, peer abort, Abort()) and on "
@@ -99,10 +92,7 @@ void InstallSignalWatcher() {
 
 namespace flight_internal {
 
-size_t Capacity() {
-  absl::StatusOr<int64_t> n = ParamFlightRecorder().Get();
-  return static_cast<size_t>(n.ok() ? *n : ParamFlightRecorder().default_value());
-}
+size_t Capacity() { return static_cast<size_t>(ParamFlightRecorder().GetOrDefault()); }
 
 std::string Dir() {
   absl::StatusOr<std::string> dir = ParamFlightRecorderDir().Get();

@@ -546,9 +546,8 @@ class HostAllocator final : public Allocator {
  private:
   // Arena blocks are page-aligned: larger alignments take private memory.
   static size_t ShareableThreshold(size_t alignment) {
-    absl::StatusOr<int64_t> bytes = ParamHostShareableBytes().Get();
-    if (!bytes.ok() || alignment > static_cast<size_t>(sysconf(_SC_PAGESIZE))) return 0;
-    return static_cast<size_t>(*bytes);
+    if (alignment > static_cast<size_t>(sysconf(_SC_PAGESIZE))) return 0;
+    return static_cast<size_t>(ParamHostShareableBytes().GetOrDefault());
   }
 
   size_t alignment_;

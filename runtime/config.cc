@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 
@@ -76,8 +77,22 @@ absl::StatusOr<std::string> ParseParamValue(absl::string_view text, std::string*
 
 std::string ParamValueText(bool v) { return v ? "1" : "0"; }
 std::string ParamValueText(int64_t v) { return absl::StrCat(v); }
-std::string ParamValueText(double v) { return absl::StrCat(v); }
+std::string ParamValueText(double v) { return absl::StrFormat("%.15g", v); }
 std::string ParamValueText(const std::string& v) { return v; }
+
+std::string OutOfRangeMessage(absl::string_view value, absl::string_view min,
+                              absl::string_view max) {
+  return absl::StrCat(value, " is out of range [", min, ", ", max, "]");
+}
+
+void MissingBounds(absl::string_view env_name) {
+  // Before main: logging may not be configured yet.
+  std::fprintf(stderr,
+               "shardline: the knob %.*s is an integer or floating knob declared without bounds "
+               "(pass InRange<T>(min, max) to SL_PARAM)\n",
+               static_cast<int>(env_name.size()), env_name.data());
+  std::abort();
+}
 
 }  // namespace config_internal
 
@@ -93,6 +108,17 @@ absl::StatusOr<T> Param<T>::Read() const {
         absl::StrCat("environment variable ", env_name(), ": ", status.message()));
   }
   return value;
+}
+
+template <typename T>
+T Param<T>::GetOrDefault() const {
+  absl::StatusOr<T> value = Get();
+  if (value.ok()) return *std::move(value);
+  std::call_once(warned_, [&] {
+    SL_LOG(WARN, ENV) << value.status().message() << "; using the default, "
+                      << config_internal::ParamValueText(default_);
+  });
+  return default_;
 }
 
 template class Param<bool>;
@@ -138,12 +164,9 @@ std::string DescribeParams() {
 }
 
 SL_PARAM(double, Timeout, "TIMEOUT_S", 600.0,
-         "Deadline in seconds for every blocking wait: collectives, events, streams, the store.",
-         [](const double& seconds) {
-           return seconds > 0 ? absl::OkStatus()
-                              : absl::InvalidArgumentError(
-                                    absl::StrCat("'", seconds, "' must be a positive number"));
-         });
+         "Deadline in seconds for every blocking wait: collectives, events, streams, the store "
+         "(0.001 to 30 days).",
+         InRange<double>(0.001, 30 * 86400.0));
 
 absl::StatusOr<absl::Duration> DefaultTimeout() {
   absl::StatusOr<double> seconds = ParamTimeout().Get();
@@ -151,9 +174,6 @@ absl::StatusOr<absl::Duration> DefaultTimeout() {
   return absl::Seconds(*seconds);
 }
 
-absl::Time DefaultDeadline() {
-  absl::StatusOr<absl::Duration> timeout = DefaultTimeout();
-  return absl::Now() + (timeout.ok() ? *timeout : absl::Seconds(ParamTimeout().default_value()));
-}
+absl::Time DefaultDeadline() { return absl::Now() + absl::Seconds(ParamTimeout().GetOrDefault()); }
 
 }  // namespace shardline

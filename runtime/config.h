@@ -14,6 +14,20 @@
 //
 // Types: bool (1/0, true/false, yes/no, on/off), int64_t, double, std::string. An optional
 // sixth argument checks the parsed value (a range, a grammar).
+//
+// Bounds. Every int64_t and double knob declares its bounds where it is declared, with
+// InRange<T>(min, max) (or a check of its own that bounds it): a knob of either type without a
+// check is a bug, and its declaration aborts the program at start-up (every test binary that
+// links it fails). A value out of bounds is InvalidArgument naming the variable, the value and
+// the bounds: "environment variable SHARDLINE_UCX_CHUNK_BYTES: 99999999999999 is out of range
+// [4096, 268435456]".
+//
+// What the reader does with an invalid value: where the knob is read on a path that returns a
+// Status (creating a communicator, a stream, a checkpointer), it returns that error, so the
+// call fails before any work starts. Where the reading code cannot fail (a deadline, a
+// threshold consulted per allocation, the flight recorder's capacity), it takes
+// GetOrDefault(): the default, with one warning naming the error; ValidateAllParams, which init
+// paths call, reports the invalid value as an error there too.
 
 #ifndef SHARDLINE_RUNTIME_CONFIG_H_
 #define SHARDLINE_RUNTIME_CONFIG_H_
@@ -23,7 +37,9 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
+
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
@@ -69,6 +85,11 @@ std::string ParamValueText(bool v);
 std::string ParamValueText(int64_t v);
 std::string ParamValueText(double v);
 std::string ParamValueText(const std::string& v);
+// "<value> is out of range [<min>, <max>]".
+std::string OutOfRangeMessage(absl::string_view value, absl::string_view min,
+                              absl::string_view max);
+// Aborts: the int64_t or double knob `env_name` was declared without bounds (a bug).
+[[noreturn]] void MissingBounds(absl::string_view env_name);
 }  // namespace config_internal
 
 template <typename T>
@@ -82,7 +103,11 @@ class Param final : public ParamBase {
         absl::string_view help, Check check = nullptr)
       : ParamBase(suffix, type_name, help),
         default_(std::move(default_value)),
-        check_(std::move(check)) {}
+        check_(std::move(check)) {
+    if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, double>) {
+      if (!check_) config_internal::MissingBounds(env_name());
+    }
+  }
 
   // The value from the environment, else the default. Cached after the first call.
   absl::StatusOr<T> Get() const {
@@ -90,6 +115,9 @@ class Param final : public ParamBase {
     if (!cached_.has_value()) cached_ = Read();
     return *cached_;
   }
+  // Get()'s value, or the default if the environment's value is invalid (logged at WARN once
+  // per process, naming the error). For readers that cannot return a Status.
+  T GetOrDefault() const;
   const T& default_value() const { return default_; }
 
   std::string DefaultText() const override { return config_internal::ParamValueText(default_); }
@@ -106,7 +134,21 @@ class Param final : public ParamBase {
   Check check_;
   mutable std::mutex mu_;
   mutable std::optional<absl::StatusOr<T>> cached_;
+  mutable std::once_flag warned_;
 };
+
+// The check of a knob whose value must lie in [min, max]: "<value> is out of range [min, max]".
+// The type is explicit (InRange<int64_t>(4096, 1 << 28)): an int literal would deduce int.
+template <typename T>
+typename Param<T>::Check InRange(std::type_identity_t<T> min, std::type_identity_t<T> max) {
+  static_assert(std::is_same_v<T, int64_t> || std::is_same_v<T, double>);
+  return [min, max](const T& v) -> absl::Status {
+    if (v >= min && v <= max) return absl::OkStatus();
+    return absl::InvalidArgumentError(config_internal::OutOfRangeMessage(
+        config_internal::ParamValueText(v), config_internal::ParamValueText(min),
+        config_internal::ParamValueText(max)));
+  };
+}
 
 // Every registered knob, sorted by name.
 std::vector<const ParamBase*> AllParams();

@@ -48,11 +48,8 @@ SL_PARAM(int64_t, StreamSpinUs, "STREAM_SPIN_US", -1,
          "needs no wake-up (a system call on the submitting thread, and a context switch); the "
          "cost is a core kept busy for that long after each burst. -1 (auto): 50 us while the "
          "process's awake workers are at most a quarter of the hardware threads it may run on "
-         "(never on a machine of fewer than 4), else 0.",
-         [](const int64_t& v) -> absl::Status {
-           if (v < -1) return absl::InvalidArgumentError(absl::StrCat("must be >= -1, got ", v));
-           return absl::OkStatus();
-         });
+         "(never on a machine of fewer than 4), else 0. At most 1 s.",
+         InRange<int64_t>(-1, 1000000));
 
 // ---- Stream (the base) -----------------------------------------------------------------------
 

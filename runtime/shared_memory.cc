@@ -26,20 +26,13 @@ namespace shardline {
 SL_PARAM(int64_t, HostShareableBytes, "HOST_SHAREABLE_BYTES", 1 << 20,
          "Allocations of at least this many bytes from a shareable host allocator come from "
          "the memory-file arenas that local peers can map (the ucx backend then copies and "
-         "reduces straight out of them); 0: none.",
-         [](const int64_t& v) {
-           return v >= 0 ? absl::OkStatus()
-                         : absl::InvalidArgumentError("shareable bytes must be >= 0");
-         });
+         "reduces straight out of them); 0: none. At most 1 TiB.",
+         InRange<int64_t>(0, int64_t{1} << 40));
 
 SL_PARAM(int64_t, HostShareableArenaBytes, "HOST_SHAREABLE_ARENA_BYTES", int64_t{8} << 30,
          "Address space the first shareable-memory arena reserves (each further arena reserves "
-         "twice the previous one's); only the pages blocks use are memory.",
-         [](const int64_t& v) {
-           return v >= (int64_t{1} << 20) && v <= (int64_t{1} << 44)
-                      ? absl::OkStatus()
-                      : absl::InvalidArgumentError("arena bytes must be in [1 MiB, 16 TiB]");
-         });
+         "twice the previous one's); only the pages blocks use are memory. 1 MiB to 16 TiB.",
+         InRange<int64_t>(int64_t{1} << 20, int64_t{1} << 44));
 
 namespace {
 

@@ -4,7 +4,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -216,17 +218,24 @@ absl::Status LocalCommunicator::Move(const Op& op, const std::vector<LocalGroup:
       const size_t per = (fp.count + n - 1) / n;
       const size_t begin = std::min(fp.count, per * r);
       const size_t len = std::min(fp.count, begin + per) - begin;
-      std::vector<uint8_t> scratch(len * op.element_size);
+      // Memory that cannot be had is this collective's error (the communicator aborts and the
+      // peers waiting in the next phase get it), not a std::bad_alloc that terminates.
+      const size_t bytes = len * op.element_size;
+      std::unique_ptr<uint8_t[]> scratch(bytes > 0 ? new (std::nothrow) uint8_t[bytes] : nullptr);
+      if (bytes > 0 && scratch == nullptr) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            Describe(op), ": cannot allocate the ", bytes, " bytes of the reduction's scratch"));
+      }
       if (len > 0) {
         std::vector<const void*> inputs;
         for (int s = 0; s < n; ++s) inputs.push_back(in(s) + begin * op.element_size);
-        SL_RETURN_IF_ERROR(ReduceMany(scratch.data(), inputs.data(), n, len, fp.dtype, fp.op));
-        SL_RETURN_IF_ERROR(finish_avg(scratch.data(), len));
+        SL_RETURN_IF_ERROR(ReduceMany(scratch.get(), inputs.data(), n, len, fp.dtype, fp.op));
+        SL_RETURN_IF_ERROR(finish_avg(scratch.get(), len));
       }
       SL_RETURN_IF_ERROR(Phase(op));
       for (int s = 0; s < n; ++s) {
-        copy(static_cast<uint8_t*>(slots[s].output) + begin * op.element_size, scratch.data(),
-             scratch.size());
+        copy(static_cast<uint8_t*>(slots[s].output) + begin * op.element_size, scratch.get(),
+             bytes);
       }
       return absl::OkStatus();
     }

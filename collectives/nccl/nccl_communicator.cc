@@ -37,13 +37,8 @@ SL_PARAM(bool, NcclStreamStatus, "NCCL_STREAM_STATUS", true,
          "abort, Work::Wait may return OK and only Communicator::status() has the error.");
 SL_PARAM(int64_t, NcclWatchdogMs, "NCCL_WATCHDOG_MS", 10,
          "How often the nccl backend's watchdog polls NCCL's error state and the deadlines of "
-         "the collectives in flight (milliseconds).",
-         [](const int64_t& v) -> absl::Status {
-           if (v < 1 || v > 60000) {
-             return absl::InvalidArgumentError("watchdog interval must be in [1, 60000] ms");
-           }
-           return absl::OkStatus();
-         });
+         "the collectives in flight (milliseconds, 1 to 60000).",
+         InRange<int64_t>(1, 60000));
 
 std::string Who(const NcclOptions& o) {
   return absl::StrCat("nccl communicator ", o.name, " (rank ", o.rank, " of ", o.size,

@@ -6,7 +6,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <utility>
 
@@ -384,12 +386,17 @@ absl::Status SimGroup::Move(const std::vector<Arrival>& ranks) const {
     case CollectiveKind::kAllReduce: {
       if (fp.count == 0) return absl::OkStatus();
       // Into scratch first: in place, every output is also an input.
-      std::vector<uint8_t> scratch(chunk);
+      // Memory that cannot be had is the collective's error on every rank, not a std::bad_alloc.
+      std::unique_ptr<uint8_t[]> scratch(new (std::nothrow) uint8_t[chunk]);
+      if (scratch == nullptr) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cannot allocate the ", chunk, " bytes of the reduction's scratch"));
+      }
       std::vector<const void*> inputs(n);
       for (int s = 0; s < n; ++s) inputs[s] = in(s);
-      SL_RETURN_IF_ERROR(ReduceMany(scratch.data(), inputs.data(), n, fp.count, fp.dtype, fp.op));
-      SL_RETURN_IF_ERROR(finish_avg(scratch.data(), fp.count));
-      for (int r = 0; r < n; ++r) copy(out(r), scratch.data(), chunk);
+      SL_RETURN_IF_ERROR(ReduceMany(scratch.get(), inputs.data(), n, fp.count, fp.dtype, fp.op));
+      SL_RETURN_IF_ERROR(finish_avg(scratch.get(), fp.count));
+      for (int r = 0; r < n; ++r) copy(out(r), scratch.get(), chunk);
       return absl::OkStatus();
     }
 

@@ -113,7 +113,7 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
     });
   }
   const size_t window = std::min<size_t>(run.tuning().window, total);
-  uint8_t* scratch = run.batch().Buffer(window * (n - 1) * chunk);
+  SL_ASSIGN_OR_RETURN(uint8_t* const scratch, run.Staging(window * (n - 1) * chunk));
   auto slot = [&](size_t c, int p) {
     return scratch + ((c % window) * (n - 1) + (p < me ? p : p - 1)) * chunk;
   };

@@ -39,12 +39,28 @@ constexpr size_t kMaxSmallCapacity = size_t{1} << 20;
 
 }  // namespace
 
+absl::StatusOr<uint8_t*> CollectiveRun::Staging(size_t bytes) {
+  absl::StatusOr<uint8_t*> buffer = batch_->Buffer(bytes);
+  if (!buffer.ok()) return Annotate(buffer.status(), hooks_.describe());
+  return buffer;
+}
+
+Completion* CollectiveRun::Failed(int peer, bool is_send, absl::Status error) {
+  if (staging_error_.ok()) staging_error_ = std::move(error);
+  Completion* c = batch_->Add(peer, is_send);
+  c->status = UCS_ERR_NO_MEMORY;
+  c->done.store(true, std::memory_order_release);
+  return c;
+}
+
 Completion* CollectiveRun::Send(int peer, const void* buffer, size_t bytes, Phase phase,
                                 uint64_t chunk) {
   // Headers carry no sequence: see the tag layout in ucx_transport.h.
   const uint64_t seq = TagSeq(phase);
   if (SingleCopyPhase(phase) && transport_.PulledBy(peer)) {
-    auto* desc = reinterpret_cast<uint64_t*>(batch_->Buffer(kDescriptorBytes));
+    absl::StatusOr<uint8_t*> staged = Staging(kDescriptorBytes);
+    if (!staged.ok()) return Failed(peer, /*is_send=*/true, staged.status());
+    auto* desc = reinterpret_cast<uint64_t*>(*staged);
     desc[kAddress] = reinterpret_cast<uintptr_t>(buffer);
     desc[kLength] = bytes;
     desc[kRegionId] = 0;
@@ -79,7 +95,9 @@ Completion* CollectiveRun::Recv(int peer, void* buffer, size_t bytes, Phase phas
                                 bool borrow) {
   const uint64_t seq = TagSeq(phase);
   if (SingleCopyPhase(phase) && transport_.PullsFrom(peer)) {
-    auto* desc = reinterpret_cast<uint64_t*>(batch_->Buffer(kDescriptorBytes));
+    absl::StatusOr<uint8_t*> staged = Staging(kDescriptorBytes);
+    if (!staged.ok()) return Failed(peer, /*is_send=*/false, staged.status());
+    auto* desc = reinterpret_cast<uint64_t*>(*staged);
     Completion* descriptor = batch_->Add(peer, /*is_send=*/false);
     transport_.Recv(peer, desc, kDescriptorBytes, MakeTag(phase, peer, seq, chunk), descriptor)
         .IgnoreError();
@@ -180,6 +198,8 @@ absl::Status CollectiveRun::Check(const Completion& c) const {
     }
     return absl::OkStatus();
   }
+  // Only Failed() makes a completion of this status without a request.
+  if (c.status == UCS_ERR_NO_MEMORY && !staging_error_.ok()) return staging_error_;
   absl::Status comm = hooks_.comm_status();
   if (!comm.ok()) return Annotate(comm, hooks_.describe());
   if (c.status == UCS_ERR_MESSAGE_TRUNCATED) {
@@ -449,7 +469,7 @@ absl::Status RunCollective(CollectiveRun& run) {
   // (up to small_bytes, which every rank shares), so that a peer that called another
   // collective is reported as a mismatch, not as a truncated message.
   RunScratch& scratch = run.scratch();
-  uint8_t* header = run.batch().Buffer(kFp);
+  SL_ASSIGN_OR_RETURN(uint8_t* const header, run.Staging(kFp));
   run.fp().Encode(header);
   const bool small = IsSmall(run);
   std::vector<Completion*>& header_recvs = scratch.completions;
@@ -462,7 +482,8 @@ absl::Status RunCollective(CollectiveRun& run) {
   // arrived before them. The payload goes straight from the input: UCX gathers the fingerprint
   // and the payload into one message (no packing copy here). The pieces live in the batch,
   // which outlives the sends.
-  auto* iov = reinterpret_cast<ucp_dt_iov_t*>(run.batch().Buffer(sizeof(ucp_dt_iov_t) * 2 * n));
+  SL_ASSIGN_OR_RETURN(uint8_t* const pieces_buffer, run.Staging(sizeof(ucp_dt_iov_t) * 2 * n));
+  auto* iov = reinterpret_cast<ucp_dt_iov_t*>(pieces_buffer);
   for (int i = 1; i < n; ++i) {
     const int p = (me + i) % n;
     const size_t bytes = small ? SmallPayloadBytes(run, me, p) : 0;
@@ -480,7 +501,7 @@ absl::Status RunCollective(CollectiveRun& run) {
     const size_t expected = small ? SmallPayloadBytes(run, p, me) : 0;
     const size_t capacity =
         kFp + std::max(expected, std::min(run.tuning().small_bytes, kMaxSmallCapacity));
-    uint8_t* buffer = run.batch().Buffer(capacity);
+    SL_ASSIGN_OR_RETURN(uint8_t* const buffer, run.Staging(capacity));
     received[p] = buffer;
     if (expected > 0) staging[p] = buffer + kFp;
     header_recvs[p] = run.Recv(p, buffer, capacity, Phase::kHeader, 0);

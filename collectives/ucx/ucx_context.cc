@@ -9,30 +9,23 @@
 
 namespace shardline::ucx_internal {
 
-namespace {
-
-absl::Status AtLeast(int64_t v, int64_t min, absl::string_view what) {
-  if (v < min) return absl::InvalidArgumentError(absl::StrCat(what, " must be >= ", min));
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 SL_PARAM(int64_t, UcxChunkBytes, "UCX_CHUNK_BYTES", 512 * 1024,
-         "Pipeline chunk of the large reduce-scatter/all-reduce of the ucx backend (bytes).",
-         [](const int64_t& v) { return AtLeast(v, 4096, "chunk bytes"); });
+         "Pipeline chunk of the large reduce-scatter/all-reduce of the ucx backend (bytes, 4 KiB "
+         "to 256 MiB; each rank stages a window of chunks per peer).",
+         InRange<int64_t>(4096, int64_t{256} << 20));
 SL_PARAM(int64_t, UcxSmallBytes, "UCX_SMALL_BYTES", 32 * 1024,
          "Per-peer payload up to which a ucx collective sends its data in the fingerprint's "
-         "message, in one round (staged, then copied); above it data moves zero-copy.",
-         [](const int64_t& v) { return AtLeast(v, 0, "small bytes"); });
+         "message, in one round (staged, then copied); above it data moves zero-copy. 0 to "
+         "16 MiB.",
+         InRange<int64_t>(0, int64_t{16} << 20));
 SL_PARAM(int64_t, UcxWindow, "UCX_WINDOW", 3,
-         "Chunks in flight per peer in the pipelined ucx reductions.",
-         [](const int64_t& v) { return AtLeast(v, 1, "window"); });
+         "Chunks in flight per peer in the pipelined ucx reductions (1 to 64).",
+         InRange<int64_t>(1, 64));
 SL_PARAM(int64_t, UcxSpinUs, "UCX_SPIN_US", 2000,
          "Microseconds a waiting ucx collective polls (yielding its core between polls as "
          "SHARDLINE_UCX_YIELD says) before it sleeps on the worker's event fd (in the "
-         "mailboxes' fingerprint round: on the awaited peer's sequence word).",
-         [](const int64_t& v) { return AtLeast(v, 0, "spin"); });
+         "mailboxes' fingerprint round: on the awaited peer's sequence word). At most 1 s.",
+         InRange<int64_t>(0, 1000000));
 SL_PARAM(std::string, UcxYield, "UCX_YIELD", "auto",
          "When a waiting ucx collective hands its core to another runnable thread between polls "
          "(sched_yield): auto, where this host runs more of the communicator's ranks than the "
@@ -70,7 +63,7 @@ absl::StatusOr<Tuning> Tuning::FromEnvironment() {
   SL_ASSIGN_OR_RETURN(const int64_t spin, ParamUcxSpinUs().Get());
   t.chunk_bytes = static_cast<size_t>(chunk);
   t.small_bytes = static_cast<size_t>(small);
-  t.window = static_cast<int>(std::min<int64_t>(window, 64));
+  t.window = static_cast<int>(window);
   t.spin = absl::Microseconds(spin);
   SL_ASSIGN_OR_RETURN(t.mailbox, ParamUcxMailbox().Get());
   return t;

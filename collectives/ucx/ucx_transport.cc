@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/check.h"
@@ -67,9 +68,15 @@ Batch::~Batch() {
   for (Arena& a : arenas_) ASAN_UNPOISON_MEMORY_REGION(a.memory.get(), a.bytes);
 }
 
-uint8_t* Batch::Buffer(size_t bytes) {
+absl::StatusOr<uint8_t*> Batch::Buffer(size_t bytes) {
   const size_t wanted = bytes;
+  if (bytes > std::numeric_limits<size_t>::max() / 2) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("ucx staging: cannot allocate a buffer of ", wanted, " bytes"));
+  }
   bytes = (std::max<size_t>(bytes, 1) + kRedzone + kAlign - 1) / kAlign * kAlign;
+  const size_t arena_before = arena_;
+  const size_t offset_before = offset_;
   while (arena_ < arenas_.size() && arenas_[arena_].bytes - offset_ < bytes) {
     ++arena_;
     offset_ = 0;
@@ -77,11 +84,23 @@ uint8_t* Batch::Buffer(size_t bytes) {
   if (arena_ == arenas_.size()) {
     // Each new arena at least doubles what the batch holds, so a collective's buffers take
     // O(log) allocations the first time and none once the batch is reused.
-    const size_t arena_bytes = std::max({bytes, kMinArenaBytes, held_bytes()});
+    const size_t held = held_bytes();
+    const size_t arena_bytes = std::max({bytes, kMinArenaBytes, held});
+    std::unique_ptr<uint8_t, Free> memory;
+    if (limit_bytes_ == 0 || held + arena_bytes <= limit_bytes_) {
+      memory.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, arena_bytes)));
+    }
+    if (memory == nullptr) {
+      // As before the call: the space left in the current arena serves later, smaller buffers.
+      arena_ = arena_before;
+      offset_ = offset_before;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "ucx staging: cannot allocate ", arena_bytes, " bytes (for a buffer of ", wanted,
+          " bytes; the collective's staging holds ", held, " bytes already",
+          limit_bytes_ > 0 ? absl::StrCat(", its limit is ", limit_bytes_) : std::string(), ")"));
+    }
     Arena& arena = arenas_.emplace_back();
-    arena.memory.reset(static_cast<uint8_t*>(std::aligned_alloc(kAlign, arena_bytes)));
-    SL_CHECK(arena.memory != nullptr)
-        << "out of memory for " << arena_bytes << " bytes of ucx staging";
+    arena.memory = std::move(memory);
     arena.bytes = arena_bytes;
     ASAN_POISON_MEMORY_REGION(arena.memory.get(), arena.bytes);
     offset_ = 0;

@@ -237,7 +237,9 @@ absl::Status UcxTransport::CompleteWireup(const Tuning& tuning, absl::Time deadl
   auto batch = std::make_unique<Batch>();
   // One message each way per peer: this rank's receives, then its sends.
   std::vector<Completion*> recvs(size_, nullptr), sends(size_, nullptr), flushes(size_, nullptr);
-  auto* in = reinterpret_cast<uint64_t*>(batch->Buffer(size_ * kWireupBytes));
+  absl::StatusOr<uint8_t*> staged = batch->Buffer(size_ * kWireupBytes);
+  if (!staged.ok()) return Annotate(staged.status(), where);
+  auto* in = reinterpret_cast<uint64_t*>(*staged);
   auto* out = in + rank_ * kWireupWords;
   out[kWireupRank] = static_cast<uint64_t>(rank_);
   out[kWireupChunkBytes] = tuning.chunk_bytes;

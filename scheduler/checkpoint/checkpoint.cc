@@ -374,6 +374,33 @@ absl::Status Checkpointer::Agree(absl::Status mine, absl::string_view what, uint
                         extra, extra_bytes, all, deadline);
 }
 
+absl::Status Checkpointer::AgreeOnDir(absl::Status mine, absl::string_view what,
+                                      const std::string& dir, absl::Time deadline) {
+  // Per rank: the path's hash (the comparison), then its length and up to kDirText bytes of it
+  // (the message).
+  constexpr size_t kDirText = 240;
+  const size_t shown = std::min(dir.size(), kDirText);
+  std::string extra(10 + kDirText, '\0');
+  PutLittleEndian(&extra[0], Fnv1a(0xcbf29ce484222325ULL, dir), 8);
+  PutLittleEndian(&extra[8], shown, 2);
+  std::memcpy(&extra[10], dir.data(), shown);
+  std::vector<std::string> all;
+  SL_RETURN_IF_ERROR(Agree(std::move(mine), what, 0, extra, extra.size(), &all, deadline));
+  auto path_of = [&](int r) {
+    const std::string& e = all[r];
+    const size_t length = std::min<size_t>(GetLittleEndian(&e[8], 2), kDirText);
+    return absl::StrCat("'", e.substr(10, length), length == kDirText ? "...'" : "'");
+  };
+  for (int r = 1; r < static_cast<int>(all.size()); ++r) {
+    if (GetLittleEndian(&all[r][0], 8) != GetLittleEndian(&all[0][0], 8)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": the ranks passed different directories: rank 0 ", path_of(0),
+                       ", rank ", r, " ", path_of(r), " (every rank must pass the same path)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // ---- Save --------------------------------------------------------------------------------
 
 absl::Status Checkpointer::WriteShardFile(const std::string& tmp,
@@ -433,10 +460,13 @@ absl::Status Checkpointer::BeginSave(absl::string_view dir_arg, bool background,
   job->what = absl::StrCat("checkpoint save '", job->dir, "'");
   job->deadline = deadline;
   const std::string& what = job->what;
-  if (job->dir.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint save: bad directory '", dir_arg, "'"));
-  }
+  // Before anything else, and with the bad-directory check in it: a rank that returned here
+  // alone would leave the others waiting in their first exchange until the deadline.
+  SL_RETURN_IF_ERROR(AgreeOnDir(job->dir.empty()
+                                    ? absl::InvalidArgumentError(absl::StrCat(
+                                          "checkpoint save: bad directory '", dir_arg, "'"))
+                                    : absl::OkStatus(),
+                                what, job->dir, deadline));
   const ProcessMesh& mesh = scheduler_.mesh();
   const int rank = world_->rank();
   const int shard = mesh.shard_rank();
@@ -949,11 +979,11 @@ absl::Status Checkpointer::RunLoad(LoadPlan& plan) {
 absl::Status Checkpointer::Load(absl::string_view dir_arg, absl::Time deadline) {
   const std::string dir = NormalizeDir(dir_arg);
   const std::string what = absl::StrCat("checkpoint load '", dir, "'");
-  if (dir.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint load: bad directory '", dir_arg, "'"));
-  }
   SL_RETURN_IF_ERROR(SettlePending(deadline));
+  SL_RETURN_IF_ERROR(AgreeOnDir(dir.empty() ? absl::InvalidArgumentError(absl::StrCat(
+                                                  "checkpoint load: bad directory '", dir_arg, "'"))
+                                            : absl::OkStatus(),
+                                what, dir, deadline));
   LoadPlan plan;
   absl::Status local = PrepareUnits(what, /*for_load=*/true, deadline);
   if (local.ok()) local = Annotate(PlanLoad(dir, &plan), what);

@@ -26,6 +26,10 @@
 // disk for one machine). A Checkpointer is used by one thread at a time (last_save_stats() may
 // be called from any); SaveAsync's background thread is its own.
 //
+// Save(dir) and Load(dir) first check that every rank passed the same `dir` (as text, trailing
+// slashes dropped): FailedPrecondition naming both paths otherwise, before anything is read or
+// created.
+//
 // Save(dir):
 //   1. rank 0 checks that `dir` does not exist and creates "<dir>.tmp-<nonce>" beside it;
 //   2. under hybrid sharding only the first replica group (replicate rank 0) writes: shard s's
@@ -52,7 +56,9 @@
 // and the unit, state and tensor:
 //   NotFound             the directory or a data file is missing
 //   FailedPrecondition   incomplete checkpoint (a save's temporary directory, or no manifest);
-//                        a unit not sharded (mid-step)
+//                        `dir` is a file, not a directory; the manifest or a data file is not a
+//                        regular file (a FIFO: never opened blocking); the ranks passed
+//                        different paths; a unit not sharded (mid-step)
 //   InvalidArgument      a malformed or inconsistent manifest; units, tensors (shape, dtype),
 //                        states or layouts that differ from the current ones
 //   DataLoss             a data file of the wrong size (truncated, extended), a block whose
@@ -238,6 +244,11 @@ class Checkpointer {
   absl::Status Agree(absl::Status mine, absl::string_view what, uint64_t fingerprint,
                      const std::string& extra, size_t extra_bytes, std::vector<std::string>* all,
                      absl::Time deadline);
+  // The first exchange of a save or a load: `mine` (the directory's own check), and whether
+  // every rank passed the same directory (compared as text, trailing slashes dropped).
+  // FailedPrecondition naming the first rank whose `dir` differs from rank 0's and both paths.
+  absl::Status AgreeOnDir(absl::Status mine, absl::string_view what, const std::string& dir,
+                          absl::Time deadline);
   // Save phase 1 (on the caller's thread): checks, the manifest, rank 0's temporary directory,
   // the agreement; for a background save also the snapshot limit and the snapshot itself.
   absl::Status BeginSave(absl::string_view dir_arg, bool background, absl::Time deadline,

@@ -24,6 +24,16 @@ absl::Status ErrnoError(int error, absl::string_view what, absl::string_view pat
                       absl::StrCat(what, " '", path, "': ", std::strerror(error)));
 }
 
+// "a FIFO", "a directory", ...: what a path that should be a regular file is instead.
+absl::string_view FileTypeName(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "a special file";
+}
+
 class PosixWritableFile : public WritableFile {
  public:
   PosixWritableFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
@@ -115,27 +125,20 @@ class PosixFileSystemImpl : public FileSystem {
   }
 
   absl::StatusOr<std::unique_ptr<ReadableFile>> OpenFile(const std::string& path) override {
-    int fd;
-    do {
-      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    } while (fd < 0 && errno == EINTR);
-    if (fd < 0) return ErrnoError(errno, "open", path);
-    struct stat st;
-    if (::fstat(fd, &st) != 0) {
-      const int error = errno;
-      ::close(fd);
-      return ErrnoError(error, "stat", path);
-    }
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd);
-      return absl::FailedPreconditionError(absl::StrCat("open '", path, "': not a regular file"));
-    }
-    return std::make_unique<PosixReadableFile>(fd, static_cast<uint64_t>(st.st_size), path);
+    SL_ASSIGN_OR_RETURN(const OpenedFile file, OpenRegularFile(path));
+    return std::make_unique<PosixReadableFile>(file.fd, file.size, path);
   }
 
   absl::StatusOr<bool> Exists(const std::string& path) override {
     struct stat st;
     if (::lstat(path.c_str(), &st) == 0) return true;
+    if (errno == ENOENT || errno == ENOTDIR) return false;
+    return ErrnoError(errno, "stat", path);
+  }
+
+  absl::StatusOr<bool> IsDirectory(const std::string& path) override {
+    struct stat st;
+    if (::stat(path.c_str(), &st) == 0) return S_ISDIR(st.st_mode);
     if (errno == ENOENT || errno == ENOTDIR) return false;
     return ErrnoError(errno, "stat", path);
   }
@@ -168,6 +171,28 @@ class PosixFileSystemImpl : public FileSystem {
 };
 
 }  // namespace
+
+absl::StatusOr<OpenedFile> OpenRegularFile(const std::string& path) {
+  int fd;
+  // O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever. It changes
+  // nothing for a regular file (reads from disk never return EAGAIN).
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return ErrnoError(errno, "open", path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int error = errno;
+    ::close(fd);
+    return ErrnoError(error, "stat", path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "open '", path, "': not a regular file (it is ", FileTypeName(st.st_mode), ")"));
+  }
+  return OpenedFile{.fd = fd, .size = static_cast<uint64_t>(st.st_size)};
+}
 
 FileSystem& PosixFileSystem() {
   static PosixFileSystemImpl* fs = new PosixFileSystemImpl();
@@ -327,6 +352,10 @@ absl::StatusOr<std::unique_ptr<ReadableFile>> RecordingFileSystem::OpenFile(
 
 absl::StatusOr<bool> RecordingFileSystem::Exists(const std::string& path) {
   return base_.Exists(path);
+}
+
+absl::StatusOr<bool> RecordingFileSystem::IsDirectory(const std::string& path) {
+  return base_.IsDirectory(path);
 }
 
 absl::Status RecordingFileSystem::Rename(const std::string& from, const std::string& to) {

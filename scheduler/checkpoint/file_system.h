@@ -63,10 +63,14 @@ class FileSystem {
   virtual absl::Status CreateDir(const std::string& path) = 0;
   // Creates a new file for writing (O_CREAT | O_EXCL, mode 0644): AlreadyExists if it exists.
   virtual absl::StatusOr<std::unique_ptr<WritableFile>> CreateFile(const std::string& path) = 0;
-  // Opens an existing file for reading: NotFound if there is none.
+  // Opens an existing regular file for reading: NotFound if there is none, FailedPrecondition
+  // naming what it is if it is not a regular file (a FIFO, a directory, a device). Never blocks
+  // on what the path names (see OpenRegularFile).
   virtual absl::StatusOr<std::unique_ptr<ReadableFile>> OpenFile(const std::string& path) = 0;
   // Whether anything (file, directory, ...) exists at `path`.
   virtual absl::StatusOr<bool> Exists(const std::string& path) = 0;
+  // Whether `path` is a directory (a symbolic link to one counts); false if nothing is there.
+  virtual absl::StatusOr<bool> IsDirectory(const std::string& path) = 0;
   // Atomically renames `from` to `to`. AlreadyExists if `to` exists (where the file system can
   // refuse atomically: renameat2 RENAME_NOREPLACE; elsewhere plain rename(2), which replaces an
   // empty directory).
@@ -77,6 +81,17 @@ class FileSystem {
 
 // The operating system's file system. Lives for the whole process.
 FileSystem& PosixFileSystem();
+
+// A descriptor open for reading and the file's size.
+struct OpenedFile {
+  int fd = -1;
+  uint64_t size = 0;
+};
+// open(2)s `path` read-only with O_NONBLOCK, so that a FIFO or a device in its place cannot
+// block the call (a FIFO's open otherwise waits for a writer, forever), and refuses anything
+// that is not a regular file: FailedPrecondition "open '<path>': not a regular file (it is a
+// FIFO)". Errors of open(2) and fstat(2) as the file comment says. The caller closes the fd.
+absl::StatusOr<OpenedFile> OpenRegularFile(const std::string& path);
 
 // One mutating operation, as RecordingFileSystem logs it.
 struct FileOperation {
@@ -130,6 +145,7 @@ class RecordingFileSystem : public FileSystem {
   absl::StatusOr<std::unique_ptr<WritableFile>> CreateFile(const std::string& path) override;
   absl::StatusOr<std::unique_ptr<ReadableFile>> OpenFile(const std::string& path) override;
   absl::StatusOr<bool> Exists(const std::string& path) override;
+  absl::StatusOr<bool> IsDirectory(const std::string& path) override;
   absl::Status Rename(const std::string& from, const std::string& to) override;
   absl::Status SyncDir(const std::string& path) override;
 

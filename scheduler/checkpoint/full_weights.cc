@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <new>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -235,7 +236,16 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
       const DType master = unit.policy().master_dtype;
       const size_t size = DTypeSize(master);
       // One unit at a time: freed at the end of the iteration, before the next is allocated.
-      std::unique_ptr<char[]> full(new char[std::max<size_t>(1, layout.total_bytes())]);
+      const size_t bytes = std::max<size_t>(1, layout.total_bytes());
+      std::unique_ptr<char[]> full(new (std::nothrow) char[bytes]);
+      if (full == nullptr) {
+        written = absl::ResourceExhaustedError(absl::StrCat(
+            "cannot allocate the ", bytes, " bytes of unit '", unit.name(), "' gathered whole"));
+        // The group's other members wait in this gather: aborting the call's own shard
+        // communicator fails them now (with this error), not at the deadline.
+        comms.shard->Abort(written);
+        break;
+      }
       CollectiveOptions gather_options;
       gather_options.timeout = std::max(deadline - absl::Now(), absl::Milliseconds(1));
       gather_options.tag = unit.name();
@@ -244,8 +254,11 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
                                  DType::kU8, *comms.stream, gather_options);
       absl::Status gathered = work.ok() ? work->Wait(deadline) : work.status();
       if (!gathered.ok()) {
-        // The communicator is aborted for the whole group: every member stops here.
-        written = Annotate(gathered, absl::StrCat("gathering unit '", unit.name(), "'"));
+        // The communicator is aborted for the whole group: every member stops here. Where a
+        // peer aborted it (it could not allocate this unit, say), its reason is the error.
+        const absl::Status cause = comms.shard->status();
+        written = Annotate(cause.ok() ? gathered : cause,
+                           absl::StrCat("gathering unit '", unit.name(), "'"));
         break;
       }
       if (writer == nullptr || !written.ok()) continue;

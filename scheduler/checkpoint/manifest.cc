@@ -650,6 +650,11 @@ absl::StatusOr<std::string> ReadCheckpointManifestText(FileSystem& fs, absl::str
   if (!exists) {
     return absl::NotFoundError(absl::StrCat("checkpoint '", dir, "' does not exist"));
   }
+  SL_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(d));
+  if (!is_dir) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", dir, "' is a file, not a checkpoint directory"));
+  }
   if (IsCheckpointTemporaryDir(dir)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "incomplete checkpoint '", dir,

@@ -209,8 +209,10 @@ bool IsCheckpointTemporaryDir(absl::string_view dir);
 bool IsValidCheckpointStateName(absl::string_view name);
 
 // The text of the directory's manifest.json. NotFound if `dir` does not exist;
+// FailedPrecondition "is a file, not a checkpoint directory" if `dir` is not a directory;
 // FailedPrecondition "incomplete checkpoint" if it is a save's temporary directory
-// (IsCheckpointTemporaryDir) or has no manifest; InvalidArgument if the manifest exceeds
+// (IsCheckpointTemporaryDir) or has no manifest; FailedPrecondition "not a regular file" if the
+// manifest is not one (a FIFO: never waited on); InvalidArgument if the manifest exceeds
 // kMaxCheckpointManifestBytes.
 absl::StatusOr<std::string> ReadCheckpointManifestText(FileSystem& fs, absl::string_view dir);
 

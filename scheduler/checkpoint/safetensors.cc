@@ -351,7 +351,8 @@ absl::StatusOr<std::pair<std::string, SafetensorsHeader>> MakeSafetensorsHeader(
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   const std::string what = absl::StrCat("safetensors file '", path, "'");
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO in the file's place would otherwise block the open until a writer came.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int e = errno;
     return absl::Status(absl::ErrnoToStatusCode(e), absl::StrCat(what, ": ", std::strerror(e)));
@@ -362,6 +363,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     ::close(fd);
     return absl::Status(absl::ErrnoToStatusCode(e),
                         absl::StrCat(what, ": fstat: ", std::strerror(e)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(what, ": not a regular file"));
   }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   const char* base = nullptr;

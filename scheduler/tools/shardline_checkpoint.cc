@@ -6,14 +6,15 @@
 //   shardline-checkpoint export DIR OUT.safetensors [--state NAME] [--dtype DTYPE]
 //
 // inspect prints the manifest: the saving mesh, the data files, every unit's layout, tensors and
-// states. verify reads every piece of every data file and checks every block's CRC-32C against the
-// manifest, and reports each missing, truncated or extended file and each corrupt block, naming
-// the file, the unit, the state and the tensor. export writes one state (default "master") of
-// every unit as one safetensors file, tensor by tensor, reading and verifying the pieces in
-// bounded chunks and casting to DTYPE (a floating dtype; default: the state's own) on the way; the
-// file is the one ExportSafetensors (scheduler/checkpoint/full_weights.h) writes for the same
-// weights. Exit status: 0; 1 if the checkpoint is unreadable or damaged, or the export failed; 2
-// for a usage error.
+// states. verify reads everything a load reads: every piece of every data file, checking every
+// block's CRC-32C against the manifest, and every replicated state in replicated.bin, checking
+// its CRC-32C; it reports each missing, truncated or extended file and each corrupt block,
+// naming the file, the unit, the state and the tensor (or the replicated state). export writes one
+// state (default "master") of every unit as one safetensors file, tensor by tensor, reading and
+// verifying the pieces in bounded chunks and casting to DTYPE (a floating dtype; default: the
+// state's own) on the way; the file is the one ExportSafetensors
+// (scheduler/checkpoint/full_weights.h) writes for the same weights. Exit status: 0; 1 if the
+// checkpoint is unreadable or damaged, or the export failed; 2 for a usage error.
 
 #include <algorithm>
 #include <cstdio>
@@ -44,8 +45,8 @@ constexpr char kUsage[] =
     "       shardline-checkpoint export DIR OUT.safetensors [--state NAME] [--dtype DTYPE]\n"
     "\n"
     "inspect  print the manifest: mesh, data files, units, tensors, states\n"
-    "verify   read every piece and check every CRC-32C; exit 1 naming each missing, truncated\n"
-    "         or corrupt file\n"
+    "verify   read every piece and replicated state, check every CRC-32C; exit 1 naming each\n"
+    "         missing, truncated or corrupt file\n"
     "export   one state (default master) of every unit as one safetensors file, optionally\n"
     "         cast to a floating DTYPE (f32, f64, f16, bf16); OUT must not exist\n";
 
@@ -195,12 +196,59 @@ int Verify(const std::string& dir) {
       }
     }
   }
+  // The replicated states: a load reads them too (every registered one, on every rank).
+  if (!m->replicated.empty()) {
+    const std::string name(kCheckpointReplicatedFileName);
+    std::vector<std::string> held;
+    for (const CheckpointReplicatedRecord& r : m->replicated) {
+      held.push_back(absl::StrCat("'", r.name, "'"));
+    }
+    const std::string holds =
+        absl::StrCat("replicated state", held.size() > 1 ? "s " : " ", absl::StrJoin(held, ", "));
+    absl::StatusOr<std::unique_ptr<ReadableFile>> file = fs.OpenFile(absl::StrCat(dir, "/", name));
+    if (!file.ok()) {
+      report(absl::StrCat("data file '", name, "' cannot be opened (", file.status().ToString(),
+                          "); it holds ", holds));
+    } else {
+      const uint64_t size = (*file)->size();
+      if (size != m->replicated_bytes) {
+        report(absl::StrCat("data file '", name, "' is ", size, " bytes, the manifest says ",
+                            m->replicated_bytes,
+                            size < m->replicated_bytes ? " (truncated)" : " (extended)"));
+      }
+      std::vector<char> buffer;
+      for (const CheckpointReplicatedRecord& r : m->replicated) {
+        ++pieces;
+        if (r.file_offset + r.bytes > size) {
+          report(absl::StrCat("data file '", name, "': replicated state '", r.name, "' (bytes [",
+                              r.file_offset, ", ", r.file_offset + r.bytes,
+                              ")) lies beyond its end"));
+          continue;
+        }
+        buffer.resize(r.bytes);
+        absl::Status s = (*file)->ReadAt(r.file_offset, r.bytes, buffer.data());
+        if (!s.ok()) {
+          report(std::string(s.message()));
+          continue;
+        }
+        const uint32_t crc = Crc32c(buffer.data(), buffer.size());
+        if (crc != r.crc32c) {
+          report(absl::StrFormat(
+              "data file '%s' bytes [%d, %d) have CRC-32C %08x, the manifest says %08x: "
+              "replicated state '%s' is corrupt",
+              name, r.file_offset, r.file_offset + r.bytes, crc, r.crc32c, r.name));
+          continue;
+        }
+        bytes += r.bytes;
+      }
+    }
+  }
   if (problems > 0) {
     absl::PrintF("%s: %d problems (%d pieces checked)\n", dir, problems, pieces);
     return 1;
   }
   absl::PrintF("%s: OK: %d data files, %d pieces, %d bytes, every CRC-32C matches\n", dir,
-               m->files.size(), pieces, bytes);
+               m->files.size() + (m->replicated.empty() ? 0 : 1), pieces, bytes);
   return 0;
 }
 

@@ -77,6 +77,30 @@ TEST(LocalCommunicatorTest, InvalidArgumentsEnqueueNothing) {
   EXPECT_TRUE(comm.status().ok());
 }
 
+// An all-reduce whose scratch cannot be allocated (a count whose block is 128 PiB; the buffers
+// are never touched, since the allocation comes first) fails with ResourceExhausted on every
+// rank instead of terminating the process on std::bad_alloc.
+TEST(LocalCommunicatorTest, ScratchThatCannotBeAllocatedIsResourceExhaustedOnEveryRank) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers' allocators report a 2^57-byte request as an error";
+#endif
+  const int n = 2;
+  const size_t count = size_t{1} << 56;  // f32: a block of 2^57 bytes per rank
+  const void* input = reinterpret_cast<const void*>(uintptr_t{1} << 40);
+  void* output = reinterpret_cast<void*>(uintptr_t{1} << 62);
+  std::vector<absl::Status> statuses(n);
+  RunRanks(MakeComms(n), [&](int r, Communicator& comm, Stream& stream) {
+    statuses[r] = WaitFor(comm.AllReduce(input, output, count, DType::kF32, stream));
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(absl::IsResourceExhausted(statuses[r])) << "rank " << r << ": " << statuses[r];
+    EXPECT_TRUE(absl::StrContains(statuses[r].message(),
+                                  "cannot allocate the 144115188075855872 bytes of the "
+                                  "reduction's scratch"))
+        << "rank " << r << ": " << statuses[r];
+  }
+}
+
 TEST(CollectiveFingerprintTest, EncodeDecodeRoundTrip) {
   CollectiveFingerprint fp{
       CollectiveKind::kBroadcast, 1234567890123ull, 4097, DType::kBF16, ReduceOp::kSum, 5,

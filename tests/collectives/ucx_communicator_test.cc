@@ -72,8 +72,9 @@ Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30),
   return comms;
 }
 
-// The same through CreateUcxCommunicatorWithTuning: every rank with `tuning`.
-Comms MakeCommsWithTuning(int n, absl::Duration timeout, const ucx_internal::Tuning& tuning) {
+// The same through CreateUcxCommunicatorWithTuning: rank r with tuning_of(r).
+Comms MakeCommsWithTunings(int n, absl::Duration timeout,
+                           absl::FunctionRef<ucx_internal::Tuning(int)> tuning_of) {
   auto store = std::make_shared<MemoryStore>();
   Comms comms(n);
   std::vector<std::thread> threads;
@@ -81,13 +82,18 @@ Comms MakeCommsWithTuning(int n, absl::Duration timeout, const ucx_internal::Tun
     threads.emplace_back([&, r] {
       absl::StatusOr<std::shared_ptr<Communicator>> comm =
           ucx_internal::CreateUcxCommunicatorWithTuning(
-              {.rank = r, .size = n, .store = store, .timeout = timeout}, tuning);
+              {.rank = r, .size = n, .store = store, .timeout = timeout}, tuning_of(r));
       SL_CHECK_OK(comm.status());
       comms[r] = *std::move(comm);
     });
   }
   for (std::thread& t : threads) t.join();
   return comms;
+}
+
+// Every rank with `tuning`.
+Comms MakeCommsWithTuning(int n, absl::Duration timeout, const ucx_internal::Tuning& tuning) {
+  return MakeCommsWithTunings(n, timeout, [&](int) { return tuning; });
 }
 
 // n transports created concurrently under `name`, rank r with tuning_of(r) after on_thread(r)
@@ -233,7 +239,7 @@ TEST(UcxCommunicatorTest, BatchReusesSlotsAndBuffersAndGivesBackLargeScratch) {
   const std::vector<size_t> sizes = {1, 24, 8192 + 24, 7, 100000, 63, 64, 65, 300000, 5};
   std::vector<uint8_t*> buffers;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    uint8_t* b = batch.Buffer(sizes[i]);
+    uint8_t* b = *batch.Buffer(sizes[i]);
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % 64, 0u) << "buffer " << i;
     std::memset(b, static_cast<int>(i + 1), sizes[i]);
     buffers.push_back(b);
@@ -258,7 +264,7 @@ TEST(UcxCommunicatorTest, BatchReusesSlotsAndBuffersAndGivesBackLargeScratch) {
   batch.Reset();
   EXPECT_EQ(batch.held_bytes(), held);  // kept
   // The same requests again get the same memory and the same slots, reset.
-  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(batch.Buffer(sizes[i]), buffers[i]) << i;
+  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(*batch.Buffer(sizes[i]), buffers[i]) << i;
   Completion* again = batch.Add(3, /*is_send=*/false);
   EXPECT_EQ(again, first);
   EXPECT_FALSE(again->done.load());
@@ -277,13 +283,99 @@ TEST(UcxCommunicatorTest, BatchReusesSlotsAndBuffersAndGivesBackLargeScratch) {
   EXPECT_EQ(slots, 1);
 
   // More than kRetainBytes in one collective: given back at Reset.
-  batch.Buffer(Batch::kRetainBytes + 1);
+  ASSERT_TRUE(batch.Buffer(Batch::kRetainBytes + 1).ok());
   EXPECT_GT(batch.held_bytes(), Batch::kRetainBytes);
   batch.Reset();
   EXPECT_EQ(batch.held_bytes(), 0u);
-  uint8_t* fresh = batch.Buffer(10);
+  uint8_t* fresh = *batch.Buffer(10);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(fresh) % 64, 0u);
   EXPECT_EQ(batch.held_bytes(), 64u << 10);
+
+  // Memory that cannot be had is an error naming the bytes, not an abort; the batch stays
+  // usable. An impossible size, then the test limit.
+  absl::StatusOr<uint8_t*> impossible = batch.Buffer(~size_t{0} - 10);
+  EXPECT_TRUE(absl::IsResourceExhausted(impossible.status())) << impossible.status();
+  EXPECT_TRUE(absl::StrContains(impossible.status().message(), "ucx staging"));
+  batch.set_limit_bytes(100u << 10);
+  absl::StatusOr<uint8_t*> limited = batch.Buffer(200u << 10);
+  EXPECT_TRUE(absl::IsResourceExhausted(limited.status())) << limited.status();
+  EXPECT_TRUE(absl::StrContains(limited.status().message(), "cannot allocate 204800 bytes"))
+      << limited.status();
+  EXPECT_EQ(batch.held_bytes(), 64u << 10);
+  EXPECT_TRUE(batch.Buffer(1000).ok());
+}
+
+// SHARDLINE_UCX_CHUNK_BYTES=99999999999999 used to pass and abort both ranks at the first large
+// all-reduce (staging of a window of chunks); now the knob's bounds refuse it at creation,
+// naming the knob, the value and the bounds.
+TEST(UcxCommunicatorTest, ChunkKnobOutOfBoundsIsRefusedAtCreation) {
+  ScopedEnv env("SHARDLINE_UCX_CHUNK_BYTES", "99999999999999");
+  ucx_internal::ParamUcxChunkBytes().ResetCacheForTesting();
+  auto store = std::make_shared<MemoryStore>();
+  absl::StatusOr<std::shared_ptr<Communicator>> comm =
+      CreateUcxCommunicator({.rank = 0, .size = 2, .store = store, .timeout = absl::Seconds(5)});
+  ucx_internal::ParamUcxChunkBytes().ResetCacheForTesting();
+  ASSERT_FALSE(comm.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(comm.status())) << comm.status();
+  EXPECT_TRUE(absl::StrContains(comm.status().message(),
+                                "SHARDLINE_UCX_CHUNK_BYTES: 99999999999999 is out of range "
+                                "[4096, 268435456]"))
+      << comm.status();
+}
+
+// A rank whose staging cannot be allocated mid-collective (the test limit stands in for an
+// exhausted system) fails its collective with ResourceExhausted naming the collective and the
+// bytes, and every peer gets that error too (naming the rank), long before the deadline: no
+// rank aborts, none hangs. Both fingerprint paths (mailboxes, UCX messages); the failure in
+// the first staging of the collective (limit 1 byte: the fingerprint message's buffers, or,
+// with mailboxes, the single-copy descriptors of an all-gather's data phase) and in the
+// pipelined reduction's scratch (limit 1 MiB, below the window of chunks a 4 MiB all-reduce
+// stages).
+TEST(UcxCommunicatorTest, StagingThatCannotBeAllocatedFailsEveryRankWithoutAbort) {
+  absl::StatusOr<ucx_internal::Tuning> base = ucx_internal::Tuning::FromEnvironment();
+  ASSERT_TRUE(base.ok()) << base.status();
+  const int n = 3;
+  const int failing = 1;
+  const size_t count = size_t{1} << 20;
+  struct Case {
+    bool mailbox;
+    size_t limit;
+    bool all_gather;  // else all-reduce
+  };
+  for (const Case& c : {Case{true, 1, false}, Case{true, 1, true}, Case{true, 1 << 20, false},
+                        Case{false, 1, false}, Case{false, 1 << 20, false}}) {
+    SCOPED_TRACE(
+        absl::StrCat("mailbox ", c.mailbox, " limit ", c.limit, " all_gather ", c.all_gather));
+    Comms comms = MakeCommsWithTunings(n, absl::Seconds(60), [&](int r) {
+      ucx_internal::Tuning t = *base;
+      t.mailbox = c.mailbox;
+      if (r == failing) t.staging_limit_bytes = c.limit;
+      return t;
+    });
+    std::vector<absl::Status> statuses(n);
+    std::vector<absl::Duration> took(n);
+    RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+      std::vector<float> input(count, 1.0f), output(n * count);
+      const absl::Time start = absl::Now();
+      statuses[r] = WaitFor(
+          c.all_gather ? comm.AllGather(input.data(), output.data(), count, DType::kF32, stream)
+                       : comm.AllReduce(input.data(), output.data(), count, DType::kF32, stream));
+      took[r] = absl::Now() - start;
+    });
+    for (int r = 0; r < n; ++r) {
+      const absl::Status& s = statuses[r];
+      EXPECT_TRUE(absl::IsResourceExhausted(s)) << "rank " << r << ": " << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "ucx staging: cannot allocate"))
+          << "rank " << r << ": " << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), c.all_gather ? "all_gather" : "all_reduce"))
+          << "rank " << r << ": " << s;
+      if (r != failing) {
+        EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("peer rank ", failing)))
+            << "rank " << r << ": " << s;
+      }
+      EXPECT_LT(took[r], absl::Seconds(10)) << "rank " << r;
+    }
+  }
 }
 
 TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {

@@ -20,7 +20,10 @@ SL_PARAM(int64_t, TestChunk, "TEST_CHUNK_BYTES", 4096, "A knob declared by this 
            return v > 0 ? absl::OkStatus() : absl::InvalidArgumentError("must be positive");
          });
 SL_PARAM(bool, TestFlag, "TEST_FLAG", false, "A boolean knob declared by this test.");
-SL_PARAM(double, TestRatio, "TEST_RATIO", 0.5, "A floating knob declared by this test.");
+SL_PARAM(double, TestRatio, "TEST_RATIO", 0.5, "A floating knob declared by this test.",
+         InRange<double>(0.0, 1.0));
+SL_PARAM(int64_t, TestBounded, "TEST_BOUNDED", 8192, "A bounded knob declared by this test.",
+         InRange<int64_t>(4096, int64_t{256} << 20));
 
 using ::shardline::testing::ScopedEnv;
 
@@ -97,6 +100,50 @@ TEST(ConfigTest, RegistryListsEveryKnobOnce) {
   EXPECT_EQ(timeout, 1);
   EXPECT_EQ(chunk, 1);
   EXPECT_TRUE(absl::StrContains(DescribeParams(), "SHARDLINE_DEBUG_SUBSYS"));
+}
+
+// The bounds are inclusive; a value past them is an error naming the knob, the value and the
+// bounds (the issue's SHARDLINE_UCX_CHUNK_BYTES=99999999999999 passed before bounds existed).
+TEST(ConfigTest, BoundsAreCheckedWhenTheKnobIsRead) {
+  struct Case {
+    const char* text;
+    bool ok;
+  };
+  for (const Case& c : {Case{"4096", true}, Case{"268435456", true}, Case{"4095", false},
+                        Case{"268435457", false}, Case{"99999999999999", false}}) {
+    ScopedEnv env("SHARDLINE_TEST_BOUNDED", c.text);
+    ParamTestBounded().ResetCacheForTesting();
+    absl::StatusOr<int64_t> value = ParamTestBounded().Get();
+    ASSERT_EQ(value.ok(), c.ok) << c.text << ": " << value.status();
+    if (c.ok) {
+      EXPECT_EQ(absl::StrCat(*value), c.text);
+      continue;
+    }
+    EXPECT_EQ(value.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(value.status().message(),
+              absl::StrCat("environment variable SHARDLINE_TEST_BOUNDED: ", c.text,
+                           " is out of range [4096, 268435456]"));
+    // Readers that cannot fail take the default.
+    EXPECT_EQ(ParamTestBounded().GetOrDefault(), 8192);
+    EXPECT_TRUE(absl::StrContains(ValidateAllParams().message(), "SHARDLINE_TEST_BOUNDED"));
+  }
+  {
+    ScopedEnv env("SHARDLINE_TEST_RATIO", "1.5");
+    ParamTestRatio().ResetCacheForTesting();
+    EXPECT_TRUE(
+        absl::StrContains(ParamTestRatio().Get().status().message(), "1.5 is out of range [0, 1]"));
+    EXPECT_EQ(ParamTestRatio().GetOrDefault(), 0.5);
+  }
+  ParamTestBounded().ResetCacheForTesting();
+  ParamTestRatio().ResetCacheForTesting();
+}
+
+// An integer or floating knob must declare bounds: one without is a bug caught at start-up.
+TEST(ConfigDeathTest, IntegerKnobWithoutBoundsAborts) {
+  EXPECT_DEATH({ Param<int64_t> unbounded("TEST_UNBOUNDED", "int64_t", 1, "no bounds"); },
+               "SHARDLINE_TEST_UNBOUNDED is an integer or floating knob declared without bounds");
+  EXPECT_DEATH({ Param<double> unbounded("TEST_UNBOUNDED", "double", 1.0, "no bounds"); },
+               "declared without bounds");
 }
 
 TEST(ConfigTest, TimeoutMustBePositive) {

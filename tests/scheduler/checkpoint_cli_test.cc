@@ -6,9 +6,15 @@
 //   * export writes the same bytes as ExportSafetensors of the same weights (as saved, and cast
 //     to bf16), exports a registered state (every element checked), refuses an unknown state,
 //     an integer cast, an existing target, a corrupt piece (leaving no file);
-//   * a bad command line is exit status 2.
+//   * a bad command line is exit status 2;
+//   * verify checks replicated.bin as a load does: a flipped byte, a truncated and a deleted
+//     replicated.bin are exit 1 naming the file (and the replicated state);
+//   * a FIFO in place of manifest.json or of a data file makes inspect, verify and export fail
+//     at once naming it (each run bounded by timeout(1)); a path that is a plain file is named
+//     as such.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,10 +40,10 @@ struct ToolRun {
   std::string output;  // stdout and stderr
 };
 
-// Runs the tool with `args` (shell words), bounded in time by timeout(1).
-ToolRun RunTool(const std::string& args) {
+// Runs the tool with `args` (shell words), bounded in time by timeout(1) (status 124 past it).
+ToolRun RunTool(const std::string& args, int timeout_s = 120) {
   const std::string command =
-      absl::StrCat("timeout 120 ", SHARDLINE_CHECKPOINT_BIN, " ", args, " 2>&1");
+      absl::StrCat("timeout ", timeout_s, " ", SHARDLINE_CHECKPOINT_BIN, " ", args, " 2>&1");
   ToolRun run;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return run;
@@ -223,6 +229,102 @@ TEST_F(CheckpointCliTest, ErrorsAreNamed) {
   // The pristine copy still verifies.
   run = RunTool(absl::StrCat("verify ", pristine));
   EXPECT_EQ(run.status, 0) << run.output;
+}
+
+// A checkpoint with replicated states (a step counter, a vector): verify reads replicated.bin
+// as a load does, and names it when it is corrupt, truncated or missing.
+TEST_F(CheckpointCliTest, VerifyChecksTheReplicatedStates) {
+  const std::string dir = Path("ckpt");
+  const absl::Status saved = fixture::FirstError(
+      fixture::RunRanks(2, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+        SL_ASSIGN_OR_RETURN(auto rank, fixture::MakeRank(comm, 0, true));
+        int64_t step = 1234;
+        std::vector<double> lr = {0.5, 0.25, 0.125};
+        SL_RETURN_IF_ERROR(rank->ckpt->AddReplicatedState(
+            {.name = "step", .shape = {}, .dtype = DType::kI64, .data = &step}));
+        SL_RETURN_IF_ERROR(rank->ckpt->AddReplicatedState(
+            {.name = "lr", .shape = {3}, .dtype = DType::kF64, .data = lr.data()}));
+        return rank->ckpt->Save(dir, fixture::Deadline());
+      }));
+  ASSERT_TRUE(saved.ok()) << saved;
+  const std::string replicated = absl::StrCat(dir, "/replicated.bin");
+  const std::string pristine = ReadAll(replicated);
+  ASSERT_EQ(pristine.size(), 8u + 24u);
+
+  ToolRun run = RunTool(absl::StrCat("verify ", dir));
+  EXPECT_EQ(run.status, 0) << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "3 data files")) << run.output;
+
+  // A flipped byte in "lr" (bytes [8, 32)).
+  std::string bytes = pristine;
+  bytes[20] ^= 0x01;
+  WriteAll(replicated, bytes);
+  run = RunTool(absl::StrCat("verify ", dir));
+  EXPECT_EQ(run.status, 1) << run.output;
+  EXPECT_TRUE(
+      absl::StrContains(run.output, "FAILED data file 'replicated.bin' bytes [8, 32) have CRC-32C"))
+      << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "replicated state 'lr' is corrupt")) << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "1 problems")) << run.output;
+
+  WriteAll(replicated, pristine.substr(0, 20));
+  run = RunTool(absl::StrCat("verify ", dir));
+  EXPECT_EQ(run.status, 1) << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output,
+                                "data file 'replicated.bin' is 20 bytes, the manifest says 32 "
+                                "(truncated)"))
+      << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "replicated state 'lr' (bytes [8, 32)) lies beyond"))
+      << run.output;
+
+  fs::remove(replicated);
+  run = RunTool(absl::StrCat("verify ", dir));
+  EXPECT_EQ(run.status, 1) << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "data file 'replicated.bin' cannot be opened"))
+      << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "replicated states 'step', 'lr'")) << run.output;
+
+  WriteAll(replicated, pristine);
+  run = RunTool(absl::StrCat("verify ", dir));
+  EXPECT_EQ(run.status, 0) << run.output;
+}
+
+// Nothing the tool opens may block it: a FIFO in place of the manifest or of a data file is
+// refused at once. Each run is bounded by timeout(1): a regression is status 124, not a hang.
+TEST_F(CheckpointCliTest, NonRegularFilesAreRefusedAtOnce) {
+  const std::string dir = Path("ckpt");
+  Save(2, 0, dir, Path("a.safetensors"), Path("b.safetensors"));
+  for (const std::string name : {"manifest.json", "shard-00001-of-00002.bin"}) {
+    const std::string copy = Path(absl::StrCat("fifo-", name));
+    fs::copy(dir, copy);
+    const std::string fifo = absl::StrCat(copy, "/", name);
+    ASSERT_TRUE(fs::remove(fifo));
+    ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0) << std::strerror(errno);
+    std::vector<std::string> commands = {"verify " + copy,
+                                         absl::StrCat("export ", copy, " ", Path("x.st"))};
+    if (name == "manifest.json") commands.push_back("inspect " + copy);
+    for (const std::string& command : commands) {
+      const ToolRun run = RunTool(command, /*timeout_s=*/20);
+      EXPECT_EQ(run.status, 1) << command << "\n" << run.output;
+      EXPECT_TRUE(absl::StrContains(run.output, absl::StrCat(name,
+                                                             "': not a regular file (it "
+                                                             "is a FIFO)")))
+          << command << "\n"
+          << run.output;
+    }
+    EXPECT_FALSE(fs::exists(Path("x.st")));
+  }
+  // A path that is a plain file is not an unfinished save.
+  WriteAll(Path("plain"), "x");
+  for (const std::string& command : {"verify " + Path("plain"), "inspect " + Path("plain"),
+                                     absl::StrCat("export ", Path("plain"), " ", Path("y.st"))}) {
+    const ToolRun run = RunTool(command, /*timeout_s=*/20);
+    EXPECT_EQ(run.status, 1) << command << "\n" << run.output;
+    EXPECT_TRUE(absl::StrContains(run.output, "is a file, not a checkpoint directory"))
+        << command << "\n"
+        << run.output;
+    EXPECT_FALSE(absl::StrContains(run.output, "did not finish")) << run.output;
+  }
 }
 
 }  // namespace

@@ -18,10 +18,14 @@
 //     finishes a pending save;
 //   * corruption and mismatches, each a named error: a flipped byte, a truncated file, a deleted
 //     file, an edited shape in the manifest, a unit of another shape, a missing state, another
-//     master dtype, an incomplete directory, an existing target, a garbled manifest.
+//     master dtype, an incomplete directory, an existing target, a garbled manifest, a path
+//     that is a plain file, ranks that pass different paths (save and load), a FIFO in place
+//     of the manifest or of a data file (a load fails at once, bounded by the test).
 #include "scheduler/checkpoint/checkpoint.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +34,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -1507,6 +1512,82 @@ TEST_F(CorruptionTest, ExistingTargetAndMissingDirectory) {
                    absl::StatusCode::kAlreadyExists, {"exists"});
   ExpectNamedError(TryLoad({.world = 2}, Dir("nowhere")), absl::StatusCode::kNotFound,
                    {"does not exist"});
+}
+
+TEST_F(CorruptionTest, PathThatIsAFileIsNamed) {
+  const std::string file = Dir("plain");
+  std::ofstream(file) << "not a checkpoint";
+  ExpectNamedError(TryLoad({.world = 2}, file), absl::StatusCode::kFailedPrecondition,
+                   {file, "is a file, not a checkpoint directory"});
+  const absl::Status alone = ReadCheckpointManifest(PosixFileSystem(), file).status();
+  EXPECT_TRUE(absl::StrContains(alone.message(), "is a file, not a checkpoint directory")) << alone;
+  EXPECT_FALSE(absl::StrContains(alone.message(), "did not finish")) << alone;
+}
+
+TEST_F(CorruptionTest, RanksPassingDifferentPathsAreNamed) {
+  // Every rank fails with the same error, naming both paths, whatever the paths hold.
+  auto expect_named = [&](const std::vector<absl::Status>& statuses, const std::string& a,
+                          const std::string& b) {
+    for (size_t r = 0; r < statuses.size(); ++r) {
+      const absl::Status& s = statuses[r];
+      EXPECT_TRUE(absl::IsFailedPrecondition(s)) << "rank " << r << ": " << s;
+      for (const std::string& want :
+           {std::string("the ranks passed different directories"), absl::StrCat("rank 0 '", a, "'"),
+            absl::StrCat("rank 1 '", b, "'")}) {
+        EXPECT_TRUE(absl::StrContains(s.message(), want)) << "rank " << r << ": " << s;
+      }
+    }
+  };
+  const std::string a = Dir("a");
+  const std::string b = Dir("b");
+  expect_named(RunRanks(2,
+                        [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+                          SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 2}, comm, nullptr));
+                          return rank->ckpt->Save(r == 0 ? a : b, Deadline());
+                        }),
+               a, b);
+  // Nothing was created: the paths are compared before rank 0 makes its temporary directory.
+  for (const auto& entry : fs::directory_iterator(root_)) {
+    EXPECT_FALSE(absl::StartsWith(entry.path().filename().string(), "a")) << entry.path();
+  }
+  // Two good checkpoints, and a good one and a missing one: the paths are the problem.
+  const std::string other = Copy("other");
+  for (const std::string& second : {other, Dir("nowhere")}) {
+    expect_named(RunRanks(2,
+                          [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+                            SL_ASSIGN_OR_RETURN(
+                                auto rank, MakeRank({.world = 2, .fill = false}, comm, nullptr));
+                            return rank->ckpt->Load(r == 0 ? good_ : second, Deadline());
+                          }),
+                 good_, second);
+  }
+}
+
+// A FIFO where a file should be: a load fails at once, naming it. Bounded: if the load does not
+// return within 20 s (it blocks in open(2), which no deadline reaches), the test fails and
+// opens the FIFOs for writing, which lets a blocked open return.
+TEST_F(CorruptionTest, FifoInPlaceOfAFileFailsAtOnce) {
+  for (const std::string name : {"manifest.json", "shard-00001-of-00004.bin"}) {
+    const std::string dir = Copy(absl::StrCat("fifo-", name));
+    const std::string fifo = absl::StrCat(dir, "/", name);
+    ASSERT_TRUE(fs::remove(fifo));
+    ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0) << std::strerror(errno);
+    std::future<std::vector<absl::Status>> load =
+        std::async(std::launch::async, [&] { return TryLoad({.world = 2}, dir); });
+    const absl::Time start = absl::Now();
+    bool returned = false;
+    while (!returned) {
+      returned = load.wait_for(std::chrono::milliseconds(100)) == std::future_status::ready;
+      if (!returned && absl::Now() - start > absl::Seconds(20)) {
+        ADD_FAILURE() << name << ": the load still blocks after 20 s";
+        // A writer's open completes a blocked reader's (non-blocking: fails if none waits).
+        const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+        if (fd >= 0) ::close(fd);
+      }
+    }
+    ExpectNamedError(load.get(), absl::StatusCode::kFailedPrecondition,
+                     {name, "not a regular file (it is a FIFO)"});
+  }
 }
 
 }  // namespace

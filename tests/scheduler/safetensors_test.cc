@@ -12,14 +12,17 @@
 //     every padding element zero; the bf16 file imported into f32/f64 masters;
 //   * import errors on every rank: truncated file, bad header, wrong shape, missing tensor,
 //     unknown tensor (and ignore_unknown_tensors), a tie with other values; export errors: a
-//     duplicate name across units, an existing target, an integer cast.
+//     duplicate name across units, an existing target, an integer cast; a unit that cannot be
+//     gathered whole for lack of memory (RLIMIT_AS) is ResourceExhausted on every rank.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <latch>
 #include <memory>
 #include <string>
 #include <thread>
@@ -631,6 +634,57 @@ TEST_F(FullWeightsTest, ExportErrors) {
                 absl::StatusCode::kInvalidArgument, "cannot be exported as i32");
   ExpectAllFail(Export({.world = 2}, Path("r.safetensors"), {.writer_rank = 2}),
                 absl::StatusCode::kInvalidArgument, "writer_rank 2");
+}
+
+// A rank of the writer's group that cannot allocate a unit gathered whole fails the export with
+// ResourceExhausted, and so does every other rank (the one already waiting in the gather at
+// once, through the abort of the call's shard communicator), instead of std::bad_alloc
+// terminating the process. The memory runs out for real: RLIMIT_AS, set once both ranks are
+// built, leaves room for one 128 MiB gather buffer, not for two (or for none: either way
+// every rank must fail alike). In a death-test child (re-executed, so the limit and any
+// crash stay there), which exits 0 if every rank failed as expected.
+TEST_F(FullWeightsTest, UnitThatCannotBeGatheredIsResourceExhaustedOnEveryRank) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "limits the address space, which the sanitizers reserve in terabytes";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string path = Path("huge.safetensors");
+  auto run = [&] {
+    RunConfig setup{.world = 2, .fill = false};
+    setup.edit = [](std::vector<UnitDef>& m) {
+      m.push_back({.name = "huge", .tensors = {{.name = "h", .shape = {int64_t{32} << 20}}}});
+    };
+    std::latch built(2);
+    std::vector<absl::Status> statuses =
+        RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+          SL_ASSIGN_OR_RETURN(Rank rank, MakeRank(setup, comm));
+          built.arrive_and_wait();
+          if (r == 0) {
+            std::ifstream statm("/proc/self/statm");
+            uint64_t pages = 0;
+            statm >> pages;
+            const uint64_t now = pages * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+            const rlimit limit{.rlim_cur = now + (uint64_t{192} << 20), .rlim_max = RLIM_INFINITY};
+            SL_CHECK(setrlimit(RLIMIT_AS, &limit) == 0);
+          }
+          // Both start the export once the limit is set (its first exchange is a barrier).
+          return ExportSafetensors(*rank.sched, path, {}, Deadline());
+        });
+    bool ok = true;
+    for (size_t r = 0; r < statuses.size(); ++r) {
+      const absl::Status& st = statuses[r];
+      const bool named =
+          absl::StrContains(st.message(), "cannot allocate the 134217728 bytes of unit 'huge'");
+      if (!absl::IsResourceExhausted(st) || !named) {
+        std::fprintf(stderr, "rank %zu: %s\n", r, st.ToString().c_str());
+        ok = false;
+      }
+    }
+    std::fflush(stderr);
+    std::_Exit(ok ? 0 : 1);
+  };
+  EXPECT_EXIT(run(), ::testing::ExitedWithCode(0), "");
+  EXPECT_FALSE(fs::exists(path));
 }
 
 TEST_F(FullWeightsTest, ExportIsAtomicThroughTheFileLayer) {

@@ -81,7 +81,9 @@ class CollectiveRun {
         hooks_(hooks),
         tuning_(tuning),
         batch_(batch != nullptr ? std::move(batch) : std::make_unique<Batch>()),
-        scratch_(scratch) {}
+        scratch_(scratch) {
+    batch_->set_limit_bytes(tuning.staging_limit_bytes);
+  }
 
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
@@ -100,11 +102,17 @@ class CollectiveRun {
   bool SharesCpu(int peer) const { return transport_.SharesCpu(peer); }
   Batch& batch() { return *batch_; }
   std::unique_ptr<Batch> TakeBatch() { return std::move(batch_); }
+  // A buffer of the batch (Batch::Buffer) for this collective; ResourceExhausted naming the
+  // collective and the bytes if it cannot be had. The caller returns the error: the
+  // communicator then aborts and its peers get it (with its code) from the abort notice.
+  absl::StatusOr<uint8_t*> Staging(size_t bytes);
 
   // Post a send / receive of `bytes` with `tag` (the phase, source rank, this op's sequence and
   // `chunk`). The buffer must stay valid until the collective ends. The completion of a
   // single-copy send is done once the receiver has read the buffer; that of a single-copy
-  // receive once this rank has copied the bytes (in Drive).
+  // receive once this rank has copied the bytes (in Drive). If the staging of a single-copy
+  // message's descriptor cannot be had, nothing is posted and the completion is done with the
+  // staging's error (Check returns it).
   Completion* Send(int peer, const void* buffer, size_t bytes, Phase phase, uint64_t chunk);
   // A header-phase message of `count` pieces (`iov` must stay valid until the collective ends).
   Completion* SendHeader(int peer, const ucp_dt_iov_t* iov, size_t count);
@@ -172,6 +180,9 @@ class CollectiveRun {
   };
 
   std::vector<int> PendingPeers();
+  // A completion that failed before anything was posted (its staging could not be had):
+  // done, with `error` kept for Check.
+  Completion* Failed(int peer, bool is_send, absl::Status error);
   uint64_t TagSeq(Phase phase) const { return phase == Phase::kHeader ? 0 : fp_.seq; }
   // Tells `peer` that this rank has read its single-copy message of `phase` / `chunk`.
   void SendFin(int peer, Phase phase, uint64_t chunk);
@@ -191,6 +202,7 @@ class CollectiveRun {
   RunScratch& scratch_;
   std::vector<PendingRead> reads_;
   std::vector<Borrowed> borrowed_;
+  absl::Status staging_error_;  // the first staging failure of a Send or Recv
 };
 
 // The whole collective (size >= 2): fingerprints first, then the data. OK only if no peer had

@@ -42,6 +42,10 @@ struct Tuning {
   // SHARDLINE_UCX_MAILBOX (local: the ranks agree at creation, falling back to UCX messages
   // unless all have it).
   bool mailbox = true;
+  // Test hook, not a knob: the most staging memory one collective of this rank may hold (0: no
+  // limit beyond the system's). Past it, the allocation fails as an exhausted system would
+  // make it fail (ResourceExhausted).
+  size_t staging_limit_bytes = 0;
   // The knobs' values (their defaults where unset); InvalidArgument for an invalid one.
   static absl::StatusOr<Tuning> FromEnvironment();
 };

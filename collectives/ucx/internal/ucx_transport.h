@@ -159,8 +159,12 @@ class Batch {
     return &c;
   }
   // A buffer owned by the batch (staging, scratch, encoded headers), 64-byte aligned, valid
-  // until the batch is reset or destroyed.
-  uint8_t* Buffer(size_t bytes);
+  // until the batch is reset or destroyed. ResourceExhausted naming the bytes if the memory
+  // cannot be had (or the limit below would be passed): never an abort.
+  absl::StatusOr<uint8_t*> Buffer(size_t bytes);
+  // Test hook: the most buffer memory the batch may hold (0: no limit beyond the system's), so
+  // that a test can make one rank's staging allocation fail.
+  void set_limit_bytes(size_t limit) { limit_bytes_ = limit; }
   Slots slots() { return {slots_.begin(), slots_.begin() + static_cast<std::ptrdiff_t>(used_)}; }
   // Forgets every slot and buffer (every request must be done and freed: see Release). Keeps
   // the memory, up to kRetainBytes of buffers (a large collective's scratch is given back).
@@ -190,6 +194,7 @@ class Batch {
   std::vector<Arena> arenas_;
   size_t arena_ = 0;   // the arena Buffer() carves from
   size_t offset_ = 0;  // bytes of it in use
+  size_t limit_bytes_ = 0;
 };
 
 class UcxTransport {
