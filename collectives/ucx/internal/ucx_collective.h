@@ -211,9 +211,9 @@ class CollectiveRun {
 // collective: its error, naming it); without, the abort notices that have arrived by then.
 absl::Status RunCollective(CollectiveRun& run);
 
-// Tests only: `hook` runs on the thread of every
-// large collective of the process after its fingerprint round, before its data moves, with the
-// rank and the collective's sequence number; null (the default) for none.
+// Tests only: `hook` runs on the thread of every large collective of the process after its
+// fingerprint round, before its data moves, with the rank and the collective's sequence number
+// (a straggler held there: ucx_communicator_test). Null, the default: none (one load).
 void SetBeforeDataHookForTesting(void (*hook)(int rank, uint64_t seq));
 
 }  // namespace shardline::ucx_internal
