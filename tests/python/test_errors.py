@@ -217,6 +217,8 @@ def test_killed_peer(launch):
         assert elapsed < timeout + 5, result.describe()
         assert "RemoteError" in line or "DeadlineExceededError" in line, result.describe()
         assert re.search(r"rank(\(s\))? 2\b", line), result.describe()  # names the dead rank
+        # A peer's fault on every survivor, the one that noticed the death first included.
+        assert "peer_error=True" in line, result.describe()
 
 
 def test_shrink_after_an_abort():
