@@ -38,6 +38,8 @@ class StatusError : public std::exception {
       : status_(std::move(status)),
         text_(status_.ToString(absl::StatusToStringMode::kWithNoExtraData)) {}
   const absl::Status& status() const { return status_; }
+  // The message; any bytes (a file's contents, a name from a manifest), not necessarily UTF-8.
+  const std::string& text() const { return text_; }
   const char* what() const noexcept override { return text_.c_str(); }
 
  private:
@@ -60,6 +62,7 @@ T Unwrap(absl::StatusOr<T> value) {
 void RegisterErrors(nb::module_& m);
 
 // A bound on a blocking wait: `timeout_s` seconds from now, or SHARDLINE_TIMEOUT_S when unset.
+// InvalidArgument for a negative timeout or NaN; infinity waits without bound.
 absl::Time DeadlineIn(std::optional<double> timeout_s);
 
 // One tensor argument: its memory, element count and dtype, and the Python object that owns the

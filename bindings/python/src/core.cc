@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -88,10 +89,12 @@ PyObject* ErrorTypeFor(const absl::Status& status) {
 }
 
 // A new exception object for `status` (its class per ErrorTypeFor, .code, .peer_error), or null
-// with the Python error set if even that failed.
-PyObject* MakeException(const absl::Status& status, const char* text) {
+// with the Python error set if even that failed. `text` need not be UTF-8 (a manifest's bytes, a
+// Latin-1 name): invalid bytes become U+FFFD, so the message and the class survive.
+PyObject* MakeException(const absl::Status& status, const std::string& text) {
   PyObject* type = ErrorTypeFor(status);
-  PyObject* message = PyUnicode_FromString(text);
+  PyObject* message =
+      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace");
   PyObject* value = message != nullptr ? PyObject_CallOneArg(type, message) : nullptr;
   Py_XDECREF(message);
   if (value == nullptr) return nullptr;
@@ -107,7 +110,7 @@ PyObject* MakeException(const absl::Status& status, const char* text) {
   return value;
 }
 
-void RaiseStatus(const absl::Status& status, const char* text) {
+void RaiseStatus(const absl::Status& status, const std::string& text) {
   PyObject* value = MakeException(status, text);
   if (value == nullptr) return;  // the failure to build the exception is the error now
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(value)), value);
@@ -416,17 +419,21 @@ struct PyMesh {
 
 // ---- Joining -------------------------------------------------------------------------------
 
+// A communicator's timeout argument: seconds > 0 (InvalidArgument naming `fn` otherwise).
+absl::Duration PositiveTimeout(double seconds, const char* fn) {
+  if (std::isnan(seconds))
+    ThrowInvalid(absl::StrCat(fn, ": timeout is NaN, not a number of seconds"));
+  if (!(seconds > 0)) ThrowInvalid(absl::StrCat(fn, ": timeout ", seconds, " s is not > 0"));
+  return absl::Seconds(seconds);
+}
+
 PyComm Init(const std::string& backend, std::optional<int> rank, std::optional<int> world_size,
             std::optional<std::string> address, std::optional<double> timeout_s,
             const std::string& name) {
   InitOptions options;
   options.backend = backend;
   options.name = name;
-  if (timeout_s.has_value()) {
-    if (!(*timeout_s > 0))
-      ThrowInvalid(absl::StrCat("init: timeout ", *timeout_s, " s is not > 0"));
-    options.timeout = absl::Seconds(*timeout_s);
-  }
+  if (timeout_s.has_value()) options.timeout = PositiveTimeout(*timeout_s, "init");
   if (rank.has_value() || world_size.has_value() || address.has_value()) {
     if (!rank.has_value() || !world_size.has_value()) {
       ThrowInvalid(
@@ -467,7 +474,7 @@ PyComm Init(const std::string& backend, std::optional<int> rank, std::optional<i
 std::vector<PyComm> InitLocal(int size, std::optional<double> timeout_s) {
   if (size < 1) ThrowInvalid(absl::StrCat("init_local: size ", size, " < 1"));
   LocalOptions options;
-  if (timeout_s.has_value()) options.timeout = absl::Seconds(*timeout_s);
+  if (timeout_s.has_value()) options.timeout = PositiveTimeout(*timeout_s, "init_local");
   std::vector<std::shared_ptr<Communicator>> comms =
       Unwrap(CreateLocalCommunicators(size, options));
   std::vector<PyComm> out;
@@ -528,7 +535,8 @@ void ThrowInvalid(std::string message) {
 
 absl::Time DeadlineIn(std::optional<double> timeout_s) {
   if (timeout_s.has_value()) {
-    if (!(*timeout_s >= 0)) ThrowInvalid(absl::StrCat("timeout ", *timeout_s, " s is negative"));
+    if (std::isnan(*timeout_s)) ThrowInvalid("timeout is NaN, not a number of seconds");
+    if (*timeout_s < 0) ThrowInvalid(absl::StrCat("timeout ", *timeout_s, " s is negative"));
     return absl::Now() + absl::Seconds(*timeout_s);
   }
   return DefaultDeadline();
@@ -564,7 +572,7 @@ void RegisterErrors(nb::module_& m) {
     try {
       std::rethrow_exception(p);
     } catch (const StatusError& e) {
-      RaiseStatus(e.status(), e.what());
+      RaiseStatus(e.status(), e.text());
     }
   });
 }
@@ -609,9 +617,10 @@ Tensor ToTensor(nb::handle obj, const char* what, bool writable, Device device) 
                               "uint8, int32 and int64"));
   }
   // C-contiguous: strides (in elements) are the suffix products of the shape; dimensions of size
-  // 1 may have any stride.
+  // 1 may have any stride. An empty tensor has no layout to check (numpy exports stride 0 for
+  // it); count 0 is a legal collective.
   int64_t expected = 1;
-  for (size_t i = array.ndim(); i-- > 0;) {
+  for (size_t i = array.size() == 0 ? 0 : array.ndim(); i-- > 0;) {
     if (array.shape(i) != 1 && array.stride(i) != expected) {
       ThrowInvalid(absl::StrCat(what, " is not C-contiguous (dimension ", i, " has stride ",
                                 array.stride(i), ", expected ", expected,
@@ -677,7 +686,7 @@ void RegisterCollectives(nb::module_& m) {
             absl::Status status = w.work.status();
             if (status.ok()) return nb::none();
             StatusError error(status);
-            PyObject* value = MakeException(status, error.what());
+            PyObject* value = MakeException(status, error.text());
             if (value == nullptr) throw nb::python_error();
             return nb::steal(value);
           },
