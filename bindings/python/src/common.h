@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -101,6 +102,10 @@ Scheduler& SchedulerOf(nb::handle scheduler);
 void RegisterCheckpoint(nb::module_& m);
 // init_with_store: communicators whose rendezvous goes through a Python (torch) store.
 void RegisterStore(nb::module_& m);
+
+// At interpreter exit (checkpoint.cc): waits (GIL released) for every live Checkpointer's
+// background save, each bounded by its own deadline; returns a line for each that failed.
+std::vector<std::string> FinishBackgroundSaves();
 
 }  // namespace shardline::python
 

@@ -282,6 +282,80 @@ int DrainPending(std::optional<double> timeout_s) {
   return unfinished;
 }
 
+// The collectives whose wait() gave up while they kept running, with that error; unfinished
+// ones are aborted at exit (ExitCleanup). Touched only with the GIL held; finished entries go
+// whenever one is added.
+struct TimedOut {
+  Work work;
+  std::string error;
+};
+std::vector<TimedOut>& TimedOutWorks() {
+  static auto* works = new std::vector<TimedOut>();
+  return *works;
+}
+
+void NoteTimedOut(const Work& work, const absl::Status& error) {
+  std::vector<TimedOut>& works = TimedOutWorks();
+  std::erase_if(works, [](const TimedOut& t) { return t.work.IsCompleted(); });
+  for (TimedOut& t : works) {
+    if (t.work.event() == work.event()) {
+      t.error = std::string(error.message());  // the latest wait's view of it
+      return;
+    }
+  }
+  works.push_back({work, std::string(error.message())});
+  // The package's exit handler was registered when it was imported, so it runs after those of
+  // adapters imported later (atexit runs the latest first), which may wait on these collectives
+  // (the torch adapter's futures): the aborts get a handler of their own, registered now.
+  static bool registered = false;
+  if (!registered) {
+    registered = true;
+    try {
+      nb::module_::import_("atexit").attr("register")(
+          nb::module_::import_("shardline").attr("_abort_timed_out"));
+    } catch (const nb::python_error&) {
+      // No package (the module imported alone): its exit handler, if any, still aborts them.
+    }
+  }
+}
+
+// Step 1 of ExitCleanup: aborts the communicator of every collective whose wait() timed out and
+// that is still unfinished. Returns a line per abort.
+std::vector<std::string> AbortTimedOut() {
+  std::vector<std::string> report;
+  std::vector<TimedOut> timed_out = std::move(TimedOutWorks());
+  TimedOutWorks().clear();
+  for (const TimedOut& t : timed_out) {
+    if (t.work.IsCompleted()) continue;
+    absl::Status reason = absl::AbortedError(
+        absl::StrCat("aborted at interpreter exit after a wait() gave up on it: ", t.error));
+    report.push_back(absl::StrCat("shardline: ", reason.message()));
+    nb::gil_scoped_release release;  // the abort tells the peers
+    t.work.Abort(std::move(reason));
+  }
+  return report;
+}
+
+// What the interpreter's exit does (the package's atexit handler), in this order:
+//   1. aborts the communicator of every collective whose wait() timed out and that is still
+//      unfinished: nobody here waits for it any more, and its peers are late or gone; the abort
+//      fails what is queued behind it at once and tells the peers;
+//   2. finishes every background checkpoint save (each bounded by its own deadline);
+//   3. drains the collectives whose Work was dropped (a peer may still wait on them), until
+//      `drain_timeout_s`; communicators already aborted (a dead peer, step 1) fail theirs at once.
+// Returns a line for each abort, failed save and undrained collective, for stderr.
+std::vector<std::string> ExitCleanup(std::optional<double> drain_timeout_s) {
+  std::vector<std::string> report = AbortTimedOut();
+  for (std::string& line : FinishBackgroundSaves()) report.push_back(std::move(line));
+  const int unfinished = DrainPending(drain_timeout_s);
+  if (unfinished > 0) {
+    report.push_back(absl::StrCat("shardline: ", unfinished,
+                                  " collective(s) whose Work was dropped were still running at "
+                                  "exit; their tensors are left allocated"));
+  }
+  return report;
+}
+
 PyWork MakeWork(absl::StatusOr<Work> work, std::vector<nb::object> keep) {
   CollectPending();
   return PyWork{Unwrap(std::move(work)), std::move(keep)};
@@ -293,6 +367,7 @@ void WaitWork(const PyWork& w, std::optional<double> timeout_s) {
     nb::gil_scoped_release release;
     status = w.work.Wait(DeadlineIn(timeout_s));
   }
+  if (absl::IsDeadlineExceeded(status) && !w.work.IsCompleted()) NoteTimedOut(w.work, status);
   ThrowIfError(status);
 }
 
@@ -779,6 +854,10 @@ void RegisterCollectives(nb::module_& m) {
         nb::arg("timeout") = nb::none(), nb::arg("name") = "world");
   m.def("init_local", &InitLocal, nb::arg("size"), nb::arg("timeout") = nb::none());
   m.def("_drain", &DrainPending, nb::arg("timeout") = nb::none());
+  m.def("_exit_cleanup", &ExitCleanup, nb::arg("drain_timeout") = nb::none(),
+        "What the interpreter's exit runs (shardline/__init__.py): abort, finish, drain.");
+  m.def("_abort_timed_out", &AbortTimedOut,
+        "ExitCleanup's first step alone (registered at the first wait() that times out).");
   m.def("_pending_works", [] {
     CollectPending(/*full=*/true);
     return Pendings().works.size();
