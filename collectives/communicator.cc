@@ -129,7 +129,15 @@ bool Work::IsCompleted() const {
 
 absl::Status Work::Wait(absl::Time deadline) const {
   if (done_ == nullptr) return absl::OkStatus();
-  return done_->Synchronize(deadline);
+  const absl::Time start = absl::Now();
+  absl::Status status = done_->Synchronize(deadline);
+  // The event's own message names only its stream; say which collective is late and why.
+  if (absl::IsDeadlineExceeded(status) && !IsCompleted()) {
+    if (std::shared_ptr<Communicator> comm = comm_.lock()) {
+      return comm->WaitTimedOut(kind_, seq_, absl::Now() - start);
+    }
+  }
+  return status;
 }
 
 absl::Status Work::Synchronize(Stream& stream) const {
@@ -137,9 +145,10 @@ absl::Status Work::Synchronize(Stream& stream) const {
   return stream.WaitEvent(*done_);
 }
 
-void Work::Abort() const {
+void Work::Abort(absl::Status reason) const {
   if (std::shared_ptr<Communicator> comm = comm_.lock()) {
-    comm->Abort(absl::AbortedError("aborted through a Work handle"));
+    comm->Abort(reason.ok() ? absl::AbortedError("aborted through a Work handle")
+                            : std::move(reason));
   }
 }
 
@@ -317,8 +326,52 @@ void Communicator::DumpAfterAbort() const {
 }
 
 std::string Communicator::Describe(const Op& op) const {
-  return absl::StrCat(CollectiveName(op.fingerprint.kind), " #", op.fingerprint.seq, " on ", name_,
-                      " (rank ", rank_, " of ", size_, ", ", backend(), ")");
+  return Describe(op.fingerprint.kind, op.fingerprint.seq);
+}
+
+std::string Communicator::Describe(CollectiveKind kind, uint64_t seq) const {
+  return absl::StrCat(CollectiveName(kind), " #", seq, " on ", name_, " (rank ", rank_, " of ",
+                      size_, ", ", backend(), ")");
+}
+
+absl::Status Communicator::WaitTimedOut(CollectiveKind kind, uint64_t seq,
+                                        absl::Duration waited) const {
+  std::string state = "still running";  // what is known without a flight record
+  FlightRecord record;
+  if (flight_->Find(seq, &record)) {
+    const absl::Time now = absl::Now();
+    switch (record.state) {
+      case FlightState::kQueued: {
+        state = absl::StrCat("still queued on stream '", record.stream, "'");
+        FlightRecord before;
+        if (seq > 0 && flight_->Find(seq - 1, &before) &&
+            (before.state == FlightState::kQueued || before.state == FlightState::kRunning)) {
+          absl::StrAppend(&state, ", behind ", CollectiveName(before.kind), " #", seq - 1, " (",
+                          FlightStateName(before.state), ")");
+        }
+        break;
+      }
+      case FlightState::kRunning: {
+        state =
+            absl::StrCat("running for ",
+                         absl::FormatDuration(absl::Trunc(
+                             now - absl::FromUnixNanos(record.started_ns), absl::Milliseconds(1))));
+        std::optional<std::vector<int>> peers = WaitingOn();
+        if (!peers.has_value() && record.waiting_known) peers = record.waiting_on;
+        if (peers.has_value() && !peers->empty()) {
+          absl::StrAppend(&state, ", waiting for rank(s) ", absl::StrJoin(*peers, ", "));
+        }
+        break;
+      }
+      case FlightState::kDone:
+      case FlightState::kFailed:
+        state = "it finished just as the wait gave up";
+        break;
+    }
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat(Describe(kind, seq), ": not finished after waiting ",
+                   absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), ": ", state));
 }
 
 absl::Status Communicator::MismatchError(const Op& op, int rank_a,
@@ -570,7 +623,7 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
     return done.status();
   }
   last_done_ = *done;
-  return Work(*std::move(done), weak_from_this());
+  return Work(*std::move(done), weak_from_this(), kind, op.fingerprint.seq);
 }
 
 absl::StatusOr<Work> Communicator::AllGather(const void* input, void* output, size_t count,

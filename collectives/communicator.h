@@ -173,25 +173,33 @@ class Work {
   // Never blocks: OK while the collective runs or once it succeeded; its error once it failed.
   absl::Status status() const;
   // Blocks the calling thread until the collective finished: OK, its error, or DeadlineExceeded
-  // if `deadline` passes first (the collective itself keeps running then).
+  // if `deadline` passes first (the collective itself keeps running then). That DeadlineExceeded
+  // names the collective and its sequence number, says whether it is still queued or running,
+  // and names the ranks it still waits for where the flight recorder knows them, e.g.
+  //   "all_reduce #3 on world (rank 0 of 2, ucx): not finished after waiting 1s: running for
+  //    1.02s, waiting for rank(s) 1"
+  // It carries no peer-error payload: the wait gave up, the collective did not fail.
   absl::Status Wait(absl::Time deadline) const;
   // Makes work enqueued on `stream` afterwards wait for the collective, without blocking the
   // host (for host streams: the stream's worker waits).
   absl::Status Synchronize(Stream& stream) const;
   // Aborts the communicator that issued the collective: it and every collective in flight or
-  // issued later fail with Aborted.
-  void Abort() const;
+  // issued later fail with `reason` (Aborted "aborted through a Work handle" if OK).
+  void Abort(absl::Status reason = absl::OkStatus()) const;
 
   // The event recorded after the collective on its stream (null for a default Work).
   const std::shared_ptr<Event>& event() const { return done_; }
 
  private:
   friend class Communicator;
-  Work(std::shared_ptr<Event> done, std::weak_ptr<Communicator> comm)
-      : done_(std::move(done)), comm_(std::move(comm)) {}
+  Work(std::shared_ptr<Event> done, std::weak_ptr<Communicator> comm, CollectiveKind kind,
+       uint64_t seq)
+      : done_(std::move(done)), comm_(std::move(comm)), kind_(kind), seq_(seq) {}
 
   std::shared_ptr<Event> done_;
   std::weak_ptr<Communicator> comm_;
+  CollectiveKind kind_ = CollectiveKind::kBarrier;
+  uint64_t seq_ = 0;
 };
 
 // How a backend's peers read memory registered with Communicator::RegisterMemory.
@@ -427,6 +435,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                              int rank_b, const CollectiveFingerprint& fp_b) const;
   // "all_gather #12 on world (rank 0 of 4)": the prefix of every error about `op`.
   std::string Describe(const Op& op) const;
+  std::string Describe(CollectiveKind kind, uint64_t seq) const;
   // A CollectiveOptions::key as this rank knows it: "'block3'" (the tag of the first collective
   // issued here with that key), else "key 4".
   std::string KeyName(uint64_t key) const;
@@ -440,6 +449,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
  private:
   friend class Registration;
+  friend class Work;
+  // Work::Wait's DeadlineExceeded for collective #`seq`, whose wait gave up after `waited`.
+  absl::Status WaitTimedOut(CollectiveKind kind, uint64_t seq, absl::Duration waited) const;
   absl::StatusOr<Work> Issue(CollectiveKind kind, const void* input, void* output,
                              size_t input_count, size_t output_count, size_t count, DType dtype,
                              ReduceOp op, int root, Stream& stream,

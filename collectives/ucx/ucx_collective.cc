@@ -207,9 +207,10 @@ absl::Status CollectiveRun::Check(const Completion& c) const {
                                             " sent more than the ", c.expected,
                                             " bytes expected (message truncated, discarded)"));
   }
-  return absl::UnavailableError(
-      absl::StrCat(hooks_.describe(), ": ", c.is_send ? "sending to" : "receiving from",
-                   " peer rank ", c.peer, " failed (ucx: ", UcxError(c.status), ")"));
+  return MarkPeerError(absl::UnavailableError(absl::StrCat(
+                           hooks_.describe(), ": ", c.is_send ? "sending to" : "receiving from",
+                           " peer rank ", c.peer, " failed (ucx: ", UcxError(c.status), ")")),
+                       absl::StrCat(c.peer));
 }
 
 absl::StatusOr<bool> CollectiveRun::Done(const Completion* c) const {

@@ -47,7 +47,7 @@ class UcxCommunicator final : public Communicator {
     transport_->SetAbortHandler([this](const absl::Status& reason, bool forward) {
       forward_abort_ = forward;
       // Only peers' aborts and deaths come through here.
-      Abort(MarkPeerError(reason, "peer"));
+      Abort(IsPeerError(reason) ? reason : MarkPeerError(reason, "peer"));
       forward_abort_ = true;
     });
   }

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/communicator.h"
 #include "runtime/clock.h"
 #include "runtime/config.h"
 #include "runtime/logging.h"
@@ -176,8 +177,11 @@ absl::Status UcxTransport::CheckPeers(absl::Time now) {
         std::lock_guard<std::mutex> lock(mu_);
         peers_[p].failed = true;
       }
-      peers_status_ = absl::UnavailableError(
-          absl::StrCat("peer rank ", p, " (pid ", peer_memory_.pid(p), " on this host) exited"));
+      // A peer error on this rank too, as on the ranks that learn it from the abort notice.
+      peers_status_ = MarkPeerError(
+          absl::UnavailableError(absl::StrCat("peer rank ", p, " (pid ", peer_memory_.pid(p),
+                                              " on this host) exited")),
+          absl::StrCat(p));
       Report(peers_status_, /*forward=*/true);
       return peers_status_;
     }

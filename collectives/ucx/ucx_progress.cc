@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "collectives/communicator.h"
 #include "runtime/logging.h"
 #include "runtime/stream.h"
 
@@ -45,8 +46,10 @@ bool UcxTransport::Progress() {
                            << f.peer << " closed its endpoint";
         continue;
       }
-      reports.push_back(absl::UnavailableError(
-          absl::StrCat("peer rank ", f.peer, " unreachable (ucx: ", UcxError(f.status), ")")));
+      reports.push_back(
+          MarkPeerError(absl::UnavailableError(absl::StrCat(
+                            "peer rank ", f.peer, " unreachable (ucx: ", UcxError(f.status), ")")),
+                        absl::StrCat(f.peer)));
     }
     failures_.clear();
   }

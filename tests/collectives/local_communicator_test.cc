@@ -101,6 +101,40 @@ TEST(LocalCommunicatorTest, ScratchThatCannotBeAllocatedIsResourceExhaustedOnEve
   }
 }
 
+// A wait that gives up says which collective is late, in what state, and whom it waits for; the
+// handle's Abort(reason) fails it with that reason.
+TEST(LocalCommunicatorTest, WaitTimeoutNamesTheCollectiveAndAbortTakesAReason) {
+  Comms comms = MakeComms(2);
+  auto stream = *CreateHostStream({.name = "s0"});
+  float value = 1;
+  absl::StatusOr<Work> reduce = comms[0]->AllReduce(&value, &value, 1, DType::kF32, *stream);
+  absl::StatusOr<Work> barrier = comms[0]->Barrier(*stream);
+  ASSERT_TRUE(reduce.ok() && barrier.ok());
+  absl::Status late = reduce->Wait(absl::Now() + absl::Milliseconds(100));
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  EXPECT_TRUE(absl::StartsWith(late.message(),
+                               "all_reduce #0 on world (rank 0 of 2, local): not finished after "
+                               "waiting "))
+      << late;
+  EXPECT_TRUE(absl::StrContains(late.message(), ": running for ")) << late;
+  EXPECT_TRUE(absl::EndsWith(late.message(), ", waiting for rank(s) 1")) << late;
+  EXPECT_FALSE(IsPeerError(late)) << late;  // the wait gave up; the collective did not fail
+  absl::Status queued = barrier->Wait(absl::Now());
+  EXPECT_TRUE(absl::StrContains(queued.message(),
+                                "barrier #1 on world (rank 0 of 2, local): not finished after "
+                                "waiting "))
+      << queued;
+  EXPECT_TRUE(absl::EndsWith(queued.message(),
+                             ": still queued on stream 's0', behind all_reduce #0 (running)"))
+      << queued;
+
+  reduce->Abort(absl::CancelledError("giving up"));
+  absl::Status aborted = reduce->Wait(absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(aborted.code(), absl::StatusCode::kCancelled) << aborted;
+  EXPECT_TRUE(absl::StrContains(aborted.message(), "giving up")) << aborted;
+  EXPECT_EQ(barrier->Wait(absl::Now() + absl::Seconds(30)).code(), absl::StatusCode::kCancelled);
+}
+
 TEST(CollectiveFingerprintTest, EncodeDecodeRoundTrip) {
   CollectiveFingerprint fp{
       CollectiveKind::kBroadcast, 1234567890123ull, 4097, DType::kBF16, ReduceOp::kSum, 5,

@@ -147,19 +147,94 @@ def test_wrong_device(pair):
 
 def test_deadline_and_work_state():
     a, b = shardline.init_local(2, timeout=30)
+    a.barrier(), b.barrier()  # collective #0: the all_reduce is #1
     x, y = np.ones(5, np.float32), np.full(5, 2.0, np.float32)
     wa = a.all_reduce(x)
-    # Rank 1 has not issued its part: the wait gives up at its own timeout.
+    # Rank 1 has not issued its part: the wait gives up at its own timeout, and says which
+    # collective is late and whom it waits for (not the stream's event).
     with pytest.raises(shardline.DeadlineExceededError) as info:
         wa.wait(timeout=0.2)
-    assert isinstance(info.value, TimeoutError)
+    e = info.value
+    assert isinstance(e, TimeoutError) and e.code == "DEADLINE_EXCEEDED"
+    assert re.fullmatch(r"DEADLINE_EXCEEDED: all_reduce #1 on world \(rank 0 of 2, local\): not finished after "
+                        r"waiting 2\d\dms: running for [\d.]+m?s, waiting for rank\(s\) 1",
+                        str(e)), str(e)
+    assert e.peer_error is False  # the wait gave up; the collective has not failed
+    # One queued behind it says so.
+    wq = a.barrier()
+    with pytest.raises(shardline.DeadlineExceededError,
+                       match=r"^DEADLINE_EXCEEDED: barrier #2 on world \(rank 0 of 2, local\): not finished after "
+                             r"waiting [\d.]+m?s: still queued on stream 'world.python', behind "
+                             r"all_reduce #1 \(running\)$"):
+        wq.wait(timeout=0.05)
     assert not wa.is_completed() and wa.exception() is None
     wb = b.all_reduce(y)
+    b.barrier()
     wa.wait(30)
     wb.wait(30)
+    wq.wait(30)
     assert wa.is_completed() and wa.exception() is None
     np.testing.assert_array_equal(x, np.full(5, 3.0))
     np.testing.assert_array_equal(y, np.full(5, 3.0))
+
+
+def test_timeout_arguments(pair):
+    works = [pair[0].barrier(), pair[1].barrier()]
+    with pytest.raises(shardline.InvalidArgumentError, match="timeout is NaN"):
+        works[0].wait(timeout=float("nan"))
+    with pytest.raises(shardline.InvalidArgumentError, match="timeout -1 s is negative"):
+        works[0].wait(timeout=-1)
+    for w in works:
+        w.wait(timeout=float("inf"))  # no bound: returns when done
+    with pytest.raises(shardline.InvalidArgumentError, match="init_local: timeout is NaN"):
+        shardline.init_local(2, timeout=float("nan"))
+    with pytest.raises(shardline.InvalidArgumentError, match="init_local: timeout -1 s is not > 0"):
+        shardline.init_local(2, timeout=-1)
+    with pytest.raises(shardline.InvalidArgumentError, match="init: timeout is NaN"):
+        shardline.init(rank=0, world_size=1, address="127.0.0.1:1", timeout=float("nan"))
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_zero_elements(pair, framework):
+    """Count 0 is a legal collective (it only advances the sequence); numpy exports an empty
+    array with stride 0, which is no layout to refuse."""
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        make = lambda shape: torch.zeros(shape)  # noqa: E731
+    else:
+        make = lambda shape: np.zeros(shape, np.float32)  # noqa: E731
+    for shape in [(0,), (0, 3), (3, 0, 2)]:
+        works = []
+        for c in pair:
+            works += [c.all_reduce(make(shape)), c.all_gather(make(shape), make(shape)),
+                      c.reduce_scatter(make(shape), make(shape)), c.broadcast(make(shape)),
+                      c.all_to_all(make(shape), make(shape))]
+        for w in works:
+            w.wait(30)
+    # The communicators still agree on the sequence afterwards.
+    x = [np.full(3, r + 1.0, np.float32) for r in range(2)]
+    works = [c.all_reduce(v) for c, v in zip(pair, x)]
+    for w in works:
+        w.wait(30)
+    np.testing.assert_array_equal(x[0], np.full(3, 3.0))
+
+
+def test_non_utf8_message_keeps_its_text(tmp_path):
+    """A message quoting bytes that are not UTF-8 (a Latin-1 value in a manifest) is raised as its
+    shardline.Error, the bad bytes replaced, not as a UnicodeDecodeError that loses it."""
+    world = shardline.init_local(1)[0]
+    sched = shardline.Scheduler(world)
+    sched.register_unit("u", [("w", (4,))])
+    ckpt = shardline.Checkpointer(sched)
+    ckpt.save(tmp_path / "c")
+    manifest = tmp_path / "c" / "manifest.json"
+    text = manifest.read_bytes()
+    assert b'"crc32c"' in text
+    manifest.write_bytes(text.replace(b'"crc32c"', b'"caf\xe9"'))
+    with pytest.raises(shardline.InvalidArgumentError) as info:
+        ckpt.load(tmp_path / "c")
+    assert '"caf\ufffd" is not "crc32c"' in str(info.value), str(info.value)
+    assert info.value.code == "INVALID_ARGUMENT"
 
 
 def test_mismatch_across_ranks_local():
@@ -217,6 +292,8 @@ def test_killed_peer(launch):
         assert elapsed < timeout + 5, result.describe()
         assert "RemoteError" in line or "DeadlineExceededError" in line, result.describe()
         assert re.search(r"rank(\(s\))? 2\b", line), result.describe()  # names the dead rank
+        # A peer's fault on every survivor, the one that noticed the death first included.
+        assert "peer_error=True" in line, result.describe()
 
 
 def test_shrink_after_an_abort():

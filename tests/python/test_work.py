@@ -1,6 +1,8 @@
 """Work: waits release the GIL, and a Work keeps its tensors alive after Python drops them."""
 
 import gc
+import os
+import re
 import threading
 import time
 import weakref
@@ -118,3 +120,26 @@ def test_drain_waits_for_dropped_works():
     assert shardline._core._drain(30) == 0
     assert shardline._core._pending_works() == 0
     np.testing.assert_array_equal(x, np.full(5, 2.0))
+
+
+@pytest.mark.parametrize("mode", ["kept", "dropped"])
+def test_exit_after_a_timed_out_wait(launch, tmp_path, mode):
+    """Rank 0's wait(timeout=1) on a collective rank 1 never joins raises; then its script ends.
+    With SHARDLINE_TIMEOUT_S at 60 it exits within 2 s of its last statement: the exit aborts the
+    timed-out collective's communicator (telling rank 1) instead of waiting for its deadline."""
+    fifo = tmp_path / "rank0-alive"
+    os.mkfifo(fifo)
+    result = launch(2, ["exit_worker.py", fifo, mode], timeout=30,
+                    env={"SHARDLINE_TIMEOUT_S": "60"})
+    assert result.returncode == 0, result.describe()
+    seq = 1  # after the barrier
+    timeout = result.lines("TIMEOUT ")
+    assert len(timeout) == 1, result.describe()
+    assert re.match(rf"TIMEOUT DEADLINE_EXCEEDED: all_reduce #{seq} on world \(rank 0 of 2, ucx\): not finished "
+                    r"after waiting 1(\.\d+)?s: running for [\d.]+m?s, waiting for rank\(s\) 1$",
+                    timeout[0]), result.describe()
+    assert len(result.lines(f"shardline: aborted at interpreter exit after a wait() gave up on "
+                            f"it: all_reduce #{seq} on world")) == 1, result.describe()
+    last = float(result.lines("LAST ")[0].split()[1])
+    gone = float(result.lines("GONE ")[0].split()[1])
+    assert 0 <= gone - last < 2, result.describe()

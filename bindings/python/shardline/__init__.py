@@ -147,6 +147,26 @@ def zeros(shape, dtype="float32", framework="numpy"):
     return _core._empty(_shape(shape), _dtype_name(dtype), framework, True)
 
 
-# Collectives whose Work was dropped keep their tensors until they are done; at exit, wait for
-# them (bounded) before the interpreter frees anything.
-_atexit.register(_core._drain, 60.0)
+def _report(lines):
+    import sys
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _exit_cleanup():
+    """At interpreter exit (docs/embedding.md, "Exit"): aborts the communicators of collectives
+    whose wait() timed out and that still run (their peers are late or gone: nothing would end
+    them before their own deadline), finishes background checkpoint saves, then waits (at most
+    60 s) for collectives whose Work was dropped, which a peer may still wait on. What it
+    aborted or could not finish goes to stderr."""
+    _report(_core._exit_cleanup(60.0))
+
+
+def _abort_timed_out():
+    """The first step of _exit_cleanup alone: the native module registers it with atexit at the
+    first wait() that times out, so that it runs before the exit handlers of adapters imported
+    after this package (atexit runs the latest first), which may wait on those collectives."""
+    _report(_core._abort_timed_out())
+
+
+_atexit.register(_exit_cleanup)

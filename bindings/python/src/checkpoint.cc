@@ -20,6 +20,7 @@
 
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -34,7 +35,22 @@
 namespace shardline::python {
 namespace {
 
+struct PyCheckpointer;
+// The live Checkpointers, for FinishBackgroundSaves. Touched only with the GIL held.
+std::set<PyCheckpointer*>& LiveCheckpointers() {
+  static auto* live = new std::set<PyCheckpointer*>();
+  return *live;
+}
+
 struct PyCheckpointer {
+  PyCheckpointer(nb::object s, std::unique_ptr<Checkpointer> c)
+      : scheduler(std::move(s)), checkpointer(std::move(c)) {
+    LiveCheckpointers().insert(this);
+  }
+  PyCheckpointer(const PyCheckpointer&) = delete;
+  PyCheckpointer& operator=(const PyCheckpointer&) = delete;
+  ~PyCheckpointer() { LiveCheckpointers().erase(this); }
+
   nb::object scheduler;            // the shardline.Scheduler, kept alive
   std::vector<nb::object> owners;  // the registered arrays, kept alive
   std::unique_ptr<Checkpointer> checkpointer;
@@ -85,7 +101,7 @@ void Create(PyCheckpointer* self, nb::object scheduler, uint64_t checksum_block_
     nb::gil_scoped_release release;
     made = Checkpointer::Create(s, options, deadline);
   }
-  new (self) PyCheckpointer{std::move(scheduler), {}, Unwrap(std::move(made))};
+  new (self) PyCheckpointer(std::move(scheduler), Unwrap(std::move(made)));
 }
 
 void AddState(PyCheckpointer& c, nb::handle unit_id, const std::string& name, nb::handle array) {
@@ -190,6 +206,29 @@ void Sync(PyComm& comm, nb::handle tensors, int root, size_t bucket_bytes,
 }
 
 }  // namespace
+
+std::vector<std::string> FinishBackgroundSaves() {
+  std::vector<std::pair<Checkpointer*, std::string>> pending;
+  for (PyCheckpointer* c : LiveCheckpointers()) {
+    if (c->checkpointer->save_pending()) {
+      pending.emplace_back(c->checkpointer.get(), c->checkpointer->last_save_stats().dir);
+    }
+  }
+  std::vector<std::string> failed;
+  for (auto& [checkpointer, dir] : pending) {
+    absl::Status outcome;
+    {
+      nb::gil_scoped_release release;
+      // The background part's waits are bounded by the save's own deadline.
+      outcome = checkpointer->WaitForSave(absl::InfiniteFuture());
+    }
+    if (!outcome.ok()) {
+      failed.push_back(absl::StrCat("shardline: the background checkpoint save '", dir,
+                                    "' failed: ", outcome.message()));
+    }
+  }
+  return failed;
+}
 
 void RegisterCheckpoint(nb::module_& m) {
   nb::class_<PyCheckpointer>(

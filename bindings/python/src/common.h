@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -38,6 +39,8 @@ class StatusError : public std::exception {
       : status_(std::move(status)),
         text_(status_.ToString(absl::StatusToStringMode::kWithNoExtraData)) {}
   const absl::Status& status() const { return status_; }
+  // The message; any bytes (a file's contents, a name from a manifest), not necessarily UTF-8.
+  const std::string& text() const { return text_; }
   const char* what() const noexcept override { return text_.c_str(); }
 
  private:
@@ -60,6 +63,7 @@ T Unwrap(absl::StatusOr<T> value) {
 void RegisterErrors(nb::module_& m);
 
 // A bound on a blocking wait: `timeout_s` seconds from now, or SHARDLINE_TIMEOUT_S when unset.
+// InvalidArgument for a negative timeout or NaN; infinity waits without bound.
 absl::Time DeadlineIn(std::optional<double> timeout_s);
 
 // One tensor argument: its memory, element count and dtype, and the Python object that owns the
@@ -98,6 +102,10 @@ Scheduler& SchedulerOf(nb::handle scheduler);
 void RegisterCheckpoint(nb::module_& m);
 // init_with_store: communicators whose rendezvous goes through a Python (torch) store.
 void RegisterStore(nb::module_& m);
+
+// At interpreter exit (checkpoint.cc): waits (GIL released) for every live Checkpointer's
+// background save, each bounded by its own deadline; returns a line for each that failed.
+std::vector<std::string> FinishBackgroundSaves();
 
 }  // namespace shardline::python
 

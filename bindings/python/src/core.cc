@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -88,10 +89,12 @@ PyObject* ErrorTypeFor(const absl::Status& status) {
 }
 
 // A new exception object for `status` (its class per ErrorTypeFor, .code, .peer_error), or null
-// with the Python error set if even that failed.
-PyObject* MakeException(const absl::Status& status, const char* text) {
+// with the Python error set if even that failed. `text` need not be UTF-8 (a manifest's bytes, a
+// Latin-1 name): invalid bytes become U+FFFD, so the message and the class survive.
+PyObject* MakeException(const absl::Status& status, const std::string& text) {
   PyObject* type = ErrorTypeFor(status);
-  PyObject* message = PyUnicode_FromString(text);
+  PyObject* message =
+      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace");
   PyObject* value = message != nullptr ? PyObject_CallOneArg(type, message) : nullptr;
   Py_XDECREF(message);
   if (value == nullptr) return nullptr;
@@ -107,7 +110,7 @@ PyObject* MakeException(const absl::Status& status, const char* text) {
   return value;
 }
 
-void RaiseStatus(const absl::Status& status, const char* text) {
+void RaiseStatus(const absl::Status& status, const std::string& text) {
   PyObject* value = MakeException(status, text);
   if (value == nullptr) return;  // the failure to build the exception is the error now
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(value)), value);
@@ -279,6 +282,80 @@ int DrainPending(std::optional<double> timeout_s) {
   return unfinished;
 }
 
+// The collectives whose wait() gave up while they kept running, with that error; unfinished
+// ones are aborted at exit (ExitCleanup). Touched only with the GIL held; finished entries go
+// whenever one is added.
+struct TimedOut {
+  Work work;
+  std::string error;
+};
+std::vector<TimedOut>& TimedOutWorks() {
+  static auto* works = new std::vector<TimedOut>();
+  return *works;
+}
+
+void NoteTimedOut(const Work& work, const absl::Status& error) {
+  std::vector<TimedOut>& works = TimedOutWorks();
+  std::erase_if(works, [](const TimedOut& t) { return t.work.IsCompleted(); });
+  for (TimedOut& t : works) {
+    if (t.work.event() == work.event()) {
+      t.error = std::string(error.message());  // the latest wait's view of it
+      return;
+    }
+  }
+  works.push_back({work, std::string(error.message())});
+  // The package's exit handler was registered when it was imported, so it runs after those of
+  // adapters imported later (atexit runs the latest first), which may wait on these collectives
+  // (the torch adapter's futures): the aborts get a handler of their own, registered now.
+  static bool registered = false;
+  if (!registered) {
+    registered = true;
+    try {
+      nb::module_::import_("atexit").attr("register")(
+          nb::module_::import_("shardline").attr("_abort_timed_out"));
+    } catch (const nb::python_error&) {
+      // No package (the module imported alone): its exit handler, if any, still aborts them.
+    }
+  }
+}
+
+// Step 1 of ExitCleanup: aborts the communicator of every collective whose wait() timed out and
+// that is still unfinished. Returns a line per abort.
+std::vector<std::string> AbortTimedOut() {
+  std::vector<std::string> report;
+  std::vector<TimedOut> timed_out = std::move(TimedOutWorks());
+  TimedOutWorks().clear();
+  for (const TimedOut& t : timed_out) {
+    if (t.work.IsCompleted()) continue;
+    absl::Status reason = absl::AbortedError(
+        absl::StrCat("aborted at interpreter exit after a wait() gave up on it: ", t.error));
+    report.push_back(absl::StrCat("shardline: ", reason.message()));
+    nb::gil_scoped_release release;  // the abort tells the peers
+    t.work.Abort(std::move(reason));
+  }
+  return report;
+}
+
+// What the interpreter's exit does (the package's atexit handler), in this order:
+//   1. aborts the communicator of every collective whose wait() timed out and that is still
+//      unfinished: nobody here waits for it any more, and its peers are late or gone; the abort
+//      fails what is queued behind it at once and tells the peers;
+//   2. finishes every background checkpoint save (each bounded by its own deadline);
+//   3. drains the collectives whose Work was dropped (a peer may still wait on them), until
+//      `drain_timeout_s`; communicators already aborted (a dead peer, step 1) fail theirs at once.
+// Returns a line for each abort, failed save and undrained collective, for stderr.
+std::vector<std::string> ExitCleanup(std::optional<double> drain_timeout_s) {
+  std::vector<std::string> report = AbortTimedOut();
+  for (std::string& line : FinishBackgroundSaves()) report.push_back(std::move(line));
+  const int unfinished = DrainPending(drain_timeout_s);
+  if (unfinished > 0) {
+    report.push_back(absl::StrCat("shardline: ", unfinished,
+                                  " collective(s) whose Work was dropped were still running at "
+                                  "exit; their tensors are left allocated"));
+  }
+  return report;
+}
+
 PyWork MakeWork(absl::StatusOr<Work> work, std::vector<nb::object> keep) {
   CollectPending();
   return PyWork{Unwrap(std::move(work)), std::move(keep)};
@@ -290,6 +367,7 @@ void WaitWork(const PyWork& w, std::optional<double> timeout_s) {
     nb::gil_scoped_release release;
     status = w.work.Wait(DeadlineIn(timeout_s));
   }
+  if (absl::IsDeadlineExceeded(status) && !w.work.IsCompleted()) NoteTimedOut(w.work, status);
   ThrowIfError(status);
 }
 
@@ -416,17 +494,21 @@ struct PyMesh {
 
 // ---- Joining -------------------------------------------------------------------------------
 
+// A communicator's timeout argument: seconds > 0 (InvalidArgument naming `fn` otherwise).
+absl::Duration PositiveTimeout(double seconds, const char* fn) {
+  if (std::isnan(seconds))
+    ThrowInvalid(absl::StrCat(fn, ": timeout is NaN, not a number of seconds"));
+  if (!(seconds > 0)) ThrowInvalid(absl::StrCat(fn, ": timeout ", seconds, " s is not > 0"));
+  return absl::Seconds(seconds);
+}
+
 PyComm Init(const std::string& backend, std::optional<int> rank, std::optional<int> world_size,
             std::optional<std::string> address, std::optional<double> timeout_s,
             const std::string& name) {
   InitOptions options;
   options.backend = backend;
   options.name = name;
-  if (timeout_s.has_value()) {
-    if (!(*timeout_s > 0))
-      ThrowInvalid(absl::StrCat("init: timeout ", *timeout_s, " s is not > 0"));
-    options.timeout = absl::Seconds(*timeout_s);
-  }
+  if (timeout_s.has_value()) options.timeout = PositiveTimeout(*timeout_s, "init");
   if (rank.has_value() || world_size.has_value() || address.has_value()) {
     if (!rank.has_value() || !world_size.has_value()) {
       ThrowInvalid(
@@ -467,7 +549,7 @@ PyComm Init(const std::string& backend, std::optional<int> rank, std::optional<i
 std::vector<PyComm> InitLocal(int size, std::optional<double> timeout_s) {
   if (size < 1) ThrowInvalid(absl::StrCat("init_local: size ", size, " < 1"));
   LocalOptions options;
-  if (timeout_s.has_value()) options.timeout = absl::Seconds(*timeout_s);
+  if (timeout_s.has_value()) options.timeout = PositiveTimeout(*timeout_s, "init_local");
   std::vector<std::shared_ptr<Communicator>> comms =
       Unwrap(CreateLocalCommunicators(size, options));
   std::vector<PyComm> out;
@@ -528,7 +610,8 @@ void ThrowInvalid(std::string message) {
 
 absl::Time DeadlineIn(std::optional<double> timeout_s) {
   if (timeout_s.has_value()) {
-    if (!(*timeout_s >= 0)) ThrowInvalid(absl::StrCat("timeout ", *timeout_s, " s is negative"));
+    if (std::isnan(*timeout_s)) ThrowInvalid("timeout is NaN, not a number of seconds");
+    if (*timeout_s < 0) ThrowInvalid(absl::StrCat("timeout ", *timeout_s, " s is negative"));
     return absl::Now() + absl::Seconds(*timeout_s);
   }
   return DefaultDeadline();
@@ -564,7 +647,7 @@ void RegisterErrors(nb::module_& m) {
     try {
       std::rethrow_exception(p);
     } catch (const StatusError& e) {
-      RaiseStatus(e.status(), e.what());
+      RaiseStatus(e.status(), e.text());
     }
   });
 }
@@ -609,9 +692,10 @@ Tensor ToTensor(nb::handle obj, const char* what, bool writable, Device device) 
                               "uint8, int32 and int64"));
   }
   // C-contiguous: strides (in elements) are the suffix products of the shape; dimensions of size
-  // 1 may have any stride.
+  // 1 may have any stride. An empty tensor has no layout to check (numpy exports stride 0 for
+  // it); count 0 is a legal collective.
   int64_t expected = 1;
-  for (size_t i = array.ndim(); i-- > 0;) {
+  for (size_t i = array.size() == 0 ? 0 : array.ndim(); i-- > 0;) {
     if (array.shape(i) != 1 && array.stride(i) != expected) {
       ThrowInvalid(absl::StrCat(what, " is not C-contiguous (dimension ", i, " has stride ",
                                 array.stride(i), ", expected ", expected,
@@ -677,7 +761,7 @@ void RegisterCollectives(nb::module_& m) {
             absl::Status status = w.work.status();
             if (status.ok()) return nb::none();
             StatusError error(status);
-            PyObject* value = MakeException(status, error.what());
+            PyObject* value = MakeException(status, error.text());
             if (value == nullptr) throw nb::python_error();
             return nb::steal(value);
           },
@@ -770,6 +854,10 @@ void RegisterCollectives(nb::module_& m) {
         nb::arg("timeout") = nb::none(), nb::arg("name") = "world");
   m.def("init_local", &InitLocal, nb::arg("size"), nb::arg("timeout") = nb::none());
   m.def("_drain", &DrainPending, nb::arg("timeout") = nb::none());
+  m.def("_exit_cleanup", &ExitCleanup, nb::arg("drain_timeout") = nb::none(),
+        "What the interpreter's exit runs (shardline/__init__.py): abort, finish, drain.");
+  m.def("_abort_timed_out", &AbortTimedOut,
+        "ExitCleanup's first step alone (registered at the first wait() that times out).");
   m.def("_pending_works", [] {
     CollectPending(/*full=*/true);
     return Pendings().works.size();

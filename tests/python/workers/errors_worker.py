@@ -56,7 +56,8 @@ def kill(world, timeout):
         world.all_reduce(np.ones(1001, dtype=np.float32)).wait(3 * timeout)
     except shardline.Error as e:
         elapsed = time.monotonic() - start
-        print(f"SURVIVOR rank {rank} after {elapsed:.2f} s: {describe(e)}", flush=True)
+        print(f"SURVIVOR rank {rank} after {elapsed:.2f} s: peer_error={e.peer_error} "
+              f"{describe(e)}", flush=True)
         return 0
     print(f"rank {rank}: all_reduce succeeded without the killed rank", flush=True)
     return 1
