@@ -358,14 +358,15 @@ class FlightRecorderTest(unittest.TestCase):
                 "backend": "ucx", "rank": rank, "size": size, "pid": 100 + rank, "host": "h",
                 "reason": "test", "dumped_at_ns": 1, "capacity": 2048, "recorded": len(entries),
                 "next_seq": 0, "entries": []}
-        for seq, kind, state, tag, waiting in entries:
+        for item in entries:
+            seq, kind, state, tag, waiting = item[:5]
             e = {"seq": seq, "call": f"{kind}(count=4, f32)", "kind": kind, "count": 4,
                  "dtype": "f32", "op": "sum", "root": 0, "stream": "s", "tag": tag,
                  "state": state, "enqueued_ns": 1, "started_ns": 2, "ended_ns": 0, "error": ""}
             if waiting is not None:
                 e["waiting_on"] = waiting
             if state == "failed":
-                e["error"] = "INTERNAL: boom"
+                e["error"] = item[5] if len(item) > 5 else "INTERNAL: boom"
             dump["entries"].append(e)
         name = comm.replace("/", "_")
         with open(os.path.join(self.dir, f"flight.{name}.rank{rank}.json"), "w") as fh:
@@ -407,6 +408,17 @@ class FlightRecorderTest(unittest.TestCase):
         self.write_dump("g", 0, 4, [(5, ar, "failed", "", [1])])
         self.write_dump("g", 1, 4, [(5, ar, "failed", "", [2])])
         self.write_dump("g", 2, 4, [(5, ar, "failed", "", [3])])
+        # "i": deadline dumps where the straggler failed too: rank 2 was stopped in all_gather
+        # #51, its peers timed out waiting for it and aborted, and once resumed it failed #51 on
+        # their abort marks; the waits go round (1 <-> 2), but the deadline names rank 2.
+        late = "DEADLINE_EXCEEDED: all_gather #51 on i: timed out after 8s waiting for rank(s) 2"
+        self.write_dump("i", 0, 3, [(50, rs, "done", "u50", None),
+                                    (51, ag, "failed", "u51", [], late)])
+        self.write_dump("i", 1, 3, [(50, rs, "done", "u50", None),
+                                    (51, ag, "failed", "u51", [2], late)])
+        self.write_dump("i", 2, 3, [(50, rs, "done", "u50", None),
+                                    (51, ag, "failed", "u51", [1],
+                                     "ABORTED: all_gather #51 on i: peer rank 1 aborted: " + late)])
         # "h": both ranks in #3, neither record says whom it waits on (nccl): no rank waits on
         # nobody, so nobody is named.
         for r in range(2):
@@ -427,12 +439,14 @@ class FlightRecorderTest(unittest.TestCase):
             "rank 3)",
             "[h] ranks 0-1 wait on one another in all_reduce #3 (the records name no rank that "
             "waits on nobody)",
+            "[i] rank 2 is behind: it last completed reduce_scatter #50 (unit u50), ranks 0-1 wait "
+            "in all_gather #51 (unit u51)",
             "[b] nothing pending: all 2 ranks completed up to #1",
         ])
         code, stdout, stderr = self.flight("--json")
         culprits = {f["communicator"]: f["culprits"] for f in json.loads(stdout)}
         self.assertEqual(culprits, {"a": [2], "b": [], "c": [], "d/x": [1], "e": [3], "f": [1],
-                                    "g": [3], "h": []})
+                                    "g": [3], "h": [], "i": [2]})
 
     def test_bad_input(self):
         code, _, stderr = self.flight()
