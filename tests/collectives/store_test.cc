@@ -1035,7 +1035,10 @@ TEST(TcpStoreTest, StalledLargeSetsCostWhatWasSentNotWhatWasAnnounced) {
     stalled.back()->Send(prefix);
   }
   ASSERT_TRUE(AwaitStats(
-      *server, [&](const TcpStoreServer::Stats& s) { return s.buffered_bytes >= kClients * kSent; },
+      *server,
+      [&](const TcpStoreServer::Stats& s) {
+        return s.buffered_bytes >= static_cast<int64_t>(kClients * kSent);
+      },
       Bound()));
   const int64_t grown = ResidentBytes() - before;
   // Sized from the headers, the buffers would take 40 x 64 MiB = 2.5 GiB.

@@ -622,7 +622,9 @@ TEST(UcxCommunicatorTest, MailboxWaitsThatSleepAtOnceMoveDataCorrectly) {
 std::atomic<int> g_straggler{-1};
 Gate* g_straggler_resume = nullptr;
 void StallTheStraggler(int rank, uint64_t /*seq*/) {
-  if (rank == g_straggler.load()) EXPECT_TRUE(g_straggler_resume->Wait()) << "never resumed";
+  if (rank == g_straggler.load()) {
+    EXPECT_TRUE(g_straggler_resume->Wait()) << "never resumed";
+  }
 }
 
 // A straggler resumed after its peer gave up on a collective never returns OK from it: rank 1

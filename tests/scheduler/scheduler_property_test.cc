@@ -298,7 +298,9 @@ void RunConfig(const Config& c) {
     Scheduler& s = *w->schedulers[r];
     ASSERT_EQ(s.MinimumBudgetBytes(), minimum);
     ASSERT_FALSE(s.SetBudget(minimum - 1, 0).ok());
-    if (minimum_units > 1) ASSERT_FALSE(s.SetBudget(0, minimum_units - 1).ok());
+    if (minimum_units > 1) {
+      ASSERT_FALSE(s.SetBudget(0, minimum_units - 1).ok());
+    }
     ASSERT_TRUE(s.SetBudget(budget, budget_units).ok());
   }
   if (keep) {
@@ -377,15 +379,22 @@ void RunConfig(const Config& c) {
         ASSERT_TRUE(m.ok()) << m.status();
         const std::string where =
             absl::StrCat("rank ", r, " step ", step, " micro-batch ", mb, ": ", m->ToString());
-        if (budget > 0) EXPECT_LE(m->peak_inflight_bytes, budget) << where;
-        if (budget_units > 0) EXPECT_LE(m->peak_inflight_units, budget_units) << where;
+        if (budget > 0) {
+          EXPECT_LE(m->peak_inflight_bytes, budget) << where;
+        }
+        if (budget_units > 0) {
+          EXPECT_LE(m->peak_inflight_units, budget_units) << where;
+        }
         EXPECT_EQ(m->budget_overshoots, 0) << where;
         EXPECT_EQ(m->order_deviations, 0) << where;
         const bool synced = !(c.accumulation == Accumulation::kNoSync ||
                               c.accumulation == Accumulation::kNoSyncKeep) ||
                             last;
-        if (!synced) EXPECT_GT(m->accumulated_grad_bytes, 0u) << where;
-        if (synced) EXPECT_EQ(m->accumulated_grad_bytes, 0u) << where;
+        if (synced) {
+          EXPECT_EQ(m->accumulated_grad_bytes, 0u) << where;
+        } else {
+          EXPECT_GT(m->accumulated_grad_bytes, 0u) << where;
+        }
         logs[r] = s.issue_log();
       }
       for (int r = 1; r < n; ++r) {
