@@ -299,7 +299,8 @@ TEST(UcxCommunicatorTest, BatchReusesSlotsAndBuffersAndGivesBackLargeScratch) {
   batch.set_limit_bytes(100u << 10);
   absl::StatusOr<uint8_t*> limited = batch.Buffer(200u << 10);
   EXPECT_TRUE(absl::IsResourceExhausted(limited.status())) << limited.status();
-  EXPECT_TRUE(absl::StrContains(limited.status().message(), "cannot allocate 204800 bytes"))
+  // The arena's size may exceed the buffer's (alignment padding differs between builds).
+  EXPECT_TRUE(absl::StrContains(limited.status().message(), "for a buffer of 204800 bytes"))
       << limited.status();
   EXPECT_EQ(batch.held_bytes(), 64u << 10);
   EXPECT_TRUE(batch.Buffer(1000).ok());
