@@ -148,8 +148,20 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
       status = Annotate(transport_.CmaRead(read.peer, read.dst, read.desc[kAddress], read.bytes),
                         hooks_.describe());
       // A peer whose collective failed may have freed the buffer already: its reason counts.
-      absl::Status comm = hooks_.comm_status();
-      if (absl::IsInternal(status) && !comm.ok()) status = Annotate(comm, hooks_.describe());
+      // It aborted before it freed anything, so its notice is here or on its way (as in
+      // PeerAborted): wait for it a moment rather than report the read.
+      if (absl::IsInternal(status)) {
+        const absl::Time until = absl::Now() + absl::Milliseconds(200);
+        for (absl::Status comm = hooks_.comm_status();; comm = hooks_.comm_status()) {
+          if (!comm.ok()) {
+            status = Annotate(comm, hooks_.describe());
+            break;
+          }
+          if (absl::Now() >= until) break;
+          transport_.Progress();
+          std::this_thread::yield();
+        }
+      }
     }
     if (!status.ok()) {
       reads_[kept++] = read;
@@ -437,8 +449,15 @@ absl::Status RunThroughMailboxes(CollectiveRun& run, Mailboxes& boxes) {
       if (p != me) staging[p] = MailboxPayloadFor(run, boxes.payload(p, count), p);
     }
     SL_RETURN_IF_ERROR(FinishSmall(run, staging));
-  } else {
-    SL_RETURN_IF_ERROR(RunLarge(run));
+  } else if (absl::Status large = RunLarge(run); !large.ok()) {
+    // A read of a peer's buffer fails (EFAULT) once that peer gave up on the collective and
+    // freed it; the peer marked its mailbox first (MarkAborted): report the peer's reason, not
+    // the read.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    for (int p = 0; p < n; ++p) {
+      if (p != me && boxes.AbortedBefore(p, count)) return run.PeerAborted(p);
+    }
+    return large;
   }
   // Every read of a peer's memory for this collective is done: its slot, and the buffers of a
   // large one (mapped, borrowed or read with process_vm_readv). A peer that gave up on this
