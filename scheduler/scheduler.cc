@@ -364,12 +364,21 @@ absl::Status Scheduler::HookError(absl::string_view hook, int unit, absl::Status
   // A failed stream or collective leaves the step inconsistent across ranks: stop here. A peer's
   // disagreement is InvalidArgument too, but with the peer payload; a misuse of the hooks on
   // this rank (an unknown unit, a call out of order) issued nothing and poisons nothing.
-  if (IsPeerError(status)) {
-    failed_ = WithOrderNote(std::move(status));
-    return failed_;
+  if (IsPeerError(status)) return Fail(WithOrderNote(std::move(status)));
+  if (!absl::IsInvalidArgument(status) && !absl::IsFailedPrecondition(status)) {
+    return Fail(std::move(status));
   }
-  if (!absl::IsInvalidArgument(status) && !absl::IsFailedPrecondition(status)) failed_ = status;
   return status;
+}
+
+absl::Status Scheduler::Fail(absl::Status status) {
+  failed_ = std::move(status);
+  // The ranks' collectives no longer match: abort the scheduler's communicators, so that a peer
+  // blocked in one (a reduction this rank will never issue) fails now, not at its deadline.
+  for (Communicator* comm : {gather_comm_.get(), reduce_comm_.get(), replicate_comm_.get()}) {
+    if (comm != nullptr) comm->Abort(failed_);
+  }
+  return failed_;
 }
 
 absl::Status Scheduler::WithOrderNote(absl::Status status) const {
@@ -389,10 +398,9 @@ absl::Status Scheduler::WithOrderNote(absl::Status status) const {
 
 absl::Status Scheduler::StreamError(absl::string_view hook, int unit, absl::Status status) {
   if (status.ok()) return status;
-  failed_ = WithOrderNote(Annotate(
+  return Fail(WithOrderNote(Annotate(
       status, absl::StrCat("scheduler '", options_.name, "': ", hook, "('", units_[unit].name,
-                           "') in step ", step_, ": stream '", compute_.name(), "' failed")));
-  return failed_;
+                           "') in step ", step_, ": stream '", compute_.name(), "' failed"))));
 }
 
 // --- Budget ---------------------------------------------------------------------------------
@@ -936,10 +944,7 @@ absl::Status Scheduler::FinishBackward() {
                                                         " Pre hooks without their Post)"));
     }
   }
-  auto fail = [&](absl::Status status) {
-    failed_ = WithOrderNote(Annotate(status, hook()));
-    return failed_;
-  };
+  auto fail = [&](absl::Status status) { return Fail(WithOrderNote(Annotate(status, hook()))); };
   // Every remaining backward gather, in order: a unit whose backward did not run here may have
   // run on another rank, which gathered it at this position.
   if (!backward_sequence_.empty()) {

@@ -452,6 +452,9 @@ class Scheduler {
   absl::Status HookError(absl::string_view hook, int unit, absl::Status status);
   // A failed compute stream: kept like HookError's, whatever its code.
   absl::Status StreamError(absl::string_view hook, int unit, absl::Status status);
+  // Keeps `status` (every later hook returns it) and aborts the scheduler's communicators with
+  // it, so that peers blocked in their collectives fail at once. Returns it.
+  absl::Status Fail(absl::Status status);
   // A peer's error during a step, with whether this rank kept to the known forward order.
   absl::Status WithOrderNote(absl::Status status) const;
   absl::Status BeginStep();
