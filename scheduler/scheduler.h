@@ -81,10 +81,12 @@
 // InvalidArgument or FailedPrecondition and changes nothing. A failed stream or collective, or a
 // peer's disagreement (an error with the peer payload, IsPeerError), leaves the step
 // inconsistent across ranks: the hook that sees it returns it and every later hook returns that
-// same error. Destroying the scheduler is safe in any state, mid-step included: buffers go back
-// to their pools after their readers' events; what is still read after one SHARDLINE_TIMEOUT_S
-// is leaked (warned, counted in the pools' MemoryStats::leaked_*), never freed under a reader;
-// on virtual time the drain drives the timeline.
+// same error, and the scheduler aborts its gather, reduce and replicate communicators with it,
+// so that peers blocked in their collectives fail at once. Destroying the scheduler is safe in any
+// state, mid-step included: buffers go back to their pools after their readers' events; what is
+// still read after one SHARDLINE_TIMEOUT_S is leaked (warned, counted in the pools'
+// MemoryStats::leaked_*), never freed under a reader; on virtual time the drain drives the
+// timeline.
 //
 // Thread safety: one thread at a time calls the hooks (as PyTorch's autograd engine does, one
 // backward at a time); the streams run anywhere.
