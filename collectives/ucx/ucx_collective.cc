@@ -151,15 +151,8 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
       // It aborted before it freed anything, so its notice is here or on its way (as in
       // PeerAborted): wait for it a moment rather than report the read.
       if (absl::IsInternal(status)) {
-        const absl::Time until = absl::Now() + absl::Milliseconds(200);
-        for (absl::Status comm = hooks_.comm_status();; comm = hooks_.comm_status()) {
-          if (!comm.ok()) {
-            status = Annotate(comm, hooks_.describe());
-            break;
-          }
-          if (absl::Now() >= until) break;
-          transport_.Progress();
-          std::this_thread::yield();
+        if (absl::Status reason = AwaitAbortReason(absl::Milliseconds(200)); !reason.ok()) {
+          status = std::move(reason);
         }
       }
     }
@@ -291,16 +284,20 @@ absl::Status CollectiveRun::PollOnce() {
   return ServeReads(&activity);
 }
 
-absl::Status CollectiveRun::PeerAborted(int peer) {
-  // The notice follows the mark (BroadcastAbort): it is here or on its way.
-  const absl::Time until = absl::Now() + absl::Milliseconds(100);
+absl::Status CollectiveRun::AwaitAbortReason(absl::Duration within) {
+  const absl::Time until = absl::Now() + within;
   while (true) {
     transport_.Progress();
     absl::Status comm = hooks_.comm_status();
     if (!comm.ok()) return Annotate(comm, hooks_.describe());
-    if (absl::Now() >= until) break;
+    if (absl::Now() >= until) return absl::OkStatus();
     std::this_thread::yield();
   }
+}
+
+absl::Status CollectiveRun::PeerAborted(int peer) {
+  // The notice follows the mark (BroadcastAbort): it is here or on its way.
+  SL_RETURN_IF_ERROR(AwaitAbortReason(absl::Milliseconds(100)));
   return MarkPeerError(
       absl::AbortedError(absl::StrCat(hooks_.describe(), ": rank ", peer,
                                       " aborted the communicator (its reason did not arrive)")),

@@ -152,6 +152,10 @@ class CollectiveRun {
   // communicator's abort reason once the peer's notice is in (waited for 100 ms at most), else
   // Aborted naming the peer.
   absl::Status PeerAborted(int peer);
+  // Progresses until the communicator's status turns to an error (a peer's abort notice, which
+  // follows its mailbox mark or a failed read of its memory) or `within` passes: that error
+  // (annotated with the collective), or OK if none came.
+  absl::Status AwaitAbortReason(absl::Duration within);
 
   // Marks single-copy receives that will never be served (the collective failed) as cancelled,
   // so that the batch can be released.
