@@ -2,7 +2,7 @@
 """Open MPI's reduce-scatter under each of its `coll_tuned` algorithms, beside shardline's, in one run.
 
     bench/compare/mpi_reduce_scatter_algorithms.py [--build-dir build] [--ranks 2 4] [--rounds 3]
-        [--json bench/results/<date>-mpi-reduce-scatter-algorithms.json]
+        [--json build/bench-results/<date>-mpi-reduce-scatter-algorithms.json]
 
 Open MPI picks a reduce-scatter algorithm by a fixed decision table unless
 `coll_tuned_use_dynamic_rules` is set; then `coll_tuned_reduce_scatter_block_algorithm` forces

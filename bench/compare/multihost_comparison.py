@@ -14,7 +14,7 @@ joined by veth pairs through a bridge; needs root), then, for every round, runs 
     other hosts through testhosts.py's rsh agent;
 in alternating order, over the same size groups. Data are checked in the first round. Prints a
 Markdown table (median busbw over rounds, better of out-of-place and in-place, recomputed from
-the times in MB/s) and writes bench/results/multihost-<date>.json (--table JSON reprints it).
+the times in MB/s) and writes build/bench-results/multihost-<date>.json (--table JSON reprints it).
 Reuses run_comparison.py's parsing and summaries.
 """
 
@@ -107,7 +107,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one small group (a smoke test)")
     parser.add_argument("--launch-timeout", type=float, default=300)
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "build", "bench-results"))
     parser.add_argument("--table", metavar="JSON",
                         help="print the table of an earlier run's results file and exit")
     args = parser.parse_args()

@@ -15,10 +15,11 @@ End to end (outside CI; about 6 minutes on the 2-core VM at load ~3.5, 138 launc
      allreduce) and single-thread memcpy; a peer sweeps every group in ONE launch (-G, the same
      per-group -n/-w as shardline's launches). The order of the four systems rotates every round
      so that machine noise hits every system alike; data are checked (#wrong) in the first round;
-  4. writes bench/results/<date>.json (machine, load, medians, ratios, targets, per-round
+  4. writes build/bench-results/<date>.json (machine, load, medians, ratios, targets, per-round
      measurements as compact rows, the time every launch took, the elapsed time) and
-     bench/results/<date>.png (busbw against size, one panel per collective, one line per system
-     and rank count), and prints the ratio table (Markdown), the targets and the elapsed time.
+     build/bench-results/<date>.png (busbw against size, one panel per collective, one line per
+     system and rank count), and prints the ratio table (Markdown), the targets and the elapsed
+     time.
 
 Each system's number at a size is the median over rounds (all sizes, every round) of the better
 of its out-of-place and in-place busbw (a form a system lacks counts as missing); latency is the
@@ -390,7 +391,7 @@ def main():
     parser.add_argument("--no-install", action="store_true", help="skip apt/pip")
     parser.add_argument("--launch-timeout", type=float, default=240,
                         help="seconds one launch may take before it is killed (default 240)")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "build", "bench-results"))
     args = parser.parse_args()
     args.build_dir = os.path.abspath(args.build_dir)
     started = time.monotonic()

@@ -33,7 +33,7 @@ on shardline.empty memory.
 
 --python-path may be given more than once, as LABEL=PATH, to compare builds of the module in one
 run (e.g. before=build-py-old/python after=build-py/python). Writes
-bench/results/<date>-python-overhead.json (machine, load, environment, every launch's numbers,
+build/bench-results/<date>-python-overhead.json (machine, load, environment, every launch's numbers,
 the summary) and prints the table as Markdown.
 """
 
@@ -304,7 +304,8 @@ def main():
     p.add_argument("--launch-timeout", type=float, default=120,
                    help="seconds one launch may take before it is killed (default 120)")
     p.add_argument("--json", help="where to write the results (default "
-                                  "bench/results/<date>-python-overhead.json; none with --quick)")
+                                  "build/bench-results/<date>-python-overhead.json; "
+                                  "none with --quick)")
     args = p.parse_args()
     args.build_dir = os.path.abspath(args.build_dir)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 9)
@@ -373,7 +374,7 @@ def main():
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
     json_path = args.json
     if json_path is None and not args.quick:
-        json_path = os.path.join(ROOT, "bench", "results", f"{stamp}-python-overhead.json")
+        json_path = os.path.join(ROOT, "build", "bench-results", f"{stamp}-python-overhead.json")
     if json_path:
         doc = {"date": stamp, "benchmark": "python-overhead", "commit": git_commit(),
                "machine": machine(), "load_before": load_before,

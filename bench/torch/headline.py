@@ -416,7 +416,8 @@ def main():
     args.warmup = defaults[2] if args.warmup is None else args.warmup
     if not args.out:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
-        args.out = str(ROOT / "bench" / "results" / f"{stamp}-torch{'-quick' if args.quick else ''}{'-sweep' if args.sweep else ''}")
+        name = f"{stamp}-torch{'-quick' if args.quick else ''}{'-sweep' if args.sweep else ''}"
+        args.out = str(ROOT / "build" / "bench-results" / name)
     if args.summarize:
         args.out = args.summarize
         sys.exit(summarize_dir(args))
