@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "runtime/clock.h"
 #include "runtime/config.h"
+#include "runtime/internal/clock_internal.h"
 #include "runtime/internal/host_stream_internal.h"
 #include "runtime/internal/lock_spinning.h"
 #include "runtime/internal/stream_internal.h"
@@ -500,6 +501,11 @@ absl::StatusOr<std::shared_ptr<Event>> RecordSharedOnHostStream(Stream& stream) 
 }  // namespace stream_internal
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateHostStream(StreamOptions options) {
+  // Before any worker exists whose wake-up a thread could hold back: threads about to block in a
+  // clock's wait wake the workers they hold back first.
+  static const bool hooked =
+      (clock_internal::SetBeforeBlockHook(&stream_internal::WakeHeldWorkers), true);
+  (void)hooked;
   SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
   const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();
   const stream_internal::StreamTracer tracer(options);
