@@ -1,22 +1,31 @@
 #include "runtime/clock.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 #include "absl/time/clock.h"
 #include "runtime/check.h"
-#include "runtime/internal/stream_internal.h"
+#include "runtime/internal/clock_internal.h"
 
 namespace shardline {
 namespace {
+
+std::atomic<clock_internal::BeforeBlockHook> before_block_hook{nullptr};
+
+// The calling thread is about to block: it must not hold back work it may be waiting for.
+void BeforeBlock() {
+  if (clock_internal::BeforeBlockHook hook = before_block_hook.load(std::memory_order_acquire)) {
+    hook();
+  }
+}
 
 class WallClockImpl final : public Clock {
  public:
   absl::Time Now() const override { return absl::Now(); }
   bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                  absl::Time deadline, absl::FunctionRef<bool()> done) const override {
-    // This thread is about to block: it must not hold back a worker it may be waiting for.
-    stream_internal::WakeHeldWorkers();
+    BeforeBlock();
     if (deadline == absl::InfiniteFuture()) {
       cv.wait(lock, [&] { return done(); });
       return true;
@@ -27,6 +36,12 @@ class WallClockImpl final : public Clock {
 };
 
 }  // namespace
+
+namespace clock_internal {
+void SetBeforeBlockHook(BeforeBlockHook hook) {
+  before_block_hook.store(hook, std::memory_order_release);
+}
+}  // namespace clock_internal
 
 const Clock& WallClock() {
   static const WallClockImpl* const clock = new WallClockImpl();
@@ -40,7 +55,7 @@ absl::Time ManualClock::Now() const {
 
 bool ManualClock::WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                             absl::Time deadline, absl::FunctionRef<bool()> done) const {
-  stream_internal::WakeHeldWorkers();  // see WallClockImpl::WaitUntil
+  BeforeBlock();
   if (deadline == absl::InfiniteFuture()) {
     cv.wait(lock, [&] { return done(); });
     return true;

@@ -1,4 +1,5 @@
-// Host and caller streams, host events, and the stream factories of runtime/stream.h.
+// Host streams (CreateHostStream): one worker thread and one FIFO each, and the batching of their
+// wake-ups (HostStreamWakeBatch).
 
 #include <pthread.h>
 #include <sched.h>
@@ -7,10 +8,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
 #include <typeinfo>
@@ -21,19 +20,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "runtime/clock.h"
 #include "runtime/config.h"
+#include "runtime/internal/clock_internal.h"
+#include "runtime/internal/host_stream_internal.h"
 #include "runtime/internal/lock_spinning.h"
 #include "runtime/internal/stream_internal.h"
-#include "runtime/recycling.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
-#include "runtime/trace.h"
-
-#ifdef SHARDLINE_WITH_CUDA
-#include "runtime/cuda/cuda_stream.h"
-#endif
 
 namespace shardline {
 
@@ -51,57 +46,10 @@ SL_PARAM(int64_t, StreamSpinUs, "STREAM_SPIN_US", -1,
          "(never on a machine of fewer than 4), else 0. At most 1 s.",
          InRange<int64_t>(-1, 1000000));
 
-// ---- Stream (the base) -----------------------------------------------------------------------
-
-namespace {
-std::atomic<uint64_t> next_stream_id{1};
-}  // namespace
-
-Stream::Stream() : id_(next_stream_id.fetch_add(1, std::memory_order_relaxed)) {}
-
-absl::Status Stream::Enqueue(Work work) {
-  StreamOp op;
-  op.run = std::move(work);
-  return Submit(std::move(op));
-}
-
-absl::string_view StreamOpKindName(StreamOpKind kind) {
-  switch (kind) {
-    case StreamOpKind::kHost:
-      return "host";
-    case StreamOpKind::kCopy:
-      return "copy";
-    case StreamOpKind::kCast:
-      return "cast";
-    case StreamOpKind::kReduce:
-      return "reduce";
-    case StreamOpKind::kFill:
-      return "fill";
-    case StreamOpKind::kCollective:
-      return "collective";
-    case StreamOpKind::kCompute:
-      return "compute";
-  }
-  return "invalid";
-}
-
-absl::StatusOr<absl::Duration> ElapsedBetween(const Event& start, const Event& end) {
-  const std::optional<absl::Time> started = start.completed_at();
-  const std::optional<absl::Time> ended = end.completed_at();
-  if (!started.has_value() || !ended.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "ElapsedBetween: the ", !started.has_value() ? "start" : "end", " event (",
-        (!started.has_value() ? start : end).device().ToString(),
-        ") has no completion time: it is pending, was never recorded, or its kind does not "
-        "record one"));
-  }
-  return *ended - *started;
-}
-
 namespace stream_internal {
 
 // ThisThreadHostStreamCallStats(): plain increments, each thread its own.
-thread_local HostStreamCallStats call_stats;
+constinit thread_local HostStreamCallStats call_stats;
 
 namespace {
 // What wakes a host stream's worker, shared between the stream, its worker and the threads that
@@ -166,307 +114,10 @@ void WakeHeldWorkers() {
   if (wake_batch.held.empty()) wake_batch.held.swap(held);
 }
 
-void HostCapture::Complete(absl::Status status) {
-  // Read before taking mu_: the time the captured work was done, not when the callbacks were.
-  const absl::Time now = clock_->Now();
-  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-  if (done_ || completing_) return;
-  completing_ = true;
-  completed_at_ = now;
-  status_ = std::move(status);
-  // The callbacks run before the capture reports done, so that whoever sees it done (a
-  // Synchronize, a Query) also sees their effects (an allocator's block marked free). One
-  // registered meanwhile joins the next round.
-  while (!callbacks_.empty()) {
-    Callbacks callbacks;
-    callbacks.swap(callbacks_);
-    const absl::Status outcome = status_;
-    lock.unlock();
-    for (EventCallback& callback : callbacks) std::move(callback)(outcome);
-    lock.lock();
-  }
-  done_ = true;
-  // Notified under the lock: a waiter on a ManualClock may be about to destroy its wait.
-  cv_.notify_all();
-}
-
-void HostCapture::OnComplete(EventCallback callback) {
-  absl::Status status;
-  {
-    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    if (!done_) {
-      callbacks_.push_back(std::move(callback));
-      return;
-    }
-    status = status_;
-  }
-  std::move(callback)(std::move(status));
-}
-
-absl::Status HostCapture::Wait(absl::Time deadline, absl::string_view waiter) {
-  return Wait(deadline, [waiter] { return std::string(waiter); });
-}
-
-absl::Status HostCapture::Wait(absl::Time deadline, absl::FunctionRef<std::string()> waiter) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!clock_->WaitUntil(cv_, lock, deadline, [this] { return done_; })) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        waiter(), ": timed out waiting for an event recorded on stream '", stream_name(), "'"));
-  }
-  return status_;
-}
-
-bool HostCapture::done(absl::Status* status) {
-  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-  if (done_) *status = status_;
-  return done_;
-}
-
-std::optional<absl::Time> HostCapture::completed_at() {
-  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-  if (!done_) return std::nullopt;
-  return completed_at_;
-}
-
-StreamTracer::StreamTracer(const StreamOptions& options) : writer_(options.trace) {
-  if (writer_ != nullptr)
-    tid_ = writer_->Track(options.track.empty() ? options.name : options.track);
-}
-
-absl::Status StreamTracer::RunOp(StreamOp& op, const Clock& clock) const {
-  if (writer_ == nullptr) return std::move(op.run)();
-  const absl::Time start = clock.Now();
-  absl::Status result = std::move(op.run)();
-  const absl::Time end = clock.Now();
-  TraceArgs args;
-  args.ints.emplace_back("bytes", static_cast<int64_t>(op.bytes));
-  if (op.flops != 0) args.ints.emplace_back("flops", static_cast<int64_t>(op.flops));
-  if (!result.ok()) args.strings.emplace_back("error", result.ToString());
-  writer_->AddComplete(tid_, op.name, StreamOpKindName(op.kind), start, end - start,
-                       std::move(args));
-  return result;
-}
-
-absl::Status StreamTracer::RunWait(absl::string_view source, const Clock& clock,
-                                   absl::FunctionRef<absl::Status()> wait) const {
-  if (writer_ == nullptr) return wait();
-  const absl::Time start = clock.Now();
-  absl::Status result = wait();
-  const absl::Time end = clock.Now();
-  TraceArgs args;
-  if (!result.ok()) args.strings.emplace_back("error", result.ToString());
-  writer_->AddComplete(tid_, absl::StrCat("wait ", source), "wait", start, end - start,
-                       std::move(args));
-  return result;
-}
-
-absl::StatusOr<absl::Duration> ResolveWaitTimeout(const StreamOptions& options) {
-  if (options.wait_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("stream '", options.name,
-                                                   "': StreamOptions.wait_timeout must not be "
-                                                   "negative, got ",
-                                                   absl::FormatDuration(options.wait_timeout)));
-  }
-  if (options.wait_timeout > absl::ZeroDuration()) return options.wait_timeout;
-  absl::StatusOr<absl::Duration> timeout = DefaultTimeout();
-  if (!timeout.ok()) {
-    return Annotate(timeout.status(),
-                    absl::StrCat("stream '", options.name,
-                                 "': StreamOptions.wait_timeout is unset and its default, "
-                                 "SHARDLINE_TIMEOUT_S, is invalid"));
-  }
-  return *timeout;
-}
-
-namespace {
-// `stream` as a HostCaptureRecorder, or null if it is not one (defined below the streams).
-HostCaptureRecorder* AsRecorder(Stream& stream);
-}  // namespace
-
-absl::Status HostEvent::Record(Stream& stream) {
-  HostCaptureRecorder* recorder = AsRecorder(stream);
-  if (recorder == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("a host event cannot be recorded on stream '",
-                                                   stream.name(), "' (", stream.device().ToString(),
-                                                   "); create the event with its CreateEvent()"));
-  }
-  ++call_stats.records;
-  std::shared_ptr<const std::string> name = recorder->shared_name();
-  std::shared_ptr<HostCapture> capture;
-  {
-    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    bool embedded = false;
-    if (!embedded_.has_value()) {
-      if (std::shared_ptr<HostEvent> self = weak_from_this().lock()) {
-        embedded_.emplace(stream, std::move(name));
-        capture = std::shared_ptr<HostCapture>(std::move(self), &*embedded_);
-        embedded = true;
-      }
-    }
-    if (!embedded) capture = std::make_shared<HostCapture>(stream, std::move(name));
-    current_embedded_ = embedded;
-    current_ = embedded ? nullptr : capture;
-    recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
-  }
-  return recorder->RecordHostCapture(std::move(capture));
-}
-
-std::shared_ptr<HostCapture> HostEvent::PrepareFresh(const std::shared_ptr<HostEvent>& self,
-                                                     Stream& stream,
-                                                     const HostCaptureRecorder& recorder) {
-  ++call_stats.records;
-  HostEvent& event = *self;
-  // No other thread holds the event yet: its fields need no lock (the stream's lock, taken
-  // when the stream records the capture, publishes them to the worker that completes it).
-  event.embedded_.emplace(stream, recorder.shared_name());
-  event.current_embedded_ = true;
-  event.recorded_stream_id_.store(stream.id(), std::memory_order_relaxed);
-  return std::shared_ptr<HostCapture>(self, &*event.embedded_);
-}
-
-absl::Status HostEvent::RecordFresh(const std::shared_ptr<HostEvent>& self, Stream& stream,
-                                    HostCaptureRecorder& recorder) {
-  return recorder.RecordHostCapture(PrepareFresh(self, stream, recorder));
-}
-
-std::shared_ptr<HostCapture> HostEvent::current() const {
-  std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-  if (!current_embedded_) return current_;
-  // The event is alive (this is one of its methods), so some shared_ptr owns it.
-  std::shared_ptr<const HostEvent> self = weak_from_this().lock();
-  if (self == nullptr) return nullptr;  // unreachable but for a call from the destructor
-  return std::shared_ptr<HostCapture>(std::move(self), const_cast<HostCapture*>(&*embedded_));
-}
-
-absl::StatusOr<bool> HostEvent::Query() {
-  std::shared_ptr<HostCapture> capture = current();
-  if (capture == nullptr) return true;
-  absl::Status status;
-  if (!capture->done(&status)) return false;
-  if (!status.ok()) return status;
-  return true;
-}
-
-absl::Status HostEvent::Synchronize(absl::Time deadline) {
-  std::shared_ptr<HostCapture> capture = current();
-  if (capture == nullptr) return absl::OkStatus();
-  return capture->Wait(deadline, "Event::Synchronize");
-}
-
-void HostEvent::OnComplete(EventCallback callback) {
-  std::shared_ptr<HostCapture> capture = current();
-  if (capture == nullptr) return std::move(callback)(absl::OkStatus());
-  capture->OnComplete(std::move(callback));
-}
-
-uint64_t HostEvent::recorded_stream_id() const {
-  return recorded_stream_id_.load(std::memory_order_relaxed);
-}
-
-std::optional<absl::Time> HostEvent::completed_at() const {
-  std::shared_ptr<HostCapture> capture = current();
-  if (capture == nullptr) return std::nullopt;
-  return capture->completed_at();
-}
-
-namespace {
-
-// What a stream has to wait for to honour WaitEvent(event): a host capture, a foreign waiter, or
-// nothing (never recorded, or already complete and OK). `source` names what is waited for in
-// trace spans.
-struct WaitTarget {
-  std::shared_ptr<HostCapture> capture;
-  HostWaitable::Waiter foreign;
-  std::string source;
-  bool empty() const { return capture == nullptr && foreign == nullptr; }
-};
-
-absl::StatusOr<WaitTarget> SnapshotWaitTarget(Event& event, const Stream& waiter) {
-  WaitTarget target;
-  // HostEvent is final: comparing the type is exact, and cheaper than a dynamic_cast.
-  if (auto* host = typeid(event) == typeid(HostEvent) ? static_cast<HostEvent*>(&event) : nullptr) {
-    target.capture = host->current();
-    if (target.capture != nullptr) target.source = target.capture->stream_name();
-  } else if (auto* waitable = dynamic_cast<HostWaitable*>(&event)) {
-    SL_ASSIGN_OR_RETURN(target.foreign, waitable->SnapshotForHostWait());
-    target.source = waitable->recorded_stream_name();
-    return target;
-  } else {
-    target.source = absl::StrCat("event (", event.device().ToString(), ")");
-    // Any other kind of event (a framework's, a test double): a capture of our own that the
-    // event's completion callback completes.
-    target.capture = std::make_shared<HostCapture>(waiter);
-    event.OnComplete(
-        [capture = target.capture](absl::Status status) { capture->Complete(std::move(status)); });
-  }
-  absl::Status status;
-  // A capture that completed OK needs no wait; a failed one still has to poison the stream in
-  // order, after the work enqueued before this wait.
-  if (target.capture != nullptr && target.capture->done(&status) && status.ok()) {
-    target.capture = nullptr;
-  }
-  return target;
-}
-
-// Runs the wait of `target` on this thread, bounded by `timeout` on `clock` (the waiting
-// stream's). Errors are what the stream is poisoned with: the failed event's own Status, or
-// DeadlineExceeded naming the stream.
-absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const Clock& clock,
-                     const std::string& stream_name) {
-  // Formatted only for a timeout.
-  auto waiter = [&] {
-    return absl::StrCat("stream '", stream_name, "' (wait_timeout ", absl::FormatDuration(timeout),
-                        ")");
-  };
-  if (target.capture != nullptr) {
-    return target.capture->Wait(target.capture->clock().Now() + timeout, waiter);
-  }
-  // A foreign wait (a CUDA event) may block without a Clock; what it waits for may wait in turn
-  // for work this thread holds back.
-  WakeHeldWorkers();
-  absl::Status status = std::move(target.foreign)(clock.Now() + timeout);
-  if (absl::IsDeadlineExceeded(status)) status = Annotate(status, waiter());
-  return status;
-}
-
-// RunWait inside a trace span.
-absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl::Duration timeout,
-                           const Clock& clock, const std::string& stream_name) {
-  return tracer.RunWait(target.source, clock,
-                        [&] { return RunWait(target, timeout, clock, stream_name); });
-}
-
-}  // namespace
-}  // namespace stream_internal
-namespace {
-// A new host event (its block recycled); defined below.
-std::shared_ptr<stream_internal::HostEvent> NewHostEvent();
-}  // namespace
-namespace stream_internal {
 namespace {
 
 // Host-stream workers of the process that are not asleep waiting for work (running or polling).
 std::atomic<int> awake_workers{0};
-
-// What RecordSharedEvent hands out again: a stream's last shared event and the stream's position
-// (work accepted, or started, so far) when it was recorded. Guarded by the stream's lock.
-struct SharedMark {
-  std::shared_ptr<HostEvent> event;
-  uint64_t position = 0;
-
-  // The event again if the stream is still at `now` (counted), else null.
-  std::shared_ptr<Event> At(uint64_t now) const {
-    if (event == nullptr || position != now) return nullptr;
-    ++call_stats.records_shared;
-    return event;
-  }
-  // A new mark at `now`; `mark` null: an ordinary record, nothing to remember.
-  void Set(const std::shared_ptr<HostEvent>* mark, uint64_t now) {
-    if (mark == nullptr) return;
-    event = *mark;
-    position = now;
-  }
-};
 // Whether the calling thread is a host stream's worker (counted in awake_workers while awake).
 thread_local bool on_worker = false;
 // How long an idle worker polls under SHARDLINE_STREAM_SPIN_US=-1 (auto), when it may.
@@ -837,157 +488,24 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::thread worker_;
 };
 
-// Work runs inline on the thread that enqueues it; waits block that thread. Work enqueued from
-// several threads at once runs concurrently: the order is each thread's call order.
-//
-// Every item gets a ticket when it starts. An event recorded while items run captures the items
-// started before the record: it completes when the last of those has finished, whatever started
-// later (so it does not starve under steady use from several threads), and also when the stream
-// is poisoned (an item that failed does not make one still running on another thread finish).
-class CallerStream final : public Stream, public HostCaptureRecorder {
- public:
-  CallerStream(std::string name, absl::Duration wait_timeout, const Clock& clock,
-               StreamTracer tracer)
-      : name_(std::make_shared<const std::string>(std::move(name))),
-        wait_timeout_(wait_timeout),
-        clock_(clock),
-        tracer_(tracer) {}
+}  // namespace
 
-  Device device() const override { return Device::Host(); }
-  const std::string& name() const override { return *name_; }
-  std::shared_ptr<const std::string> shared_name() const override { return name_; }
-  const Clock& clock() const override { return clock_; }
-
-  absl::Status Submit(StreamOp op) override {
-    SL_ASSIGN_OR_RETURN(const uint64_t ticket, Start());
-    absl::Status result = tracer_.RunOp(op, clock_);
-    op = StreamOp();
-    if (!result.ok()) result = Annotate(result, absl::StrCat("stream '", *name_, "'"));
-    return Finish(ticket, std::move(result));
-  }
-
-  absl::Status WaitEvent(Event& event) override {
-    SL_RETURN_IF_ERROR(status());
-    SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
-    if (target.empty()) return absl::OkStatus();
-    SL_ASSIGN_OR_RETURN(const uint64_t ticket, Start());
-    return Finish(ticket, RunTracedWait(tracer_, target, wait_timeout_, clock_, *name_));
-  }
-
-  absl::Status Synchronize(absl::Time deadline) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!clock_.WaitUntil(idle_cv_, lock, deadline, [this] { return running_.empty(); })) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("stream '", *name_, "': Synchronize timed out with ", running_.size(),
-                       " item(s) still running on other threads"));
-    }
-    return status_;
-  }
-
-  absl::Status status() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
-  std::shared_ptr<Event> CreateEvent() override { return CreateHostEvent(); }
-
-  absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
-    return RecordCapture(std::move(capture), nullptr);
-  }
-
-  // RecordSharedEvent on this stream: the position is the next ticket (items started so far).
-  absl::StatusOr<std::shared_ptr<Event>> RecordShared() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (status_.ok()) {
-        if (std::shared_ptr<Event> shared = mark_.At(next_ticket_)) return shared;
-      }
-    }
-    std::shared_ptr<HostEvent> event = NewHostEvent();
-    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this, *this), &event));
-    return event;
-  }
-
- private:
-  // Records `capture`; with `mark` (and the stream healthy) its event becomes the shared mark at
-  // the ticket read under the same lock.
-  absl::Status RecordCapture(std::shared_ptr<HostCapture> capture,
-                             const std::shared_ptr<HostEvent>* mark) {
-    absl::Status status;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      status = status_;
-      if (status.ok()) mark_.Set(mark, next_ticket_);
-      // Items running on other threads may predate this record, even on a poisoned stream:
-      // complete once the last of them has finished.
-      if (!running_.empty()) {
-        pending_.push_back({next_ticket_, std::move(capture)});
-        return status;
-      }
-    }
-    capture->Complete(status);
-    return status;
-  }
-
-  // Starts an item: its ticket, or the stream's error if it is poisoned.
-  absl::StatusOr<uint64_t> Start() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!status_.ok()) return status_;
-    const uint64_t ticket = next_ticket_++;
-    running_.insert(ticket);
-    return ticket;
-  }
-
-  // Ends item `ticket`: records its failure and completes the captures whose items have all
-  // finished.
-  absl::Status Finish(uint64_t ticket, absl::Status result) {
-    std::vector<std::shared_ptr<HostCapture>> completed;
-    absl::Status status;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!result.ok() && status_.ok()) status_ = std::move(result);
-      status = status_;
-      running_.erase(ticket);
-      // Captures are in ticket order; one completes when no item started before it still runs.
-      const uint64_t oldest = running_.empty() ? next_ticket_ : *running_.begin();
-      while (!pending_.empty() && pending_.front().first <= oldest) {
-        completed.push_back(std::move(pending_.front().second));
-        pending_.pop_front();
-      }
-      if (running_.empty()) idle_cv_.notify_all();
-    }
-    for (auto& capture : completed) capture->Complete(status);
-    return status;
-  }
-
-  const std::shared_ptr<const std::string> name_;  // shared with the captures
-  const absl::Duration wait_timeout_;
-  const Clock& clock_;
-  const StreamTracer tracer_;
-
-  mutable std::mutex mu_;
-  std::condition_variable idle_cv_;
-  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<uint64_t> running_ ABSL_GUARDED_BY(mu_);
-  // (tickets handed out before the record, capture), in record order.
-  std::deque<std::pair<uint64_t, std::shared_ptr<HostCapture>>> pending_ ABSL_GUARDED_BY(mu_);
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  SharedMark mark_ ABSL_GUARDED_BY(mu_);  // the last RecordSharedEvent's, at next_ticket_
-};
-
-HostCaptureRecorder* AsRecorder(Stream& stream) {
-  // The streams of this file first, by their (final) type: a cross-cast dynamic_cast walks the
-  // class hierarchy on every record.
-  const std::type_info& type = typeid(stream);
-  if (type == typeid(HostStream)) return static_cast<HostStream*>(&stream);
-  if (type == typeid(CallerStream)) return static_cast<CallerStream*>(&stream);
-  return dynamic_cast<HostCaptureRecorder*>(&stream);
+HostCaptureRecorder* AsHostStream(Stream& stream) {
+  return typeid(stream) == typeid(HostStream) ? static_cast<HostStream*>(&stream) : nullptr;
 }
 
-}  // namespace
+absl::StatusOr<std::shared_ptr<Event>> RecordSharedOnHostStream(Stream& stream) {
+  return static_cast<HostStream&>(stream).RecordShared();
+}
+
 }  // namespace stream_internal
 
 absl::StatusOr<std::unique_ptr<Stream>> CreateHostStream(StreamOptions options) {
+  // Before any worker exists whose wake-up a thread could hold back: threads about to block in a
+  // clock's wait wake the workers they hold back first.
+  static const bool hooked =
+      (clock_internal::SetBeforeBlockHook(&stream_internal::WakeHeldWorkers), true);
+  (void)hooked;
   SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
   const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();
   const stream_internal::StreamTracer tracer(options);
@@ -999,26 +517,6 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateHostStream(StreamOptions options) 
   if (!batch.ok()) return Annotate(batch.status(), absl::StrCat("stream '", options.name, "'"));
   return std::make_unique<stream_internal::HostStream>(
       std::move(options.name), wait_timeout, clock, tracer, absl::Microseconds(*spin_us), *batch);
-}
-
-absl::StatusOr<std::unique_ptr<Stream>> CreateCallerStream(StreamOptions options) {
-  SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
-  const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();
-  const stream_internal::StreamTracer tracer(options);
-  return std::make_unique<stream_internal::CallerStream>(std::move(options.name), wait_timeout,
-                                                         clock, tracer);
-}
-
-absl::StatusOr<std::unique_ptr<Stream>> CreateStream(Device device, StreamOptions options) {
-  if (device.is_host()) return CreateHostStream(std::move(options));
-#ifdef SHARDLINE_WITH_CUDA
-  return CreateCudaStream(device.index(), std::move(options));
-#else
-  return absl::UnimplementedError(absl::StrCat("cannot create stream '", options.name, "' on ",
-                                               device.ToString(),
-                                               ": shardline was built without CUDA "
-                                               "(SHARDLINE_WITH_CUDA=OFF)"));
-#endif
 }
 
 HostStreamWakeBatch::HostStreamWakeBatch() { ++stream_internal::wake_batch.depth; }
@@ -1036,47 +534,6 @@ HostStreamCallStats ThisThreadHostStreamCallStats() { return stream_internal::ca
 int OtherAwakeHostStreamWorkers() {
   return stream_internal::awake_workers.load(std::memory_order_relaxed) -
          (stream_internal::on_worker ? 1 : 0);
-}
-
-namespace {
-std::shared_ptr<stream_internal::HostEvent> NewHostEvent() {
-  ++stream_internal::call_stats.events;
-  return std::allocate_shared<stream_internal::HostEvent>(
-      RecyclingAllocator<stream_internal::HostEvent>());
-}
-}  // namespace
-
-std::shared_ptr<Event> CreateHostEvent() { return NewHostEvent(); }
-
-absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream) {
-  const std::type_info& type = typeid(stream);
-  if (type == typeid(stream_internal::HostStream) ||
-      type == typeid(stream_internal::CallerStream)) {
-    // Their CreateEvent() makes a host event: made and recorded here without its lock.
-    std::shared_ptr<stream_internal::HostEvent> event = NewHostEvent();
-    SL_RETURN_IF_ERROR(stream_internal::HostEvent::RecordFresh(
-        event, stream, *stream_internal::AsRecorder(stream)));
-    return event;
-  }
-  std::shared_ptr<Event> event = stream.CreateEvent();
-  SL_RETURN_IF_ERROR(event->Record(stream));
-  return event;
-}
-
-absl::StatusOr<std::shared_ptr<Event>> RecordSharedEvent(Stream& stream) {
-  const std::type_info& type = typeid(stream);
-  if (type == typeid(stream_internal::HostStream)) {
-    return static_cast<stream_internal::HostStream&>(stream).RecordShared();
-  }
-  if (type == typeid(stream_internal::CallerStream)) {
-    return static_cast<stream_internal::CallerStream&>(stream).RecordShared();
-  }
-  return RecordEvent(stream);
-}
-
-absl::Status WaitUnlessSameStream(Stream& stream, const std::shared_ptr<Event>& event) {
-  if (event == nullptr || event->recorded_stream_id() == stream.id()) return absl::OkStatus();
-  return stream.WaitEvent(*event);
 }
 
 }  // namespace shardline

@@ -217,7 +217,7 @@ class VirtualTimeline final : public Clock {
   // options().host_cores > 0) and the sim backend's link ports.
   VirtualSharing& sharing() const { return *sharing_; }
 
-  class Impl;  // runtime/virtual_time.cc
+  class Impl;  // runtime/internal/virtual_time_internal.h, runtime/virtual_engine.cc
 
  private:
   explicit VirtualTimeline(VirtualTimelineOptions options);

@@ -5,7 +5,7 @@
 //   SL_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 //   absl::Status status = SL_CUDA_STATUS(cudaEventQuery(event));
 //
-// gives "cudaEventQuery(event) failed at runtime/cuda/cuda_stream.cc:42: cudaErrorInvalidValue
+// gives "cudaEventQuery(event) failed at runtime/cuda/cuda_event.cc:42: cudaErrorInvalidValue
 // (invalid argument)". Codes: Unavailable when there is no usable device or driver,
 // ResourceExhausted when memory runs out, Internal for everything else.
 //

@@ -1,4 +1,5 @@
-// CUDA streams and events (see runtime/cuda/cuda_stream.h for the semantics beyond stream.h).
+// CUDA streams (see runtime/cuda/cuda_stream.h for the semantics beyond stream.h): host
+// functions, waits for host events, CreateCudaStream and WrapCudaStream. Events: cuda_event.cc.
 
 #ifdef SHARDLINE_WITH_CUDA
 
@@ -12,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -27,6 +29,7 @@
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/cuda_util.h"
 #include "runtime/cuda/internal/cuda_host_wait.h"
+#include "runtime/cuda/internal/cuda_stream_internal.h"
 #include "runtime/internal/stream_internal.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
@@ -38,122 +41,12 @@ SL_PARAM(bool, CudaWaitValue, "CUDA_WAIT_VALUE", true,
          "0: in a host function that blocks CUDA's host-callback thread while it waits (the "
          "fallback for platforms without stream memory operations).");
 
-namespace {
+namespace cuda_internal {
 
-using cuda_internal::HostFlag;
 using stream_internal::HostCapture;
 using stream_internal::StreamTracer;
 
-// The failure state of one CUDA stream, shared with its host functions in flight, its device
-// waits for host events and the events recorded on it. The stream's steps that can fail — host
-// functions and waits for host events — are numbered 1, 2, ... in stream order, so an event
-// recorded after step n failed iff the stream failed at some step m <= n. A wait for a host
-// event learns its outcome on the host, possibly before the device gets there, so failures can
-// arrive out of order: the earliest step's failure wins. It also carries the stream's tracer,
-// which the host functions use.
-class CudaStreamState {
- public:
-  CudaStreamState(std::string name, StreamTracer tracer)
-      : name_(std::move(name)), tracer_(tracer) {}
-
-  const std::string& name() const { return name_; }
-  const StreamTracer& tracer() const { return tracer_; }
-
-  // The failure at the earliest step, or OK.
-  absl::Status status() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
-  void Poison(absl::Status status, uint64_t step) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (step >= failed_at_) return;
-    status_ = std::move(status);
-    failed_at_ = step;
-  }
-
-  // The stream's failure if it happened at or before step `step`, else OK.
-  absl::Status FailureUpTo(uint64_t step) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return failed_at_ <= step ? status_ : absl::OkStatus();
-  }
-
- private:
-  const std::string name_;
-  const StreamTracer tracer_;
-  mutable std::mutex mu_;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  uint64_t failed_at_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<uint64_t>::max();
-};
-
-// A cudaEvent_t: ours (destroyed with the handle) or a framework's (WrapCudaEvent: never).
-struct CudaEventHandle {
-  CudaEventHandle() = default;
-  CudaEventHandle(cudaEvent_t e, bool own) : event(e), owned(own) {}
-  CudaEventHandle(const CudaEventHandle&) = delete;
-  CudaEventHandle& operator=(const CudaEventHandle&) = delete;
-  ~CudaEventHandle() {
-    if (owned && event != nullptr) (void)cudaEventDestroy(event);
-  }
-  cudaEvent_t event = nullptr;
-  bool owned = true;
-};
-
-// One Record() of a CUDA event: what to query, and where a failure would come from.
-struct CudaCapture {
-  std::shared_ptr<CudaEventHandle> handle;  // nullptr: never recorded
-  // The stream of the record; nullptr for a wrapped event recorded by its framework (its
-  // failures are the framework's to report: only CUDA errors are seen here).
-  std::shared_ptr<CudaStreamState> source;
-  uint64_t source_seq = 0;  // steps enqueued on the source stream before the record
-  uint64_t stream_id = 0;   // Stream::id() of the source stream
-};
-
-absl::Status SourceFailure(const CudaCapture& capture) {
-  if (capture.source == nullptr) return absl::OkStatus();
-  return capture.source->FailureUpTo(capture.source_seq);
-}
-
-std::string DescribeCapture(const CudaCapture& capture) {
-  if (capture.source == nullptr) return "a wrapped CUDA event";
-  return absl::StrCat("a CUDA event recorded on stream '", capture.source->name(), "'");
-}
-
-// "Done" only once the device has reached the event: a host function that failed earlier on the
-// stream poisons it, but kernels enqueued before the record keep running until then, and memory
-// guarded by this event must not be reused under them. So a failure is reported only once
-// cudaEventQuery says the device got there.
-absl::StatusOr<bool> QueryCapture(const CudaCapture& capture) {
-  if (capture.handle == nullptr) return true;
-  const cudaError_t error = cudaEventQuery(capture.handle->event);
-  if (error == cudaErrorNotReady) return false;
-  if (error != cudaSuccess) return Annotate(SL_CUDA_STATUS(error), DescribeCapture(capture));
-  // The event completed, so every step before it has run and published its failure.
-  SL_RETURN_IF_ERROR(SourceFailure(capture));
-  return true;
-}
-
-absl::Status PollCapture(const CudaCapture& capture, absl::Time deadline,
-                         absl::string_view waiter) {
-  PollBackoff backoff;
-  while (true) {
-    SL_ASSIGN_OR_RETURN(bool done, QueryCapture(capture));
-    if (done) return absl::OkStatus();
-    if (WallClock().Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(waiter, ": timed out waiting for ", DescribeCapture(capture)));
-    }
-    backoff.Pause();
-  }
-}
-
-absl::StatusOr<std::shared_ptr<CudaEventHandle>> CreateEventHandle(int device) {
-  CudaDeviceGuard guard;
-  SL_RETURN_IF_ERROR(guard.Set(device));
-  auto handle = std::make_shared<CudaEventHandle>();
-  SL_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&handle->event, cudaEventDisableTiming));
-  return handle;
-}
+namespace {
 
 // A host function in flight on a stream (cudaLaunchHostFunc's user data). Owned by the host
 // function once launched.
@@ -257,94 +150,7 @@ class DeviceHostWait {
   uint64_t watchdog_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// OnComplete of a CUDA event: a host function on a per-device side stream that waits for the
-// event, so the callback runs when the device reaches it (CUDA calls are not allowed in a host
-// function; the event is known complete there, so only the source's host failures remain).
-struct CompletionTask {
-  CudaCapture capture;
-  EventCallback callback;
-};
-
-void CUDART_CB RunCompletionTask(void* arg) {
-  std::unique_ptr<CompletionTask> task(static_cast<CompletionTask*>(arg));
-  std::move(task->callback)(SourceFailure(task->capture));
-}
-
-// The side stream of `device` for completion callbacks, created on first use and kept for the
-// process's lifetime.
-absl::StatusOr<cudaStream_t> CallbackStream(int device) {
-  static std::mutex mu;
-  static std::vector<cudaStream_t>* streams = new std::vector<cudaStream_t>();
-  std::lock_guard<std::mutex> lock(mu);
-  if (static_cast<size_t>(device) >= streams->size()) streams->resize(device + 1, nullptr);
-  cudaStream_t& stream = (*streams)[device];
-  if (stream == nullptr) {
-    CudaDeviceGuard guard;
-    SL_RETURN_IF_ERROR(guard.Set(device));
-    SL_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  }
-  return stream;
-}
-
-class CudaStream;
-
-class CudaEvent final : public Event, public stream_internal::HostWaitable {
- public:
-  explicit CudaEvent(int device) : device_(device) {}
-  // A framework's event (WrapCudaEvent): queried as the framework last recorded it until a
-  // Record() here, which records that same cudaEvent_t.
-  CudaEvent(int device, cudaEvent_t wrapped) : device_(device) {
-    capture_.handle = std::make_shared<CudaEventHandle>(wrapped, /*own=*/false);
-  }
-
-  Device device() const override { return Device::Cuda(device_); }
-  absl::Status Record(Stream& stream) override;
-  absl::StatusOr<bool> Query() override { return QueryCapture(Snapshot()); }
-  absl::Status Synchronize(absl::Time deadline) override {
-    return PollCapture(Snapshot(), deadline, "Event::Synchronize");
-  }
-
-  void OnComplete(EventCallback callback) override {
-    CudaCapture capture = Snapshot();
-    absl::StatusOr<bool> done = QueryCapture(capture);
-    if (!done.ok() || *done) return std::move(callback)(done.status());
-    auto task = std::make_unique<CompletionTask>(CompletionTask{capture, std::move(callback)});
-    absl::Status launched = [&]() -> absl::Status {
-      SL_ASSIGN_OR_RETURN(cudaStream_t side, CallbackStream(device_));
-      SL_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, capture.handle->event, 0));
-      SL_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(side, &RunCompletionTask, task.get()));
-      task.release();
-      return absl::OkStatus();
-    }();
-    // Without a side stream the callback can only be told that it will never be called back.
-    if (!launched.ok()) {
-      std::move(task->callback)(Annotate(launched, "Event::OnComplete of a CUDA event"));
-    }
-  }
-
-  uint64_t recorded_stream_id() const override { return Snapshot().stream_id; }
-
-  std::string recorded_stream_name() const override {
-    CudaCapture capture = Snapshot();
-    return capture.source == nullptr ? std::string() : capture.source->name();
-  }
-
-  absl::StatusOr<Waiter> SnapshotForHostWait() override {
-    return Waiter([capture = Snapshot()](absl::Time deadline) {
-      return PollCapture(capture, deadline, "host wait");
-    });
-  }
-
-  CudaCapture Snapshot() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return capture_;
-  }
-
- private:
-  const int device_;
-  mutable std::mutex mu_;
-  CudaCapture capture_ ABSL_GUARDED_BY(mu_);
-};
+}  // namespace
 
 struct CudaStreamConfig {
   int device = 0;
@@ -395,8 +201,8 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
   }
 
   absl::Status WaitEvent(Event& event) override {
-    if (auto* cuda_event = dynamic_cast<CudaEvent*>(&event)) {
-      CudaCapture capture = cuda_event->Snapshot();
+    if (std::optional<CudaCapture> snapshot = SnapshotCudaEvent(event)) {
+      CudaCapture capture = *std::move(snapshot);
       if (capture.handle == nullptr) return status();
       std::lock_guard<std::mutex> lock(enqueue_mu_);
       SL_RETURN_IF_ERROR(state_->status());
@@ -453,7 +259,7 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
 
   absl::Status status() const override { return state_->status(); }
 
-  std::shared_ptr<Event> CreateEvent() override { return std::make_shared<CudaEvent>(device_); }
+  std::shared_ptr<Event> CreateEvent() override { return CreateCudaEvent(device_); }
 
   void* native_handle() const override { return stream_; }
 
@@ -582,40 +388,7 @@ class CudaStream final : public Stream, public stream_internal::HostCaptureRecor
   uint64_t steps_ ABSL_GUARDED_BY(enqueue_mu_) = 0;
 };
 
-absl::Status CudaEvent::Record(Stream& stream) {
-  auto* cuda = dynamic_cast<CudaStream*>(&stream);
-  if (cuda == nullptr || cuda->device_index() != device_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a CUDA event of ", device().ToString(), " cannot be recorded on stream '", stream.name(),
-        "' (", stream.device().ToString(), "); create the event with that stream's CreateEvent()"));
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  std::shared_ptr<CudaEventHandle> handle = capture_.handle;
-  // A pending host wait holds the old handle: give this record a new one, so that the wait keeps
-  // waiting for what it captured. A wrapped event always records its own cudaEvent_t (the
-  // framework waits on that one), with CUDA's rule: host waits see the latest record.
-  if (handle == nullptr || (handle->owned && handle.use_count() > 2)) {
-    SL_ASSIGN_OR_RETURN(handle, CreateEventHandle(device_));
-  }
-  SL_ASSIGN_OR_RETURN(capture_, cuda->RecordCudaEvent(std::move(handle)));
-  return cuda->status();
-}
-
-// Unavailable unless cuda:`device` exists; `what` names the caller's object in the message.
-absl::Status CheckDeviceExists(int device, absl::string_view what) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) {
-    (void)cudaGetLastError();  // do not leave the error behind for unrelated callers
-    return absl::UnavailableError(
-        absl::StrCat(what, " on cuda:", device, ": ", SL_CUDA_STATUS(error).message()));
-  }
-  if (device < 0 || device >= count) {
-    return absl::UnavailableError(absl::StrCat(what, ": cuda:", device, " does not exist (", count,
-                                               " CUDA device(s) visible)"));
-  }
-  return absl::OkStatus();
-}
+namespace {
 
 // The parts of a stream's configuration that do not depend on the cudaStream_t.
 absl::StatusOr<CudaStreamConfig> ConfigFor(int device, StreamOptions& options,
@@ -651,17 +424,46 @@ absl::StatusOr<int> CudaPriority(int priority, absl::string_view name) {
 
 }  // namespace
 
+CudaStream* AsCudaStreamOf(Stream& stream, int device) {
+  auto* cuda = dynamic_cast<CudaStream*>(&stream);
+  return cuda != nullptr && cuda->device_index() == device ? cuda : nullptr;
+}
+
+absl::StatusOr<CudaCapture> RecordCudaEvent(CudaStream& stream,
+                                            std::shared_ptr<CudaEventHandle> handle) {
+  return stream.RecordCudaEvent(std::move(handle));
+}
+
+absl::Status CheckDeviceExists(int device, absl::string_view what) {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    (void)cudaGetLastError();  // do not leave the error behind for unrelated callers
+    return absl::UnavailableError(
+        absl::StrCat(what, " on cuda:", device, ": ", SL_CUDA_STATUS(error).message()));
+  }
+  if (device < 0 || device >= count) {
+    return absl::UnavailableError(absl::StrCat(what, ": cuda:", device, " does not exist (", count,
+                                               " CUDA device(s) visible)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace cuda_internal
+
 absl::StatusOr<std::unique_ptr<Stream>> CreateCudaStream(int device, StreamOptions options) {
   const std::string what = absl::StrCat("cannot create CUDA stream '", options.name, "'");
   const int requested_priority = options.priority;
-  SL_ASSIGN_OR_RETURN(CudaStreamConfig config, ConfigFor(device, options, what));
+  SL_ASSIGN_OR_RETURN(cuda_internal::CudaStreamConfig config,
+                      cuda_internal::ConfigFor(device, options, what));
   CudaDeviceGuard guard;
   SL_RETURN_IF_ERROR(guard.Set(device));
-  SL_ASSIGN_OR_RETURN(const int priority, CudaPriority(requested_priority, config.name));
+  SL_ASSIGN_OR_RETURN(const int priority,
+                      cuda_internal::CudaPriority(requested_priority, config.name));
   SL_RETURN_IF_ERROR(Annotate(
       SL_CUDA_STATUS(cudaStreamCreateWithPriority(&config.stream, cudaStreamNonBlocking, priority)),
       absl::StrCat("stream '", config.name, "'")));
-  return std::make_unique<CudaStream>(std::move(config));
+  return std::make_unique<cuda_internal::CudaStream>(std::move(config));
 }
 
 absl::StatusOr<std::unique_ptr<Stream>> WrapCudaStream(cudaStream_t stream, int device,
@@ -673,7 +475,8 @@ absl::StatusOr<std::unique_ptr<Stream>> WrapCudaStream(cudaStream_t stream, int 
                      ": cudaStreamPerThread names a different stream on every host thread; "
                      "wrap the framework's stream handle itself"));
   }
-  SL_ASSIGN_OR_RETURN(CudaStreamConfig config, ConfigFor(device, options, what));
+  SL_ASSIGN_OR_RETURN(cuda_internal::CudaStreamConfig config,
+                      cuda_internal::ConfigFor(device, options, what));
   config.owned = false;
   config.legacy = stream == nullptr || stream == cudaStreamLegacy;
   config.stream = config.legacy ? cudaStreamLegacy : stream;
@@ -692,23 +495,7 @@ absl::StatusOr<std::unique_ptr<Stream>> WrapCudaStream(cudaStream_t stream, int 
     }
   }
 #endif
-  return std::make_unique<CudaStream>(std::move(config));
-}
-
-absl::StatusOr<std::shared_ptr<Event>> WrapCudaEvent(cudaEvent_t event, int device) {
-  if (event == nullptr) {
-    return absl::InvalidArgumentError("WrapCudaEvent: the cudaEvent_t is null");
-  }
-  SL_RETURN_IF_ERROR(CheckDeviceExists(device, "cannot wrap a CUDA event"));
-  CudaDeviceGuard guard;
-  SL_RETURN_IF_ERROR(guard.Set(device));
-  const cudaError_t error = cudaEventQuery(event);
-  if (error != cudaSuccess && error != cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return absl::InvalidArgumentError(absl::StrCat("WrapCudaEvent: not a usable event of cuda:",
-                                                   device, ": ", SL_CUDA_STATUS(error).message()));
-  }
-  return std::make_shared<CudaEvent>(device, event);
+  return std::make_unique<cuda_internal::CudaStream>(std::move(config));
 }
 
 }  // namespace shardline

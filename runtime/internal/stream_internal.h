@@ -1,6 +1,7 @@
 // File: runtime/internal/stream_internal.h
 // -----------------------------------------------------------------------------
-// Internal to the stream implementations (runtime/host_stream.cc, runtime/cuda/cuda_stream.cc):
+// Internal to the stream implementations (runtime/host_event.cc, the host and caller streams,
+// runtime/cuda/):
 // the shared state of a host event and the two small interfaces through which one kind of stream
 // records or waits for another kind's events. Not part of the public API (not installed).
 //
@@ -127,8 +128,9 @@ class HostWaitable {
   ~HostWaitable() = default;
 };
 
-// Wakes the workers whose wake-ups the calling thread's HostStreamWakeBatch holds back. Every
-// Clock::WaitUntil calls it before blocking.
+// Wakes the workers whose wake-ups the calling thread's HostStreamWakeBatch holds back. The
+// built-in clocks' WaitUntil call it before blocking (the hook of
+// runtime/internal/clock_internal.h, installed by CreateHostStream).
 void WakeHeldWorkers();
 
 // The wait_timeout a stream named options.name uses: options.wait_timeout if set, else

@@ -260,9 +260,10 @@ TEST(AllocatorTest, FailedGuardEventStillFreesTheBlock) {
   EXPECT_EQ(alloc->stats().live_allocations, 0);
 }
 
-// H3: an event whose Query() reports its stream's failure while the captured work still runs
+// An event whose Query() reports its stream's failure while the captured work still runs
 // (as a CUDA stream poisoned by a host function does, with kernels still in flight), and whose
-// completion (OnComplete) comes only when the work has finished.
+// completion (OnComplete) comes only when the work has finished. A block guarded by it must stay
+// allocated until then, not be freed when the failure is first reported.
 class EarlyFailureEvent final : public Event {
  public:
   Device device() const override { return Device::Host(); }

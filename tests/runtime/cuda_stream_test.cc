@@ -1,7 +1,7 @@
 // CUDA streams and events: host-function order, cross-stream waits (CUDA and host events in both
 // directions), poisoning and deadlines; wrapped framework streams and events; host-event waits on
-// the device (M9) and their blocking fallback; a failed stream's guard keeps memory that a kernel
-// still uses (H3). Needs a GPU; skipped otherwise (except the argument checks of
+// the device and their blocking fallback; a failed stream's guard keeps memory that a kernel
+// still uses. Needs a GPU; skipped otherwise (except the argument checks of
 // CudaWrapArgumentsTest, which need no device).
 
 #include <gtest/gtest.h>
@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -248,21 +249,6 @@ TEST_F(CudaStreamTest, FailurePoisonsStreamAndTravelsAlongWaits) {
   EXPECT_EQ(ran.load(), 0);
 }
 
-TEST_F(CudaStreamTest, WaitTimeoutOnHostEventPoisons) {
-  auto host = std::move(CreateHostStream()).value();
-  auto cuda = Make("cuda", absl::Milliseconds(30));
-  Gate gate;
-  ASSERT_TRUE(host->Enqueue(BlockOn(gate)).ok());
-  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*host);
-  ASSERT_TRUE(event.ok());
-  ASSERT_TRUE(cuda->WaitEvent(**event).ok());
-  absl::Status status = cuda->Synchronize(Soon());
-  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
-  EXPECT_THAT(std::string(status.message()), HasSubstr("cuda"));
-  gate.Open();
-  EXPECT_TRUE(host->Synchronize(Soon()).ok());
-}
-
 TEST_F(CudaStreamTest, CudaEventCannotBeRecordedOnAHostStream) {
   auto cuda = Make("cuda");
   auto host = std::move(CreateHostStream()).value();
@@ -271,7 +257,7 @@ TEST_F(CudaStreamTest, CudaEventCannotBeRecordedOnAHostStream) {
   EXPECT_EQ(event->Query().value_or(false), true);  // never recorded
 }
 
-// --- Host events gating CUDA streams (M9) ---
+// --- Host events gating CUDA streams: waited for on the device, or in the blocking fallback ---
 
 // The host work that releases a CUDA stream's wait is itself released by a host function of
 // another CUDA stream. A wait that blocked CUDA's host-callback thread would hold that host
@@ -371,11 +357,28 @@ TEST_F(CudaStreamTest, AFailedHostEventPoisonsTheStreamAtTheWait) {
   EXPECT_EQ(after_event->Synchronize(Soon()), failure);
 }
 
-// SHARDLINE_CUDA_WAIT_VALUE=0: the blocking fallback still orders and times out.
-TEST_F(CudaStreamTest, TheBlockingFallbackWaitsAndTimesOut) {
-  ScopedKnob knob("SHARDLINE_CUDA_WAIT_VALUE", "0");
+// How a CUDA stream waits for a host event: as SHARDLINE_CUDA_WAIT_VALUE is by default (on the
+// device, where the platform can), or with it set to 0 (the blocking fallback, a host function).
+// Both must order the stream's work after the event and time out at wait_timeout.
+enum class HostWaitMode { kDefault, kBlockingFallback };
+
+class CudaHostWaitTest : public CudaStreamTest, public ::testing::WithParamInterface<HostWaitMode> {
+ protected:
+  void SetUp() override {
+    CudaStreamTest::SetUp();
+    if (IsSkipped()) return;
+    if (GetParam() == HostWaitMode::kBlockingFallback) {
+      knob_.emplace("SHARDLINE_CUDA_WAIT_VALUE", "0");
+    }
+  }
+
+ private:
+  std::optional<ScopedKnob> knob_;  // outlives the streams of the test body
+};
+
+TEST_P(CudaHostWaitTest, OrdersWorkAfterAHostEvent) {
   auto host = std::move(CreateHostStream()).value();
-  auto cuda = Make("fallback");
+  auto cuda = Make("waiter");
   Gate gate;
   const uint32_t kValue = SpinFillValue(3);
   std::atomic<uint32_t> produced{0}, seen{0};
@@ -396,20 +399,31 @@ TEST_F(CudaStreamTest, TheBlockingFallbackWaitsAndTimesOut) {
   gate.Open();
   ASSERT_TRUE(cuda->Synchronize(Soon()).ok());
   EXPECT_EQ(seen.load(), kValue);
+}
 
-  Gate never;
-  auto impatient = Make("impatient", absl::Milliseconds(30));
-  ASSERT_TRUE(host->Enqueue(BlockOn(never)).ok());
-  absl::StatusOr<std::shared_ptr<Event>> late = RecordEvent(*host);
-  ASSERT_TRUE(late.ok()) << late.status();
-  ASSERT_TRUE(impatient->WaitEvent(**late).ok());
-  const absl::Status status = impatient->Synchronize(Soon());
+TEST_P(CudaHostWaitTest, WaitTimeoutOnHostEventPoisons) {
+  auto host = std::move(CreateHostStream()).value();
+  auto cuda = Make("cuda", absl::Milliseconds(30));
+  Gate gate;
+  ASSERT_TRUE(host->Enqueue(BlockOn(gate)).ok());
+  absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*host);
+  ASSERT_TRUE(event.ok());
+  ASSERT_TRUE(cuda->WaitEvent(**event).ok());
+  absl::Status status = cuda->Synchronize(Soon());
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
-  never.Open();
+  EXPECT_THAT(std::string(status.message()), HasSubstr("cuda"));
+  gate.Open();
   EXPECT_TRUE(host->Synchronize(Soon()).ok());
 }
 
-// --- Wrapped framework streams and events (b1) ---
+INSTANTIATE_TEST_SUITE_P(WaitModes, CudaHostWaitTest,
+                         ::testing::Values(HostWaitMode::kDefault, HostWaitMode::kBlockingFallback),
+                         [](const ::testing::TestParamInfo<HostWaitMode>& info) {
+                           return info.param == HostWaitMode::kDefault ? "Default"
+                                                                       : "BlockingFallback";
+                         });
+
+// --- Wrapped framework streams and events ---
 
 TEST_F(CudaStreamTest, AWrappedStreamBehavesAsOurs) {
   cudaStream_t raw = nullptr;
@@ -613,7 +627,7 @@ TEST_F(CudaStreamTest, AWrappedEventIsWaitedForQueriedAndRecorded) {
   EXPECT_EQ(cudaEventDestroy(raw), cudaSuccess);
 }
 
-// --- H3 on CUDA (Tests 5) ---
+// --- A poisoned stream's guard event keeps pool memory a kernel still writes ---
 
 // A host function fails ahead of a kernel that is still in flight. The guard event recorded
 // after the kernel must not report anything (neither done nor the failure) until the kernel has

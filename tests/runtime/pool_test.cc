@@ -289,7 +289,7 @@ TEST(CachingPoolTest, RealHostStreamGuard) {
   EXPECT_EQ(c->data(), block);
 }
 
-// H4/c1: a block whose last reader has not finished is handed to the next user of another stream
+// A block whose last reader has not finished is handed to the next user of another stream
 // after that stream waits for the reader: the host does not block, nothing new is allocated, and
 // the new user's writes come after the old reader's reads.
 TEST(CachingPoolTest, StreamOrderedReuseMakesTheFirstUserWaitForTheLastReader) {

@@ -60,6 +60,16 @@ using ::shardline::testing::Gate;
 
 std::string Message(const absl::Status& status) { return std::string(status.message()); }
 
+// The stream kinds of the tests whose body holds for both: a host stream (a worker thread and a
+// queue) and a caller stream (work runs on the calling thread).
+enum class StreamKind { kHost, kCaller };
+
+std::string KindName(const ::testing::TestParamInfo<StreamKind>& info) {
+  return info.param == StreamKind::kHost ? "HostStream" : "CallerStream";
+}
+
+const auto kBothKinds = ::testing::Values(StreamKind::kHost, StreamKind::kCaller);
+
 // ---------------------------------------------------------------------------------------------
 // Ordering stress: 4 host streams x 10,000 ops with random cross-stream waits. Every op takes a
 // number from one global atomic counter; afterwards each happens-before edge is checked: FIFO
@@ -1270,7 +1280,7 @@ TEST(CallerStreamTest, HostStreamWaitsForCallerWorkRunningOnAnotherThread) {
   worker.join();
 }
 
-// L16: an event recorded while work of several threads runs completes when the work started
+// An event recorded while work of several threads runs completes when the work started
 // before it finishes, even while later work keeps the stream busy.
 TEST(CallerStreamTest, EventIsNotStarvedByWorkStartedAfterIt) {
   auto caller = MakeCaller("compute");
@@ -1307,7 +1317,7 @@ TEST(CallerStreamTest, EventIsNotStarvedByWorkStartedAfterIt) {
   EXPECT_TRUE(caller->Synchronize(Soon()).ok());
 }
 
-// L16: recording on a poisoned caller stream still waits for work that runs on other threads.
+// Recording on a poisoned caller stream still waits for work that runs on other threads.
 TEST(CallerStreamTest, EventOnAPoisonedStreamWaitsForRunningWork) {
   auto caller = MakeCaller("compute");
   Gate started, gate;
@@ -1334,46 +1344,49 @@ TEST(CallerStreamTest, EventOnAPoisonedStreamWaitsForRunningWork) {
 // ---------------------------------------------------------------------------------------------
 // Dropped ops, the open event protocol, clocks.
 
-TEST(StreamOpTest, APoisonedStreamCancelsInsteadOfRunning) {
-  for (bool host : {true, false}) {
-    auto stream = host ? MakeHost("ops") : MakeCaller("ops");
-    Gate gate;
-    std::thread opener;
-    if (host) {
-      ASSERT_TRUE(stream
-                      ->Enqueue([&gate] {
-                        gate.Wait();
-                        return absl::DataLossError("bad bits");
-                      })
-                      .ok());
-    } else {
-      EXPECT_FALSE(stream->Enqueue([] { return absl::DataLossError("bad bits"); }).ok());
-    }
-    std::atomic<int> ran{0};
-    absl::Status cancelled;
-    StreamOp op;
-    op.name = "all_gather #3";
-    op.kind = StreamOpKind::kCollective;
-    op.run = [&ran] {
-      ++ran;
-      return absl::OkStatus();
-    };
-    op.cancel = [&cancelled](const absl::Status& poison) { cancelled = poison; };
-    const absl::Status submitted = stream->Submit(std::move(op));
-    if (host) {
-      ASSERT_TRUE(submitted.ok());  // accepted: the stream fails only later
-      gate.Open();
-      EXPECT_EQ(stream->Synchronize(Soon()).code(), absl::StatusCode::kDataLoss);
-      EXPECT_EQ(cancelled.code(), absl::StatusCode::kDataLoss) << cancelled;
-    } else {
-      // Refused at submission: neither run nor cancel is called.
-      EXPECT_EQ(submitted.code(), absl::StatusCode::kDataLoss);
-      EXPECT_TRUE(cancelled.ok());
-    }
-    EXPECT_EQ(ran.load(), 0);
-    EXPECT_EQ(StreamOpKindName(StreamOpKind::kCollective), "collective");
+class StreamOpTest : public ::testing::TestWithParam<StreamKind> {};
+
+TEST_P(StreamOpTest, APoisonedStreamCancelsInsteadOfRunning) {
+  const bool host = GetParam() == StreamKind::kHost;
+  auto stream = host ? MakeHost("ops") : MakeCaller("ops");
+  Gate gate;
+  std::thread opener;
+  if (host) {
+    ASSERT_TRUE(stream
+                    ->Enqueue([&gate] {
+                      gate.Wait();
+                      return absl::DataLossError("bad bits");
+                    })
+                    .ok());
+  } else {
+    EXPECT_FALSE(stream->Enqueue([] { return absl::DataLossError("bad bits"); }).ok());
   }
+  std::atomic<int> ran{0};
+  absl::Status cancelled;
+  StreamOp op;
+  op.name = "all_gather #3";
+  op.kind = StreamOpKind::kCollective;
+  op.run = [&ran] {
+    ++ran;
+    return absl::OkStatus();
+  };
+  op.cancel = [&cancelled](const absl::Status& poison) { cancelled = poison; };
+  const absl::Status submitted = stream->Submit(std::move(op));
+  if (host) {
+    ASSERT_TRUE(submitted.ok());  // accepted: the stream fails only later
+    gate.Open();
+    EXPECT_EQ(stream->Synchronize(Soon()).code(), absl::StatusCode::kDataLoss);
+    EXPECT_EQ(cancelled.code(), absl::StatusCode::kDataLoss) << cancelled;
+  } else {
+    // Refused at submission: neither run nor cancel is called.
+    EXPECT_EQ(submitted.code(), absl::StatusCode::kDataLoss);
+    EXPECT_TRUE(cancelled.ok());
+  }
+  EXPECT_EQ(ran.load(), 0);
+  EXPECT_EQ(StreamOpKindName(StreamOpKind::kCollective), "collective");
 }
+
+INSTANTIATE_TEST_SUITE_P(BothKinds, StreamOpTest, kBothKinds, KindName);
 
 TEST(EventTest, OnCompleteRunsOnceAfterTheCapturedWorkAndBeforeSynchronizeReturns) {
   auto stream = MakeHost("producer");
@@ -1463,52 +1476,53 @@ TEST(ClockTest, ManualClockMovesOnlyWhenTold) {
 
 // A stream on a manual clock: its wait_timeout and every deadline are times on that clock. A
 // wait of 5 virtual seconds survives real time passing, and ends when the clock is advanced.
-TEST(ClockTest, WaitTimeoutAndDeadlinesFollowTheStreamsClock) {
+class StreamClockTest : public ::testing::TestWithParam<StreamKind> {};
+
+TEST_P(StreamClockTest, WaitTimeoutAndDeadlinesFollowTheStreamsClock) {
+  const bool host = GetParam() == StreamKind::kHost;
   ManualClock clock;
-  for (bool host : {true, false}) {
-    SCOPED_TRACE(host ? "host stream" : "caller stream");
-    StreamOptions options{.name = "virtual", .wait_timeout = absl::Seconds(5), .clock = &clock};
-    std::unique_ptr<Stream> stream =
-        host ? *CreateHostStream(options) : *CreateCallerStream(options);
-    EXPECT_EQ(&stream->clock(), &clock);
-    auto never = testing::ManualEvent::Create();
-    absl::Status waited;
-    std::thread waiter;
-    if (host) {
-      ASSERT_TRUE(stream->WaitEvent(*never).ok());
-    } else {
-      waiter = std::thread([&] { waited = stream->WaitEvent(*never); });
-    }
-    // Once the wait has read the clock, advance it in steps: it must not give up before 5
-    // virtual seconds, however much real time passes meanwhile.
-    while (clock.waiters() == 0) std::this_thread::yield();
-    const absl::Time start = clock.Now();
-    for (int i = 0; i < 4; ++i) clock.Advance(absl::Seconds(1));
-    EXPECT_TRUE(stream->status().ok());
-    clock.Advance(absl::Seconds(2));
-    const absl::Status status = stream->Synchronize(clock.Now() + absl::Hours(1));
-    if (waiter.joinable()) waiter.join();
-    EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
-    if (!host) {
-      EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
-    }
-    EXPECT_GE(clock.Now() - start, absl::Seconds(5));
-    // An event's Synchronize deadline is on the recording stream's clock too.
-    auto other = *CreateHostStream({.name = "gated", .clock = &clock});
-    Gate gate;
-    ASSERT_TRUE(other->Enqueue(BlockOn(gate)).ok());
-    std::shared_ptr<Event> event = *RecordEvent(*other);
-    std::thread advancer([&clock] {
-      while (clock.waiters() == 0) std::this_thread::yield();
-      clock.Advance(absl::Seconds(11));
-    });
-    EXPECT_EQ(event->Synchronize(clock.Now() + absl::Seconds(10)).code(),
-              absl::StatusCode::kDeadlineExceeded);
-    advancer.join();
-    gate.Open();
-    EXPECT_TRUE(event->Synchronize(clock.Now() + absl::Seconds(10)).ok());
+  StreamOptions options{.name = "virtual", .wait_timeout = absl::Seconds(5), .clock = &clock};
+  std::unique_ptr<Stream> stream = host ? *CreateHostStream(options) : *CreateCallerStream(options);
+  EXPECT_EQ(&stream->clock(), &clock);
+  auto never = testing::ManualEvent::Create();
+  absl::Status waited;
+  std::thread waiter;
+  if (host) {
+    ASSERT_TRUE(stream->WaitEvent(*never).ok());
+  } else {
+    waiter = std::thread([&] { waited = stream->WaitEvent(*never); });
   }
+  // Once the wait has read the clock, advance it in steps: it must not give up before 5
+  // virtual seconds, however much real time passes meanwhile.
+  while (clock.waiters() == 0) std::this_thread::yield();
+  const absl::Time start = clock.Now();
+  for (int i = 0; i < 4; ++i) clock.Advance(absl::Seconds(1));
+  EXPECT_TRUE(stream->status().ok());
+  clock.Advance(absl::Seconds(2));
+  const absl::Status status = stream->Synchronize(clock.Now() + absl::Hours(1));
+  if (waiter.joinable()) waiter.join();
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  if (!host) {
+    EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  }
+  EXPECT_GE(clock.Now() - start, absl::Seconds(5));
+  // An event's Synchronize deadline is on the recording stream's clock too.
+  auto other = *CreateHostStream({.name = "gated", .clock = &clock});
+  Gate gate;
+  ASSERT_TRUE(other->Enqueue(BlockOn(gate)).ok());
+  std::shared_ptr<Event> event = *RecordEvent(*other);
+  std::thread advancer([&clock] {
+    while (clock.waiters() == 0) std::this_thread::yield();
+    clock.Advance(absl::Seconds(11));
+  });
+  EXPECT_EQ(event->Synchronize(clock.Now() + absl::Seconds(10)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  advancer.join();
+  gate.Open();
+  EXPECT_TRUE(event->Synchronize(clock.Now() + absl::Seconds(10)).ok());
 }
+
+INSTANTIATE_TEST_SUITE_P(BothKinds, StreamClockTest, kBothKinds, KindName);
 
 // ---------------------------------------------------------------------------------------------
 // Factories.

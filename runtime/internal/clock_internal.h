@@ -1,0 +1,25 @@
+// File: runtime/internal/clock_internal.h
+// -----------------------------------------------------------------------------
+// Internal to runtime/clock.cc and the streams that hook into its waits. Not part of the public
+// API (not installed).
+//
+// A thread about to block in a clock's WaitUntil must first release what it holds back that the
+// awaited work may need: the host streams' HostStreamWakeBatch holds back wake-ups of their
+// workers. The clock does not know about host streams; they install a hook instead.
+
+#ifndef SHARDLINE_RUNTIME_INTERNAL_CLOCK_INTERNAL_H_
+#define SHARDLINE_RUNTIME_INTERNAL_CLOCK_INTERNAL_H_
+
+namespace shardline::clock_internal {
+
+// Runs on the calling thread at the start of every WaitUntil of the built-in clocks (WallClock,
+// ManualClock), before the thread blocks.
+using BeforeBlockHook = void (*)();
+
+// Installs `hook` for every later WaitUntil on any thread; null removes it. runtime/host_stream.cc
+// installs stream_internal::WakeHeldWorkers before the first host stream exists.
+void SetBeforeBlockHook(BeforeBlockHook hook);
+
+}  // namespace shardline::clock_internal
+
+#endif  // SHARDLINE_RUNTIME_INTERNAL_CLOCK_INTERNAL_H_
