@@ -8,7 +8,7 @@
 set -euo pipefail
 
 packages=(cmake ninja-build g++ ccache pkg-config libabsl-dev libboost-dev libucx-dev
-          libgtest-dev libgmock-dev libbenchmark-dev clang clang-format libclang-rt-14-dev
+          libgtest-dev libgmock-dev libbenchmark-dev clang clang-format libclang-rt-14-dev lld
           python3)
 if [[ "${1:-}" == "--peers" ]]; then
   packages+=(libopenmpi-dev openmpi-bin libgloo-dev)

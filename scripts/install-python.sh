@@ -5,13 +5,32 @@
 # GB): it is installed once per machine and pip's cache serves later venvs; it is never
 # reinstalled when already importable.
 #
-#   scripts/install-python.sh          everything above
-#   scripts/install-python.sh --no-torch
+#   scripts/install-python.sh                     everything above
+#   scripts/install-python.sh --no-torch          all but torch
+#   scripts/install-python.sh [--no-torch] --module
+#                                                 then `pip install .`: shardline itself (build-pip/;
+#                                                 ccache serves what build/ compiled)
 #
-# Prints nothing but one line when everything is there already.
+# Prints one line when everything is there already.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/ccache-env.sh
 venv=.venv
+torch=1
+with_module=0
+for arg in "$@"; do
+  case $arg in
+    --no-torch) torch=0 ;;
+    --module) with_module=1 ;;
+    *) echo "install-python: unknown argument $arg (--no-torch, --module)" >&2; exit 2 ;;
+  esac
+done
+install_module() {
+  ((with_module)) || return 0
+  echo "install-python: pip install . (the shardline module, into $venv)"
+  "$py" -m pip install --no-build-isolation --disable-pip-version-check -q . \
+    >build-pip.log 2>&1 || { cat build-pip.log; exit 1; }
+}
 if [[ ! -x $venv/bin/python ]]; then
   echo "install-python: creating $venv"
   python3 -m venv "$venv"
@@ -21,22 +40,23 @@ py=$venv/bin/python
 # name-as-imported=requirement
 wanted=(scikit_build_core=scikit-build-core nanobind=nanobind pytest=pytest numpy=numpy
         matplotlib=matplotlib safetensors=safetensors)
-if [[ "${1:-}" != "--no-torch" ]]; then
+if ((torch)); then
   wanted+=(torch=torch)
 fi
 missing=()
 for entry in "${wanted[@]}"; do
-  module=${entry%%=*}
+  name=${entry%%=*}
   requirement=${entry#*=}
   # find_spec looks the module up without importing it (importing torch takes seconds).
-  if ! "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"; then
+  if ! "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$name') is None)"; then
     missing+=("$requirement")
   fi
 done
 if ((${#missing[@]} == 0)); then
   echo "install-python: everything is installed in $venv"
-  exit 0
+else
+  echo "install-python: installing ${missing[*]} into $venv (torch takes minutes the first time)"
+  "$py" -m pip install -q --disable-pip-version-check "${missing[@]}"
+  echo "install-python: done"
 fi
-echo "install-python: installing ${missing[*]} into $venv (torch takes minutes the first time)"
-"$py" -m pip install -q --disable-pip-version-check "${missing[@]}"
-echo "install-python: done"
+install_module

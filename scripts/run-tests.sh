@@ -6,32 +6,56 @@
 #      ctest -L multihost (processes on test hosts made of Linux namespaces; skipped, with the
 #      reason, where they cannot be created, e.g. without root)
 #   2. the installed CMake package, consumed by tests/consumer through find_package(shardline)
-#   3. Python: .venv/ (scripts/install-python.sh: build tools, pytest, numpy, torch from PyPI,
-#      once per machine), `pip install .` into it (build-pip/, beside build/: ccache serves the
-#      C++ layers stage 1 compiled, so only the module's own sources compile), pytest tests/python
-#      (test_safetensors.py also runs build/bin's checkpoint_fixture and shardline-checkpoint)
-#   4. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer): ctest -L unit
-#   5. build-tsan/ (ThreadSanitizer): ctest -L threads (streams, pools, collectives, the store)
+#   3. Python: .venv/ and `pip install .` into it (scripts/install-python.sh --module: build
+#      tools, pytest, numpy, torch from PyPI once per machine; build-pip/, beside build/: ccache
+#      serves the C++ layers stage 1 compiled, so only the module's own sources compile), pytest
+#      tests/python (test_safetensors.py also runs build/bin's checkpoint_fixture and
+#      shardline-checkpoint)
+#   4. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer, -O1 -g1): ctest -L unit
+#   5. build-tsan/ (ThreadSanitizer, -O1 -g1): ctest -L threads (streams, pools, collectives, the
+#      store, the scheduler)
 #   6. clang-format of every tracked C++ file
 #   7. build-fuzz/ (clang, libFuzzer): the store's message decoder, fuzzed for 20 s
-# SHARDLINE_TEST_STAGES="1 2" runs a subset.
+# SHARDLINE_TEST_STAGES="1 2" runs a subset. A failure prints the command that reruns just the
+# failing test. The slow tiers (sweeps over thousands of seeds) are scripts/run-long-tests.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
+source scripts/ccache-env.sh
 stages=${SHARDLINE_TEST_STAGES:-1 2 3 4 5 6 7}
 jobs=${SHARDLINE_JOBS:-$(nproc)}
 ctest_args=(--output-on-failure --no-tests=error -j "$jobs")
 want() { [[ " $stages " == *" $1 "* ]]; }
 stage() { printf '\n=== %s (%ds)\n' "$1" "$SECONDS"; }
 
+# ctest_run ENV BUILD_DIR CTEST_ARGS...: ctest in BUILD_DIR (ENV: variables the stage sets, or
+# ""); when a test fails, prints the command that reruns each failing test alone.
+ctest_run() {
+  local env=$1 dir=$2
+  shift 2
+  if env $env ctest --test-dir "$dir" "$@"; then
+    return 0
+  fi
+  echo
+  echo "To rerun a failing test alone:"
+  local failed=$dir/Testing/Temporary/LastTestsFailed.log
+  if [[ -f $failed ]]; then
+    local name
+    while IFS=: read -r _ name; do
+      echo "  ${env:+$env }ctest --test-dir $dir -R '^$name\$' --output-on-failure"
+    done <"$failed"
+  fi
+  exit 1
+}
+
 scripts/install-deps.sh
 
 if want 1; then
   stage "1. build and unit tests"
   scripts/build.sh build
-  ctest --test-dir build -L unit "${ctest_args[@]}"
-  ctest --test-dir build -L multiprocess --output-on-failure --no-tests=error
-  ctest --test-dir build -L multihost --output-on-failure --no-tests=error
+  ctest_run "" build -L unit "${ctest_args[@]}"
+  ctest_run "" build -L multiprocess --output-on-failure --no-tests=error
+  ctest_run "" build -L multihost --output-on-failure --no-tests=error
 fi
 
 if want 2; then
@@ -48,17 +72,23 @@ fi
 
 if want 3; then
   stage "3. Python: pip install . and pytest"
-  scripts/install-python.sh
-  .venv/bin/python -m pip install --no-build-isolation --disable-pip-version-check -q . \
-    >build-pip.log 2>&1 || { cat build-pip.log; exit 1; }
+  scripts/install-python.sh --module
   # tests/python/test_safetensors.py runs build/bin/checkpoint_fixture and shardline-checkpoint.
-  [[ -x build/bin/checkpoint_fixture && -x build/bin/shardline-checkpoint ]] || scripts/build.sh build
+  [[ -x build/bin/checkpoint_fixture && -x build/bin/shardline-checkpoint ]] ||
+    scripts/build.sh build -- checkpoint_fixture shardline-checkpoint
   # From tests/python, so that `import shardline` is the installed package.
-  (cd tests/python && "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider .)
+  if ! (cd tests/python && "$root/.venv/bin/python" -m pytest -q -rf -p no:cacheprovider . |
+        tee "$root/build-pytest.log"; exit "${PIPESTATUS[0]}"); then
+    echo
+    echo "To rerun a failing test alone:"
+    sed -n 's/^FAILED \([^ ]*\).*/  (cd tests\/python \&\& ..\/..\/.venv\/bin\/python -m pytest -q "\1")/p' \
+      "$root/build-pytest.log"
+    exit 1
+  fi
 fi
 
-sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL
-  local dir=$1 sanitize=$2 label=$3
+sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL ENV
+  local dir=$1 sanitize=$2 label=$3 env=$4
   mkdir -p "$dir"
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARDLINE_SANITIZE="$sanitize" \
     -DSHARDLINE_WITH_CUDA=OFF -DSHARDLINE_BUILD_BENCH=OFF -DSHARDLINE_BUILD_EXAMPLES=OFF \
@@ -69,26 +99,30 @@ sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL
                          sed -n 's/^ *Test *#[0-9]*: //p')
   ((${#targets[@]})) || { echo "no tests labelled $label" >&2; exit 1; }
   cmake --build "$dir" -j "$jobs" --target "${targets[@]}"
-  ctest --test-dir "$dir" -L "$label" -LE script "${ctest_args[@]}"
+  ctest_run "$env" "$dir" -L "$label" -LE script "${ctest_args[@]}"
 }
 
 if want 4; then
   stage "4. AddressSanitizer + UndefinedBehaviorSanitizer"
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    sanitized_tests build-asan address,undefined unit
+  sanitized_tests build-asan address,undefined unit \
+    "ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1"
 fi
 
 if want 5; then
   stage "5. ThreadSanitizer"
   # UCX's libucm hooks madvise, which crashes TSan-instrumented binaries at thread exit.
-  UCX_MEM_MMAP_HOOK_MODE=none TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    sanitized_tests build-tsan thread threads
+  sanitized_tests build-tsan thread threads \
+    "UCX_MEM_MMAP_HOOK_MODE=none TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1"
 fi
 
 if want 6; then
   stage "6. clang-format"
   mapfile -t files < <(git ls-files '*.h' '*.cc' '*.cu' '*.cuh')
-  clang-format --dry-run -Werror "${files[@]}"
+  if ! clang-format --dry-run -Werror "${files[@]}"; then
+    echo
+    echo "To format the files above: clang-format -i FILE..."
+    exit 1
+  fi
 fi
 
 if want 7; then
@@ -98,7 +132,7 @@ if want 7; then
     -DSHARDLINE_BUILD_BENCH=OFF -DSHARDLINE_BUILD_EXAMPLES=OFF -DSHARDLINE_BUILD_TESTS=ON \
     >build-fuzz/configure.log 2>&1 || { cat build-fuzz/configure.log; exit 1; }
   cmake --build build-fuzz -j "$jobs" --target store_fuzzer
-  ctest --test-dir build-fuzz -L fuzz "${ctest_args[@]}"
+  ctest_run "" build-fuzz -L fuzz "${ctest_args[@]}"
 fi
 
 stage "all tests passed"
