@@ -53,8 +53,9 @@
 // supplies it. So every rank issues the same gathers and the same reductions in the same order even
 // if some rank skips a unit's backward.
 //
-// The budget. Memory "in flight" is charged on the host, at issue, deterministically (the issue
-// decisions depend only on the sequence of hook calls, never on clocks or completions):
+// The budget (InflightBudget, scheduler/budget.h). Memory "in flight" is charged on the host,
+// at issue, deterministically (the issue decisions depend only on the sequence of hook calls,
+// never on clocks or completions):
 //   forward gather   the unit's unsharded parameters (param_dtype), from the gather's issue until
 //                    the unit reshards;
 //   (with CPU offload, also the shard-sized staging buffer the master shard is copied into)
@@ -94,7 +95,6 @@
 #ifndef SHARDLINE_SCHEDULER_SCHEDULER_H_
 #define SHARDLINE_SCHEDULER_SCHEDULER_H_
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -113,6 +113,7 @@
 #include "runtime/flat_layout.h"
 #include "runtime/stream.h"
 #include "runtime/trace.h"
+#include "scheduler/budget.h"
 #include "scheduler/flat_parameter.h"
 #include "scheduler/mixed_precision.h"
 
@@ -392,13 +393,11 @@ class Scheduler {
     uint64_t backward_bytes = 0;  // parameters + gradient (+ its reduce_dtype copies)
 
     // This step.
-    bool gathered = false;         // a gather issued and not resharded
-    bool backward_gather = false;  // charged for its backward (parameters + gradient)
-    int active = 0;                // hook uses in progress (Pre called, Post not yet)
-    int recomputing = 0;           // of which recomputations inside the backward
-    uint64_t charged_params = 0;   // bytes charged to the budget: the unsharded parameters
-    uint64_t charged_grad = 0;     // and the unsharded gradient (+ its reduce_dtype copies)
-    uint64_t charged() const { return charged_params + charged_grad; }
+    bool gathered = false;             // a gather issued and not resharded
+    bool backward_gather = false;      // charged for its backward (parameters + gradient)
+    int active = 0;                    // hook uses in progress (Pre called, Post not yet)
+    int recomputing = 0;               // of which recomputations inside the backward
+    BudgetCharge charge;               // what the unit holds of the budget
     int forward_uses = 0;              // PreForward calls in this step's forward
     int backward_left = 0;             // forward uses whose backward has not finished
     bool grad_ready = false;           // last backward use finished; reduction not yet issued
@@ -422,28 +421,8 @@ class Scheduler {
     bool computed = false;
   };
 
-  // Adds the wall time of one hook call to the step's host time.
-  // Times a hook, and holds back the wake-ups of the host streams' workers that the hook gives
-  // work to until it returns (HostStreamWakeBatch): one wake-up per stream per hook at most,
-  // instead of one per burst of submissions while the workers keep draining and falling asleep.
-  class HookTimer {
-   public:
-    // steady_clock: a vDSO read, cheaper than absl::Now() (two per hook call).
-    explicit HookTimer(Scheduler* s) : s_(s), start_(std::chrono::steady_clock::now()) {}
-    ~HookTimer() {
-      wakes_.End();  // inside the timed span: the wake-ups are the hook's cost
-      s_->hook_time_ += elapsed();
-      ++s_->hook_calls_;
-    }
-    absl::Duration elapsed() const {
-      return absl::FromChrono(std::chrono::steady_clock::now() - start_);
-    }
-
-   private:
-    Scheduler* s_;
-    std::chrono::steady_clock::time_point start_;
-    HostStreamWakeBatch wakes_;
-  };
+  // Times a hook call for StepMetrics::host_hook_time (scheduler/internal/scheduler_internal.h).
+  class HookTimer;
 
   Scheduler(ProcessMesh mesh, Stream& compute, SchedulerOptions options);
 
@@ -483,14 +462,14 @@ class Scheduler {
   absl::Status IssueReduction(int u);
   absl::Status StartOrderCheck();
   absl::Status CheckOrderResult();
-  bool Fits(uint64_t bytes, bool new_unit) const;
   // Whether the unit's parameters may stay gathered outside a use: kept after forward, or after a
   // backward that does not reduce (SetReshardAfterBackward).
   static bool Kept(const Unit& unit);
-  void Charge(Unit& unit, uint64_t params, uint64_t grad);
-  // Takes the unit's parameter and/or gradient charge off the budget.
-  void Discharge(Unit& unit, bool params, bool grad);
-  void TraceCounters();
+  // At the end of FinishBackward: the step's metrics (read from their events by LastStepMetrics)
+  // up to the step's last compute event `end`, then the hooks' host time, `timer` being
+  // FinishBackward's own.
+  void RecordFinishedStep(std::shared_ptr<Event> end);
+  void EndStepHookTime(const HookTimer& timer);
 
   ProcessMesh mesh_;
   Stream& compute_;
@@ -530,9 +509,6 @@ class Scheduler {
   int64_t deviation_step_ = -1;
   std::string deviation_;
   size_t forward_cursor_ = 0;  // positions of order_ before it were prefetched or skipped
-  // The cursor positions whose prefetch was last deferred (a deferral is counted once).
-  size_t deferred_forward_ = SIZE_MAX;
-  size_t deferred_backward_ = SIZE_MAX;
 
   // Backward: the reverse of step_sequence_, its gather cursor, the next expected use, and the
   // reduction order.
@@ -549,9 +525,8 @@ class Scheduler {
   std::vector<int64_t> order_check_;
   Work order_check_work_;
 
-  // Budget accounting.
-  uint64_t inflight_bytes_ = 0;
-  int inflight_units_ = 0;
+  // The rate limiter of gathers and reductions in flight; its limits are options_.budget_*.
+  InflightBudget budget_;
 
   StepMetrics current_;
   std::shared_ptr<Event> step_start_;

@@ -93,7 +93,7 @@ absl::Status VirtualEvent::Record(Stream& stream) {
 
 // 64 ranks of a unit of 16 GiB (bf16 parameters, f32 master): one thread, phantom memory, no
 // data moved. Every rank's pool holds exactly one unsharded copy and one gradient at the peak.
-TEST(VirtualTimeTest, ManyRanksOfAHugeUnitOnPhantomMemory) {
+TEST(FlatParameterVirtualTimeTest, ManyRanksOfAHugeUnitOnPhantomMemory) {
   constexpr int kRanks = 64;
   constexpr int64_t kRows = 65536;
   constexpr int64_t kCols = 65536;  // 4 Gi elements
