@@ -27,7 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "scheduler/checkpoint/full_weights.h"
 #include "scheduler/checkpoint/safetensors.h"
-#include "tests/scheduler/checkpoint_fixture.h"
+#include "tests/scheduler/checkpoint/checkpoint_fixture.h"
 
 namespace shardline {
 namespace {
