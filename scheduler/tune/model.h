@@ -37,7 +37,7 @@
 //   The head keeps its norm's input and output and the logits in f32 for the loss
 //   (2p*h + 4*V per token); the embedding its output (p*h per token).
 //
-// Parameter counts of the presets (checked in tests/scheduler/tune_model_test.cc against the
+// Parameter counts of the presets (checked in tests/scheduler/tune/tune_model_test.cc against the
 // published figures): per layer 2*h*h + 2*h*k*d (attention) + (gated ? 3 : 2)*h*f (FFN) + the
 // norms' weights (RMSNorm: h each; LayerNorm: 2h each) + biases where the model has them; the
 // embedding V*h (+ s_max*h learned positions), the head V*h unless tied, the final norm.

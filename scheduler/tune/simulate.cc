@@ -1,196 +1,30 @@
 // The simulation driver (scheduler/tune/simulate.h). One driver plays the framework for every
-// rank; a Backend says where the ranks' streams, communicators and memory come from (virtual
-// time and phantom memory, or the local backend and host memory), so that both runs call the
-// same hooks in the same order.
+// rank; a Backend (internal/simulate_backend.h, simulate_backends.cc) says where the ranks'
+// streams, communicators and memory come from (virtual time and phantom memory, or the local
+// backend and host memory), so that both runs call the same hooks in the same order. The
+// clusters are in simulate_clusters.cc.
 
 #include "scheduler/tune/simulate.h"
 
 #include <algorithm>
+#include <initializer_list>
 #include <thread>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "collectives/local/local_communicator.h"
 #include "runtime/caching_pool.h"
-#include "runtime/config.h"
-#include "runtime/phantom_allocator.h"
 #include "runtime/status.h"
-#include "runtime/virtual_sharing.h"
+#include "scheduler/tune/internal/simulate_backend.h"
 
 namespace shardline {
+
+using tune_internal::Backend;
+using tune_internal::Rank;
+using tune_internal::SubAllocator;
+
 namespace {
 
 constexpr absl::Duration kCreateTimeout = absl::Seconds(60);
-
-// An allocator over `backing` with its own accounting: the driver's categories of device memory
-// (shards, pools, optimizer state, activations) each keep their own peak while the backing
-// allocator keeps the device's.
-class SubAllocator final : public Allocator {
- public:
-  SubAllocator(Allocator& backing, std::string name)
-      : Allocator(backing.device(), std::move(name)), backing_(backing) {}
-  ~SubAllocator() override { DrainPending(); }
-
- protected:
-  absl::StatusOr<void*> AllocateRaw(size_t bytes, Stream* /*first_user*/) override {
-    SL_ASSIGN_OR_RETURN(Buffer block, backing_.Allocate(bytes));
-    void* data = block.data();
-    std::lock_guard<std::mutex> lock(mu_);
-    live_.emplace(data, std::move(block));
-    return data;
-  }
-  void DeallocateRaw(void* data, size_t /*bytes*/) override {
-    Buffer block;
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(data);
-    block = std::move(it->second);
-    live_.erase(it);
-  }
-
- private:
-  Allocator& backing_;
-  std::mutex mu_;
-  absl::flat_hash_map<void*, Buffer> live_;
-};
-
-struct Rank {
-  std::unique_ptr<Allocator> device;
-  std::unique_ptr<SubAllocator> shards, gather_blocks, reduce_blocks, optimizer, activations;
-  // CPU offload: host memory, with the offloaded shards and the optimizer state.
-  std::unique_ptr<Allocator> host;
-  std::unique_ptr<SubAllocator> host_shards, host_optimizer;
-  std::unique_ptr<CachingPool> gather_pool, reduce_pool;
-  std::unique_ptr<Stream> compute;
-  std::shared_ptr<CollectiveCounter> counter;
-  std::unique_ptr<Scheduler> scheduler;
-  Buffer optimizer_state;
-  std::vector<Buffer> activations_held;  // per forward use
-  uint64_t master_shard_bytes = 0;
-  size_t issues_seen = 0;
-  std::vector<std::vector<std::string>> logs;  // per step
-};
-
-// Where ranks live. Subclasses own the timeline (if any) and must outlive the ranks.
-class Backend {
- public:
-  virtual ~Backend() = default;
-  virtual absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) = 0;
-  // Representative mode: rank 0 of a world of `size`, alone (a vector of one).
-  virtual absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> Representative(
-      int size, int shard_size) = 0;
-  virtual std::unique_ptr<Allocator> DeviceMemory(int rank) = 0;
-  virtual std::unique_ptr<Allocator> HostMemory(int rank) = 0;
-  virtual absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(int rank,
-                                                                StreamOptions options) = 0;
-  // SchedulerOptions::stream_factory of rank `rank` (null: the scheduler's default).
-  virtual std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory(
-      int rank) = 0;
-  // Representative mode (virtual time): one rank stands for the `world_size` ranks.
-  virtual void UseRepresentative(int /*world_size*/) {}
-  virtual absl::Status Compute(Stream& stream, std::string name, uint64_t flops) = 0;
-  // Runs everything enqueued so far to completion.
-  virtual absl::Status Drain(std::vector<Rank>& ranks) = 0;
-  // For LastStepMetrics and the host's waits for its compute.
-  virtual absl::Time Deadline() = 0;
-};
-
-class VirtualBackend final : public Backend {
- public:
-  VirtualBackend(const SimCluster& cluster, std::unique_ptr<VirtualTimeline> timeline)
-      : cluster_(cluster), timeline_(std::move(timeline)) {}
-
-  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) override {
-    return cluster_.CreateWorld(*timeline_, size);
-  }
-  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> Representative(
-      int size, int shard_size) override {
-    // ProcessMesh::Create's two splits of the world: its row (shard group), then its column.
-    auto split_call = [shard_size](uint64_t split, int rank) {
-      return split == 0 ? std::make_pair(rank / shard_size, rank)
-                        : std::make_pair(rank % shard_size, rank);
-    };
-    SL_ASSIGN_OR_RETURN(std::shared_ptr<Communicator> comm,
-                        cluster_.CreateRepresentative(*timeline_, size, 0, split_call));
-    return std::vector<std::shared_ptr<Communicator>>{std::move(comm)};
-  }
-  std::unique_ptr<Allocator> DeviceMemory(int rank) override {
-    return CreatePhantomAllocator(Device::Host(), absl::StrCat("rank", rank, ".device"));
-  }
-  std::unique_ptr<Allocator> HostMemory(int rank) override {
-    return CreatePhantomAllocator(Device::Host(), absl::StrCat("rank", rank, ".host"));
-  }
-  absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(int rank, StreamOptions options) override {
-    return Create(*timeline_, cluster_.HostOf(rank), std::move(options));
-  }
-  std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory(int rank) override {
-    VirtualTimeline* tl = timeline_.get();
-    return [tl, host = cluster_.HostOf(rank)](StreamOptions so) {
-      return Create(*tl, host, std::move(so));
-    };
-  }
-  void UseRepresentative(int world_size) override {
-    const int host = cluster_.HostOf(0);
-    if (host < 0 || !(timeline_->options().host_cores > 0)) return;
-    timeline_->sharing().SetCapacity(
-        VirtualSharing::Host(host),
-        timeline_->options().host_cores / cluster_.RanksOnHost(world_size));
-  }
-  absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
-    return stream.Submit({.name = std::move(name),
-                          .kind = StreamOpKind::kCompute,
-                          .flops = flops,
-                          .duration = cluster_.ComputeDuration(flops),
-                          .run = [] { return absl::OkStatus(); }});
-  }
-  absl::Status Drain(std::vector<Rank>&) override { return timeline_->RunUntilIdle(); }
-  absl::Time Deadline() override { return absl::InfiniteFuture(); }
-
- private:
-  static absl::StatusOr<std::unique_ptr<Stream>> Create(VirtualTimeline& timeline, int host,
-                                                        StreamOptions options) {
-    if (host < 0) return CreateVirtualStream(timeline, std::move(options));
-    return CreateVirtualStream(timeline, std::move(options), host);
-  }
-
-  const SimCluster& cluster_;
-  std::unique_ptr<VirtualTimeline> timeline_;
-};
-
-class HostBackend final : public Backend {
- public:
-  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) override {
-    return CreateLocalCommunicators(size);
-  }
-  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> Representative(int, int) override {
-    return absl::InvalidArgumentError(
-        "the host backend runs every rank: a representative rank exists only on virtual time");
-  }
-  std::unique_ptr<Allocator> DeviceMemory(int rank) override {
-    return CreateHostAllocator(64, absl::StrCat("rank", rank, ".host"));
-  }
-  std::unique_ptr<Allocator> HostMemory(int rank) override {
-    return CreateHostAllocator(64, absl::StrCat("rank", rank, ".offload"));
-  }
-  absl::StatusOr<std::unique_ptr<Stream>> ComputeStream(int, StreamOptions options) override {
-    return CreateHostStream(std::move(options));
-  }
-  std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory(int) override {
-    return nullptr;
-  }
-  absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
-    return stream.Submit(
-        {.name = std::move(name), .kind = StreamOpKind::kCompute, .flops = flops, .run = [] {
-           return absl::OkStatus();
-         }});
-  }
-  absl::Status Drain(std::vector<Rank>& ranks) override {
-    for (Rank& r : ranks) SL_RETURN_IF_ERROR(r.compute->Synchronize(DefaultDeadline()));
-    return absl::OkStatus();
-  }
-  absl::Time Deadline() override { return DefaultDeadline(); }
-};
 
 // The ranks, torn down in dependency order (schedulers return buffers to the pools, the pools
 // to their sub-allocators, those to the device; compute streams outlive the schedulers).
@@ -565,116 +399,6 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
   return report;
 }
 
-class FlatCluster final : public SimCluster {
- public:
-  explicit FlatCluster(FlatClusterOptions options) : options_(std::move(options)) {
-    options_.network.move_data = false;
-    options_.network.dup_without_rendezvous = false;
-  }
-  std::string Describe() const override {
-    return absl::StrFormat("flat: %g us, %g GB/s per link, %g TFLOP/s, %g GiB",
-                           absl::ToDoubleMicroseconds(options_.network.latency),
-                           options_.network.bandwidth_bytes_per_s / 1e9,
-                           options_.compute_flops_per_s / 1e12,
-                           static_cast<double>(options_.device_memory_bytes) / (1ull << 30));
-  }
-  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateWorld(
-      VirtualTimeline& timeline, int world_size) const override {
-    return CreateSimCommunicators(timeline, world_size, options_.network);
-  }
-  absl::StatusOr<std::shared_ptr<Communicator>> CreateRepresentative(
-      VirtualTimeline& timeline, int world_size, int rank,
-      std::function<std::pair<int, int>(uint64_t, int)> split_call) const override {
-    SimOptions network = options_.network;
-    network.split_call = std::move(split_call);
-    return CreateRepresentativeSimCommunicator(timeline, world_size, rank, network);
-  }
-  // Every group of a size costs the same wherever it is.
-  bool RanksSymmetric(int, int) const override { return true; }
-  double compute_flops_per_s() const override { return options_.compute_flops_per_s; }
-  uint64_t device_memory_bytes() const override { return options_.device_memory_bytes; }
-  double host_link_bytes_per_s() const override { return options_.host_link_bytes_per_s; }
-
- private:
-  FlatClusterOptions options_;
-};
-
-class TopologyCluster final : public SimCluster {
- public:
-  explicit TopologyCluster(std::shared_ptr<const Topology> topology)
-      : topology_(std::move(topology)) {}
-  std::string Describe() const override {
-    const Topology& t = *topology_;
-    return absl::StrFormat("topology %s: %d x %d devices, %g TFLOP/s, %g GiB", t.name, t.nodes,
-                           t.devices_per_node, t.compute_flops_per_s / 1e12,
-                           static_cast<double>(t.device_memory_bytes) / (1ull << 30));
-  }
-  absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateWorld(
-      VirtualTimeline& timeline, int world_size) const override {
-    SL_ASSIGN_OR_RETURN(SimOptions network, Network(world_size));
-    return CreateSimCommunicators(timeline, world_size, network);
-  }
-  absl::StatusOr<std::shared_ptr<Communicator>> CreateRepresentative(
-      VirtualTimeline& timeline, int world_size, int rank,
-      std::function<std::pair<int, int>(uint64_t, int)> split_call) const override {
-    SL_ASSIGN_OR_RETURN(SimOptions network, Network(world_size));
-    network.split_call = std::move(split_call);
-    return CreateRepresentativeSimCommunicator(timeline, world_size, rank, network);
-  }
-  bool RanksSymmetric(int world_size, int shard_size) const override {
-    const int d = topology_->devices_per_node;
-    // The world: inside one node, or whole nodes.
-    if (world_size > d && world_size % d != 0) return false;
-    // Shard groups of consecutive ranks: several whole groups per node, or whole nodes per group.
-    // Replicate groups (every shard_size-th rank) then all have one shape too.
-    if (shard_size < 1 || world_size % shard_size != 0) return false;
-    return d % shard_size == 0 || shard_size % d == 0;
-  }
-  double compute_flops_per_s() const override { return topology_->compute_flops_per_s; }
-  absl::Duration ComputeDuration(uint64_t flops) const override {
-    return shardline::ComputeDuration(*topology_, static_cast<double>(flops));
-  }
-  uint64_t device_memory_bytes() const override { return topology_->device_memory_bytes; }
-  std::shared_ptr<const Topology> topology() const override { return topology_; }
-  double host_link_bytes_per_s() const override { return topology_->host_link_bytes_per_s; }
-  VirtualTimelineOptions TimelineOptions() const override {
-    const MemoryOpsModel& m = topology_->memory_ops;
-    VirtualTimelineOptions o;
-    o.copy_bytes_per_s = m.copy_bytes_per_s;
-    o.cast_bytes_per_s = m.cast_bytes_per_s;
-    o.reduce_bytes_per_s = m.reduce_bytes_per_s;
-    o.fill_bytes_per_s = m.fill_bytes_per_s;
-    o.op_overhead = absl::Seconds(m.op_overhead_s);
-    o.host_cores = topology_->host_cores;
-    o.host_lockstep = topology_->host_lockstep;
-    return o;
-  }
-  int HostOf(int rank) const override {
-    return topology_->host_cores > 0 ? rank / topology_->devices_per_node : -1;
-  }
-  int RanksOnHost(int world_size) const override {
-    return std::max(1, std::min(world_size, topology_->devices_per_node));
-  }
-
- private:
-  absl::StatusOr<SimOptions> Network(int world_size) const {
-    if (world_size > topology_->devices()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("topology '", topology_->name, "' has ", topology_->devices(), " devices (",
-                       topology_->nodes, " x ", topology_->devices_per_node, "), too few for ",
-                       world_size, " ranks"));
-    }
-    SimOptions network{.name = "world",
-                       .move_data = false,
-                       .dup_without_rendezvous = false,
-                       .topology = topology_};
-    for (int r = 0; r < world_size; ++r) network.devices.push_back(r);
-    return network;
-  }
-
-  std::shared_ptr<const Topology> topology_;
-};
-
 }  // namespace
 
 absl::string_view HostLeadName(HostLead lead) {
@@ -709,21 +433,6 @@ absl::string_view RankModeName(RankMode mode) {
   return "?";
 }
 
-absl::StatusOr<std::unique_ptr<SimCluster>> CreateTopologyCluster(
-    std::shared_ptr<const Topology> topology) {
-  if (topology == nullptr) return absl::InvalidArgumentError("topology cluster: null topology");
-  SL_RETURN_IF_ERROR(ValidateTopology(*topology));
-  return std::make_unique<TopologyCluster>(std::move(topology));
-}
-
-absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions options) {
-  if (!(options.compute_flops_per_s > 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "flat cluster: compute_flops_per_s must be positive, got ", options.compute_flops_per_s));
-  }
-  return std::make_unique<FlatCluster>(std::move(options));
-}
-
 absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
                                           const SimulationConfig& config,
                                           const SimCluster& cluster) {
@@ -740,14 +449,15 @@ absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
     options.copy_bytes_per_s = cluster.host_link_bytes_per_s();
   }
   SL_ASSIGN_OR_RETURN(std::unique_ptr<VirtualTimeline> timeline, VirtualTimeline::Create(options));
-  VirtualBackend backend(cluster, std::move(timeline));
-  return Run(backend, model, config, &cluster);
+  std::unique_ptr<Backend> backend =
+      tune_internal::CreateVirtualBackend(cluster, std::move(timeline));
+  return Run(*backend, model, config, &cluster);
 }
 
 absl::StatusOr<SimulationReport> RunOnHostBackend(const ModelDescription& model,
                                                   const SimulationConfig& config) {
-  HostBackend backend;
-  return Run(backend, model, config, nullptr);
+  std::unique_ptr<Backend> backend = tune_internal::CreateHostBackend();
+  return Run(*backend, model, config, nullptr);
 }
 
 }  // namespace shardline

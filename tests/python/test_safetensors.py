@@ -1,9 +1,9 @@
 """Full-weight safetensors files against the reference implementation (PyPI `safetensors`).
 
-The C++ side is build/bin/checkpoint_fixture (tests/scheduler/checkpoint_fixture.cc: a model of
-three units, ranks as threads) and build/bin/shardline-checkpoint; $SHARDLINE_BIN_DIR overrides
-build/bin. Every element is compared with the fixture's hashed values, computed here with numpy
-(the same SplitMix64 formula as checkpoint_fixture.h):
+The C++ side is build/bin/checkpoint_fixture (tests/scheduler/checkpoint/checkpoint_fixture.cc: a
+model of three units, ranks as threads) and build/bin/shardline-checkpoint; $SHARDLINE_BIN_DIR
+overrides build/bin. Every element is compared with the fixture's hashed values, computed here with
+numpy (the same SplitMix64 formula as checkpoint_fixture.h):
   * a checkpoint saved at world 4 and at hybrid 2 x 2, exported by ExportSafetensors and by
     `shardline-checkpoint export` (as saved, as bf16, and the adam.m state), read with
     safetensors.numpy.load_file / safetensors.torch.load_file; bf16 checked against a numpy

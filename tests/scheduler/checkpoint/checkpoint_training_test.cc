@@ -17,15 +17,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "collectives/local/local_communicator.h"
 #include "examples/model/tiny_lm.h"
 #include "runtime/status.h"
 #include "scheduler/checkpoint/checkpoint.h"
 #include "scheduler/scheduler.h"
+#include "tests/common/local_ranks.h"
 
 namespace shardline::examples {
 namespace {
@@ -191,15 +190,9 @@ absl::Status TrainRank(std::shared_ptr<Communicator> world, const Segment& seg, 
 History RunSegment(const Segment& seg, int total_steps) {
   History history = EmptyHistory(total_steps);
   std::mutex mu;
-  auto comms = CreateLocalCommunicators(seg.world, {.timeout = kTimeout});
-  EXPECT_TRUE(comms.ok()) << comms.status();
-  if (!comms.ok()) return history;
-  std::vector<absl::Status> statuses(seg.world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < seg.world; ++r) {
-    threads.emplace_back([&, r] { statuses[r] = TrainRank((*comms)[r], seg, &history, &mu); });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<absl::Status> statuses = testing::RunLocalRanks(
+      seg.world, kTimeout,
+      [&](int, std::shared_ptr<Communicator> comm) { return TrainRank(comm, seg, &history, &mu); });
   for (int r = 0; r < seg.world; ++r)
     EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
   return history;

@@ -17,7 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "scheduler/checkpoint/full_weights.h"
-#include "tests/scheduler/checkpoint_fixture.h"
+#include "tests/scheduler/checkpoint/checkpoint_fixture.h"
 
 namespace shardline::fixture {
 namespace {

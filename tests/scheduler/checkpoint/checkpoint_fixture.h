@@ -3,8 +3,8 @@
 // three units with odd shapes, a tie, a scalar, an empty tensor and an f64 master, and one
 // registered state ("adam.m", f32), every element a hashed value that the Python tests compute
 // the same way (FixtureValue: an exact multiple of 2^-23 in [-1, 1), so f32 holds it exactly).
-#ifndef SHARDLINE_TESTS_SCHEDULER_CHECKPOINT_FIXTURE_H_
-#define SHARDLINE_TESTS_SCHEDULER_CHECKPOINT_FIXTURE_H_
+#ifndef SHARDLINE_TESTS_SCHEDULER_CHECKPOINT_CHECKPOINT_FIXTURE_H_
+#define SHARDLINE_TESTS_SCHEDULER_CHECKPOINT_CHECKPOINT_FIXTURE_H_
 
 #include <cstdint>
 #include <cstring>
@@ -192,4 +192,4 @@ inline size_t CountWrongElements(const Scheduler& sched, DType file_dtype) {
 
 }  // namespace shardline::fixture
 
-#endif  // SHARDLINE_TESTS_SCHEDULER_CHECKPOINT_FIXTURE_H_
+#endif  // SHARDLINE_TESTS_SCHEDULER_CHECKPOINT_CHECKPOINT_FIXTURE_H_

@@ -15,10 +15,8 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -27,7 +25,8 @@
 #include "absl/strings/str_cat.h"
 #include "scheduler/checkpoint/full_weights.h"
 #include "scheduler/checkpoint/safetensors.h"
-#include "tests/scheduler/checkpoint_fixture.h"
+#include "tests/common/run_tool.h"
+#include "tests/scheduler/checkpoint/checkpoint_fixture.h"
 
 namespace shardline {
 namespace {
@@ -35,24 +34,12 @@ namespace {
 namespace fs = std::filesystem;
 using fixture::FixtureValue;
 
-struct ToolRun {
-  int status = -1;
-  std::string output;  // stdout and stderr
-};
+using testing::ToolRun;
 
-// Runs the tool with `args` (shell words), bounded in time by timeout(1) (status 124 past it).
+// Runs shardline-checkpoint with `args` (shell words), bounded in time by timeout(1) (status 124
+// past it).
 ToolRun RunTool(const std::string& args, int timeout_s = 120) {
-  const std::string command =
-      absl::StrCat("timeout ", timeout_s, " ", SHARDLINE_CHECKPOINT_BIN, " ", args, " 2>&1");
-  ToolRun run;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return run;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) run.output.append(buffer, n);
-  const int raw = pclose(pipe);
-  run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  return run;
+  return testing::RunTool(SHARDLINE_CHECKPOINT_BIN, args, timeout_s);
 }
 
 std::string ReadAll(const std::string& path) {

@@ -8,10 +8,8 @@
 //   * a preset with shape overrides on a shipped topology name;
 //   * bad flags exit with status 2 and a message naming what was wrong.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -26,28 +24,15 @@
 #include "absl/strings/str_split.h"
 #include "runtime/json.h"
 #include "scheduler/tune/simulate.h"
+#include "tests/common/run_tool.h"
 
 namespace shardline {
 namespace {
 
-struct ToolRun {
-  int status = -1;
-  std::string output;  // stdout and stderr
-};
+using testing::ToolRun;
 
-// Runs the tool with `args` (shell words), bounded in time by timeout(1).
-ToolRun RunTool(const std::string& args) {
-  const std::string command = absl::StrCat("timeout 120 ", SHARDLINE_TUNE_BIN, " ", args, " 2>&1");
-  ToolRun run;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return run;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) run.output.append(buffer, n);
-  const int raw = pclose(pipe);
-  run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  return run;
-}
+// Runs shardline-tune with `args` (shell words), bounded in time by timeout(1).
+ToolRun RunTool(const std::string& args) { return testing::RunTool(SHARDLINE_TUNE_BIN, args); }
 
 std::string TempDir() {
   std::string pattern = ::testing::TempDir() + "tune_cli_XXXXXX";
