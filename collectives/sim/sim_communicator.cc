@@ -4,20 +4,18 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/internal/data_movement.h"
 #include "collectives/sim/internal/link_arbiter.h"
 #include "runtime/check.h"
 #include "runtime/config.h"
-#include "runtime/host_kernels.h"
 #include "runtime/status.h"
 
 namespace shardline {
@@ -340,70 +338,25 @@ void SimGroup::Finish(std::vector<Arrival> ranks) {
 
 absl::Status SimGroup::Move(const std::vector<Arrival>& ranks) const {
   const CollectiveFingerprint& fp = ranks[0].op.fingerprint;
-  const int n = size_;
   const size_t esize = ranks[0].op.element_size;
-  const size_t chunk = fp.count * esize;  // bytes per rank
-  auto in = [&](int s) { return static_cast<const uint8_t*>(ranks[s].op.input); };
-  auto out = [&](int s) { return static_cast<uint8_t*>(ranks[s].op.output); };
-  auto copy = [](void* dst, const void* src, size_t bytes) {
-    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
-  };
-  auto finish_avg = [&](void* data, size_t count) -> absl::Status {
-    if (fp.op != ReduceOp::kAvg) return absl::OkStatus();
-    return Scale(data, count, fp.dtype, 1.0 / n);
-  };
-
-  switch (fp.kind) {
-    case CollectiveKind::kAllGather:
-      // In place, rank s's input is slice s of its own output, which no copy writes.
-      for (int r = 0; r < n; ++r) {
-        for (int s = 0; s < n; ++s) copy(out(r) + s * chunk, in(s), chunk);
-      }
-      return absl::OkStatus();
-
-    case CollectiveKind::kAllToAll:
-      for (int r = 0; r < n; ++r) {
-        for (int s = 0; s < n; ++s) copy(out(r) + s * chunk, in(s) + r * chunk, chunk);
-      }
-      return absl::OkStatus();
-
-    case CollectiveKind::kBroadcast:
-      for (int r = 0; r < n; ++r) copy(out(r), in(fp.root), chunk);
-      return absl::OkStatus();
-
-    case CollectiveKind::kReduceScatter: {
-      if (fp.count == 0) return absl::OkStatus();
-      // In place, rank r's output is slice r of its own input, which no other rank reads.
-      std::vector<const void*> inputs(n);
-      for (int r = 0; r < n; ++r) {
-        for (int s = 0; s < n; ++s) inputs[s] = in(s) + r * chunk;
-        SL_RETURN_IF_ERROR(ReduceMany(out(r), inputs.data(), n, fp.count, fp.dtype, fp.op));
-        SL_RETURN_IF_ERROR(finish_avg(out(r), fp.count));
-      }
-      return absl::OkStatus();
-    }
-
-    case CollectiveKind::kAllReduce: {
-      if (fp.count == 0) return absl::OkStatus();
-      // Into scratch first: in place, every output is also an input.
-      // Memory that cannot be had is the collective's error on every rank, not a std::bad_alloc.
-      std::unique_ptr<uint8_t[]> scratch(new (std::nothrow) uint8_t[chunk]);
-      if (scratch == nullptr) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("cannot allocate the ", chunk, " bytes of the reduction's scratch"));
-      }
-      std::vector<const void*> inputs(n);
-      for (int s = 0; s < n; ++s) inputs[s] = in(s);
-      SL_RETURN_IF_ERROR(ReduceMany(scratch.get(), inputs.data(), n, fp.count, fp.dtype, fp.op));
-      SL_RETURN_IF_ERROR(finish_avg(scratch.get(), fp.count));
-      for (int r = 0; r < n; ++r) copy(out(r), scratch.get(), chunk);
-      return absl::OkStatus();
-    }
-
-    case CollectiveKind::kBarrier:
-      return absl::OkStatus();
+  std::vector<const void*> inputs;
+  std::vector<void*> outputs;
+  for (const Arrival& arrival : ranks) {
+    inputs.push_back(arrival.op.input);
+    outputs.push_back(arrival.op.output);
   }
-  return absl::InternalError("unknown collective kind");
+  if (fp.kind != CollectiveKind::kAllReduce) {
+    for (int r = 0; r < size_; ++r) {
+      SL_RETURN_IF_ERROR(data_movement::WriteRankOutput(fp, esize, inputs, r, outputs[r]));
+    }
+    return absl::OkStatus();
+  }
+  // Into scratch first: in place, every output is also an input.
+  const size_t bytes = fp.count * esize;
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<uint8_t[]> scratch, data_movement::AllocateScratch(bytes));
+  SL_RETURN_IF_ERROR(data_movement::ReduceSlice(fp, esize, inputs, 0, fp.count, scratch.get()));
+  data_movement::CopyIntoEach(outputs, 0, scratch.get(), bytes);
+  return absl::OkStatus();
 }
 
 std::string SimGroup::DescribeWait(const CollectiveFingerprint& fp) {
