@@ -20,6 +20,14 @@
 //   "join of world: rank 3 has backend=local but rank 0 has backend=ucx"
 // so a job launched with inconsistent settings fails at once instead of hanging in its first
 // collective.
+//
+// This is the one assembler of the collectives layer: bootstrap.cc is the only file outside the
+// backends' folders that names their factories (CreateUcxCommunicator, CreateNcclCommunicator)
+// and picks one by name (CreateCommunicator, InitOptions::backend), so a new multi-process
+// backend is added here. The backends do not include one another, and no other file of the
+// library includes a backend's communicator header. The in-process backends are not joined
+// through a launcher: their callers make them directly (CreateLocalCommunicators for ranks as
+// threads, CreateSimCommunicators for virtual time: tests, benchmarks, the tuner, bindings).
 
 #ifndef SHARDLINE_COLLECTIVES_BOOTSTRAP_H_
 #define SHARDLINE_COLLECTIVES_BOOTSTRAP_H_

@@ -9,9 +9,9 @@
 //     checked before anything is enqueued; a violation is InvalidArgument naming the collective,
 //     the argument and the value. Nothing is enqueued then.
 //   * Sequence numbers and fingerprints. Every collective gets the communicator's next sequence
-//     number and a fingerprint (kind, count, dtype, op, root). Backends compare fingerprints
-//     across ranks before moving data: if ranks disagree, every rank fails with an error that
-//     names the collective and the two differing ranks, e.g.
+//     number and a fingerprint (kind, count, dtype, op, root; collective_fingerprint.h).
+//     Backends compare fingerprints across ranks before moving data: if ranks disagree, every
+//     rank fails with an error that names the collective and the two differing ranks, e.g.
 //       "all_gather #12 on world (rank 0 of 4): rank 0 called all_gather(count=7, f32) but
 //        rank 2 called all_gather(count=8, f32)"
 //     and no memory is written.
@@ -84,6 +84,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "collectives/collective_fingerprint.h"
 #include "collectives/flight_recorder.h"
 #include "runtime/allocator.h"
 #include "runtime/device.h"
@@ -99,43 +100,6 @@ inline constexpr absl::string_view kPeerErrorPayload = "type.shardline/peer_erro
 bool IsPeerError(const absl::Status& status);
 // `status` with kPeerErrorPayload set to `peers` ("2", "1, 3").
 absl::Status MarkPeerError(absl::Status status, absl::string_view peers);
-
-enum class CollectiveKind : uint8_t {
-  kAllGather,
-  kReduceScatter,
-  kAllReduce,
-  kBroadcast,
-  kAllToAll,
-  kBarrier,
-};
-
-// "all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "barrier".
-absl::string_view CollectiveName(CollectiveKind kind);
-
-// What all ranks must agree on for one collective.
-struct CollectiveFingerprint {
-  CollectiveKind kind = CollectiveKind::kBarrier;
-  uint64_t seq = 0;
-  uint64_t count = 0;
-  DType dtype = DType::kU8;
-  ReduceOp op = ReduceOp::kSum;
-  int32_t root = 0;
-  // CollectiveOptions::key: what the caller says the collective moves (0: unsaid).
-  uint64_t key = 0;
-
-  friend bool operator==(const CollectiveFingerprint&, const CollectiveFingerprint&) = default;
-
-  // "all_gather #12 (count=7, f32)"; reductions add the op, broadcasts the root.
-  std::string ToString() const;
-  // The call as the user wrote it, without the sequence number: "all_gather(count=7, f32)".
-  std::string CallString() const;
-
-  // Fixed-size little-endian wire form, for backends that ship fingerprints to peers.
-  static constexpr size_t kEncodedSize = 32;
-  void Encode(uint8_t out[kEncodedSize]) const;
-  // InvalidArgument if the bytes do not decode to a valid fingerprint.
-  static absl::StatusOr<CollectiveFingerprint> Decode(const uint8_t in[kEncodedSize]);
-};
 
 struct CollectiveOptions {
   // How long the collective may take once it starts on its stream. Unset (zero): the

@@ -10,7 +10,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "collectives/communicator.h"
 #include "runtime/json.h"
 
 namespace shardline {

@@ -39,12 +39,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "collectives/collective_fingerprint.h"
 #include "runtime/dtype.h"
 
 namespace shardline {
-
-enum class CollectiveKind : uint8_t;
-struct CollectiveFingerprint;
 
 enum class FlightState : uint8_t { kQueued, kRunning, kDone, kFailed };
 

@@ -2,16 +2,14 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/internal/data_movement.h"
 #include "runtime/config.h"
-#include "runtime/host_kernels.h"
 #include "runtime/status.h"
 
 namespace shardline {
@@ -176,74 +174,30 @@ absl::Status LocalCommunicator::Run(const Op& op) {
 
 absl::Status LocalCommunicator::Move(const Op& op, const std::vector<LocalGroup::Slot>& slots) {
   const CollectiveFingerprint& fp = op.fingerprint;
-  const int n = size();
-  const int r = rank();
-  const size_t chunk = fp.count * op.element_size;  // bytes per rank
-  auto in = [&](int s) { return static_cast<const uint8_t*>(slots[s].input); };
-  auto* out = static_cast<uint8_t*>(op.output);
-  auto copy = [](void* dst, const void* src, size_t bytes) {
-    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
-  };
-  auto finish_avg = [&](void* data, size_t count) -> absl::Status {
-    if (fp.op != ReduceOp::kAvg) return absl::OkStatus();
-    return Scale(data, count, fp.dtype, 1.0 / n);
-  };
-
-  switch (fp.kind) {
-    case CollectiveKind::kAllGather:
-      for (int s = 0; s < n; ++s) copy(out + s * chunk, in(s), chunk);
-      return absl::OkStatus();
-
-    case CollectiveKind::kAllToAll:
-      for (int s = 0; s < n; ++s) copy(out + s * chunk, in(s) + r * chunk, chunk);
-      return absl::OkStatus();
-
-    case CollectiveKind::kBroadcast:
-      copy(out, in(fp.root), chunk);
-      return absl::OkStatus();
-
-    case CollectiveKind::kReduceScatter: {
-      if (fp.count == 0) return absl::OkStatus();
-      // Rank order, as AllReduce: both give bit-identical sums. In place, the output is this
-      // rank's own slice of its input, which ReduceMany allows.
-      std::vector<const void*> inputs;
-      for (int s = 0; s < n; ++s) inputs.push_back(in(s) + r * chunk);
-      SL_RETURN_IF_ERROR(ReduceMany(out, inputs.data(), n, fp.count, fp.dtype, fp.op));
-      return finish_avg(out, fp.count);
-    }
-
-    case CollectiveKind::kAllReduce: {
-      // Rank r reduces block r of every input (in rank order, so the result does not depend on
-      // who computed it), then writes it into every rank's output once all inputs are read.
-      const size_t per = (fp.count + n - 1) / n;
-      const size_t begin = std::min(fp.count, per * r);
-      const size_t len = std::min(fp.count, begin + per) - begin;
-      // Memory that cannot be had is this collective's error (the communicator aborts and the
-      // peers waiting in the next phase get it), not a std::bad_alloc that terminates.
-      const size_t bytes = len * op.element_size;
-      std::unique_ptr<uint8_t[]> scratch(bytes > 0 ? new (std::nothrow) uint8_t[bytes] : nullptr);
-      if (bytes > 0 && scratch == nullptr) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            Describe(op), ": cannot allocate the ", bytes, " bytes of the reduction's scratch"));
-      }
-      if (len > 0) {
-        std::vector<const void*> inputs;
-        for (int s = 0; s < n; ++s) inputs.push_back(in(s) + begin * op.element_size);
-        SL_RETURN_IF_ERROR(ReduceMany(scratch.get(), inputs.data(), n, len, fp.dtype, fp.op));
-        SL_RETURN_IF_ERROR(finish_avg(scratch.get(), len));
-      }
-      SL_RETURN_IF_ERROR(Phase(op));
-      for (int s = 0; s < n; ++s) {
-        copy(static_cast<uint8_t*>(slots[s].output) + begin * op.element_size, scratch.get(),
-             bytes);
-      }
-      return absl::OkStatus();
-    }
-
-    case CollectiveKind::kBarrier:
-      return absl::OkStatus();
+  std::vector<const void*> inputs;
+  for (const LocalGroup::Slot& slot : slots) inputs.push_back(slot.input);
+  if (fp.kind != CollectiveKind::kAllReduce) {
+    return data_movement::WriteRankOutput(fp, op.element_size, inputs, rank(), op.output);
   }
-  return absl::InternalError("unknown collective kind");
+  // Rank r reduces block r of every input (in rank order, so the result does not depend on who
+  // computed it), then writes it into every rank's output once all inputs are read.
+  const int n = size();
+  const size_t per = (fp.count + n - 1) / n;
+  const size_t begin = std::min(fp.count, per * rank());
+  const size_t len = std::min(fp.count, begin + per) - begin;
+  // Memory that cannot be had is this collective's error (the communicator aborts and the peers
+  // waiting in the next phase get it).
+  absl::StatusOr<std::unique_ptr<uint8_t[]>> scratch =
+      data_movement::AllocateScratch(len * op.element_size);
+  if (!scratch.ok()) return Annotate(scratch.status(), Describe(op));
+  SL_RETURN_IF_ERROR(
+      data_movement::ReduceSlice(fp, op.element_size, inputs, begin, len, scratch->get()));
+  SL_RETURN_IF_ERROR(Phase(op));
+  std::vector<void*> outputs;
+  for (const LocalGroup::Slot& slot : slots) outputs.push_back(slot.output);
+  data_movement::CopyIntoEach(outputs, begin * op.element_size, scratch->get(),
+                              len * op.element_size);
+  return absl::OkStatus();
 }
 
 }  // namespace

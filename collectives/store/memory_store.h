@@ -9,18 +9,22 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
-#include "collectives/store/internal/kv_table.h"
 #include "collectives/store/store.h"
 
 namespace shardline {
 
+namespace store_internal {
+class KvTable;  // the table's semantics, shared with the TCP store server (not installed)
+}  // namespace store_internal
+
 class MemoryStore final : public Store {
  public:
-  MemoryStore() = default;
-  ~MemoryStore() override = default;
+  MemoryStore();
+  ~MemoryStore() override;
 
  protected:
   absl::Status DoSet(absl::string_view key, absl::string_view value) override;
@@ -40,7 +44,7 @@ class MemoryStore final : public Store {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  store_internal::KvTable table_;  // guarded by mu_
+  const std::unique_ptr<store_internal::KvTable> table_;  // guarded by mu_
 };
 
 }  // namespace shardline
