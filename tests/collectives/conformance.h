@@ -44,6 +44,7 @@
 #include "runtime/stream.h"
 #include "testing/typed_values.h"
 #include "tests/common/gate.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline::testing {
 
@@ -57,16 +58,12 @@ inline constexpr size_t kCounts[] = {0, 1, 7, 4097};
 
 // Runs fn on one thread per rank, each with its own host stream.
 inline void RunRanks(const Comms& comms, const RankFn& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::unique_ptr<Stream>> stream =
-          CreateHostStream({.name = absl::StrCat("comm", r)});
-      ASSERT_TRUE(stream.ok()) << stream.status();
-      fn(r, *comms[r], **stream);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(static_cast<int>(comms.size()), [&](int r) {
+    absl::StatusOr<std::unique_ptr<Stream>> stream =
+        CreateHostStream({.name = absl::StrCat("comm", r)});
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    fn(r, *comms[r], **stream);
+  });
 }
 
 // A float in [-1, 1) with a full mantissa, from a hash of (rank, i, salt): no period, and sums

@@ -14,7 +14,6 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
-#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -26,24 +25,23 @@
 #include "runtime/check.h"
 #include "runtime/config.h"
 #include "runtime/stream.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
+
+using ::shardline::testing::RunRankThreads;
 
 using Comms = std::vector<std::shared_ptr<Communicator>>;
 
 // One thread per rank, each with its own host stream named "comm<r>".
 void RunRanks(const Comms& comms, const std::function<void(int, Communicator&, Stream&)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::unique_ptr<Stream>> stream =
-          CreateHostStream({.name = absl::StrCat("comm", r)});
-      ASSERT_TRUE(stream.ok()) << stream.status();
-      fn(r, *comms[r], **stream);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(static_cast<int>(comms.size()), [&](int r) {
+    absl::StatusOr<std::unique_ptr<Stream>> stream =
+        CreateHostStream({.name = absl::StrCat("comm", r)});
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    fn(r, *comms[r], **stream);
+  });
 }
 
 absl::Status WaitFor(const absl::StatusOr<Work>& work) {
@@ -425,20 +423,16 @@ TEST(FlightRecorderCommunicatorTest, UcxDeadlineDumpsSayFailed) {
   auto store = std::make_shared<MemoryStore>();
   Comms comms(n);
   {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        absl::StatusOr<std::shared_ptr<Communicator>> comm =
-            CreateUcxCommunicator({.rank = r,
-                                   .size = n,
-                                   .store = store,
-                                   .name = "ucxdeadline",
-                                   .timeout = absl::Seconds(30)});
-        SL_CHECK_OK(comm.status());
-        comms[r] = *std::move(comm);
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    RunRankThreads(n, [&](int r) {
+      absl::StatusOr<std::shared_ptr<Communicator>> comm =
+          CreateUcxCommunicator({.rank = r,
+                                 .size = n,
+                                 .store = store,
+                                 .name = "ucxdeadline",
+                                 .timeout = absl::Seconds(30)});
+      SL_CHECK_OK(comm.status());
+      comms[r] = *std::move(comm);
+    });
   }
   // Everyone completes #0; rank 2 never issues #1.
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {

@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -15,9 +14,12 @@
 #include "collectives/ucx/ucx_communicator.h"
 #include "runtime/check.h"
 #include "runtime/stream.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
+
+using ::shardline::testing::RunRankThreads;
 
 using Comms = std::vector<std::shared_ptr<Communicator>>;
 
@@ -50,16 +52,12 @@ Comms MakeLocal(int n) {
 Comms MakeUcx(int n) {
   auto store = std::make_shared<MemoryStore>();
   Comms comms(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
-          {.rank = r, .size = n, .store = store, .name = "world", .timeout = absl::Seconds(30)});
-      SL_CHECK_OK(comm.status());
-      comms[r] = *std::move(comm);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
+        {.rank = r, .size = n, .store = store, .name = "world", .timeout = absl::Seconds(30)});
+    SL_CHECK_OK(comm.status());
+    comms[r] = *std::move(comm);
+  });
   return comms;
 }
 
@@ -71,9 +69,7 @@ class ShrinkTest : public ::testing::TestWithParam<const char*> {
 // Runs fn(rank) on one thread per listed rank.
 template <typename Fn>
 void OnThreads(const std::vector<int>& ranks, Fn fn) {
-  std::vector<std::thread> threads;
-  for (int r : ranks) threads.emplace_back([&, r] { fn(r); });
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(static_cast<int>(ranks.size()), [&](int i) { fn(ranks[i]); });
 }
 
 // 5 ranks; ranks 1 and 3 are "lost": they never call anything again, the survivors' world is

@@ -39,6 +39,7 @@
 #include "runtime/stream.h"
 #include "tests/collectives/conformance.h"
 #include "tests/common/gate.h"
+#include "tests/common/rank_threads.h"
 #include "tests/common/scoped_env.h"
 
 namespace shardline {
@@ -51,6 +52,7 @@ using ::shardline::testing::PatternBuffer;
 using ::shardline::testing::PatternValue;
 using ::shardline::testing::ReferenceReduce;
 using ::shardline::testing::RunRanks;
+using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::ScopedEnv;
 using ::shardline::testing::WaitFor;
 
@@ -59,16 +61,12 @@ Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30),
                 std::shared_ptr<Store> store = nullptr, const std::string& name = "world") {
   if (store == nullptr) store = std::make_shared<MemoryStore>();
   Comms comms(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
-          {.rank = r, .size = n, .store = store, .name = name, .timeout = timeout});
-      SL_CHECK_OK(comm.status());
-      comms[r] = *std::move(comm);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
+        {.rank = r, .size = n, .store = store, .name = name, .timeout = timeout});
+    SL_CHECK_OK(comm.status());
+    comms[r] = *std::move(comm);
+  });
   return comms;
 }
 
@@ -77,17 +75,13 @@ Comms MakeCommsWithTunings(int n, absl::Duration timeout,
                            absl::FunctionRef<ucx_internal::Tuning(int)> tuning_of) {
   auto store = std::make_shared<MemoryStore>();
   Comms comms(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::shared_ptr<Communicator>> comm =
-          ucx_internal::CreateUcxCommunicatorWithTuning(
-              {.rank = r, .size = n, .store = store, .timeout = timeout}, tuning_of(r));
-      SL_CHECK_OK(comm.status());
-      comms[r] = *std::move(comm);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    absl::StatusOr<std::shared_ptr<Communicator>> comm =
+        ucx_internal::CreateUcxCommunicatorWithTuning(
+            {.rank = r, .size = n, .store = store, .timeout = timeout}, tuning_of(r));
+    SL_CHECK_OK(comm.status());
+    comms[r] = *std::move(comm);
+  });
   return comms;
 }
 
@@ -108,18 +102,14 @@ Transports CreateTransports(int n, Store& store, const std::string& name,
   Transports out;
   out.transports.resize(n);
   out.created.resize(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      on_thread(r);
-      absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
-          ucx_internal::UcxTransport::Create(r, n, store, name, tuning_of(r),
-                                             absl::Now() + absl::Seconds(20));
-      out.created[r] = t.status();
-      if (t.ok()) out.transports[r] = *std::move(t);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    on_thread(r);
+    absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
+        ucx_internal::UcxTransport::Create(r, n, store, name, tuning_of(r),
+                                           absl::Now() + absl::Seconds(20));
+    out.created[r] = t.status();
+    if (t.ok()) out.transports[r] = *std::move(t);
+  });
   return out;
 }
 
@@ -396,23 +386,15 @@ TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {
     auto watched = std::make_shared<WatchedStore>(store);
     Comms comms(n);
     std::vector<absl::Status> created(n);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        if (r == 1) {
-          ASSERT_TRUE(watched->address_wait.Wait());
-        }
-        absl::StatusOr<std::shared_ptr<Communicator>> comm =
-            CreateUcxCommunicator({.rank = r,
-                                   .size = n,
-                                   .store = watched,
-                                   .name = "again",
-                                   .timeout = absl::Seconds(10)});
-        created[r] = comm.status();
-        if (comm.ok()) comms[r] = *std::move(comm);
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    RunRankThreads(n, [&](int r) {
+      if (r == 1) {
+        ASSERT_TRUE(watched->address_wait.Wait());
+      }
+      absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
+          {.rank = r, .size = n, .store = watched, .name = "again", .timeout = absl::Seconds(10)});
+      created[r] = comm.status();
+      if (comm.ok()) comms[r] = *std::move(comm);
+    });
     for (int r = 0; r < n; ++r)
       ASSERT_TRUE(created[r].ok()) << "round " << round << ": " << created[r];
     RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
@@ -445,18 +427,13 @@ TEST(UcxCommunicatorTest, DifferentWireTuningFailsCreationOnEveryRankNamingTheKn
     c.change(other);
     const int n = 3;
     auto store = std::make_shared<MemoryStore>();
-    std::vector<absl::Status> created(n);
-    std::vector<std::thread> threads;
     const absl::Time start = absl::Now();
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        created[r] = ucx_internal::CreateUcxCommunicatorWithTuning(
-                         {.rank = r, .size = n, .store = store, .timeout = absl::Seconds(20)},
-                         r == 1 ? other : *base)
-                         .status();
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    std::vector<absl::Status> created = RunRankThreads(n, [&](int r) {
+      return ucx_internal::CreateUcxCommunicatorWithTuning(
+                 {.rank = r, .size = n, .store = store, .timeout = absl::Seconds(20)},
+                 r == 1 ? other : *base)
+          .status();
+    });
     EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << c.knob;
     const std::string expected = absl::StrCat("rank 1 has ", c.knob, "=", c.theirs,
                                               " but rank 0 has ", c.knob, "=", c.first);
@@ -499,19 +476,14 @@ TEST(UcxCommunicatorTest, YieldKnobIsCheckedAndEveryPolicyMovesDataCorrectly) {
     reread();
     // Every rank reads the knob before it connects: each fails at once, nobody waits for a peer.
     auto store = std::make_shared<MemoryStore>();
-    std::vector<absl::Status> created(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        created[r] = CreateUcxCommunicator({.rank = r,
-                                            .size = 2,
-                                            .store = store,
-                                            .name = "yield",
-                                            .timeout = absl::Seconds(20)})
-                         .status();
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    std::vector<absl::Status> created = RunRankThreads(2, [&](int r) {
+      return CreateUcxCommunicator({.rank = r,
+                                    .size = 2,
+                                    .store = store,
+                                    .name = "yield",
+                                    .timeout = absl::Seconds(20)})
+          .status();
+    });
     for (const absl::Status& status : created) {
       EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
       EXPECT_TRUE(absl::StrContains(status.message(), "SHARDLINE_UCX_YIELD")) << status;
