@@ -1,4 +1,4 @@
-// Framework-owned memory (Buffer::Adopt / Buffer::View, review item b2) and FlatParameter's
+// Framework-owned memory (Buffer::Adopt / Buffer::View) and FlatParameter's
 // external master shard and init stream: the unit gathers from the framework's own parameter
 // memory, never writes it at creation, and releases it only after the streams that read it.
 

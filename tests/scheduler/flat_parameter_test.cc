@@ -1105,7 +1105,7 @@ TEST(FlatParameterMemoryTest, UnshardedBufferLivesFromGatherToReshardPlusEvent) 
   EXPECT_EQ(rig.shards->stats().current_bytes, shard_bytes);
 }
 
-// M5: Reshard(nullptr) ends the uses of two acquiring host streams whose work (held by a gate)
+// Reshard(nullptr) ends the uses of two acquiring host streams whose work (held by a gate)
 // still reads the views. The buffer must stay with the pool's in-use bytes until that work ran,
 // although the gather itself finished long ago; the held reads see the gathered values (a
 // same-sized block taken from the pool meanwhile and filled with NaNs is another block).
@@ -1176,7 +1176,7 @@ TEST(FlatParameterMemoryTest, ReshardWithoutEventWaitsForWorkQueuedOnAcquiringSt
   EXPECT_EQ(rig.pool->pending_blocks(), 0);
 }
 
-// M5: destroying a unit while work held on the host compute stream still reads the parameters
+// Destroying a unit while work held on the host compute stream still reads the parameters
 // and writes the gradient. Both buffers stay in use until that work ran; its reads see the
 // gathered values.
 TEST(FlatParameterMemoryTest, DestroyingWaitsForWorkQueuedOnTheComputeStream) {
