@@ -1105,10 +1105,6 @@ TEST(FlatParameterMemoryTest, UnshardedBufferLivesFromGatherToReshardPlusEvent) 
   EXPECT_EQ(rig.shards->stats().current_bytes, shard_bytes);
 }
 
-// Reshard(nullptr) ends the uses of two acquiring host streams whose work (held by a gate)
-// still reads the views. The buffer must stay with the pool's in-use bytes until that work ran,
-// although the gather itself finished long ago; the held reads see the gathered values (a
-// same-sized block taken from the pool meanwhile and filled with NaNs is another block).
 // GatherCompleted(): false before any gather and while one is held up on its stream, true once
 // it ran, false again after a gather that failed.
 TEST(FlatParameterStateTest, GatherCompletedFollowsTheLatestGather) {
@@ -1137,6 +1133,10 @@ TEST(FlatParameterStateTest, GatherCompletedFollowsTheLatestGather) {
   EXPECT_FALSE(unit->GatherCompleted());
 }
 
+// Reshard(nullptr) ends the uses of two acquiring host streams whose work (held by a gate)
+// still reads the views. The buffer must stay with the pool's in-use bytes until that work ran,
+// although the gather itself finished long ago; the held reads see the gathered values (a
+// same-sized block taken from the pool meanwhile and filled with NaNs is another block).
 TEST(FlatParameterMemoryTest, ReshardWithoutEventWaitsForWorkQueuedOnAcquiringStreams) {
   auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
   RankRig rig(ComputeKind::kHost);
