@@ -47,6 +47,7 @@ TEST(NcclCommunicatorTest, BootstrapSaysTheBackendIsMissing) {
 #include "runtime/config.h"
 #include "runtime/stream.h"
 #include "testing/typed_values.h"
+#include "tests/collectives/rank_comms.h"
 #include "tests/common/rank_threads.h"
 #include "tests/common/scoped_env.h"
 
@@ -60,6 +61,7 @@ using ::shardline::testing::ReferenceReduce;
 using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::ScopedEnv;
 using ::shardline::testing::Tolerance;
+using ::shardline::testing::WaitFor;
 
 constexpr DType kReduceDTypes[] = {DType::kF32,  DType::kF64, DType::kF16,
                                    DType::kBF16, DType::kI32, DType::kI64};
@@ -86,11 +88,6 @@ int DeviceCount(std::string* why) {
     if (found == 0) GTEST_SKIP() << why;                                                  \
     if (found < (k)) GTEST_SKIP() << "needs " << (k) << " CUDA devices, found " << found; \
   } while (0)
-
-absl::Status WaitFor(const absl::StatusOr<Work>& work) {
-  if (!work.ok()) return work.status();
-  return work->Wait(absl::Now() + absl::Seconds(60));
-}
 
 // ---- Without a GPU ------------------------------------------------------------------------
 

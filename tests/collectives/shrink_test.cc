@@ -10,23 +10,18 @@
 
 #include "absl/strings/match.h"
 #include "collectives/local/local_communicator.h"
-#include "collectives/store/memory_store.h"
-#include "collectives/ucx/ucx_communicator.h"
 #include "runtime/check.h"
 #include "runtime/stream.h"
+#include "tests/collectives/rank_comms.h"
 #include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
 
+using ::shardline::testing::Comms;
+using ::shardline::testing::MakeUcxComms;
 using ::shardline::testing::RunRankThreads;
-
-using Comms = std::vector<std::shared_ptr<Communicator>>;
-
-absl::Status WaitFor(const absl::StatusOr<Work>& work) {
-  if (!work.ok()) return work.status();
-  return work->Wait(absl::Now() + absl::Seconds(60));
-}
+using ::shardline::testing::WaitFor;
 
 // Floats with a full mantissa from a hash of (rank, i, salt) (splitmix64): sums are not exact,
 // so a wrong member or order shows.
@@ -49,21 +44,9 @@ Comms MakeLocal(int n) {
   return *std::move(comms);
 }
 
-Comms MakeUcx(int n) {
-  auto store = std::make_shared<MemoryStore>();
-  Comms comms(n);
-  RunRankThreads(n, [&](int r) {
-    absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
-        {.rank = r, .size = n, .store = store, .name = "world", .timeout = absl::Seconds(30)});
-    SL_CHECK_OK(comm.status());
-    comms[r] = *std::move(comm);
-  });
-  return comms;
-}
-
 class ShrinkTest : public ::testing::TestWithParam<const char*> {
  protected:
-  Comms Make(int n) { return std::string(GetParam()) == "ucx" ? MakeUcx(n) : MakeLocal(n); }
+  Comms Make(int n) { return std::string(GetParam()) == "ucx" ? MakeUcxComms(n) : MakeLocal(n); }
 };
 
 // Runs fn(rank) on one thread per listed rank.

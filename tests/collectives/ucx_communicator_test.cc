@@ -38,6 +38,7 @@
 #include "runtime/shared_memory.h"
 #include "runtime/stream.h"
 #include "tests/collectives/conformance.h"
+#include "tests/collectives/rank_comms.h"
 #include "tests/common/gate.h"
 #include "tests/common/rank_threads.h"
 #include "tests/common/scoped_env.h"
@@ -48,6 +49,7 @@ namespace {
 using ::shardline::testing::Comms;
 using ::shardline::testing::Gate;
 using ::shardline::testing::GetElement;
+using ::shardline::testing::MakeUcxComms;
 using ::shardline::testing::PatternBuffer;
 using ::shardline::testing::PatternValue;
 using ::shardline::testing::ReferenceReduce;
@@ -55,20 +57,6 @@ using ::shardline::testing::RunRanks;
 using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::ScopedEnv;
 using ::shardline::testing::WaitFor;
-
-// Creates the n communicators concurrently (creation waits for every peer's address).
-Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30),
-                std::shared_ptr<Store> store = nullptr, const std::string& name = "world") {
-  if (store == nullptr) store = std::make_shared<MemoryStore>();
-  Comms comms(n);
-  RunRankThreads(n, [&](int r) {
-    absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
-        {.rank = r, .size = n, .store = store, .name = name, .timeout = timeout});
-    SL_CHECK_OK(comm.status());
-    comms[r] = *std::move(comm);
-  });
-  return comms;
-}
 
 // The same through CreateUcxCommunicatorWithTuning: rank r with tuning_of(r).
 Comms MakeCommsWithTunings(int n, absl::Duration timeout,
@@ -116,7 +104,7 @@ Transports CreateTransports(int n, Store& store, const std::string& name,
 struct UcxBackend {
   static constexpr const char* kName = "ucx";
   static constexpr int kWorldSizes[] = {1, 2, 3, 4};
-  static Comms Make(int n, absl::Duration timeout) { return MakeComms(n, timeout); }
+  static Comms Make(int n, absl::Duration timeout) { return MakeUcxComms(n, timeout); }
 };
 
 // The same with the fingerprint round through UCX messages (SHARDLINE_UCX_MAILBOX=0): the path
@@ -376,7 +364,7 @@ TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {
   const int n = 2;
   auto store = std::make_shared<MemoryStore>();
   {
-    Comms comms = MakeComms(n, absl::Seconds(30), store, "again");
+    Comms comms = MakeUcxComms(n, absl::Seconds(30), store, "again");
     RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
       CheckCollectives(comm, stream, 70000, /*salt=*/1);
     });
@@ -450,7 +438,7 @@ TEST(UcxCommunicatorTest, CreationLeavesTheEnvironmentAlone) {
   // thread's getenv. (The first communicator of the process creates the UCX context.)
   ScopedEnv unset("UCX_MM_ERROR_HANDLING", nullptr);
   {
-    Comms comms = MakeComms(2);
+    Comms comms = MakeUcxComms(2);
     RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
       CheckCollectives(comm, stream, 70000, /*salt=*/4);
     });
@@ -493,7 +481,7 @@ TEST(UcxCommunicatorTest, YieldKnobIsCheckedAndEveryPolicyMovesDataCorrectly) {
   for (const char* policy : {"never", "always", "auto"}) {
     ScopedEnv set("SHARDLINE_UCX_YIELD", policy);
     reread();
-    Comms comms = MakeComms(3);
+    Comms comms = MakeUcxComms(3);
     RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
       CheckCollectives(comm, stream, 2049, /*salt=*/7);    // the small path
       CheckCollectives(comm, stream, 100003, /*salt=*/8);  // the pipelined one
@@ -790,7 +778,7 @@ TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {
   // SHARDLINE_UCX_CMA=0: no single-copy reads, UCX moves the large messages itself.
   setenv("SHARDLINE_UCX_CMA", "0", 1);
   ReReadCmaKnob();
-  Comms comms = MakeComms(2);
+  Comms comms = MakeUcxComms(2);
   unsetenv("SHARDLINE_UCX_CMA");
   ReReadCmaKnob();
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
@@ -818,7 +806,7 @@ TEST(UcxCommunicatorTest, LargeCollectivesOnShareableMemory) {
   // their mappings of each other's memory and reduce straight out of them (borrowed chunks).
   const int n = 3;
   const size_t count = 300001;  // per rank: several chunks, a ragged last one
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     std::unique_ptr<Allocator> host =
         comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
@@ -869,7 +857,7 @@ TEST(UcxCommunicatorTest, FreshShareableBuffersEveryIterationStayCorrect) {
   // once — never stale bytes, and no new mapping per block.
   const int n = 2;
   const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   const int mappings_before = CountShareableMappings();
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     std::vector<uint8_t> output(n * count * 4);
@@ -900,7 +888,7 @@ TEST(UcxCommunicatorTest, PeersMapAnArenaAgainWhenItsFileGrows) {
   const int n = 2;
   const size_t small_count = 64 * 1024 + 3;          // 256 KiB per rank: the single-copy path
   const size_t large_count = (size_t{6} << 20) + 5;  // 24 MiB per rank: past the file's end
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   const int mappings_before = CountShareableMappings();
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     auto check = [&](const void* input, size_t count, uint64_t salt) {
@@ -941,7 +929,7 @@ TEST(UcxCommunicatorTest, PeersMapEachOtherAgainAfterRunningOutOfDescriptors) {
 #endif
   const int n = 2;
   const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   rlimit saved{};
   ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
   std::vector<void*> inputs(n);
@@ -1018,7 +1006,7 @@ TEST(UcxCommunicatorTest, RegisteredMemorySaysHowPeersReadItAndMovesCorrectly) {
   // moves correctly. Odd sizes above the shareable threshold, every element checked.
   const int n = 2;
   const size_t count = 300007;  // 1.2 MB per rank
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   const int mappings_before = CountShareableMappings();
   std::vector<int> mappings_after_mapped(n), mappings_after_private(n);
   Gate mapped_done[2];
@@ -1078,7 +1066,7 @@ TEST(UcxCommunicatorTest, RegisteredMemorySaysHowPeersReadItAndMovesCorrectly) {
 }
 
 TEST(UcxCommunicatorTest, RegisterMemoryRejectsBadRangesAndOutlivesItsCommunicator) {
-  Comms comms = MakeComms(1);
+  Comms comms = MakeUcxComms(1);
   absl::StatusOr<Registration> null = comms[0]->RegisterMemory(nullptr, 16);
   EXPECT_EQ(null.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(null.status().message(), "data is null")) << null.status();
@@ -1119,7 +1107,7 @@ TEST(UcxCommunicatorTest, FreeingBlocksThatPeersMappedReturnsTheirMemory) {
   // counters are back to zero, and the peers' mappings stay.
   const int n = 2;
   const size_t count = (8 << 20) / 4 + 3;  // 8 MiB and a bit per rank
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   std::vector<std::unique_ptr<Allocator>> hosts(n);
   std::vector<Buffer> inputs(n);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
@@ -1183,7 +1171,7 @@ namespace {
 // reference.
 TEST(UcxCommunicatorTest, ReductionsMatchTheLocalBackendBitForBit) {
   const int n = 3;
-  Comms ucx = MakeComms(n);
+  Comms ucx = MakeUcxComms(n);
   absl::StatusOr<Comms> local = CreateLocalCommunicators(n, {.timeout = absl::Seconds(30)});
   ASSERT_TRUE(local.ok()) << local.status();
   struct Case {
