@@ -12,16 +12,17 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
-#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/logging.h"
+#include "tests/common/rank_threads.h"
 #include "tests/common/scoped_env.h"
 
 namespace shardline {
 namespace {
 
+using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::ScopedEnv;
 
 // Every variable any launcher sets, unset, so each test starts from a clean environment.
@@ -236,30 +237,31 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
+// The options of `rank` joining a world of `world_size` whose ranks all run on this host, with the
+// store of rank 0 at `port`.
+InitOptions JoinOptions(int rank, int world_size, int port, absl::Duration timeout) {
+  InitOptions options;
+  options.device = Device::Host();
+  options.timeout = timeout;
+  LaunchInfo info;
+  info.rank = rank;
+  info.world_size = world_size;
+  info.local_rank = rank;
+  info.local_world_size = world_size;
+  info.master_port = port;
+  options.launch = info;
+  return options;
+}
+
 // Joins `n` ranks as threads; `backend_of(rank)` picks each rank's backend.
 std::vector<absl::Status> JoinAsThreads(int n, const std::function<std::string(int)>& backend_of,
                                         absl::Duration timeout) {
   const int port = FreePort();
-  std::vector<absl::Status> results(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      InitOptions options;
-      options.backend = backend_of(r);
-      options.device = Device::Host();
-      options.timeout = timeout;
-      LaunchInfo info;
-      info.rank = r;
-      info.world_size = n;
-      info.local_rank = r;
-      info.local_world_size = n;
-      info.master_port = port;
-      options.launch = info;
-      results[r] = InitProcessGroup(options).status();
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return results;
+  return RunRankThreads(n, [&](int r) {
+    InitOptions options = JoinOptions(r, n, port, timeout);
+    options.backend = backend_of(r);
+    return InitProcessGroup(options).status();
+  });
 }
 
 TEST(InitProcessGroupTest, MismatchedJoinFailsOnEveryRankNamingTheField) {
@@ -277,24 +279,9 @@ TEST(InitProcessGroupTest, MissingRankTimesOutNamingIt) {
   const absl::Time start = absl::Now();
   // World of 3, but only ranks 0 and 1 start.
   const int port = FreePort();
-  std::vector<absl::Status> results(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      InitOptions options;
-      options.device = Device::Host();
-      options.timeout = absl::Seconds(1);
-      LaunchInfo info;
-      info.rank = r;
-      info.world_size = 3;
-      info.local_world_size = 3;
-      info.local_rank = r;
-      info.master_port = port;
-      options.launch = info;
-      results[r] = InitProcessGroup(options).status();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  std::vector<absl::Status> results = RunRankThreads(2, [&](int r) {
+    return InitProcessGroup(JoinOptions(r, 3, port, absl::Seconds(1))).status();
+  });
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
   // Rank 0 hosts the store and names the missing rank. Rank 1 does too unless rank 0 gave up
   // first and took the store with it, which rank 1 then reports as the store being gone.
@@ -311,26 +298,11 @@ TEST(InitProcessGroupTest, MissingRankTimesOutNamingIt) {
 std::vector<absl::Status> JoinRanks(const std::vector<int>& ranks, int world_size,
                                     absl::Duration timeout) {
   const int port = FreePort();
-  std::vector<absl::Status> results(ranks.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    threads.emplace_back([&, i] {
-      InitOptions options;
-      options.device = Device::Host();
-      options.timeout = timeout;
-      LaunchInfo info;
-      info.rank = ranks[i];
-      info.world_size = world_size;
-      info.local_rank = ranks[i];
-      info.local_world_size = world_size;
-      info.master_port = port;
-      info.launcher = "torchrun";
-      options.launch = info;
-      results[i] = InitProcessGroup(options).status();
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return results;
+  return RunRankThreads(static_cast<int>(ranks.size()), [&](int i) {
+    InitOptions options = JoinOptions(ranks[i], world_size, port, timeout);
+    options.launch->launcher = "torchrun";
+    return InitProcessGroup(options).status();
+  });
 }
 
 TEST(InitProcessGroupTest, DuplicateRankIsNamedOnEveryRankAtOnce) {
@@ -372,23 +344,13 @@ TEST(InitProcessGroupTest, StoreListensOnTheAddressOfMasterAddrAndSaysSoWhenItIs
   {
     ScopedEnv log("SHARDLINE_DEBUG_FILE", log_path.c_str());
     ReinitLoggingForTesting();
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        InitOptions options;
-        options.device = Device::Host();
-        options.timeout = absl::Seconds(20);
-        LaunchInfo info;
-        info.rank = r;
-        info.world_size = 2;
-        info.local_world_size = 1;  // as if each rank ran on a host of its own
-        info.master_addr = "localhost";
-        info.master_port = port;
-        options.launch = info;
-        groups[r] = InitProcessGroup(options);
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    RunRankThreads(2, [&](int r) {
+      InitOptions options = JoinOptions(r, 2, port, absl::Seconds(20));
+      options.launch->local_rank = 0;  // as if each rank ran on a host of its own
+      options.launch->local_world_size = 1;
+      options.launch->master_addr = "localhost";
+      groups[r] = InitProcessGroup(options);
+    });
   }
   ReinitLoggingForTesting();
   for (const auto& group : groups) ASSERT_TRUE(group.ok()) << group.status();

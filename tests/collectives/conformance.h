@@ -43,31 +43,15 @@
 #include "collectives/communicator.h"
 #include "runtime/stream.h"
 #include "testing/typed_values.h"
+#include "tests/collectives/rank_comms.h"
 #include "tests/common/gate.h"
 
 namespace shardline::testing {
-
-using Comms = std::vector<std::shared_ptr<Communicator>>;
-using RankFn = std::function<void(int rank, Communicator& comm, Stream& stream)>;
 
 inline constexpr DType kReduceDTypes[] = {DType::kF32,  DType::kF64, DType::kF16,
                                           DType::kBF16, DType::kI32, DType::kI64};
 // 4097 elements of 4 or 8 bytes exceed the ucx backend's small-message threshold.
 inline constexpr size_t kCounts[] = {0, 1, 7, 4097};
-
-// Runs fn on one thread per rank, each with its own host stream.
-inline void RunRanks(const Comms& comms, const RankFn& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::unique_ptr<Stream>> stream =
-          CreateHostStream({.name = absl::StrCat("comm", r)});
-      ASSERT_TRUE(stream.ok()) << stream.status();
-      fn(r, *comms[r], **stream);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
 
 // A float in [-1, 1) with a full mantissa, from a hash of (rank, i, salt): no period, and sums
 // of them are not exact, so a misplaced block or a wrong reduction order shows.
@@ -84,11 +68,6 @@ inline std::vector<float> HashedFloats(int rank, size_t count, int salt = 0) {
   std::vector<float> values(count);
   for (size_t i = 0; i < count; ++i) values[i] = HashedFloat(rank, i, salt);
   return values;
-}
-
-inline absl::Status WaitFor(const absl::StatusOr<Work>& work) {
-  if (!work.ok()) return work.status();
-  return work->Wait(absl::Now() + absl::Seconds(60));
 }
 
 template <typename Backend>

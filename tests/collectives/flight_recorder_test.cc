@@ -12,44 +12,25 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <sstream>
-#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "collectives/communicator.h"
 #include "collectives/local/local_communicator.h"
-#include "collectives/store/memory_store.h"
-#include "collectives/ucx/ucx_communicator.h"
 #include "runtime/check.h"
 #include "runtime/config.h"
 #include "runtime/stream.h"
+#include "tests/collectives/rank_comms.h"
 
 namespace shardline {
 namespace {
 
-using Comms = std::vector<std::shared_ptr<Communicator>>;
-
-// One thread per rank, each with its own host stream named "comm<r>".
-void RunRanks(const Comms& comms, const std::function<void(int, Communicator&, Stream&)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::unique_ptr<Stream>> stream =
-          CreateHostStream({.name = absl::StrCat("comm", r)});
-      ASSERT_TRUE(stream.ok()) << stream.status();
-      fn(r, *comms[r], **stream);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
-
-absl::Status WaitFor(const absl::StatusOr<Work>& work) {
-  if (!work.ok()) return work.status();
-  return work->Wait(absl::Now() + absl::Seconds(60));
-}
+using ::shardline::testing::Comms;
+using ::shardline::testing::MakeUcxComms;
+using ::shardline::testing::RunRanks;
+using ::shardline::testing::WaitFor;
 
 CollectiveFingerprint Fp(uint64_t seq, CollectiveKind kind = CollectiveKind::kAllReduce,
                          uint64_t count = 5) {
@@ -422,24 +403,7 @@ TEST(FlightRecorderCommunicatorTest, UcxDeadlineDumpsSayFailed) {
   const std::string dir = TempDir();
   SetKnob("SHARDLINE_FLIGHT_RECORDER_DIR", dir);
   const int n = 3;
-  auto store = std::make_shared<MemoryStore>();
-  Comms comms(n);
-  {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        absl::StatusOr<std::shared_ptr<Communicator>> comm =
-            CreateUcxCommunicator({.rank = r,
-                                   .size = n,
-                                   .store = store,
-                                   .name = "ucxdeadline",
-                                   .timeout = absl::Seconds(30)});
-        SL_CHECK_OK(comm.status());
-        comms[r] = *std::move(comm);
-      });
-    }
-    for (std::thread& t : threads) t.join();
-  }
+  Comms comms = MakeUcxComms(n, absl::Seconds(30), /*store=*/nullptr, "ucxdeadline");
   // Everyone completes #0; rank 2 never issues #1.
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     ASSERT_TRUE(WaitFor(comm.Barrier(stream, {.tag = "warmup"})).ok());

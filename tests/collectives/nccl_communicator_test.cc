@@ -38,7 +38,6 @@ TEST(NcclCommunicatorTest, BootstrapSaysTheBackendIsMissing) {
 #include <algorithm>
 #include <functional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -48,6 +47,8 @@ TEST(NcclCommunicatorTest, BootstrapSaysTheBackendIsMissing) {
 #include "runtime/config.h"
 #include "runtime/stream.h"
 #include "testing/typed_values.h"
+#include "tests/collectives/rank_comms.h"
+#include "tests/common/rank_threads.h"
 #include "tests/common/scoped_env.h"
 
 namespace shardline {
@@ -57,8 +58,10 @@ using ::shardline::testing::GetElement;
 using ::shardline::testing::PatternBuffer;
 using ::shardline::testing::PatternValue;
 using ::shardline::testing::ReferenceReduce;
+using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::ScopedEnv;
 using ::shardline::testing::Tolerance;
+using ::shardline::testing::WaitFor;
 
 constexpr DType kReduceDTypes[] = {DType::kF32,  DType::kF64, DType::kF16,
                                    DType::kBF16, DType::kI32, DType::kI64};
@@ -85,11 +88,6 @@ int DeviceCount(std::string* why) {
     if (found == 0) GTEST_SKIP() << why;                                                  \
     if (found < (k)) GTEST_SKIP() << "needs " << (k) << " CUDA devices, found " << found; \
   } while (0)
-
-absl::Status WaitFor(const absl::StatusOr<Work>& work) {
-  if (!work.ok()) return work.status();
-  return work->Wait(absl::Now() + absl::Seconds(60));
-}
 
 // ---- Without a GPU ------------------------------------------------------------------------
 
@@ -205,22 +203,18 @@ using RankFn = std::function<void(int rank, int n, Communicator& comm, Stream& s
 // Runs fn on one thread per rank, rank r on cuda:r with its own CUDA stream.
 void RunRanks(int n, const RankFn& fn, absl::Duration timeout = absl::Seconds(60)) {
   auto store = std::make_shared<MemoryStore>();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-      absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateNcclCommunicator(
-          {.rank = r, .size = n, .store = store, .device = r, .timeout = timeout});
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      EXPECT_EQ((*comm)->backend(), "nccl");
-      EXPECT_EQ((*comm)->device(), Device::Cuda(r));
-      absl::StatusOr<std::unique_ptr<Stream>> stream =
-          CreateStream(Device::Cuda(r), {.name = absl::StrCat("nccl", r)});
-      ASSERT_TRUE(stream.ok()) << stream.status();
-      fn(r, n, **comm, **stream);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateNcclCommunicator(
+        {.rank = r, .size = n, .store = store, .device = r, .timeout = timeout});
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    EXPECT_EQ((*comm)->backend(), "nccl");
+    EXPECT_EQ((*comm)->device(), Device::Cuda(r));
+    absl::StatusOr<std::unique_ptr<Stream>> stream =
+        CreateStream(Device::Cuda(r), {.name = absl::StrCat("nccl", r)});
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    fn(r, n, **comm, **stream);
+  });
 }
 
 // 2 or 4 ranks: a power of two, so that NCCL's avg of f16/bf16 (a pre-multiplication by 1/n)

@@ -4,15 +4,16 @@
 
 #include <gtest/gtest.h>
 
-#include <thread>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/local/local_communicator.h"
 #include "runtime/stream.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
+
+using ::shardline::testing::RunRankThreads;
 
 struct Shape {
   int world;
@@ -24,31 +25,27 @@ class ProcessMeshTest : public ::testing::TestWithParam<Shape> {};
 TEST_P(ProcessMeshTest, GroupsFollowTheRowMajorLayout) {
   const auto [n, s] = GetParam();
   auto comms = *CreateLocalCommunicators(n, {.timeout = absl::Seconds(30)});
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      const absl::Time deadline = absl::Now() + absl::Seconds(30);
-      absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(comms[r], s, deadline);
-      ASSERT_TRUE(mesh.ok()) << mesh.status();
-      EXPECT_EQ(mesh->shard_size(), s);
-      EXPECT_EQ(mesh->replicate_size(), n / s);
-      EXPECT_EQ(mesh->shard_rank(), r % s);
-      EXPECT_EQ(mesh->replicate_rank(), r / s);
-      auto stream = *CreateHostStream({});
-      // Gather world ranks along the row and along the column.
-      int32_t me = r;
-      std::vector<int32_t> row(s), column(n / s);
-      ASSERT_TRUE(
-          mesh->shard()->AllGather(&me, row.data(), 1, DType::kI32, *stream)->Wait(deadline).ok());
-      ASSERT_TRUE(mesh->replicate()
-                      ->AllGather(&me, column.data(), 1, DType::kI32, *stream)
-                      ->Wait(deadline)
-                      .ok());
-      for (int j = 0; j < s; ++j) EXPECT_EQ(row[j], r / s * s + j);
-      for (int i = 0; i < n / s; ++i) EXPECT_EQ(column[i], i * s + r % s);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(comms[r], s, deadline);
+    ASSERT_TRUE(mesh.ok()) << mesh.status();
+    EXPECT_EQ(mesh->shard_size(), s);
+    EXPECT_EQ(mesh->replicate_size(), n / s);
+    EXPECT_EQ(mesh->shard_rank(), r % s);
+    EXPECT_EQ(mesh->replicate_rank(), r / s);
+    auto stream = *CreateHostStream({});
+    // Gather world ranks along the row and along the column.
+    int32_t me = r;
+    std::vector<int32_t> row(s), column(n / s);
+    ASSERT_TRUE(
+        mesh->shard()->AllGather(&me, row.data(), 1, DType::kI32, *stream)->Wait(deadline).ok());
+    ASSERT_TRUE(mesh->replicate()
+                    ->AllGather(&me, column.data(), 1, DType::kI32, *stream)
+                    ->Wait(deadline)
+                    .ok());
+    for (int j = 0; j < s; ++j) EXPECT_EQ(row[j], r / s * s + j);
+    for (int i = 0; i < n / s; ++i) EXPECT_EQ(column[i], i * s + r % s);
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ProcessMeshTest,
@@ -72,15 +69,11 @@ TEST(ProcessMeshInvalidTest, ShardSizeMustDivideTheWorld) {
 TEST(RanksPerHostTest, AllThreadsShareOneHost) {
   const int n = 3;
   auto comms = *CreateLocalCommunicators(n, {.timeout = absl::Seconds(30)});
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<int> per_host = RanksPerHost(*comms[r], absl::Now() + absl::Seconds(30));
-      ASSERT_TRUE(per_host.ok()) << per_host.status();
-      EXPECT_EQ(*per_host, n);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    absl::StatusOr<int> per_host = RanksPerHost(*comms[r], absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(per_host.ok()) << per_host.status();
+    EXPECT_EQ(*per_host, n);
+  });
 }
 
 }  // namespace

@@ -6,25 +6,22 @@
 
 #include <cmath>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "collectives/local/local_communicator.h"
-#include "collectives/store/memory_store.h"
-#include "collectives/ucx/ucx_communicator.h"
 #include "runtime/check.h"
 #include "runtime/stream.h"
+#include "tests/collectives/rank_comms.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
 
-using Comms = std::vector<std::shared_ptr<Communicator>>;
-
-absl::Status WaitFor(const absl::StatusOr<Work>& work) {
-  if (!work.ok()) return work.status();
-  return work->Wait(absl::Now() + absl::Seconds(60));
-}
+using ::shardline::testing::Comms;
+using ::shardline::testing::MakeUcxComms;
+using ::shardline::testing::RunRankThreads;
+using ::shardline::testing::WaitFor;
 
 // Floats with a full mantissa from a hash of (rank, i, salt) (splitmix64): sums are not exact,
 // so a wrong member or order shows.
@@ -47,33 +44,15 @@ Comms MakeLocal(int n) {
   return *std::move(comms);
 }
 
-Comms MakeUcx(int n) {
-  auto store = std::make_shared<MemoryStore>();
-  Comms comms(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
-          {.rank = r, .size = n, .store = store, .name = "world", .timeout = absl::Seconds(30)});
-      SL_CHECK_OK(comm.status());
-      comms[r] = *std::move(comm);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return comms;
-}
-
 class ShrinkTest : public ::testing::TestWithParam<const char*> {
  protected:
-  Comms Make(int n) { return std::string(GetParam()) == "ucx" ? MakeUcx(n) : MakeLocal(n); }
+  Comms Make(int n) { return std::string(GetParam()) == "ucx" ? MakeUcxComms(n) : MakeLocal(n); }
 };
 
 // Runs fn(rank) on one thread per listed rank.
 template <typename Fn>
 void OnThreads(const std::vector<int>& ranks, Fn fn) {
-  std::vector<std::thread> threads;
-  for (int r : ranks) threads.emplace_back([&, r] { fn(r); });
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(static_cast<int>(ranks.size()), [&](int i) { fn(ranks[i]); });
 }
 
 // 5 ranks; ranks 1 and 3 are "lost": they never call anything again, the survivors' world is

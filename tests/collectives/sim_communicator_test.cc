@@ -13,7 +13,6 @@
 #include <optional>
 #include <random>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -27,10 +26,12 @@
 #include "runtime/half.h"
 #include "runtime/stream.h"
 #include "runtime/virtual_time.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
 
+using ::shardline::testing::RunRankThreads;
 using ::testing::HasSubstr;
 
 constexpr absl::Time kEpoch = absl::UnixEpoch();
@@ -258,21 +259,17 @@ TEST(SimCommunicatorTest, Bf16ReductionsMatchTheLocalBackend) {
     }
     std::vector<std::shared_ptr<Communicator>> comms =
         *CreateLocalCommunicators(n, {.timeout = absl::Seconds(30)});
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        std::unique_ptr<Stream> stream = *CreateCallerStream({.name = "local"});
-        EXPECT_TRUE(comms[r]
-                        ->AllReduce(in[r].data(), out[r].data(), count * n, DType::kBF16, *stream,
-                                    {.op = ReduceOp::kAvg})
-                        .ok());
-        EXPECT_TRUE(comms[r]
-                        ->ReduceScatter(in[r].data(), out[r].data() + count * n, count,
-                                        DType::kBF16, *stream)
-                        .ok());
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    RunRankThreads(n, [&](int r) {
+      std::unique_ptr<Stream> stream = *CreateCallerStream({.name = "local"});
+      EXPECT_TRUE(comms[r]
+                      ->AllReduce(in[r].data(), out[r].data(), count * n, DType::kBF16, *stream,
+                                  {.op = ReduceOp::kAvg})
+                      .ok());
+      EXPECT_TRUE(
+          comms[r]
+              ->ReduceScatter(in[r].data(), out[r].data() + count * n, count, DType::kBF16, *stream)
+              .ok());
+    });
     return out;
   };
   const std::vector<std::vector<uint16_t>> sim = run(true);
@@ -512,16 +509,12 @@ TEST(SimCommunicatorTest, DupFromOneThreadAndSplitFromThreads) {
   mesh_options.dup_without_rendezvous = false;
   Sim mesh_sim(n, mesh_options);
   std::vector<std::optional<ProcessMesh>> meshes(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<ProcessMesh> mesh =
-          ProcessMesh::Create(mesh_sim.comms[r], 2, absl::Now() + absl::Seconds(20));
-      EXPECT_TRUE(mesh.ok()) << mesh.status();
-      if (mesh.ok()) meshes[r] = *std::move(mesh);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    absl::StatusOr<ProcessMesh> mesh =
+        ProcessMesh::Create(mesh_sim.comms[r], 2, absl::Now() + absl::Seconds(20));
+    EXPECT_TRUE(mesh.ok()) << mesh.status();
+    if (mesh.ok()) meshes[r] = *std::move(mesh);
+  });
   std::vector<float> shard_sum(n), replicate_sum(n);
   for (int r = 0; r < n; ++r) {
     ASSERT_TRUE(meshes[r].has_value());

@@ -11,7 +11,6 @@
 #include <optional>
 #include <random>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -23,10 +22,12 @@
 #include "collectives/sim/topology.h"
 #include "gmock/gmock.h"
 #include "runtime/virtual_time.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
 
+using ::shardline::testing::RunRankThreads;
 using ::testing::HasSubstr;
 
 // 2 nodes x 4 devices: intra 100 GB/s, 2 us; 2 NICs of 50 GB/s per node (25 GB/s per device),
@@ -283,16 +284,12 @@ TEST(SimTopologyTest, DisjointPortsDoNotShare) {
   options.dup_without_rendezvous = false;
   Sim sim(4, options, 2);
   std::vector<std::optional<ProcessMesh>> meshes(4);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 4; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<ProcessMesh> mesh =
-          ProcessMesh::Create(sim.comms[r], 2, absl::Now() + absl::Seconds(20));
-      EXPECT_TRUE(mesh.ok()) << mesh.status();
-      if (mesh.ok()) meshes[r] = *std::move(mesh);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(4, [&](int r) {
+    absl::StatusOr<ProcessMesh> mesh =
+        ProcessMesh::Create(sim.comms[r], 2, absl::Now() + absl::Seconds(20));
+    EXPECT_TRUE(mesh.ok()) << mesh.status();
+    if (mesh.ok()) meshes[r] = *std::move(mesh);
+  });
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(meshes[r].has_value());
 
   // The shard groups are inside one node each, the replicate groups across the nodes.
@@ -328,20 +325,15 @@ TEST(SimTopologyTest, DisjointPortsDoNotShare) {
   // Two replicate all-reduces on the same column (the group and its Dup) do share: 2X.
   // (Every split of this simulation is a rendezvous of threads: dup_without_rendezvous = false.)
   std::vector<std::shared_ptr<Communicator>> rep_dups(4);
-  {
-    std::vector<std::thread> dup_threads;
-    for (int r : {0, 2}) {
-      dup_threads.emplace_back([&, r] {
-        absl::StatusOr<std::shared_ptr<Communicator>> dup =
-            meshes[r]->replicate()->Dup(absl::Now() + absl::Seconds(20));
-        EXPECT_TRUE(dup.ok()) << dup.status();
-        if (dup.ok()) rep_dups[r] = *dup;
-      });
-    }
-    for (std::thread& t : dup_threads) t.join();
-    ASSERT_NE(rep_dups[0], nullptr);
-    ASSERT_NE(rep_dups[2], nullptr);
-  }
+  RunRankThreads(2, [&](int i) {
+    const int r = 2 * i;  // ranks 0 and 2: one replicate group
+    absl::StatusOr<std::shared_ptr<Communicator>> dup =
+        meshes[r]->replicate()->Dup(absl::Now() + absl::Seconds(20));
+    EXPECT_TRUE(dup.ok()) << dup.status();
+    if (dup.ok()) rep_dups[r] = *dup;
+  });
+  ASSERT_NE(rep_dups[0], nullptr);
+  ASSERT_NE(rep_dups[2], nullptr);
   const double t0 = absl::ToDoubleMicroseconds(sim.timeline->Now() - absl::UnixEpoch());
   std::vector<Work> x, y;
   for (int r : {0, 2}) {

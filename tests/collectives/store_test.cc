@@ -32,11 +32,13 @@
 #include "gtest/gtest.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
+#include "tests/common/rank_threads.h"
 #include "tests/common/scoped_env.h"
 
 namespace shardline {
 namespace {
 
+using ::shardline::testing::RunRankThreads;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -203,17 +205,13 @@ TEST_P(StoreConformanceTest, AddIsAtomicAcrossThreads) {
     ASSERT_NE(peers.back(), nullptr);
   }
   std::vector<std::vector<int64_t>> seen(kThreads);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      for (int i = 0; i < kAddsPerThread; ++i) {
-        absl::StatusOr<int64_t> v = peers[t]->Add("counter", 1);
-        ASSERT_TRUE(v.ok()) << v.status();
-        seen[t].push_back(*v);
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
+  RunRankThreads(kThreads, [&](int t) {
+    for (int i = 0; i < kAddsPerThread; ++i) {
+      absl::StatusOr<int64_t> v = peers[t]->Add("counter", 1);
+      ASSERT_TRUE(v.ok()) << v.status();
+      seen[t].push_back(*v);
+    }
+  });
   // Every intermediate value was handed out exactly once: 1..N.
   std::set<int64_t> all;
   for (const auto& values : seen) all.insert(values.begin(), values.end());
@@ -1229,30 +1227,23 @@ TEST(TcpStoreTest, JobRunsBesideAFloodOfConnectionsAndItsWarningsAreRateLimited)
   }
 
   // The job: every rank publishes a value, then waits for and reads everyone's.
-  std::vector<absl::Status> results(kRanks);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < kRanks; ++r) {
-    ranks.emplace_back([&, r] {
-      results[r] = [&]() -> absl::Status {
-        TcpStoreOptions options = ClientOptions(server->port());
-        options.rank = r;
-        SL_ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> store, TcpStore::Connect(options, Bound()));
-        SL_RETURN_IF_ERROR(store->Set(absl::StrCat("job/", r), absl::StrCat("value", r)));
-        SL_RETURN_IF_ERROR(store->Add("job/arrived", 1).status());
-        std::vector<std::string> keys;
-        for (int k = 0; k < kRanks; ++k) keys.push_back(absl::StrCat("job/", k));
-        SL_RETURN_IF_ERROR(store->Wait(keys, Bound()));
-        for (int k = 0; k < kRanks; ++k) {
-          SL_ASSIGN_OR_RETURN(std::string value, store->Get(keys[k], Bound()));
-          if (value != absl::StrCat("value", k)) {
-            return absl::InternalError(absl::StrCat("rank ", r, " read ", value, " for ", k));
-          }
-        }
-        return absl::OkStatus();
-      }();
-    });
-  }
-  for (std::thread& rank : ranks) rank.join();
+  std::vector<absl::Status> results = RunRankThreads(kRanks, [&](int r) -> absl::Status {
+    TcpStoreOptions options = ClientOptions(server->port());
+    options.rank = r;
+    SL_ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> store, TcpStore::Connect(options, Bound()));
+    SL_RETURN_IF_ERROR(store->Set(absl::StrCat("job/", r), absl::StrCat("value", r)));
+    SL_RETURN_IF_ERROR(store->Add("job/arrived", 1).status());
+    std::vector<std::string> keys;
+    for (int k = 0; k < kRanks; ++k) keys.push_back(absl::StrCat("job/", k));
+    SL_RETURN_IF_ERROR(store->Wait(keys, Bound()));
+    for (int k = 0; k < kRanks; ++k) {
+      SL_ASSIGN_OR_RETURN(std::string value, store->Get(keys[k], Bound()));
+      if (value != absl::StrCat("value", k)) {
+        return absl::InternalError(absl::StrCat("rank ", r, " read ", value, " for ", k));
+      }
+    }
+    return absl::OkStatus();
+  });
   for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << results[r];
   EXPECT_TRUE(AwaitStats(
       *server, [](const TcpStoreServer::Stats& s) { return s.dropped_connections == kGarbage; },

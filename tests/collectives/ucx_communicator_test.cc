@@ -38,7 +38,9 @@
 #include "runtime/shared_memory.h"
 #include "runtime/stream.h"
 #include "tests/collectives/conformance.h"
+#include "tests/collectives/rank_comms.h"
 #include "tests/common/gate.h"
+#include "tests/common/rank_threads.h"
 #include "tests/common/scoped_env.h"
 
 namespace shardline {
@@ -47,47 +49,27 @@ namespace {
 using ::shardline::testing::Comms;
 using ::shardline::testing::Gate;
 using ::shardline::testing::GetElement;
+using ::shardline::testing::MakeUcxComms;
 using ::shardline::testing::PatternBuffer;
 using ::shardline::testing::PatternValue;
 using ::shardline::testing::ReferenceReduce;
 using ::shardline::testing::RunRanks;
+using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::ScopedEnv;
 using ::shardline::testing::WaitFor;
-
-// Creates the n communicators concurrently (creation waits for every peer's address).
-Comms MakeComms(int n, absl::Duration timeout = absl::Seconds(30),
-                std::shared_ptr<Store> store = nullptr, const std::string& name = "world") {
-  if (store == nullptr) store = std::make_shared<MemoryStore>();
-  Comms comms(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
-          {.rank = r, .size = n, .store = store, .name = name, .timeout = timeout});
-      SL_CHECK_OK(comm.status());
-      comms[r] = *std::move(comm);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return comms;
-}
 
 // The same through CreateUcxCommunicatorWithTuning: rank r with tuning_of(r).
 Comms MakeCommsWithTunings(int n, absl::Duration timeout,
                            absl::FunctionRef<ucx_internal::Tuning(int)> tuning_of) {
   auto store = std::make_shared<MemoryStore>();
   Comms comms(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::shared_ptr<Communicator>> comm =
-          ucx_internal::CreateUcxCommunicatorWithTuning(
-              {.rank = r, .size = n, .store = store, .timeout = timeout}, tuning_of(r));
-      SL_CHECK_OK(comm.status());
-      comms[r] = *std::move(comm);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    absl::StatusOr<std::shared_ptr<Communicator>> comm =
+        ucx_internal::CreateUcxCommunicatorWithTuning(
+            {.rank = r, .size = n, .store = store, .timeout = timeout}, tuning_of(r));
+    SL_CHECK_OK(comm.status());
+    comms[r] = *std::move(comm);
+  });
   return comms;
 }
 
@@ -108,25 +90,21 @@ Transports CreateTransports(int n, Store& store, const std::string& name,
   Transports out;
   out.transports.resize(n);
   out.created.resize(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      on_thread(r);
-      absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
-          ucx_internal::UcxTransport::Create(r, n, store, name, tuning_of(r),
-                                             absl::Now() + absl::Seconds(20));
-      out.created[r] = t.status();
-      if (t.ok()) out.transports[r] = *std::move(t);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(n, [&](int r) {
+    on_thread(r);
+    absl::StatusOr<std::unique_ptr<ucx_internal::UcxTransport>> t =
+        ucx_internal::UcxTransport::Create(r, n, store, name, tuning_of(r),
+                                           absl::Now() + absl::Seconds(20));
+    out.created[r] = t.status();
+    if (t.ok()) out.transports[r] = *std::move(t);
+  });
   return out;
 }
 
 struct UcxBackend {
   static constexpr const char* kName = "ucx";
   static constexpr int kWorldSizes[] = {1, 2, 3, 4};
-  static Comms Make(int n, absl::Duration timeout) { return MakeComms(n, timeout); }
+  static Comms Make(int n, absl::Duration timeout) { return MakeUcxComms(n, timeout); }
 };
 
 // The same with the fingerprint round through UCX messages (SHARDLINE_UCX_MAILBOX=0): the path
@@ -386,7 +364,7 @@ TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {
   const int n = 2;
   auto store = std::make_shared<MemoryStore>();
   {
-    Comms comms = MakeComms(n, absl::Seconds(30), store, "again");
+    Comms comms = MakeUcxComms(n, absl::Seconds(30), store, "again");
     RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
       CheckCollectives(comm, stream, 70000, /*salt=*/1);
     });
@@ -396,23 +374,15 @@ TEST(UcxCommunicatorTest, RecreatedUnderTheSameNameNeverReadsTheOldAddresses) {
     auto watched = std::make_shared<WatchedStore>(store);
     Comms comms(n);
     std::vector<absl::Status> created(n);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        if (r == 1) {
-          ASSERT_TRUE(watched->address_wait.Wait());
-        }
-        absl::StatusOr<std::shared_ptr<Communicator>> comm =
-            CreateUcxCommunicator({.rank = r,
-                                   .size = n,
-                                   .store = watched,
-                                   .name = "again",
-                                   .timeout = absl::Seconds(10)});
-        created[r] = comm.status();
-        if (comm.ok()) comms[r] = *std::move(comm);
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    RunRankThreads(n, [&](int r) {
+      if (r == 1) {
+        ASSERT_TRUE(watched->address_wait.Wait());
+      }
+      absl::StatusOr<std::shared_ptr<Communicator>> comm = CreateUcxCommunicator(
+          {.rank = r, .size = n, .store = watched, .name = "again", .timeout = absl::Seconds(10)});
+      created[r] = comm.status();
+      if (comm.ok()) comms[r] = *std::move(comm);
+    });
     for (int r = 0; r < n; ++r)
       ASSERT_TRUE(created[r].ok()) << "round " << round << ": " << created[r];
     RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
@@ -445,18 +415,13 @@ TEST(UcxCommunicatorTest, DifferentWireTuningFailsCreationOnEveryRankNamingTheKn
     c.change(other);
     const int n = 3;
     auto store = std::make_shared<MemoryStore>();
-    std::vector<absl::Status> created(n);
-    std::vector<std::thread> threads;
     const absl::Time start = absl::Now();
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        created[r] = ucx_internal::CreateUcxCommunicatorWithTuning(
-                         {.rank = r, .size = n, .store = store, .timeout = absl::Seconds(20)},
-                         r == 1 ? other : *base)
-                         .status();
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    std::vector<absl::Status> created = RunRankThreads(n, [&](int r) {
+      return ucx_internal::CreateUcxCommunicatorWithTuning(
+                 {.rank = r, .size = n, .store = store, .timeout = absl::Seconds(20)},
+                 r == 1 ? other : *base)
+          .status();
+    });
     EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << c.knob;
     const std::string expected = absl::StrCat("rank 1 has ", c.knob, "=", c.theirs,
                                               " but rank 0 has ", c.knob, "=", c.first);
@@ -473,7 +438,7 @@ TEST(UcxCommunicatorTest, CreationLeavesTheEnvironmentAlone) {
   // thread's getenv. (The first communicator of the process creates the UCX context.)
   ScopedEnv unset("UCX_MM_ERROR_HANDLING", nullptr);
   {
-    Comms comms = MakeComms(2);
+    Comms comms = MakeUcxComms(2);
     RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
       CheckCollectives(comm, stream, 70000, /*salt=*/4);
     });
@@ -499,19 +464,14 @@ TEST(UcxCommunicatorTest, YieldKnobIsCheckedAndEveryPolicyMovesDataCorrectly) {
     reread();
     // Every rank reads the knob before it connects: each fails at once, nobody waits for a peer.
     auto store = std::make_shared<MemoryStore>();
-    std::vector<absl::Status> created(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        created[r] = CreateUcxCommunicator({.rank = r,
-                                            .size = 2,
-                                            .store = store,
-                                            .name = "yield",
-                                            .timeout = absl::Seconds(20)})
-                         .status();
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    std::vector<absl::Status> created = RunRankThreads(2, [&](int r) {
+      return CreateUcxCommunicator({.rank = r,
+                                    .size = 2,
+                                    .store = store,
+                                    .name = "yield",
+                                    .timeout = absl::Seconds(20)})
+          .status();
+    });
     for (const absl::Status& status : created) {
       EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
       EXPECT_TRUE(absl::StrContains(status.message(), "SHARDLINE_UCX_YIELD")) << status;
@@ -521,7 +481,7 @@ TEST(UcxCommunicatorTest, YieldKnobIsCheckedAndEveryPolicyMovesDataCorrectly) {
   for (const char* policy : {"never", "always", "auto"}) {
     ScopedEnv set("SHARDLINE_UCX_YIELD", policy);
     reread();
-    Comms comms = MakeComms(3);
+    Comms comms = MakeUcxComms(3);
     RunRanks(comms, [&](int, Communicator& comm, Stream& stream) {
       CheckCollectives(comm, stream, 2049, /*salt=*/7);    // the small path
       CheckCollectives(comm, stream, 100003, /*salt=*/8);  // the pipelined one
@@ -818,7 +778,7 @@ TEST(UcxCommunicatorTest, LargeMessagesThroughUcxSharedMemory) {
   // SHARDLINE_UCX_CMA=0: no single-copy reads, UCX moves the large messages itself.
   setenv("SHARDLINE_UCX_CMA", "0", 1);
   ReReadCmaKnob();
-  Comms comms = MakeComms(2);
+  Comms comms = MakeUcxComms(2);
   unsetenv("SHARDLINE_UCX_CMA");
   ReReadCmaKnob();
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
@@ -846,7 +806,7 @@ TEST(UcxCommunicatorTest, LargeCollectivesOnShareableMemory) {
   // their mappings of each other's memory and reduce straight out of them (borrowed chunks).
   const int n = 3;
   const size_t count = 300001;  // per rank: several chunks, a ragged last one
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     std::unique_ptr<Allocator> host =
         comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
@@ -897,7 +857,7 @@ TEST(UcxCommunicatorTest, FreshShareableBuffersEveryIterationStayCorrect) {
   // once — never stale bytes, and no new mapping per block.
   const int n = 2;
   const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   const int mappings_before = CountShareableMappings();
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     std::vector<uint8_t> output(n * count * 4);
@@ -928,7 +888,7 @@ TEST(UcxCommunicatorTest, PeersMapAnArenaAgainWhenItsFileGrows) {
   const int n = 2;
   const size_t small_count = 64 * 1024 + 3;          // 256 KiB per rank: the single-copy path
   const size_t large_count = (size_t{6} << 20) + 5;  // 24 MiB per rank: past the file's end
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   const int mappings_before = CountShareableMappings();
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     auto check = [&](const void* input, size_t count, uint64_t salt) {
@@ -969,7 +929,7 @@ TEST(UcxCommunicatorTest, PeersMapEachOtherAgainAfterRunningOutOfDescriptors) {
 #endif
   const int n = 2;
   const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   rlimit saved{};
   ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
   std::vector<void*> inputs(n);
@@ -1046,7 +1006,7 @@ TEST(UcxCommunicatorTest, RegisteredMemorySaysHowPeersReadItAndMovesCorrectly) {
   // moves correctly. Odd sizes above the shareable threshold, every element checked.
   const int n = 2;
   const size_t count = 300007;  // 1.2 MB per rank
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   const int mappings_before = CountShareableMappings();
   std::vector<int> mappings_after_mapped(n), mappings_after_private(n);
   Gate mapped_done[2];
@@ -1106,7 +1066,7 @@ TEST(UcxCommunicatorTest, RegisteredMemorySaysHowPeersReadItAndMovesCorrectly) {
 }
 
 TEST(UcxCommunicatorTest, RegisterMemoryRejectsBadRangesAndOutlivesItsCommunicator) {
-  Comms comms = MakeComms(1);
+  Comms comms = MakeUcxComms(1);
   absl::StatusOr<Registration> null = comms[0]->RegisterMemory(nullptr, 16);
   EXPECT_EQ(null.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(null.status().message(), "data is null")) << null.status();
@@ -1147,7 +1107,7 @@ TEST(UcxCommunicatorTest, FreeingBlocksThatPeersMappedReturnsTheirMemory) {
   // counters are back to zero, and the peers' mappings stay.
   const int n = 2;
   const size_t count = (8 << 20) / 4 + 3;  // 8 MiB and a bit per rank
-  Comms comms = MakeComms(n);
+  Comms comms = MakeUcxComms(n);
   std::vector<std::unique_ptr<Allocator>> hosts(n);
   std::vector<Buffer> inputs(n);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
@@ -1211,7 +1171,7 @@ namespace {
 // reference.
 TEST(UcxCommunicatorTest, ReductionsMatchTheLocalBackendBitForBit) {
   const int n = 3;
-  Comms ucx = MakeComms(n);
+  Comms ucx = MakeUcxComms(n);
   absl::StatusOr<Comms> local = CreateLocalCommunicators(n, {.timeout = absl::Seconds(30)});
   ASSERT_TRUE(local.ok()) << local.status();
   struct Case {

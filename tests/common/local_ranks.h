@@ -7,7 +7,6 @@
 
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -15,6 +14,7 @@
 #include "collectives/communicator.h"
 #include "collectives/local/local_communicator.h"
 #include "runtime/check.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline::testing {
 
@@ -24,13 +24,7 @@ inline std::vector<absl::Status> RunLocalRanks(
     const std::function<absl::Status(int, std::shared_ptr<Communicator>)>& fn) {
   auto comms = CreateLocalCommunicators(world, {.timeout = timeout});
   SL_CHECK(comms.ok());
-  std::vector<absl::Status> statuses(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { statuses[r] = fn(r, (*comms)[r]); });
-  }
-  for (auto& t : threads) t.join();
-  return statuses;
+  return RunRankThreads(world, [&](int r) { return fn(r, (*comms)[r]); });
 }
 
 }  // namespace shardline::testing

@@ -20,11 +20,13 @@
 #include "gtest/gtest.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
+#include "tests/common/rank_threads.h"
 #include "tests/runtime/manual_event.h"
 
 namespace shardline {
 namespace {
 
+using ::shardline::testing::RunRankThreads;
 using ::testing::HasSubstr;
 using testing::ManualEvent;
 
@@ -421,19 +423,15 @@ TEST(AllocatorTest, ConcurrentAllocationsAreCountedExactly) {
   auto alloc = CreateHostAllocator();
   constexpr int kThreads = 4;
   constexpr int kIters = 500;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&alloc, t] {
-      std::vector<Buffer> keep;
-      for (int i = 0; i < kIters; ++i) {
-        absl::StatusOr<Buffer> b = alloc->Allocate(static_cast<size_t>(1 + (i + t) % 97));
-        ASSERT_TRUE(b.ok());
-        keep.push_back(*std::move(b));
-        if (keep.size() > 8) keep.erase(keep.begin());
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunRankThreads(kThreads, [&](int t) {
+    std::vector<Buffer> keep;
+    for (int i = 0; i < kIters; ++i) {
+      absl::StatusOr<Buffer> b = alloc->Allocate(static_cast<size_t>(1 + (i + t) % 97));
+      ASSERT_TRUE(b.ok());
+      keep.push_back(*std::move(b));
+      if (keep.size() > 8) keep.erase(keep.begin());
+    }
+  });
   int64_t total_bytes = 0;
   for (int t = 0; t < kThreads; ++t) {
     for (int i = 0; i < kIters; ++i) total_bytes += 1 + (i + t) % 97;

@@ -24,11 +24,13 @@
 #include "runtime/status.h"
 #include "runtime/stream.h"
 #include "tests/common/gate.h"
+#include "tests/common/rank_threads.h"
 #include "tests/runtime/manual_event.h"
 
 namespace shardline {
 namespace {
 
+using ::shardline::testing::RunRankThreads;
 using testing::ManualEvent;
 
 // A host allocator with a hard capacity, to make the backing allocator run out on purpose.
@@ -472,33 +474,29 @@ TEST(CachingPoolTest, ConcurrentUseKeepsExactCounts) {
   CachingPool pool(*host);
   constexpr int kThreads = 4;
   constexpr int kIters = 400;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&pool, t] {
-      std::mt19937 rng(t);
-      std::vector<Buffer> keep;
-      std::vector<std::shared_ptr<ManualEvent>> events;
-      for (int i = 0; i < kIters; ++i) {
-        absl::StatusOr<Buffer> b = pool.Allocate(1 + rng() % 20000);
-        ASSERT_TRUE(b.ok());
-        std::memset(b->data(), t, b->size());
-        if (rng() % 4 == 0) {
-          auto e = ManualEvent::Create();
-          b->ReleaseAfter(e);
-          events.push_back(e);
-        }
-        keep.push_back(*std::move(b));
-        if (keep.size() > 6) keep.erase(keep.begin());
-        if (events.size() > 3) {
-          events.front()->Complete();
-          events.erase(events.begin());
-        }
+  RunRankThreads(kThreads, [&](int t) {
+    std::mt19937 rng(t);
+    std::vector<Buffer> keep;
+    std::vector<std::shared_ptr<ManualEvent>> events;
+    for (int i = 0; i < kIters; ++i) {
+      absl::StatusOr<Buffer> b = pool.Allocate(1 + rng() % 20000);
+      ASSERT_TRUE(b.ok());
+      std::memset(b->data(), t, b->size());
+      if (rng() % 4 == 0) {
+        auto e = ManualEvent::Create();
+        b->ReleaseAfter(e);
+        events.push_back(e);
       }
-      keep.clear();
-      for (auto& e : events) e->Complete();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+      keep.push_back(*std::move(b));
+      if (keep.size() > 6) keep.erase(keep.begin());
+      if (events.size() > 3) {
+        events.front()->Complete();
+        events.erase(events.begin());
+      }
+    }
+    keep.clear();
+    for (auto& e : events) e->Complete();
+  });
   pool.Collect();
   EXPECT_EQ(pool.stats().current_bytes, 0);
   EXPECT_EQ(pool.stats().live_allocations, 0);

@@ -5,15 +5,17 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
-#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "runtime/trace.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
+
+using ::shardline::testing::RunRankThreads;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream file(path);
@@ -26,7 +28,7 @@ bool HavePython() { return std::system("python3 -c 'import json' >/dev/null 2>&1
 
 // Runs a Python snippet with the file as argv[1]; returns its exit status.
 int RunPython(const std::string& code, const std::string& path) {
-  const std::string script = absl::StrCat(testing::TempDir(), "/check_trace.py");
+  const std::string script = absl::StrCat(::testing::TempDir(), "/check_trace.py");
   std::ofstream(script) << code;
   return std::system(absl::StrCat("python3 ", script, " ", path).c_str());
 }
@@ -55,7 +57,7 @@ TEST(TraceTest, WritesValidChromeTrace) {
   TraceSpan disabled(nullptr, 0, "ignored", "x");  // no-op
   EXPECT_EQ(trace.num_events(), 4u);
 
-  const std::string path = absl::StrCat(testing::TempDir(), "/trace_rank2.json");
+  const std::string path = absl::StrCat(::testing::TempDir(), "/trace_rank2.json");
   ASSERT_TRUE(trace.WriteFile(path).ok());
   const std::string text = ReadFile(path);
   EXPECT_TRUE(absl::StrContains(text, "\"thread_name\""));
@@ -94,16 +96,12 @@ TEST(TraceTest, BoundedMemoryCountsDrops) {
 
 TEST(TraceTest, ConcurrentWritersLoseNothing) {
   TraceWriter trace(0);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&trace, t] {
-      const int tid = trace.Track(absl::StrCat("stream", t));
-      for (int i = 0; i < 1000; ++i) {
-        trace.AddComplete(tid, "op", "c", absl::Now(), absl::Microseconds(1));
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
+  RunRankThreads(4, [&](int t) {
+    const int tid = trace.Track(absl::StrCat("stream", t));
+    for (int i = 0; i < 1000; ++i) {
+      trace.AddComplete(tid, "op", "c", absl::Now(), absl::Microseconds(1));
+    }
+  });
   EXPECT_EQ(trace.num_events(), 4000u);
 }
 
@@ -112,13 +110,13 @@ TEST(TraceTest, MergeKeepsOnePidPerRank) {
   for (int rank = 0; rank < 3; ++rank) {
     TraceWriter trace(rank);
     trace.AddComplete(trace.Track("gather"), "op", "coll", absl::Now(), absl::Microseconds(5));
-    paths.push_back(absl::StrCat(testing::TempDir(), "/merge_rank", rank, ".json"));
+    paths.push_back(absl::StrCat(::testing::TempDir(), "/merge_rank", rank, ".json"));
     ASSERT_TRUE(trace.WriteFile(paths.back()).ok());
   }
-  const std::string merged = absl::StrCat(testing::TempDir(), "/merged.json");
+  const std::string merged = absl::StrCat(::testing::TempDir(), "/merged.json");
   ASSERT_TRUE(MergeTraceFiles(paths, merged).ok());
 
-  const std::string bogus = absl::StrCat(testing::TempDir(), "/bogus.json");
+  const std::string bogus = absl::StrCat(::testing::TempDir(), "/bogus.json");
   std::ofstream(bogus) << "{\"not\": \"ours\"}";
   absl::Status bad = MergeTraceFiles({paths[0], bogus}, merged + ".bad");
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);

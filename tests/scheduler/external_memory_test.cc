@@ -1,4 +1,4 @@
-// Framework-owned memory (Buffer::Adopt / Buffer::View, review item b2) and FlatParameter's
+// Framework-owned memory (Buffer::Adopt / Buffer::View) and FlatParameter's
 // external master shard and init stream: the unit gathers from the framework's own parameter
 // memory, never writes it at creation, and releases it only after the streams that read it.
 
@@ -6,7 +6,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -19,6 +18,7 @@
 #include "runtime/stream.h"
 #include "scheduler/flat_parameter.h"
 #include "tests/common/gate.h"
+#include "tests/common/rank_threads.h"
 #include "tests/runtime/manual_event.h"
 
 namespace shardline {
@@ -27,6 +27,7 @@ namespace {
 using testing::BlockOn;
 using testing::Gate;
 using testing::ManualEvent;
+using testing::RunRankThreads;
 
 absl::Time Deadline() { return absl::Now() + absl::Seconds(30); }
 
@@ -85,46 +86,42 @@ TEST(ExternalMasterShardTest, GathersFromTheFrameworksMemory) {
   absl::StatusOr<FlatLayout> layout = FlatLayout::Create(specs, {.num_shards = n});
   ASSERT_TRUE(layout.ok()) << layout.status();
   const MixedPrecisionPolicy policy{DType::kF32, DType::kF32, DType::kF32, false};
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      auto host = CreateHostAllocator();
-      CachingPool pool(*host);
-      auto gather = *CreateHostStream({.name = "gather"});
-      auto compute = *CreateHostStream({.name = "compute"});
-      const size_t shard = layout->shard_elements();
-      std::vector<float> framework(shard);
-      for (size_t i = 0; i < shard; ++i) framework[i] = Hashed(r, i);
-      {
-        absl::StatusOr<std::unique_ptr<FlatParameter>> unit = FlatParameter::Create(
-            *layout, r, policy,
-            {.unsharded_pool = &pool,
-             .name = "external",
-             .master_shard = Buffer::View(framework.data(), shard * 4, Device::Host())});
-        ASSERT_TRUE(unit.ok()) << unit.status();
-        EXPECT_EQ((*unit)->master_shard().data, framework.data());
-        ASSERT_TRUE((*unit)->Gather(*comms[r], *gather).ok());
-        ASSERT_TRUE((*unit)->WaitGathered(*compute).ok());
-        const TensorView w = *(*unit)->View(0);
-        std::vector<float> copy(layout->total_elements());
-        const float* base = static_cast<const float*>(w.data);
-        ASSERT_TRUE(compute
-                        ->Enqueue([&] {
-                          std::copy(base, base + copy.size(), copy.begin());
-                          return absl::OkStatus();
-                        })
-                        .ok());
-        ASSERT_TRUE((*unit)->Reshard(nullptr).ok());
-        ASSERT_TRUE(compute->Synchronize(Deadline()).ok());
-        for (size_t i = 0; i < copy.size(); ++i) {
-          const int owner = static_cast<int>(i / shard);
-          ASSERT_EQ(copy[i], Hashed(owner, i % shard)) << i;
-        }
+  RunRankThreads(n, [&](int r) {
+    auto host = CreateHostAllocator();
+    CachingPool pool(*host);
+    auto gather = *CreateHostStream({.name = "gather"});
+    auto compute = *CreateHostStream({.name = "compute"});
+    const size_t shard = layout->shard_elements();
+    std::vector<float> framework(shard);
+    for (size_t i = 0; i < shard; ++i) framework[i] = Hashed(r, i);
+    {
+      absl::StatusOr<std::unique_ptr<FlatParameter>> unit = FlatParameter::Create(
+          *layout, r, policy,
+          {.unsharded_pool = &pool,
+           .name = "external",
+           .master_shard = Buffer::View(framework.data(), shard * 4, Device::Host())});
+      ASSERT_TRUE(unit.ok()) << unit.status();
+      EXPECT_EQ((*unit)->master_shard().data, framework.data());
+      ASSERT_TRUE((*unit)->Gather(*comms[r], *gather).ok());
+      ASSERT_TRUE((*unit)->WaitGathered(*compute).ok());
+      const TensorView w = *(*unit)->View(0);
+      std::vector<float> copy(layout->total_elements());
+      const float* base = static_cast<const float*>(w.data);
+      ASSERT_TRUE(compute
+                      ->Enqueue([&] {
+                        std::copy(base, base + copy.size(), copy.begin());
+                        return absl::OkStatus();
+                      })
+                      .ok());
+      ASSERT_TRUE((*unit)->Reshard(nullptr).ok());
+      ASSERT_TRUE(compute->Synchronize(Deadline()).ok());
+      for (size_t i = 0; i < copy.size(); ++i) {
+        const int owner = static_cast<int>(i / shard);
+        ASSERT_EQ(copy[i], Hashed(owner, i % shard)) << i;
       }
-      EXPECT_EQ(framework[0], Hashed(r, 0)) << "the framework's memory was written";
-    });
-  }
-  for (auto& t : threads) t.join();
+    }
+    EXPECT_EQ(framework[0], Hashed(r, 0)) << "the framework's memory was written";
+  });
 }
 
 TEST(ExternalMasterShardTest, WrongSizeOrDeviceIsAnError) {

@@ -28,7 +28,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -42,6 +41,7 @@
 #include "runtime/trace.h"
 #include "testing/typed_values.h"
 #include "tests/common/gate.h"
+#include "tests/common/rank_threads.h"
 #include "tests/common/status_and_hash.h"
 #include "tests/runtime/random_layout.h"
 
@@ -50,6 +50,7 @@ namespace {
 
 using ::shardline::testing::Gate;
 using ::shardline::testing::GetElement;
+using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::SetElement;
 using ::shardline::testing::UniformInt;
 
@@ -115,13 +116,6 @@ struct RankRig {
   std::unique_ptr<CachingPool> pool;
   std::unique_ptr<Allocator> shards;
 };
-
-// Runs fn(rank) on `n` threads and joins them.
-void RunRanks(int n, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) threads.emplace_back(fn, r);
-  for (std::thread& t : threads) t.join();
-}
 
 constexpr DType kFloatDTypes[] = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16};
 
@@ -429,7 +423,7 @@ TEST_P(FlatParameterCollectiveTest, GatherAndReduceMatchTheUnshardedReference) {
     const FlatLayout layout = RandomFloatLayout(rng, n, policy.master_dtype);
     const FullTensors full = MakeFullTensors(layout, rng);
     auto comms = *CreateLocalCommunicators(n, {.timeout = kTimeout});
-    RunRanks(n, [&](int r) {
+    RunRankThreads(n, [&](int r) {
       RankRig rig(GetParam().compute);
       absl::StatusOr<std::unique_ptr<FlatParameter>> created =
           FlatParameter::Create(layout, r, policy, rig.Options());
@@ -498,7 +492,7 @@ TEST_P(FlatParameterAccumulationTest, FourMicroBatchesEqualOneBigBatch) {
   const FlatLayout layout = RandomFloatLayout(rng, kRanks, policy.master_dtype);
   const FullTensors full = MakeFullTensors(layout, rng);
   auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
-  RunRanks(kRanks, [&](int r) {
+  RunRankThreads(kRanks, [&](int r) {
     RankRig rig(compute_kind);
     Stream& compute = *rig.compute;
     for (const bool no_sync : {true, false}) {
@@ -585,7 +579,7 @@ TEST(FlatParameterCopyTest, AZeroedShardGradientIsWrittenByTheReductionAfterItsF
     const FlatLayout layout = RandomFloatLayout(rng, kRanks, policy.master_dtype);
     const FullTensors full = MakeFullTensors(layout, rng);
     auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
-    RunRanks(kRanks, [&](int r) {
+    RunRankThreads(kRanks, [&](int r) {
       TraceWriter gather_trace(r), reduce_trace(r);
       RankRig rig(ComputeKind::kHost);
       rig.gather =
@@ -657,7 +651,7 @@ TEST_P(FlatParameterHybridTest, TwoByTwoMeshReducesOverAllRanks) {
       const FullTensors full = MakeFullTensors(layout, rng);
       auto world = *CreateLocalCommunicators(kWorld, {.timeout = kTimeout});
       std::vector<std::vector<double>> results(kWorld);
-      RunRanks(kWorld, [&](int r) {
+      RunRankThreads(kWorld, [&](int r) {
         absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(world[r], kShard, Deadline());
         ASSERT_TRUE(mesh.ok()) << mesh.status();
         RankRig rig(GetParam());
@@ -703,7 +697,7 @@ TEST_P(FlatParameterHybridTest, SplitReductionOnThreeStreamsMatchesTheReference)
       const FlatLayout layout = RandomFloatLayout(rng, kShard, policy.master_dtype);
       const FullTensors full = MakeFullTensors(layout, rng);
       auto world = *CreateLocalCommunicators(kWorld, {.timeout = kTimeout});
-      RunRanks(kWorld, [&](int r) {
+      RunRankThreads(kWorld, [&](int r) {
         absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(world[r], kShard, Deadline());
         ASSERT_TRUE(mesh.ok()) << mesh.status();
         RankRig rig(GetParam());
@@ -995,7 +989,7 @@ TEST(FlatParameterAcquireTest, TwoUsersKeepTheBufferUntilTheLastRelease) {
   std::mt19937_64 rng(404);
   const FullTensors full = MakeFullTensors(layout, rng);
   auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
-  RunRanks(kRanks, [&](int r) {
+  RunRankThreads(kRanks, [&](int r) {
     RankRig rig(ComputeKind::kHost);
     Stream& first = *rig.compute;
     Stream& second = rig.NewStream("compute2");
@@ -1111,10 +1105,6 @@ TEST(FlatParameterMemoryTest, UnshardedBufferLivesFromGatherToReshardPlusEvent) 
   EXPECT_EQ(rig.shards->stats().current_bytes, shard_bytes);
 }
 
-// M5: Reshard(nullptr) ends the uses of two acquiring host streams whose work (held by a gate)
-// still reads the views. The buffer must stay with the pool's in-use bytes until that work ran,
-// although the gather itself finished long ago; the held reads see the gathered values (a
-// same-sized block taken from the pool meanwhile and filled with NaNs is another block).
 // GatherCompleted(): false before any gather and while one is held up on its stream, true once
 // it ran, false again after a gather that failed.
 TEST(FlatParameterStateTest, GatherCompletedFollowsTheLatestGather) {
@@ -1143,6 +1133,10 @@ TEST(FlatParameterStateTest, GatherCompletedFollowsTheLatestGather) {
   EXPECT_FALSE(unit->GatherCompleted());
 }
 
+// Reshard(nullptr) ends the uses of two acquiring host streams whose work (held by a gate)
+// still reads the views. The buffer must stay with the pool's in-use bytes until that work ran,
+// although the gather itself finished long ago; the held reads see the gathered values (a
+// same-sized block taken from the pool meanwhile and filled with NaNs is another block).
 TEST(FlatParameterMemoryTest, ReshardWithoutEventWaitsForWorkQueuedOnAcquiringStreams) {
   auto comms = *CreateLocalCommunicators(1, {.timeout = kTimeout});
   RankRig rig(ComputeKind::kHost);
@@ -1182,7 +1176,7 @@ TEST(FlatParameterMemoryTest, ReshardWithoutEventWaitsForWorkQueuedOnAcquiringSt
   EXPECT_EQ(rig.pool->pending_blocks(), 0);
 }
 
-// M5: destroying a unit while work held on the host compute stream still reads the parameters
+// Destroying a unit while work held on the host compute stream still reads the parameters
 // and writes the gradient. Both buffers stay in use until that work ran; its reads see the
 // gathered values.
 TEST(FlatParameterMemoryTest, DestroyingWaitsForWorkQueuedOnTheComputeStream) {
@@ -1280,7 +1274,7 @@ TEST(FlatParameterMemoryTest, EmptyUnitRunsTheWholeCycle) {
       *FlatLayout::Create({{"empty", {0, 3}, DType::kF32, ""}}, {.num_shards = n});
   ASSERT_EQ(layout.total_elements(), 0u);
   auto comms = *CreateLocalCommunicators(n, {.timeout = kTimeout});
-  RunRanks(n, [&](int r) {
+  RunRankThreads(n, [&](int r) {
     RankRig rig;
     auto unit = *FlatParameter::Create(layout, r, {}, rig.Options());
     ASSERT_OK(unit->SetShardFromTensors({nullptr}));
@@ -1324,7 +1318,7 @@ TEST(FlatParameterOverlapTest, GatherAndReductionOverlapOnOneCommunicator) {
                                 split ? ", split reduction" : ", ReduceGrad"));
       const uint64_t seed = 70 + 2 * gather_first + split;
       auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
-      RunRanks(kRanks, [&](int r) {
+      RunRankThreads(kRanks, [&](int r) {
         RankRig rig(ComputeKind::kHost);
         Stream& compute = *rig.compute;
         Communicator& comm = *comms[r];
@@ -1406,7 +1400,7 @@ TEST(FlatParameterOverlapTest, SteadyStateStepsReuseBlocksWithoutBlockingTheHost
   const FullTensors full_a = MakeFullTensors(layout_a, rng);
   const FullTensors full_b = MakeFullTensors(layout_b, rng);
   auto comms = *CreateLocalCommunicators(kRanks, {.timeout = kTimeout});
-  RunRanks(kRanks, [&](int r) {
+  RunRankThreads(kRanks, [&](int r) {
     RankRig rig(ComputeKind::kHost);
     Stream& gather = *rig.gather;
     Stream& compute = *rig.compute;

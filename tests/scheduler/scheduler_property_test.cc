@@ -45,7 +45,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -56,62 +55,14 @@
 #include "runtime/virtual_time.h"
 #include "scheduler/scheduler.h"
 #include "tests/common/status_and_hash.h"
+#include "tests/scheduler/virtual_world.h"
 
 namespace shardline {
 namespace {
 
-struct World {
-  std::unique_ptr<VirtualTimeline> timeline;
-  std::vector<std::unique_ptr<Stream>> compute;
-  std::vector<std::unique_ptr<Scheduler>> schedulers;
-
-  ~World() {
-    schedulers.clear();
-    compute.clear();
-  }
-};
-
-absl::StatusOr<std::unique_ptr<World>> MakeWorld(int ranks, SchedulerOptions options) {
-  auto world = std::make_unique<World>();
-  SL_ASSIGN_OR_RETURN(world->timeline, VirtualTimeline::Create({.run_ops = false}));
-  VirtualTimeline* tl = world->timeline.get();
-  SL_ASSIGN_OR_RETURN(auto comms, CreateSimCommunicators(*tl, ranks,
-                                                         {.latency = absl::Microseconds(2),
-                                                          .bandwidth_bytes_per_s = 5e9,
-                                                          .move_data = false,
-                                                          .dup_without_rendezvous = false}));
-  options.stream_factory = [tl](StreamOptions so) { return CreateVirtualStream(*tl, so); };
-  world->schedulers.resize(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    SL_ASSIGN_OR_RETURN(auto stream,
-                        CreateVirtualStream(*tl, {.name = absl::StrCat("rank", r, ".compute")}));
-    world->compute.push_back(std::move(stream));
-  }
-  // Creation splits communicators: a rendezvous of the ranks' threads.
-  std::vector<std::thread> threads;
-  std::vector<absl::Status> status(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      auto s =
-          Scheduler::Create(comms[r], *world->compute[r], options, absl::Now() + absl::Seconds(30));
-      if (s.ok()) {
-        world->schedulers[r] = *std::move(s);
-      } else {
-        status[r] = s.status();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const absl::Status& s : status) SL_RETURN_IF_ERROR(s);
-  return world;
-}
-
-absl::Status Compute(Stream& stream, absl::Duration d, std::string name) {
-  return stream.Submit(
-      {.name = std::move(name), .kind = StreamOpKind::kCompute, .duration = d, .run = [] {
-         return absl::OkStatus();
-       }});
-}
+using ::shardline::testing::Compute;
+using ::shardline::testing::MakeWorld;
+using ::shardline::testing::World;
 
 enum class Accumulation { kSync, kNoSync, kNoSyncKeep, kDeferAllReduce };
 const char* AccumulationName(Accumulation a) {
@@ -265,7 +216,7 @@ Config Draw(uint64_t seed) {
 // Runs one configuration; ADD_FAILUREs name the seed.
 void RunConfig(const Config& c) {
   SCOPED_TRACE(c.ToString());
-  absl::StatusOr<std::unique_ptr<World>> made = MakeWorld(c.ranks, c.options);
+  absl::StatusOr<std::unique_ptr<World>> made = MakeWorld(c.ranks, c.options, /*bytes_per_s=*/5e9);
   ASSERT_TRUE(made.ok()) << made.status();
   std::unique_ptr<World> w = *std::move(made);
   const int n = c.ranks;
@@ -457,7 +408,7 @@ std::unique_ptr<World> ThreeUnits(int backward_depth) {
   options.backward_prefetch = BackwardPrefetch::kBeforeGrad;
   options.backward_prefetch_depth = backward_depth;
   options.root_unit = -1;
-  absl::StatusOr<std::unique_ptr<World>> w = MakeWorld(2, options);
+  absl::StatusOr<std::unique_ptr<World>> w = MakeWorld(2, options, /*bytes_per_s=*/5e9);
   SL_CHECK(w.ok()) << w.status();
   for (int r = 0; r < 2; ++r) {
     for (int u = 0; u < 3; ++u) {

@@ -25,7 +25,6 @@
 #include <mutex>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -36,6 +35,7 @@
 #include "runtime/check.h"
 #include "runtime/status.h"
 #include "tests/common/gate.h"
+#include "tests/common/rank_threads.h"
 #include "tests/common/status_and_hash.h"
 
 namespace shardline {
@@ -45,6 +45,8 @@ constexpr absl::Duration kTimeout = absl::Seconds(30);
 absl::Time Deadline() { return absl::Now() + kTimeout; }
 
 using ::shardline::testing::HashMix;
+using ::shardline::testing::RunRankThreads;
+
 // A float in [-1, 1) from the key.
 float HashFloat(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
   const uint64_t h = HashMix(HashMix(HashMix(HashMix(a) ^ b) ^ c) ^ d);
@@ -436,13 +438,7 @@ RankResult TrainRank(const ToyModel& m, const RunOptions& o, std::shared_ptr<Com
 std::vector<RankResult> Train(const ToyModel& m, const RunOptions& o) {
   auto comms = CreateLocalCommunicators(o.world, {.timeout = kTimeout});
   SL_CHECK(comms.ok());
-  std::vector<RankResult> results(o.world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < o.world; ++r) {
-    threads.emplace_back([&, r] { results[r] = TrainRank(m, o, (*comms)[r]); });
-  }
-  for (auto& t : threads) t.join();
-  return results;
+  return RunRankThreads(o.world, [&](int r) { return TrainRank(m, o, (*comms)[r]); });
 }
 
 // Every element of the reference is owned by some rank's shard; each rank's element must match.
@@ -1064,41 +1060,37 @@ TEST(SchedulerErrorsTest, APeersDisagreementIsSticky) {
   auto comms = CreateLocalCommunicators(2, {.timeout = kTimeout});
   ASSERT_OK(comms.status());
   std::vector<absl::Status> first(2), next(2), finish(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      auto run = [&]() -> absl::Status {
-        SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, CreateCallerStream());
-        SL_ASSIGN_OR_RETURN(
-            std::unique_ptr<Scheduler> s,
-            Scheduler::Create((*comms)[r], *compute,
-                              {.forward_prefetch = 0, .forward_order = {0, 1, 2}}, Deadline()));
-        for (int u = 0; u < 3; ++u) {
-          SL_RETURN_IF_ERROR(s->RegisterUnit({.name = absl::StrCat("u", u),
-                                              .tensors = {{.name = "w", .shape = {100 + 50 * u}}}})
-                                 .status());
-        }
-        for (int u : {0, 1, 2}) {
-          SL_RETURN_IF_ERROR(s->PreForward(u));
-          SL_RETURN_IF_ERROR(s->PostForward(u));
-        }
-        for (int u : {2, 1, 0}) {
-          SL_RETURN_IF_ERROR(s->PreBackward(u));
-          SL_RETURN_IF_ERROR(s->PostBackward(u));
-        }
-        SL_RETURN_IF_ERROR(s->FinishBackward());
-        // Step 1: the root u0 is gathered and kept; then rank 1 runs u2 where rank 0 runs u1.
-        SL_RETURN_IF_ERROR(s->PreForward(0));
-        SL_RETURN_IF_ERROR(s->PostForward(0));
-        first[r] = s->PreForward(r == 0 ? 1 : 2);
-        next[r] = s->PreForward(0);  // no collective: u0 is gathered
-        finish[r] = s->FinishBackward();
-        return absl::OkStatus();
-      };
-      EXPECT_OK(run());
-    });
-  }
-  for (auto& t : threads) t.join();
+  RunRankThreads(2, [&](int r) {
+    auto run = [&]() -> absl::Status {
+      SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, CreateCallerStream());
+      SL_ASSIGN_OR_RETURN(
+          std::unique_ptr<Scheduler> s,
+          Scheduler::Create((*comms)[r], *compute,
+                            {.forward_prefetch = 0, .forward_order = {0, 1, 2}}, Deadline()));
+      for (int u = 0; u < 3; ++u) {
+        SL_RETURN_IF_ERROR(s->RegisterUnit({.name = absl::StrCat("u", u),
+                                            .tensors = {{.name = "w", .shape = {100 + 50 * u}}}})
+                               .status());
+      }
+      for (int u : {0, 1, 2}) {
+        SL_RETURN_IF_ERROR(s->PreForward(u));
+        SL_RETURN_IF_ERROR(s->PostForward(u));
+      }
+      for (int u : {2, 1, 0}) {
+        SL_RETURN_IF_ERROR(s->PreBackward(u));
+        SL_RETURN_IF_ERROR(s->PostBackward(u));
+      }
+      SL_RETURN_IF_ERROR(s->FinishBackward());
+      // Step 1: the root u0 is gathered and kept; then rank 1 runs u2 where rank 0 runs u1.
+      SL_RETURN_IF_ERROR(s->PreForward(0));
+      SL_RETURN_IF_ERROR(s->PostForward(0));
+      first[r] = s->PreForward(r == 0 ? 1 : 2);
+      next[r] = s->PreForward(0);  // no collective: u0 is gathered
+      finish[r] = s->FinishBackward();
+      return absl::OkStatus();
+    };
+    EXPECT_OK(run());
+  });
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE(absl::StrCat("rank ", r));
     ASSERT_TRUE(absl::IsInvalidArgument(first[r]) && IsPeerError(first[r])) << first[r];

@@ -14,7 +14,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -24,65 +23,14 @@
 #include "runtime/status.h"
 #include "runtime/virtual_time.h"
 #include "scheduler/scheduler.h"
+#include "tests/scheduler/virtual_world.h"
 
 namespace shardline {
 namespace {
 
-struct World {
-  std::unique_ptr<VirtualTimeline> timeline;
-  std::vector<std::unique_ptr<Stream>> compute;
-  std::vector<std::unique_ptr<Scheduler>> schedulers;
-
-  ~World() {
-    schedulers.clear();
-    compute.clear();
-  }
-};
-
-// `ranks` schedulers on one timeline. run_ops off: nothing touches memory.
-std::unique_ptr<World> MakeWorld(int ranks, SchedulerOptions options, double bytes_per_s) {
-  auto world = std::make_unique<World>();
-  auto timeline = VirtualTimeline::Create({.run_ops = false});
-  SL_CHECK(timeline.ok());
-  world->timeline = *std::move(timeline);
-  VirtualTimeline* tl = world->timeline.get();
-  auto comms = CreateSimCommunicators(*tl, ranks,
-                                      {.latency = absl::Microseconds(2),
-                                       .bandwidth_bytes_per_s = bytes_per_s,
-                                       .move_data = false,
-                                       .dup_without_rendezvous = false});
-  SL_CHECK(comms.ok());
-  options.stream_factory = [tl](StreamOptions so) { return CreateVirtualStream(*tl, so); };
-  world->schedulers.resize(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    auto stream = CreateVirtualStream(*tl, {.name = absl::StrCat("rank", r, ".compute")});
-    SL_CHECK(stream.ok());
-    world->compute.push_back(*std::move(stream));
-  }
-  std::vector<std::thread> threads;
-  std::vector<absl::Status> status(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      auto s = Scheduler::Create((*comms)[r], *world->compute[r], options,
-                                 absl::Now() + absl::Seconds(30));
-      if (s.ok()) {
-        world->schedulers[r] = *std::move(s);
-      } else {
-        status[r] = s.status();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const absl::Status& s : status) SL_CHECK(s.ok()) << s;
-  return world;
-}
-
-absl::Status Compute(Stream& stream, absl::Duration d, std::string name) {
-  return stream.Submit(
-      {.name = std::move(name), .kind = StreamOpKind::kCompute, .duration = d, .run = [] {
-         return absl::OkStatus();
-       }});
-}
+using ::shardline::testing::Compute;
+using ::shardline::testing::MakeWorld;
+using ::shardline::testing::World;
 
 // One step of every rank in lockstep: forward over `uses`, backward in reverse. Returns whether
 // any hook drove the timeline (blocked the host).
@@ -134,7 +82,9 @@ TEST(SchedulerVirtualTest, TheBudgetHoldsOnAThousandRandomConfigurations) {
     options.forward_order = uses;  // explicit: no cross-rank check (it would block once)
     options.root_unit = static_cast<int>(rng() % (units + 1)) - 1;
     // The units' minimum, then a random budget at or above it.
-    std::unique_ptr<World> w = MakeWorld(ranks, options, 1e9);
+    absl::StatusOr<std::unique_ptr<World>> made = MakeWorld(ranks, options, 1e9);
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<World> w = *std::move(made);
     for (int r = 0; r < ranks; ++r) {
       for (int u = 0; u < units; ++u) {
         ASSERT_TRUE(w->schedulers[r]
@@ -210,7 +160,9 @@ TEST(SchedulerVirtualTest, ExactIssueOrderPerPrefetchModeAndDepth) {
     options.backward_prefetch_depth = c.depth;
     options.forward_order = uses;
     options.root_unit = -1;
-    std::unique_ptr<World> w = MakeWorld(2, options, 1e9);
+    absl::StatusOr<std::unique_ptr<World>> made = MakeWorld(2, options, 1e9);
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<World> w = *std::move(made);
     for (int r = 0; r < 2; ++r) {
       for (int u = 0; u < 5; ++u) {
         ASSERT_TRUE(w->schedulers[r]
@@ -244,7 +196,9 @@ TEST(SchedulerVirtualTest, PrefetchHidesEveryGatherButTheFirst) {
     options.backward_prefetch = backward;
     options.forward_order = uses;
     options.root_unit = -1;
-    std::unique_ptr<World> w = MakeWorld(2, options, 1e9);
+    absl::StatusOr<std::unique_ptr<World>> made = MakeWorld(2, options, 1e9);
+    SL_CHECK(made.ok()) << made.status();
+    std::unique_ptr<World> w = *std::move(made);
     for (int r = 0; r < 2; ++r) {
       for (int u = 0; u < 4; ++u) {
         SL_CHECK(w->schedulers[r]
@@ -289,7 +243,9 @@ TEST(SchedulerVirtualTest, UntimedCommunicationRunsTheSameStepAndLeavesItsTimesO
     options.forward_order = uses;
     options.root_unit = -1;
     options.time_communication = timed;
-    std::unique_ptr<World> w = MakeWorld(2, options, 1e9);
+    absl::StatusOr<std::unique_ptr<World>> made = MakeWorld(2, options, 1e9);
+    SL_CHECK(made.ok()) << made.status();
+    std::unique_ptr<World> w = *std::move(made);
     for (int r = 0; r < 2; ++r) {
       for (int u = 0; u < 4; ++u) {
         SL_CHECK(w->schedulers[r]

@@ -9,15 +9,17 @@
 
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "collectives/local/local_communicator.h"
 #include "examples/model/sharded_trainer.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline::examples {
 namespace {
+
+using ::shardline::testing::RunRankThreads;
 
 struct Case {
   std::string name;
@@ -56,14 +58,10 @@ TEST_P(TrainingEquivalenceTest, MatchesTheUnshardedRun) {
   ASSERT_TRUE(comms.ok());
   std::vector<absl::StatusOr<ShardedRun>> runs(c.world, absl::UnknownError("not run"));
   std::vector<absl::StatusOr<ReferenceComparison>> cmps(c.world, absl::UnknownError("not run"));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < c.world; ++r) {
-    threads.emplace_back([&, r] {
-      runs[r] = TrainSharded(config, (*comms)[r], options);
-      if (runs[r].ok()) cmps[r] = CompareWithReference(config, *(*comms)[r], *runs[r], options);
-    });
-  }
-  for (auto& t : threads) t.join();
+  RunRankThreads(c.world, [&](int r) {
+    runs[r] = TrainSharded(config, (*comms)[r], options);
+    if (runs[r].ok()) cmps[r] = CompareWithReference(config, *(*comms)[r], *runs[r], options);
+  });
   const double tolerance = c.param_dtype == DType::kF32 ? 1e-5 : 2e-2;
   for (int r = 0; r < c.world; ++r) {
     ASSERT_TRUE(runs[r].ok()) << runs[r].status();
