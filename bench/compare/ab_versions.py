@@ -10,6 +10,13 @@ the ratio B/A per cell. Out-of-place and in-place columns are reported separatel
       --launch build/bin/shardline-launch [--rounds 5] [--ranks 2 4] [--sizes 8K 32M] \
       [--json out.json]
 
+A Google Benchmark microbenchmark of bench/micro (scheduler_hooks_bench, ...) the same way: each
+round runs A's binary and B's (alternating which goes first), and the report gives the median of
+the rounds for every benchmark's wall time and per-unit counters, and B/A:
+
+  bench/compare/ab_versions.py --a OLD/build/bench --b build/bench \
+      --micro scheduler_hooks_bench [--filter REGEX] [--min-time 0.2] [--rounds 5]
+
 Prints a Markdown table (for docs/benchmarks.md).
 """
 
@@ -58,11 +65,62 @@ def iterations(size):
     return (2000, 200) if n <= (1 << 20) else (20, 5)
 
 
+def run_micro(bindir, name, bench_filter, min_time, timeout):
+    """{benchmark name: {"wall_ns": ..., counter: ...}} of one run of a Google Benchmark binary."""
+    cmd = [os.path.join(bindir, name), "--benchmark_format=json",
+           f"--benchmark_min_time={min_time}"]
+    if bench_filter:
+        cmd.append(f"--benchmark_filter={bench_filter}")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout}{out.stderr}")
+    rows = {}
+    for bench in json.loads(out.stdout)["benchmarks"]:
+        if bench.get("run_type", "iteration") != "iteration":
+            continue
+        scale = {"ns": 1, "us": 1e3, "ms": 1e6, "s": 1e9}[bench.get("time_unit", "ns")]
+        row = {"wall_ns": bench["real_time"] * scale}
+        for key, value in bench.items():
+            if key.endswith("_per_unit") and isinstance(value, (int, float)):
+                row[key] = value
+        rows[bench["name"]] = row
+    return rows
+
+
+def micro_main(args):
+    runs = {"A": [], "B": []}
+    for rnd in range(args.rounds):
+        order = ("A", "B") if rnd % 2 == 0 else ("B", "A")
+        for version in order:
+            bindir = args.a if version == "A" else args.b
+            runs[version].append(run_micro(bindir, args.micro, args.filter, args.min_time,
+                                           args.timeout))
+        print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    names = list(runs["A"][0])
+    metrics = list(runs["A"][0][names[0]])
+    print("| benchmark | metric | A (median) | B (median) | B/A |")
+    print("|---|---|---:|---:|---:|")
+    report = []
+    for name in names:
+        for metric in metrics:
+            med = {v: statistics.median(r[name][metric] for r in runs[v]) for v in ("A", "B")}
+            ratio = med["B"] / med["A"] if med["A"] else float("nan")
+            print(f"| {name} | {metric} | {med['A']:.1f} | {med['B']:.1f} | {ratio:.2f} |")
+        report.append({"benchmark": name, "A": [r[name] for r in runs["A"]],
+                       "B": [r[name] for r in runs["B"]]})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--a", required=True, help="bin dir of version A (the baseline)")
     p.add_argument("--b", required=True, help="bin dir of version B")
-    p.add_argument("--launch", required=True, help="shardline-launch")
+    p.add_argument("--launch", help="shardline-launch (collectives)")
+    p.add_argument("--micro", help="a Google Benchmark binary's name in both bin dirs")
+    p.add_argument("--filter", help="--benchmark_filter for --micro")
+    p.add_argument("--min-time", type=float, default=0.2, help="--benchmark_min_time (s)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sizes", nargs="+", default=["8K", "32M"])
@@ -70,6 +128,11 @@ def main():
     p.add_argument("--timeout", type=int, default=120)
     p.add_argument("--json")
     args = p.parse_args()
+    if args.micro:
+        micro_main(args)
+        return
+    if not args.launch:
+        p.error("--launch is needed for the collectives (or give --micro)")
 
     cells = [(c, n, s) for c in args.collectives for n in args.ranks for s in args.sizes]
     results = {cell: {"A": [], "B": []} for cell in cells}

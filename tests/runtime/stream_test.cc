@@ -26,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "runtime/clock.h"
 #include "runtime/config.h"
+#include "tests/common/rank_threads.h"
 #include "tests/runtime/manual_event.h"
 
 namespace shardline {
@@ -807,38 +808,34 @@ TEST(HostStreamWakeBatchTest, ThreadsBatchingOnSharedStreamsNeverLoseAWakeUp) {
   for (auto& v : ran) v = std::vector<std::atomic<int>>(kStreams);
   for (auto& v : ran)
     for (auto& x : v) x.store(0);
-  std::vector<std::thread> threads;
   std::atomic<int> failures{0};
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      std::mt19937 rng(1000 + t);
-      for (int r = 0; r < kRounds; ++r) {
-        HostStreamWakeBatch batch;
-        const int n = 1 + static_cast<int>(rng() % 6);
-        for (int i = 0; i < n; ++i) {
-          const int s = static_cast<int>(rng() % kStreams);
-          if (rng() % 3 == 0) {
-            const int from = static_cast<int>(rng() % kStreams);
-            absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*streams[from]);
-            if (!event.ok() || !streams[s]->WaitEvent(**event).ok()) failures.fetch_add(1);
-          }
-          ++submitted[t][s];
-          absl::Status status = streams[s]->Enqueue([&, t, s, r] {
-            if (last[t][s].load() > r) out_of_order[t].fetch_add(1);
-            last[t][s].store(r);
-            ran[t][s].fetch_add(1);
-            return absl::OkStatus();
-          });
-          if (!status.ok()) failures.fetch_add(1);
+  testing::RunRankThreads(kThreads, [&](int t) {
+    std::mt19937 rng(1000 + t);
+    for (int r = 0; r < kRounds; ++r) {
+      HostStreamWakeBatch batch;
+      const int n = 1 + static_cast<int>(rng() % 6);
+      for (int i = 0; i < n; ++i) {
+        const int s = static_cast<int>(rng() % kStreams);
+        if (rng() % 3 == 0) {
+          const int from = static_cast<int>(rng() % kStreams);
+          absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*streams[from]);
+          if (!event.ok() || !streams[s]->WaitEvent(**event).ok()) failures.fetch_add(1);
         }
-        if (r % 50 == 49) {
-          // Blocking inside the batch: this thread's held wake-ups go out first.
-          if (!streams[rng() % kStreams]->Synchronize(Bounded()).ok()) failures.fetch_add(1);
-        }
+        ++submitted[t][s];
+        absl::Status status = streams[s]->Enqueue([&, t, s, r] {
+          if (last[t][s].load() > r) out_of_order[t].fetch_add(1);
+          last[t][s].store(r);
+          ran[t][s].fetch_add(1);
+          return absl::OkStatus();
+        });
+        if (!status.ok()) failures.fetch_add(1);
       }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
+      if (r % 50 == 49) {
+        // Blocking inside the batch: this thread's held wake-ups go out first.
+        if (!streams[rng() % kStreams]->Synchronize(Bounded()).ok()) failures.fetch_add(1);
+      }
+    }
+  });
   for (int s = 0; s < kStreams; ++s) {
     ASSERT_TRUE(streams[s]->Synchronize(Bounded()).ok()) << "stream " << s;
   }

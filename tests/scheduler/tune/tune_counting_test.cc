@@ -7,12 +7,12 @@
 
 #include <gtest/gtest.h>
 
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "collectives/local/local_communicator.h"
 #include "runtime/stream.h"
+#include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
@@ -113,20 +113,16 @@ TEST(TuneCountingTest, CollectivesPassThroughAndAreCounted) {
 TEST(TuneCountingTest, SplitsAreCountedAndAbortsReachTheWrappedCommunicator) {
   Ranks r = Make();
   std::vector<std::shared_ptr<Communicator>> pairs(kRanks), dups(kRanks);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kRanks; ++i) {
-    threads.emplace_back([&, i] {
-      const absl::Time deadline = absl::Now() + absl::Seconds(30);
-      // Ranks 0 and 1 form a group; rank 2 joins none.
-      auto split = r.comms[i]->Split(i < 2 ? 0 : -1, i, deadline);
-      ASSERT_TRUE(split.ok()) << split.status();
-      pairs[i] = *split;
-      auto dup = r.comms[i]->Dup(deadline);
-      ASSERT_TRUE(dup.ok()) << dup.status();
-      dups[i] = *dup;
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  testing::RunRankThreads(kRanks, [&](int i) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    // Ranks 0 and 1 form a group; rank 2 joins none.
+    auto split = r.comms[i]->Split(i < 2 ? 0 : -1, i, deadline);
+    ASSERT_TRUE(split.ok()) << split.status();
+    pairs[i] = *split;
+    auto dup = r.comms[i]->Dup(deadline);
+    ASSERT_TRUE(dup.ok()) << dup.status();
+    dups[i] = *dup;
+  });
   ASSERT_EQ(pairs[2], nullptr);
   ASSERT_NE(pairs[0], nullptr);
   EXPECT_EQ(pairs[0]->size(), 2);
