@@ -1,4 +1,4 @@
-// File: bindings/python/src/core.cc
+// File: bindings/python/src/collectives.cc
 // -----------------------------------------------------------------------------
 // shardline._core: errors, tensors through DLPack, communicators and their collectives, Work,
 // registered memory (empty/zeros), meshes and traces. The scheduler is in scheduler.cc. The
