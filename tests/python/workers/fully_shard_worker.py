@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardline.torch as slt
-from shardline.torch import _fully_shard
+from shardline.torch import _fsdp_param_group
 
 D_IN, D, H, D_OUT, T = 11, 13, 29, 5, 3
 GLOBAL_BATCH = 8
@@ -122,7 +122,7 @@ def slices(model):
     """name -> (tensor_offset, length, sharded parameter) of this rank's slice of each tensor."""
     out = {}
     for name, p in model.named_parameters():
-        st = _fully_shard._owner(p)
+        st = _fsdp_param_group._owner(p)
         i = next(k for k, q in enumerate(st.params) if q is p)
         out[name] = (st.tensor_offsets[i], st.slices[i][1], p)
     return out
