@@ -36,7 +36,20 @@ def run_worker(launch, tmp_path, nprocs, *args):
     assert "leaked" not in result.output, result.describe()  # nanobind's exit check
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)]
     assert [r["rank"] for r in ranks] == list(range(nprocs))
+    check_default_world(ranks)
     return ranks
+
+
+def check_default_world(ranks):
+    """shardline.torch.get_default_world(): the same communicator at every call and the one the
+    root's scheduler shards over (mesh None or a DeviceMesh), of the launcher's rank and size; an
+    all-reduce over it sums the ranks."""
+    n = len(ranks)
+    for r in ranks:
+        d = r["default_world"]
+        assert d["same"] and d["scheduler_world"], d
+        assert (d["rank"], d["size"]) == (r["rank"], n), d
+        assert d["rank_sum"] == n * (n - 1) / 2, d
 
 
 def check_parity(ranks, *, replicas=1):

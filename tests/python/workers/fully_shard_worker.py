@@ -227,6 +227,15 @@ def main():
         "shard_size": scheduler.shard_size, "steps": scheduler.steps,
         "metrics": str(scheduler.metrics()),
     }
+    # get_default_world(): the world the root's scheduler shards over (mesh None or a
+    # DeviceMesh), the same object at every call; a sum of the ranks over it.
+    default = slt.get_default_world()
+    rank_sum = torch.tensor([float(rank)], dtype=torch.float64)
+    default.all_reduce(rank_sum).wait()
+    result["default_world"] = {
+        "same": default is slt.get_default_world(),
+        "scheduler_world": default is model._shardline_state.root.world,
+        "rank": default.rank, "size": default.size, "rank_sum": rank_sum.item()}
     # full_state_dict: every tensor whole; load_state_dict of a full state dict (the initial
     # model's) loads each rank's slices of it.
     full = slt.full_state_dict(model)

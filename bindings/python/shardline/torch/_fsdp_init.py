@@ -1,5 +1,5 @@
 """fully_shard's communicators (FSDP2 keeps its mesh handling in _fsdp_init.py): the default
-world that fully_shard(mesh=None) shards over (_default_world), and what a mesh argument and
+world that fully_shard(mesh=None) shards over (get_default_world), and what a mesh argument and
 an int reshard_after_forward mean for shardline's scheduler."""
 
 import os
@@ -8,10 +8,21 @@ import torch
 
 import shardline
 
+__all__ = ["get_default_world"]
+
 _world = None  # the default world communicator, made once per process
 
 
-def _default_world():
+def get_default_world():
+    """The communicator over every rank that fully_shard shards over when its mesh is None or a
+    torch DeviceMesh: a shardline.Communicator, made at the first call in this process (later
+    calls return the same object). Use it for collectives of your own beside a fully_shard'ed
+    model, such as a loss averaged over the ranks: get_default_world().all_reduce(t).wait().
+
+    The first call (or the first such fully_shard call) joins the world, so every rank makes
+    it: under an initialised torch.distributed through torch's store; under torchrun otherwise
+    as a client of the store its agent serves (torch's env:// rendezvous); otherwise through
+    the launcher's environment (shardline.init())."""
     global _world
     if _world is None:
         dist = torch.distributed
@@ -38,7 +49,7 @@ def _drop_default_world():
 def _mesh_config(mesh):
     """(world communicator, strategy, shard_size) of a fully_shard mesh argument."""
     if mesh is None:
-        return _default_world(), "full_shard", 0
+        return get_default_world(), "full_shard", 0
     if isinstance(mesh, shardline.Communicator):
         return mesh, "full_shard", 0
     device_mesh = getattr(torch.distributed, "device_mesh", None)
@@ -46,7 +57,7 @@ def _mesh_config(mesh):
         if mesh.device_type != "cpu":
             raise ValueError(f"fully_shard: the DeviceMesh is on '{mesh.device_type}'; "
                              "shardline.torch.fully_shard computes on the CPU")
-        world = _default_world()
+        world = get_default_world()
         ranks = mesh.mesh.flatten().tolist()
         if sorted(ranks) != list(range(world.size)):
             raise NotImplementedError(

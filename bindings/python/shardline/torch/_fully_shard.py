@@ -33,7 +33,7 @@ How it maps onto the scheduler (scheduler/scheduler.h):
 Where the parts are (FSDP2's layout, torch/distributed/fsdp/_fully_shard/):
   * _fully_shard.py: fully_shard, FSDPModule, the unshard handle, original_shape.
   * _fsdp_api.py: the policies (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy).
-  * _fsdp_init.py: the default world and the mesh argument.
+  * _fsdp_init.py: the default world (get_default_world) and the mesh argument.
   * _fsdp_param_group.py: a unit (_UnitState), its parameters, its autograd functions and the
     root's per-unit steps (_UnitUses).
   * _fsdp_state.py: the root (_Root: one Scheduler, the step's state machine) and its hooks.
@@ -79,7 +79,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
     """Shards `module`'s parameters (those no nested fully_shard call took) as one scheduler
     unit; returns the module, whose class now also derives from FSDPModule.
 
-    mesh: None (the world: shardline.init(), through torch's store under an initialised
+    mesh: None (the world: get_default_world(), through torch's store under an initialised
     torch.distributed), a shardline.Communicator over the world, or a torch DeviceMesh over the
     world: 1-D (full shard) or 2-D (replicate x shard: hybrid; a shard dimension of 1 is no
     shard). reshard_after_forward: True (full shard) or False (shard-grad-op: kept unsharded
