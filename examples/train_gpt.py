@@ -117,7 +117,7 @@ def main():
             import shardline
             shardline_trace = shardline.Trace(rank)
             model.set_shardline_trace(shardline_trace)
-        world_comm = slt._fully_shard._default_world()
+        world_comm = slt.get_default_world()
 
         def all_reduce_mean(x):
             t = torch.tensor([x], dtype=torch.float64)

@@ -114,7 +114,7 @@ def main():
         for block in model.blocks:
             slt.fully_shard(block)
         slt.fully_shard(model)
-        world_comm = slt._fully_shard._default_world()
+        world_comm = slt.get_default_world()
     elif args.impl == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for block in model.blocks:

@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import shardline  # noqa: E402
 import shardline.torch as slt  # noqa: E402
-from shardline.torch import _fully_shard  # noqa: E402
+from shardline.torch import _fsdp_state  # noqa: E402
 
 TOLERANCE = 1e-5
 
@@ -36,7 +36,20 @@ def run_worker(launch, tmp_path, nprocs, *args):
     assert "leaked" not in result.output, result.describe()  # nanobind's exit check
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)]
     assert [r["rank"] for r in ranks] == list(range(nprocs))
+    check_default_world(ranks)
     return ranks
+
+
+def check_default_world(ranks):
+    """shardline.torch.get_default_world(): the same communicator at every call and the one the
+    root's scheduler shards over (mesh None or a DeviceMesh), of the launcher's rank and size; an
+    all-reduce over it sums the ranks."""
+    n = len(ranks)
+    for r in ranks:
+        d = r["default_world"]
+        assert d["same"] and d["scheduler_world"], d
+        assert (d["rank"], d["size"]) == (r["rank"], n), d
+        assert d["rank_sum"] == n * (n - 1) / 2, d
 
 
 def check_parity(ranks, *, replicas=1):
@@ -226,7 +239,7 @@ def test_saved_weights_survive_a_regather_elsewhere(world):
 
 def test_saved_weights_without_the_hooks_go_wrong(world, monkeypatch):
     """The same training with the saved-tensor hooks disabled differs: the hooks matter."""
-    monkeypatch.setattr(_fully_shard._Root, "_pack", lambda self, t: t)
+    monkeypatch.setattr(_fsdp_state._Root, "_pack", lambda self, t: t)
     ref, model, losses = train_pair(world, Tied)
     params = dict(ref.named_parameters())
     worst = max(((p.detach() - params[n].detach().reshape(-1)).norm() / params[n].norm()).item()
@@ -728,11 +741,11 @@ def gathers_at_hooks(world, monkeypatch, lists, steps=2):
             start[0] = len(gathered(self))
         return hook
 
-    monkeypatch.setattr(_fully_shard._Root, "_begin_unit",
-                        record("forward", _fully_shard._Root._begin_unit))
-    monkeypatch.setattr(_fully_shard._Root, "_open_unit",
-                        record("backward", _fully_shard._Root._open_unit))
-    monkeypatch.setattr(_fully_shard._Root, "begin_step", begin(_fully_shard._Root.begin_step))
+    monkeypatch.setattr(_fsdp_state._Root, "_begin_unit",
+                        record("forward", _fsdp_state._Root._begin_unit))
+    monkeypatch.setattr(_fsdp_state._Root, "_open_unit",
+                        record("backward", _fsdp_state._Root._open_unit))
+    monkeypatch.setattr(_fsdp_state._Root, "begin_step", begin(_fsdp_state._Root.begin_step))
     ref, model, opts = sharded_and_plain(world)
     lists(model)
     for step in range(steps):

@@ -1,8 +1,9 @@
 // File: bindings/python/src/common.h
 // -----------------------------------------------------------------------------
 // What the Python module's translation units share: Status → exception, tensors received through
-// DLPack (numpy, torch, jax — anything nanobind's ndarray accepts), and the communicator wrapper
-// the collectives and the scheduler both take.
+// DLPack (numpy, torch, jax — anything nanobind's ndarray accepts), the communicator wrapper the
+// collectives and the scheduler both take, the Work a collective returns, and each part's
+// Register function (module.cc calls them in order).
 
 #ifndef SHARDLINE_BINDINGS_PYTHON_SRC_COMMON_H_
 #define SHARDLINE_BINDINGS_PYTHON_SRC_COMMON_H_
@@ -59,8 +60,11 @@ T Unwrap(absl::StatusOr<T> value) {
 // InvalidArgument with `message` (raised as ValueError).
 [[noreturn]] void ThrowInvalid(std::string message);
 
-// Creates shardline.Error and its subclasses in `m` and installs the translator.
+// Creates shardline.Error and its subclasses in `m` and installs the translator (errors.cc).
 void RegisterErrors(nb::module_& m);
+// A new exception object for `status` (its class per the Status code, .code, .peer_error), or
+// null with the Python error set if even that failed. `text` need not be UTF-8.
+PyObject* MakeException(const absl::Status& status, const std::string& text);
 
 // A bound on a blocking wait: `timeout_s` seconds from now, or SHARDLINE_TIMEOUT_S when unset.
 // InvalidArgument for a negative timeout or NaN; infinity waits without bound.
@@ -94,7 +98,38 @@ struct PyComm {
   std::unique_ptr<Stream> stream;
 };
 
+// A collective from Python (work.cc): the C++ Work and the tensors it reads and writes. When the
+// Python object goes away before the collective is done, the tensors stay alive (in a list of
+// pending Works) until a later call finds the collective done (or the interpreter exits).
+struct PyWork {
+  PyWork(Work w, std::vector<nb::object> k) : work(std::move(w)), keep(std::move(k)) {}
+  // Movable only: nanobind moves the returned PyWork into its Python object, and the moved-from
+  // one (no tensors left) must not park the collective in PendingWorks. (With the destructor
+  // declared there would be no implicit move, and a copy would park a second entry.)
+  PyWork(PyWork&& other) noexcept : work(std::move(other.work)), keep(std::move(other.keep)) {
+    other.keep.clear();
+  }
+  PyWork& operator=(PyWork&&) = delete;
+  PyWork(const PyWork&) = delete;
+  PyWork& operator=(const PyWork&) = delete;
+  ~PyWork();
+
+  Work work;
+  std::vector<nb::object> keep;
+};
+
+// The PyWork of an issued collective (raises its issue error), keeping `keep` alive until it is
+// done. Releases the tensors of dropped Works found done since.
+PyWork MakeWork(absl::StatusOr<Work> work, std::vector<nb::object> keep);
+
+// shardline.Work, and the module's exit cleanup of collectives still running (work.cc).
+void RegisterWork(nb::module_& m);
+// _empty and _host_memory_stats: tensors in shardline's shareable host memory (tensors.cc).
+void RegisterTensors(nb::module_& m);
+// Stream, Communicator, init, init_local and Mesh (collectives.cc).
 void RegisterCollectives(nb::module_& m);
+// shardline.Trace (trace.cc).
+void RegisterTrace(nb::module_& m);
 void RegisterScheduler(nb::module_& m);
 // The C++ Scheduler of a shardline.Scheduler object (TypeError if `scheduler` is not one).
 Scheduler& SchedulerOf(nb::handle scheduler);

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardline.torch as slt
-from shardline.torch import _fully_shard
+from shardline.torch import _fsdp_param_group
 
 D_IN, D, H, D_OUT, T = 11, 13, 29, 5, 3
 GLOBAL_BATCH = 8
@@ -122,7 +122,7 @@ def slices(model):
     """name -> (tensor_offset, length, sharded parameter) of this rank's slice of each tensor."""
     out = {}
     for name, p in model.named_parameters():
-        st = _fully_shard._owner(p)
+        st = _fsdp_param_group._owner(p)
         i = next(k for k, q in enumerate(st.params) if q is p)
         out[name] = (st.tensor_offsets[i], st.slices[i][1], p)
     return out
@@ -227,6 +227,15 @@ def main():
         "shard_size": scheduler.shard_size, "steps": scheduler.steps,
         "metrics": str(scheduler.metrics()),
     }
+    # get_default_world(): the world the root's scheduler shards over (mesh None or a
+    # DeviceMesh), the same object at every call; a sum of the ranks over it.
+    default = slt.get_default_world()
+    rank_sum = torch.tensor([float(rank)], dtype=torch.float64)
+    default.all_reduce(rank_sum).wait()
+    result["default_world"] = {
+        "same": default is slt.get_default_world(),
+        "scheduler_world": default is model._shardline_state.root.world,
+        "rank": default.rank, "size": default.size, "rank_sum": rank_sum.item()}
     # full_state_dict: every tensor whole; load_state_dict of a full state dict (the initial
     # model's) loads each rank's slices of it.
     full = slt.full_state_dict(model)

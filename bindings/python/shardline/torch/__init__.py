@@ -15,7 +15,8 @@ import. The base `shardline` package never imports torch; only this subpackage d
 
 The second way in is shardline's own FSDP: `fully_shard` (FSDP2's interface: the same names,
 arguments and module methods) on shardline's scheduler, with `clip_grad_norm_` for the global
-norm of its sharded gradients (see _fully_shard.py and docs/pytorch.md), and `save_checkpoint` /
+norm of its sharded gradients and `get_default_world` for the communicator it shards over (see
+_fully_shard.py, which says where each part is, and docs/pytorch.md), and `save_checkpoint` /
 `load_checkpoint` for sharded checkpoints of a fully_shard'ed model and its optimizer, loadable at
 another world size (see _checkpoint.py and docs/checkpoints.md), `export_safetensors` /
 `import_safetensors` for its full weights as one safetensors file and `sync_module_states` for rank
@@ -24,25 +25,20 @@ another world size (see _checkpoint.py and docs/checkpoints.md), `export_safeten
 
 from ._backend import BACKEND_NAME, BackendShardline, ProcessGroupShardline, register
 from ._checkpoint import CheckpointSave, load_checkpoint, save_checkpoint
-from ._fully_shard import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    clip_grad_norm_,
-    full_state_dict,
-    fully_shard,
-    original_shape,
-)
+from ._clip_grad import clip_grad_norm_
+from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_init import get_default_world
+from ._fully_shard import FSDPModule, fully_shard, original_shape
 from ._grad_scaler import ShardedGradScaler
+from ._state_dict import full_state_dict
 from ._weights import export_safetensors, import_safetensors, sync_module_states
 
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "CheckpointSave", "CPUOffloadPolicy", "FSDPModule",
     "MixedPrecisionPolicy", "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler",
     "clip_grad_norm_", "export_safetensors", "full_state_dict", "fully_shard",
-    "import_safetensors", "load_checkpoint", "original_shape", "register", "save_checkpoint",
-    "sync_module_states",
+    "get_default_world", "import_safetensors", "load_checkpoint", "original_shape", "register",
+    "save_checkpoint", "sync_module_states",
 ]
 
 register()

@@ -33,7 +33,8 @@ import shardline
 
 import weakref
 
-from ._fully_shard import FSDPModule, _lazy_root
+from ._fsdp_state import _lazy_root
+from ._fully_shard import FSDPModule
 
 __all__ = ["CheckpointSave", "load_checkpoint", "save_checkpoint"]
 

@@ -9,7 +9,7 @@ step() reads them, so every rank skips the same steps and the scale follows the 
 
 import torch
 
-from ._fully_shard import _owner
+from ._fsdp_param_group import _owner
 
 __all__ = ["ShardedGradScaler"]
 

@@ -18,7 +18,7 @@ import torch
 import shardline
 
 from ._checkpoint import _root_of
-from ._fully_shard import _mesh_config
+from ._fsdp_init import _mesh_config
 
 __all__ = ["export_safetensors", "import_safetensors", "sync_module_states"]
 

@@ -1,0 +1,304 @@
+"""A fully_shard unit (FSDP2's FSDPParamGroup): what one fully_shard call manages (_UnitState),
+the parameters it collects, the autograd functions of its forward and backward uses, and the
+root's calls into the scheduler for one unit (_UnitUses: gather, reshard, gradients; FSDP2's
+FSDPParamGroup.pre_forward / post_forward / pre_backward / post_backward / unshard)."""
+
+import time
+import weakref
+
+import torch
+
+
+class _UnitState:
+    """What one fully_shard call manages: the module, its parameters, its unit."""
+
+    def __init__(self, module, mesh, reshard_after_forward, mp_policy, offload_policy):
+        self.module_ref = weakref.ref(module)
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
+        self.recompute_open = False
+        self.descendants = set()  # the states of fully_shard'ed modules under this one
+        self.full = None  # the full tensors while unshard()'ed
+        self.borrowed = []  # units whose tied parameters this module's forward uses too
+        self.borrowed_names = []  # (owner, its parameter index, the name here) of those
+        self.shapes = []  # the parameters' original shapes
+        self.params = []  # the nn.Parameter objects, in registration order
+        self.names = []   # their names relative to the module (the first slot's)
+        self.fqns = []    # their names relative to the root module (the registered names)
+        self.slots = []   # per parameter, every (submodule, attribute name) that holds it
+        self.slot_names = []  # per parameter, those slots' names relative to the module
+        self.root = None  # the _Root, once initialised
+        self.unit = None  # the scheduler's unit id
+        self.slices = []  # per parameter (shard_offset, length), after initialisation
+        self.tensor_offsets = []  # per parameter, the flat index of its first element here
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.reshard_after_backward = True
+        self.name = ""
+        self.trace = None  # a shardline.Trace for the root's scheduler (set_shardline_trace)
+        # set_modules_to_forward_prefetch / _backward_prefetch: lists of _UnitStates, or None
+        self.forward_prefetch = None
+        self.backward_prefetch = None
+
+    @property
+    def module(self):
+        return self.module_ref()
+
+
+def _owner(p):
+    """The _UnitState that manages parameter p, or None."""
+    return getattr(p, "_shardline_unit", None)
+
+
+def _collect_parameters(state, module):
+    """The parameters under `module` that no fully_shard'ed submodule manages, each with every
+    (submodule, name) slot that holds it; a parameter held by another unit is refused."""
+    from ._fully_shard import FSDPModule  # (_fully_shard imports this module)
+
+    index = {}
+
+    def visit(mod, prefix, top):
+        if not top and isinstance(mod, FSDPModule):
+            return  # its own unit
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            owner = _owner(p)
+            if owner is not None and owner is not state:
+                # A tie with a parameter another fully_shard call took (an output head tied to
+                # an embedding): the tensor stays in that unit, which this module's forward
+                # uses too (a unit used twice per forward).
+                i = next(k for k, q in enumerate(owner.params) if q is p)
+                owner.slots[i].append((mod, name))
+                owner.slot_names[i].append(None)  # not under the owner's module
+                if owner not in state.borrowed:
+                    state.borrowed.append(owner)
+                state.borrowed_names.append((owner, i, f"{prefix}{name}"))
+                continue
+            if id(p) not in index:
+                index[id(p)] = len(state.params)
+                state.params.append(p)
+                state.names.append(f"{prefix}{name}")
+                state.slots.append([])
+                state.slot_names.append([])
+            state.slots[index[id(p)]].append((mod, name))
+            state.slot_names[index[id(p)]].append(f"{prefix}{name}")
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
+
+    visit(module, "", True)
+    state.shapes = [tuple(p.shape) for p in state.params]
+    for name, p in zip(state.names, state.params):
+        if p.dtype != torch.float32:
+            raise NotImplementedError(f"fully_shard: parameter '{name}' is {p.dtype}; shardline's "
+                                      "scheduler keeps float32 master parameters")
+        if p.device.type not in ("cpu", "meta"):
+            raise ValueError(f"fully_shard: parameter '{name}' is on {p.device}; "
+                             "shardline.torch.fully_shard computes on the CPU")
+    for p in state.params:
+        p._shardline_unit = state
+
+
+# ---- Autograd functions -----------------------------------------------------------------------
+
+class _Gather(torch.autograd.Function):
+    """anchor -> the unit's unsharded views for one forward use; its backward hands their
+    gradients to the root (added into the scheduler's unsharded gradient)."""
+
+    @staticmethod
+    def forward(ctx, root, state, frozen, anchor, *views):
+        ctx.root, ctx.state, ctx.step = root, state, root.step_id
+        ctx.set_materialize_grads(False)
+        outs = tuple(v.view_as(v) for v in views)
+        ctx.mark_non_differentiable(*[o for o, f in zip(outs, frozen) if f])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.root._on_param_grads(ctx.state, ctx.step, grads)
+        return (None, None, None, None) + (None,) * len(grads)
+
+
+class _InputBoundary(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the inputs' gradients are computed:
+    the end of the module's backward use."""
+
+    @staticmethod
+    def forward(ctx, root, state, *tensors):
+        ctx.root, ctx.state, ctx.step = root, state, root.step_id
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.root._on_inputs_done(ctx.state, ctx.step)
+        return (None, None) + grads
+
+
+def _map_tensors(fn, obj):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(obj):
+    out = []
+    _map_tensors(lambda t: out.append(t) or t, obj)
+    return out
+
+
+# ---- A unit's uses ---------------------------------------------------------------------------
+
+class _UnitUses:
+    """The _Root's (_fsdp_state.py) per-unit steps: a unit's forward use (its unsharded views in
+    place of the parameters, _Gather), its backward use (its gradients into the scheduler's
+    unsharded gradient views), and unshard()'s full tensors. The state they use is the root's
+    (_Root.__init__)."""
+
+    # -- forward
+    def _begin_use(self, st):
+        self._begin_unit(st)
+        for owner in st.borrowed:
+            if self.recomputing:
+                raise NotImplementedError(
+                    "fully_shard: recomputing (torch.utils.checkpoint) a module that uses a "
+                    "parameter tied to another unit")
+            self._begin_unit(owner)
+
+    def _end_use(self, st):
+        for owner in reversed(st.borrowed):
+            self._end_unit(owner)
+        self._end_unit(st)
+
+    def _begin_unit(self, st):
+        if not st.params:
+            return
+        s = self.scheduler
+        if self.recomputing:
+            # Activation recomputation inside the backward: the unit's open backward use has
+            # its parameters; otherwise the scheduler serves the recomputation from the gather
+            # of the unit's coming backward use (PreForward in its backward phase).
+            top = self.backward_stack[-1] if self.backward_stack else None
+            if top is not None and top[0] is st and top[1]:
+                views = self.views[st.unit]
+                st.recompute_open = False
+            else:
+                s.pre_forward(st.unit)
+                views = s.params(st.unit)
+                st.recompute_open = True
+            # As in the forward, the views require gradients (so autograd saves the same
+            # tensors, which checkpoint checks); this graph is only used to unpack.
+            views = [v.detach().requires_grad_(p.requires_grad and torch.is_grad_enabled())
+                     for v, p in zip(views, st.params)]
+            for v, slots in zip(views, st.slots):
+                for mod, name in slots:
+                    mod._parameters[name] = v
+            return
+        s.pre_forward(st.unit)
+        if self.trace is not None:
+            self.span_start[st.unit] = time.time_ns()
+        views = s.params(st.unit)
+        for i, v in enumerate(views):
+            if v.numel():
+                self.pack_map[v.untyped_storage().data_ptr()] = (st.unit, i)
+        frozen = [not p.requires_grad for p in st.params]
+        if torch.is_grad_enabled() and not all(frozen):
+            views = _Gather.apply(self, st, frozen, self.anchor, *views)
+        for v, slots in zip(views, st.slots):
+            for mod, name in slots:
+                mod._parameters[name] = v
+
+    def _end_unit(self, st):
+        if not st.params:
+            return
+        for p, slots in zip(st.params, st.slots):
+            for mod, name in slots:
+                mod._parameters[name] = p
+        if self.recomputing and not st.recompute_open:
+            return
+        if not self.recomputing:
+            self._end_span("forward", st)
+        self.scheduler.post_forward(st.unit)
+
+    def _end_span(self, phase, st):
+        start = self.span_start.pop(st.unit, None)
+        if self.trace is not None and start is not None:
+            self.trace.add_span("compute", f"{phase} {st.name}", "compute", start,
+                                time.time_ns() - start)
+
+    # -- backward
+    def _open(self, st):
+        # The forward opened st, then its borrowed units: the backward mirrors that.
+        for owner in reversed(st.borrowed):
+            self._open_unit(owner)
+        self._open_unit(st)
+
+    def _close(self, st):
+        self._close_unit(st)
+        for owner in st.borrowed:
+            self._close_unit(owner)
+
+    def _open_unit(self, st):
+        if not st.params:
+            return
+        self.scheduler.pre_backward(st.unit)
+        if self.trace is not None:
+            self.span_start[st.unit] = time.time_ns()
+        self.views[st.unit] = self.scheduler.params(st.unit)
+        for grads in self.pending.pop(st.unit, []):
+            self._add_grads(st, grads)
+
+    def _close_unit(self, st):
+        if not st.params:
+            return
+        self.views.pop(st.unit, None)
+        self._end_span("backward", st)
+        self.scheduler.post_backward(st.unit)
+
+    def _add_grads(self, st, grads):
+        views = self.scheduler.grads(st.unit)
+        for view, g in zip(views, grads):
+            if g is not None and view.numel():
+                view.add_(g.reshape(view.shape))
+
+    # -- unshard() / reshard()
+    def gather_full(self, st):
+        """The unit's full tensors, from every rank's master shard and slice table."""
+        s = self.scheduler
+        master = s.master_shard(st.unit)
+        size = self.world.size
+        shards = torch.empty(size * master.numel(), dtype=master.dtype)
+        self.world.all_gather(shards, master.contiguous()).wait()
+        table = torch.tensor([[t, o, n] for t, (o, n) in zip(st.tensor_offsets, st.slices)],
+                             dtype=torch.int64).reshape(-1)
+        tables = torch.empty(size * table.numel(), dtype=torch.int64)
+        self.world.all_gather(tables, table).wait()
+        tables = tables.reshape(size, len(st.params), 3)
+        shards = shards.reshape(size, master.numel())
+        full = [torch.empty(tuple(shape), dtype=torch.float32) for shape in st.shapes]
+        for r in range(size):
+            for i, (t, o, n) in enumerate(tables[r].tolist()):
+                if n:
+                    full[i].view(-1)[t:t + n] = shards[r, o:o + n]
+        return full
+
+    def write_back(self, st):
+        """Ends an unshard() of `st`: this rank's slices of its full tensors into the shard."""
+        if st.full is None:
+            return
+        with torch.no_grad():
+            for p, full, t, (_, n) in zip(st.params, st.full, st.tensor_offsets, st.slices):
+                if n:
+                    p.copy_(full.reshape(-1)[t:t + n])
+        for p, slots in zip(st.params, st.slots):
+            for mod, name in slots:
+                mod._parameters[name] = p
+        st.full = None
