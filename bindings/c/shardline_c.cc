@@ -7,26 +7,23 @@
 #include "bindings/c/shardline.h"
 
 #include <atomic>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "collectives/bootstrap.h"
 #include "collectives/communicator.h"
 #include "collectives/local/local_communicator.h"
 #include "runtime/allocator.h"
+#include "runtime/callback_stream.h"
 #include "runtime/config.h"
 #include "runtime/flat_layout.h"
-#include "runtime/internal/stream_internal.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
@@ -56,301 +53,11 @@ struct shardlineTrace_s {
   shardline::TraceWriter writer;
 };
 
-namespace {
-
-// A framework's allocator (shardlineAllocator_t) as a shardline Allocator of `device` (the
-// memory the callbacks return must be of that device). The base class holds each freed block
-// until every stream that used it is done, so `free` gets memory that is idle.
-class CallbackAllocator final : public shardline::Allocator {
- public:
-  static constexpr uintptr_t kAlignment = 64;
-
-  CallbackAllocator(const shardlineAllocator_t& callbacks, shardline::Device device,
-                    std::string name)
-      : Allocator(device, std::move(name)), callbacks_(callbacks) {}
-  ~CallbackAllocator() override { DrainPending(); }
-
- protected:
-  absl::StatusOr<void*> AllocateRaw(size_t bytes, shardline::Stream* first_user) override {
-    void* ptr = nullptr;
-    void* stream = first_user != nullptr ? first_user->native_handle() : nullptr;
-    const int rc = callbacks_.alloc(callbacks_.user, bytes, stream, &ptr);
-    if (rc != 0 || ptr == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the framework's allocator returned ", rc, " (pointer ",
-                       ptr == nullptr ? "NULL" : "set", ") for ", bytes, " bytes"));
-    }
-    if (reinterpret_cast<uintptr_t>(ptr) % kAlignment != 0) {
-      callbacks_.free(callbacks_.user, ptr, bytes, nullptr);
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the framework's allocator returned 0x", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
-          " for ", bytes, " bytes: not aligned to ", kAlignment, " bytes (shardlineAllocator_t)"));
-    }
-    return ptr;
-  }
-  void DeallocateRaw(void* data, size_t bytes) override {
-    callbacks_.free(callbacks_.user, data, bytes, nullptr);
-  }
-
- private:
-  const shardlineAllocator_t callbacks_;
-};
-
-// A framework's event (shardlineEventCallbacks_t) as a shardline Event: waits go through its
-// notify callback (no polling), Query through its query callback.
-class CallbackEvent final : public shardline::Event {
- public:
-  explicit CallbackEvent(const shardlineEventCallbacks_t& callbacks) : callbacks_(callbacks) {}
-  ~CallbackEvent() override {
-    if (callbacks_.release != nullptr) callbacks_.release(callbacks_.user);
-  }
-
-  shardline::Device device() const override { return shardline::Device::Host(); }
-  absl::Status Record(shardline::Stream& stream) override {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a framework's event (shardline_event_from_callbacks) cannot be recorded on stream '",
-        stream.name(), "': the framework records it"));
-  }
-  absl::StatusOr<bool> Query() override {
-    const int q = callbacks_.query(callbacks_.user);
-    if (q < 0) return Failed(q);
-    return q > 0;
-  }
-  absl::Status Synchronize(absl::Time deadline) override {
-    struct Waiter {
-      absl::Mutex mu;
-      bool done = false;
-      absl::Status status;
-    };
-    auto waiter = std::make_shared<Waiter>();
-    OnComplete([waiter](absl::Status status) {
-      absl::MutexLock lock(&waiter->mu);
-      waiter->done = true;
-      waiter->status = std::move(status);
-    });
-    absl::MutexLock lock(&waiter->mu);
-    if (!waiter->mu.AwaitWithDeadline(absl::Condition(&waiter->done), deadline)) {
-      return absl::DeadlineExceededError(
-          "a framework's event (shardline_event_from_callbacks) "
-          "did not complete by the deadline");
-    }
-    return waiter->status;
-  }
-  void OnComplete(shardline::EventCallback callback) override {
-    auto* ctx = new shardline::EventCallback(std::move(callback));
-    callbacks_.notify(
-        callbacks_.user,
-        [](void* c, int failed) {
-          std::unique_ptr<shardline::EventCallback> cb(static_cast<shardline::EventCallback*>(c));
-          std::move (*cb)(failed != 0 ? Failed(failed) : absl::OkStatus());
-        },
-        ctx);
-  }
-
- private:
-  static absl::Status Failed(int code) {
-    return absl::InternalError(absl::StrCat(
-        "a framework's event (shardline_event_from_callbacks) reported failure ", code));
-  }
-  const shardlineEventCallbacks_t callbacks_;
-};
-
-// The CallbackStream whose fn this thread is running, if any (Synchronize from inside one would
-// wait for itself).
-thread_local const void* running_callback_stream = nullptr;
-
-// A framework's stream of host work (shardlineStreamCallbacks_t) as a shardline Stream: every
-// op, event record and wait becomes one fn(ctx) that the framework runs in its stream's order.
-// What the fns touch is shared with them, so one that runs after the stream is gone frees
-// nothing twice and touches nothing freed.
-class CallbackStream final : public shardline::Stream,
-                             public shardline::stream_internal::HostCaptureRecorder {
- public:
-  CallbackStream(std::string name, const shardlineStreamCallbacks_t& callbacks,
-                 absl::Duration wait_timeout)
-      : callbacks_(callbacks), state_(std::make_shared<State>()) {
-    state_->name = std::move(name);
-    state_->wait_timeout = wait_timeout;
-  }
-
-  // Lets the enqueued fns run (at most wait_timeout), then hands the stream back.
-  ~CallbackStream() override {
-    {
-      std::unique_lock<std::mutex> lock(state_->mu);
-      const uint64_t target = state_->enqueued;
-      if (!shardline::WallClock().WaitUntil(state_->cv, lock, absl::Now() + state_->wait_timeout,
-                                            [&] { return state_->finished >= target; })) {
-        SL_LOG(WARN, STREAM) << "stream '" << state_->name << "': destroyed with "
-                             << target - state_->finished
-                             << " enqueued fn(s) the framework has not run";
-      }
-    }
-    if (callbacks_.release != nullptr) callbacks_.release(callbacks_.user);
-  }
-
-  shardline::Device device() const override { return shardline::Device::Host(); }
-  const std::string& name() const override { return state_->name; }
-
-  absl::Status Submit(shardline::StreamOp op) override {
-    Item item;
-    item.op = std::move(op);
-    return Push(std::move(item));
-  }
-
-  absl::Status WaitEvent(shardline::Event& event) override {
-    // Stream order covers this stream's own events.
-    if (event.recorded_stream_id() == id()) return status();
-    // The wait is for the capture of the event's latest Record() as of now.
-    auto latch = std::make_shared<shardline::stream_internal::HostCapture>(*this);
-    event.OnComplete([latch](absl::Status status) { latch->Complete(std::move(status)); });
-    absl::Status done;
-    if (latch->done(&done) && done.ok()) return status();
-    Item item;
-    item.wait = std::move(latch);
-    auto* host = dynamic_cast<shardline::stream_internal::HostEvent*>(&event);
-    const std::shared_ptr<shardline::stream_internal::HostCapture> capture =
-        host != nullptr ? host->current() : nullptr;
-    item.source = capture != nullptr
-                      ? absl::StrCat("an event of stream '", capture->stream_name(), "'")
-                      : absl::StrCat("an event of ", event.device().ToString());
-    return Push(std::move(item));
-  }
-
-  absl::Status Synchronize(absl::Time deadline) override {
-    if (running_callback_stream == state_.get()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("stream '", state_->name,
-                       "': Synchronize called from the stream's own work would "
-                       "wait forever"));
-    }
-    std::unique_lock<std::mutex> lock(state_->mu);
-    const uint64_t target = state_->enqueued;
-    if (!shardline::WallClock().WaitUntil(state_->cv, lock, deadline,
-                                          [&] { return state_->finished >= target; })) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "stream '", state_->name, "': Synchronize timed out with ", target - state_->finished,
-          " enqueued fn(s) the framework has not run (shardline_stream_from_callbacks)"));
-    }
-    return state_->status;
-  }
-
-  absl::Status status() const override {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    return state_->status;
-  }
-
-  std::shared_ptr<shardline::Event> CreateEvent() override { return shardline::CreateHostEvent(); }
-
-  absl::Status RecordHostCapture(
-      std::shared_ptr<shardline::stream_internal::HostCapture> capture) override {
-    Item item;
-    item.record = std::move(capture);
-    return Push(std::move(item));
-  }
-
- private:
-  struct State {
-    std::string name;
-    absl::Duration wait_timeout;
-    std::mutex mu;
-    std::condition_variable cv;  // Synchronize and the destructor wait for `finished`
-    absl::Status status;         // the poison
-    uint64_t enqueued = 0;
-    uint64_t finished = 0;
-  };
-  // One fn's work: an op, an event's capture to complete, or a capture to wait for.
-  struct Item {
-    shardline::StreamOp op;
-    std::shared_ptr<shardline::stream_internal::HostCapture> record;
-    std::shared_ptr<shardline::stream_internal::HostCapture> wait;
-    std::string source;  // of `wait`, for its error
-  };
-  struct Task {
-    std::shared_ptr<State> state;
-    Item item;
-  };
-
-  absl::Status Push(Item item) {
-    {
-      std::unique_lock<std::mutex> lock(state_->mu);
-      if (!state_->status.ok()) {
-        absl::Status poison = state_->status;
-        lock.unlock();
-        if (item.record != nullptr) item.record->Complete(poison);
-        return poison;
-      }
-      ++state_->enqueued;
-    }
-    auto task = std::make_unique<Task>(Task{state_, std::move(item)});
-    const int rc = callbacks_.enqueue(callbacks_.user, &RunTask, task.get());
-    if (rc == 0) {
-      task.release();  // the framework's fn owns it now
-      return absl::OkStatus();
-    }
-    // Refused: nothing of it runs (an op's run and cancel neither), and the stream fails.
-    absl::Status error = absl::InternalError(
-        absl::StrCat("stream '", state_->name, "': the framework's enqueue returned ", rc));
-    if (task->item.record != nullptr) task->item.record->Complete(error);
-    task.reset();
-    std::lock_guard<std::mutex> lock(state_->mu);
-    if (state_->status.ok()) state_->status = error;
-    ++state_->finished;
-    state_->cv.notify_all();
-    return error;
-  }
-
-  // The fn the framework runs: the item, or (on a poisoned stream) its cancellation.
-  static void RunTask(void* ctx) {
-    std::unique_ptr<Task> task(static_cast<Task*>(ctx));
-    State& state = *task->state;
-    absl::Status poison;
-    {
-      std::lock_guard<std::mutex> lock(state.mu);
-      poison = state.status;
-    }
-    const void* const outer = running_callback_stream;
-    running_callback_stream = &state;
-    Item& item = task->item;
-    absl::Status result;
-    if (item.record != nullptr) {
-      item.record->Complete(poison);
-    } else if (item.wait != nullptr) {
-      if (poison.ok()) {
-        result = item.wait->Wait(absl::Now() + state.wait_timeout, "");
-        if (absl::IsDeadlineExceeded(result)) {
-          result = absl::DeadlineExceededError(
-              absl::StrCat("stream '", state.name, "': waited its wait_timeout (",
-                           absl::FormatDuration(state.wait_timeout), ") for ", item.source,
-                           ", which did not complete (shardline_stream_from_callbacks)"));
-        }
-      }
-    } else if (poison.ok()) {
-      result = std::move(item.op.run)();
-      if (!result.ok()) {
-        result = shardline::Annotate(result, absl::StrCat("stream '", state.name, "'"));
-      }
-    } else if (item.op.cancel != nullptr) {
-      std::move(item.op.cancel)(poison);
-    }
-    item = Item();  // its closures go before Synchronize can report the fn done
-    running_callback_stream = outer;
-    std::lock_guard<std::mutex> lock(state.mu);
-    if (!result.ok() && state.status.ok()) state.status = std::move(result);
-    ++state.finished;
-    state.cv.notify_all();
-  }
-
-  const shardlineStreamCallbacks_t callbacks_;
-  const std::shared_ptr<State> state_;
-};
-
-}  // namespace
-
 struct shardlineScheduler_s {
   // The framework's allocators, destroyed after the scheduler (declared before it).
-  std::unique_ptr<CallbackAllocator> gather_pool;
-  std::unique_ptr<CallbackAllocator> reduce_pool;
-  std::unique_ptr<CallbackAllocator> shard_allocator;  // as the shard or the offload allocator
+  std::unique_ptr<shardline::Allocator> gather_pool;
+  std::unique_ptr<shardline::Allocator> reduce_pool;
+  std::unique_ptr<shardline::Allocator> shard_allocator;  // as the shard or the offload allocator
   std::unique_ptr<shardline::Scheduler> scheduler;
   shardline::UnitPolicy policy;  // of every unit it registers (from the config)
   // Where master shards live: the compute stream's device, the host with CPU offload.
@@ -533,6 +240,11 @@ shardlineResult_t ReadCallbacks(const shardlineAllocator_t* in, shardlineAllocat
   return shardlineSuccess;
 }
 
+// A checked framework allocator as the runtime's callback allocator.
+shardline::AllocatorCallbacks FromC(const shardlineAllocator_t& a) {
+  return {.user = a.user, .alloc = a.alloc, .free = a.free, .origin = "shardlineAllocator_t"};
+}
+
 shardlineResult_t Issue(absl::StatusOr<shardline::Work> work, shardlineWork_t* out) {
   if (!work.ok()) return FromStatus(work.status());
   *out = new shardlineWork_s{*std::move(work)};
@@ -695,12 +407,14 @@ shardlineResult_t shardline_stream_from_callbacks(const char* name,
       return r;
     }
     SL_C_REQUIRE(c.enqueue != nullptr, "shardline_stream_from_callbacks: enqueue is NULL");
-    shardline::StreamOptions options{.name = name != nullptr ? name : "framework"};
-    absl::StatusOr<absl::Duration> wait_timeout =
-        shardline::stream_internal::ResolveWaitTimeout(options);
-    if (!wait_timeout.ok()) return FromStatus(wait_timeout.status());
-    *stream = new shardlineStream_s{
-        std::make_unique<CallbackStream>(std::move(options.name), c, *wait_timeout)};
+    absl::StatusOr<std::unique_ptr<shardline::Stream>> s =
+        shardline::CreateCallbackStream({.user = c.user,
+                                         .enqueue = c.enqueue,
+                                         .release = c.release,
+                                         .origin = "shardline_stream_from_callbacks"},
+                                        {.name = name != nullptr ? name : "framework"});
+    if (!s.ok()) return FromStatus(s.status());
+    *stream = new shardlineStream_s{*std::move(s)};
     return shardlineSuccess;
   });
 }
@@ -805,7 +519,14 @@ shardlineResult_t shardline_event_from_callbacks(const shardlineEventCallbacks_t
     }
     SL_C_REQUIRE(c.query != nullptr && c.notify != nullptr,
                  "shardline_event_from_callbacks: query and notify must both be set");
-    *event = new shardlineEvent_s{std::make_shared<CallbackEvent>(c)};
+    absl::StatusOr<std::shared_ptr<shardline::Event>> e =
+        shardline::CreateCallbackEvent({.user = c.user,
+                                        .query = c.query,
+                                        .notify = c.notify,
+                                        .release = c.release,
+                                        .origin = "shardline_event_from_callbacks"});
+    if (!e.ok()) return FromStatus(e.status());
+    *event = new shardlineEvent_s{*std::move(e)};
     return shardlineSuccess;
   });
 }
@@ -989,10 +710,14 @@ shardlineResult_t shardline_scheduler_create(shardlineComm_t world, shardlineStr
       // in the metrics). Neither hands out a block before every stream that used it is done,
       // so sharing the framework's pool never makes the gather stream wait for a reduction
       // (the hazard SchedulerOptions::gather_pool warns of for shared caching pools).
-      s->gather_pool =
-          std::make_unique<CallbackAllocator>(a, device, o.name + ".gather (framework)");
-      s->reduce_pool =
-          std::make_unique<CallbackAllocator>(a, device, o.name + ".reduce (framework)");
+      absl::StatusOr<std::unique_ptr<shardline::Allocator>> gather =
+          shardline::CreateCallbackAllocator(FromC(a), device, o.name + ".gather (framework)");
+      if (!gather.ok()) return FromStatus(gather.status());
+      absl::StatusOr<std::unique_ptr<shardline::Allocator>> reduce =
+          shardline::CreateCallbackAllocator(FromC(a), device, o.name + ".reduce (framework)");
+      if (!reduce.ok()) return FromStatus(reduce.status());
+      s->gather_pool = *std::move(gather);
+      s->reduce_pool = *std::move(reduce);
       o.gather_pool = s->gather_pool.get();
       o.reduce_pool = s->reduce_pool.get();
     }
@@ -1004,8 +729,11 @@ shardlineResult_t shardline_scheduler_create(shardlineComm_t world, shardlineStr
       }
       // With CPU offload the shards are host memory: the framework's allocator replaces the
       // offload allocator (which replaces the shard allocator there).
-      s->shard_allocator =
-          std::make_unique<CallbackAllocator>(a, s->master_device, o.name + ".shards (framework)");
+      absl::StatusOr<std::unique_ptr<shardline::Allocator>> shards =
+          shardline::CreateCallbackAllocator(FromC(a), s->master_device,
+                                             o.name + ".shards (framework)");
+      if (!shards.ok()) return FromStatus(shards.status());
+      s->shard_allocator = *std::move(shards);
       (o.cpu_offload ? o.offload_allocator : o.shard_allocator) = s->shard_allocator.get();
     }
     if (c.trace != nullptr) o.trace = &c.trace->writer;
