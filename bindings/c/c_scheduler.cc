@@ -1,4 +1,4 @@
-// File: bindings/c/shardline_c.cc
+// File: bindings/c/c_scheduler.cc
 // -----------------------------------------------------------------------------
 // The C API over the C++ layers: handles own shared pointers to the C++ objects; every entry
 // point converts its Status into a result code and this thread's error text, and catches what
