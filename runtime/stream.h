@@ -11,6 +11,8 @@
 // (Virtual-time streams for the simulator are in runtime/virtual_time.h: every stream has a
 // Clock, and work is submitted as a StreamOp that declares its cost, so a simulated stream can
 // advance its clock by the cost without running the op.)
+// (Callback streams, whose work another runtime's queue runs through function pointers, are in
+// runtime/callback_stream.h.)
 //
 // Semantics follow CUDA's, so the scheduler's code means the same thing on every device:
 //   * Work enqueued on one stream runs in order. Streams run concurrently with each other.

@@ -36,6 +36,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "c_test_util.h"
 #include "shardline.h"
 
 #define RANKS 2
@@ -43,36 +44,6 @@
 #define STEPS 3
 static const int64_t kSizes[UNITS][2] = {{37, 5}, {53, 7}}; /* tensor "w" and "b" per unit */
 static const float kLr = 0.05f;
-
-static int failures = 0;
-static pthread_mutex_t failures_mu = PTHREAD_MUTEX_INITIALIZER;
-
-#define CHECK(cond, ...)                              \
-  do {                                                \
-    if (!(cond)) {                                    \
-      pthread_mutex_lock(&failures_mu);               \
-      ++failures;                                     \
-      fprintf(stderr, "%s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                   \
-      fprintf(stderr, "\n");                          \
-      pthread_mutex_unlock(&failures_mu);             \
-      return 1;                                       \
-    }                                                 \
-  } while (0)
-#define CALL(expr)                                                                  \
-  do {                                                                              \
-    shardlineResult_t r_ = (expr);                                                  \
-    CHECK(r_ == shardlineSuccess, "%s: %s: %s", #expr, shardline_result_string(r_), \
-          shardline_last_error());                                                  \
-  } while (0)
-
-static float Hash(uint64_t a, uint64_t b, uint64_t c) {
-  uint64_t x = a * 0x9e3779b97f4a7c15ULL ^ (b + 0x632be59bd9b4e019ULL) * 0xbf58476d1ce4e5b9ULL ^ c;
-  x ^= x >> 31;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 29;
-  return (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
 
 static float Initial(int u, int t, size_t i) { return Hash(1 + u, t, i); }
 static float Input(int rank, int step, int u, int t, size_t i) {
@@ -120,11 +91,6 @@ static void Reference(void) {
           reference[u][t][i] -= kLr * (sum[u][t][i] / RANKS);
   }
 }
-
-struct RankArgs {
-  shardlineComm_t comm;
-  int rank;
-};
 
 static int AllGather(shardlineComm_t comm, int rank) {
   enum { kCount = 1001 };
@@ -795,14 +761,12 @@ static int FrameworkEvents(void) {
   return 0;
 }
 
-static void* RunRank(void* arg) {
-  const struct RankArgs* a = arg;
-  if (AllGather(a->comm, a->rank) != 0) return NULL;
-  if (Train(a->comm, a->rank) != 0) return NULL;
-  if (TrainWithFrameworkMemory(a->comm, a->rank, /*cpu_offload=*/0) != 0) return NULL;
-  if (TrainWithFrameworkMemory(a->comm, a->rank, /*cpu_offload=*/1) != 0) return NULL;
+static void RunRank(const struct TestRank* a) {
+  if (AllGather(a->comm, a->rank) != 0) return;
+  if (Train(a->comm, a->rank) != 0) return;
+  if (TrainWithFrameworkMemory(a->comm, a->rank, /*cpu_offload=*/0) != 0) return;
+  if (TrainWithFrameworkMemory(a->comm, a->rank, /*cpu_offload=*/1) != 0) return;
   TrainOnFrameworkStream(a->comm, a->rank);
-  return NULL;
 }
 
 int main(void) {
@@ -812,26 +776,10 @@ int main(void) {
     return 1;
   }
   Reference();
-  shardlineComm_t comms[RANKS];
-  if (shardline_comm_init_local(RANKS, 30, comms) != shardlineSuccess) {
-    fprintf(stderr, "shardline_comm_init_local: %s\n", shardline_last_error());
-    return 1;
-  }
-  pthread_t threads[RANKS];
-  struct RankArgs args[RANKS];
-  for (int r = 0; r < RANKS; ++r) {
-    args[r].comm = comms[r];
-    args[r].rank = r;
-    pthread_create(&threads[r], NULL, RunRank, &args[r]);
-  }
-  for (int r = 0; r < RANKS; ++r) pthread_join(threads[r], NULL);
-  for (int r = 0; r < RANKS; ++r) shardline_comm_destroy(comms[r]);
+  if (RunRanks(RANKS, RunRank, NULL) != 0) return 1;
   FrameworkEvents();
   WrapCuda();
-  if (failures != 0) {
-    fprintf(stderr, "c_api_test: %d failure(s)\n", failures);
-    return 1;
-  }
+  if (ReportFailures("c_api_test") != 0) return 1;
   printf(
       "c_api_test: all-gather and 4 x %d scheduled training steps (shardline's memory, the "
       "framework's, the framework's with CPU offload, the framework's stream) on %d ranks "

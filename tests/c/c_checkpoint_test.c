@@ -33,6 +33,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "c_test_util.h"
 #include "shardline.h"
 
 #define UNITS 3
@@ -52,47 +53,6 @@ static const struct UnitDef kUnits[UNITS] = {
     {"head", 1, {"x", NULL, NULL}, {1, 0, 0}, {{29, 0}, {0, 0}, {0, 0}}},
 };
 
-static int failures = 0;
-static pthread_mutex_t failures_mu = PTHREAD_MUTEX_INITIALIZER;
-
-#define CHECK(cond, ...)                              \
-  do {                                                \
-    if (!(cond)) {                                    \
-      pthread_mutex_lock(&failures_mu);               \
-      ++failures;                                     \
-      fprintf(stderr, "%s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                   \
-      fprintf(stderr, "\n");                          \
-      pthread_mutex_unlock(&failures_mu);             \
-      return 1;                                       \
-    }                                                 \
-  } while (0)
-#define CALL(expr)                                                                  \
-  do {                                                                              \
-    shardlineResult_t r_ = (expr);                                                  \
-    CHECK(r_ == shardlineSuccess, "%s: %s: %s", #expr, shardline_result_string(r_), \
-          shardline_last_error());                                                  \
-  } while (0)
-/* `expr` fails with `code` and a message containing `text`. */
-#define EXPECT_FAIL(expr, code, text)                                                           \
-  do {                                                                                          \
-    shardlineResult_t r_ = (expr);                                                              \
-    CHECK(r_ == (code), "%s: %s (wanted %s): %s", #expr, shardline_result_string(r_),           \
-          shardline_result_string(code), shardline_last_error());                               \
-    CHECK(strstr(shardline_last_error(), (text)) != NULL, "%s: '%s' does not name '%s'", #expr, \
-          shardline_last_error(), (text));                                                      \
-  } while (0)
-
-static uint64_t Mix(uint64_t a, uint64_t b, uint64_t c) {
-  uint64_t x = a * 0x9e3779b97f4a7c15ULL ^ (b + 0x632be59bd9b4e019ULL) * 0xbf58476d1ce4e5b9ULL ^ c;
-  x ^= x >> 31;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 29;
-  return x;
-}
-static float Hash(uint64_t a, uint64_t b, uint64_t c) {
-  return (float)((double)(Mix(a, b, c) >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
 /* The saved values of element i of tensor t of unit u: master, the moment, the counter. */
 static float Master(int u, int t, size_t i) { return Hash(11 + u, t, i); }
 static float Moment(int u, int t, size_t i) { return Hash(23 + u, t, i); }
@@ -531,30 +491,25 @@ static int Sync(const struct Job* j) {
   return 0;
 }
 
-static void* RunRank(void* arg) {
-  const struct Job* j = arg;
+/* A world's job: its shard size and phase (as in struct Job). */
+struct World {
+  int shard_size;
+  int phase;
+};
+
+static void RunRank(const struct TestRank* rank) {
+  const struct World* w = rank->arg;
+  const struct Job job = {rank->comm, rank->rank, rank->size, w->shard_size, w->phase};
+  const struct Job* j = &job;
   if (j->phase == 0) Save(j);
   if (j->phase == 1) Load(j);
   if (j->phase == 2) Errors(j);
   if (j->phase == 3) Sync(j);
-  return NULL;
 }
 
 static int RunWorld(int size, int shard_size, int phase) {
-  shardlineComm_t comms[MAX_WORLD];
-  if (shardline_comm_init_local(size, 30, comms) != shardlineSuccess) {
-    fprintf(stderr, "shardline_comm_init_local: %s\n", shardline_last_error());
-    return 1;
-  }
-  pthread_t threads[MAX_WORLD];
-  struct Job jobs[MAX_WORLD];
-  for (int r = 0; r < size; ++r) {
-    jobs[r] = (struct Job){comms[r], r, size, shard_size, phase};
-    pthread_create(&threads[r], NULL, RunRank, &jobs[r]);
-  }
-  for (int r = 0; r < size; ++r) pthread_join(threads[r], NULL);
-  for (int r = 0; r < size; ++r) shardline_comm_destroy(comms[r]);
-  return 0;
+  const struct World world = {shard_size, phase};
+  return RunRanks(size, RunRank, &world);
 }
 
 static int RemoveEntry(const char* path, const struct stat* st, int flag, struct FTW* ftw) {
@@ -587,10 +542,7 @@ int main(void) {
   }
   RunWorld(3, 0, 3);
   nftw(base, RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
-  if (failures != 0) {
-    fprintf(stderr, "c_checkpoint_test: %d failure(s)\n", failures);
-    return 1;
-  }
+  if (ReportFailures("c_checkpoint_test") != 0) return 1;
   printf(
       "c_checkpoint_test: saved (and saved in the background, then overwritten) at world 4, "
       "loaded at 1, 2, 3 and hybrid 2 x 2: every element of %d units' master shards, 2 states "
