@@ -49,12 +49,14 @@ cudaStream_t CudaHandle(Stream& stream) {
   SL_RETURN_IF_ERROR(sl_device_guard.Set((stream).device().index()))
 #endif
 
+#ifndef SHARDLINE_WITH_CUDA
 // Unimplemented for a device this build cannot reach.
 absl::Status NoDevice(const Stream& stream) {
   return absl::UnimplementedError(absl::StrCat("stream '", stream.name(), "' is on ",
                                                stream.device().ToString(),
                                                ", which needs a CUDA build of shardline"));
 }
+#endif
 
 }  // namespace
 
