@@ -54,6 +54,9 @@ absl::Status TcpStoreServer::Impl::Listen() {
   acceptor_.open(endpoint.protocol(), ec);
   if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
   if (!ec) acceptor_.bind(endpoint, ec);
+  // With SO_REUSEADDR two sockets may both bind the port before either listens; the second
+  // listen then fails with EADDRINUSE: the port is taken either way.
+  if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (ec == asio::error::address_in_use) {
     return absl::FailedPreconditionError(absl::StrCat(
         "store server: port ", options_.port, " on ", options_.host,
@@ -65,7 +68,6 @@ absl::Status TcpStoreServer::Impl::Listen() {
         "store server: cannot listen on ", where, " (", bound_address_,
         "): that address is not one of this host's (the store must run on the host it names)"));
   }
-  if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) {
     return absl::UnavailableError(
         absl::StrCat("store server: cannot listen on ", where, ": ", ec.message()));
