@@ -59,16 +59,21 @@ std::map<CollectiveCounter::Key, CollectiveTally> CollectiveCounter::Totals() co
   return totals_;
 }
 
-CollectiveTally CollectiveCounter::Sum(CollectiveKind kind, int size) const {
-  std::lock_guard<std::mutex> lock(mu_);
+CollectiveTally SumTallies(const std::map<CollectiveCounter::Key, CollectiveTally>& totals,
+                           CollectiveKind kind, int size) {
   CollectiveTally sum;
-  for (const auto& [key, t] : totals_) {
+  for (const auto& [key, t] : totals) {
     if (key.kind != kind || (size != 0 && key.size != size)) continue;
     sum.calls += t.calls;
     sum.payload_bytes += t.payload_bytes;
     sum.ring_sent_bytes_times_size += t.ring_sent_bytes_times_size;
   }
   return sum;
+}
+
+CollectiveTally CollectiveCounter::Sum(CollectiveKind kind, int size) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SumTallies(totals_, kind, size);
 }
 
 double CollectiveCounter::RingSentBytes() const {

@@ -75,6 +75,11 @@ class CollectiveCounter {
   std::map<Key, CollectiveTally> totals_;
 };
 
+// Sums `totals` (a CollectiveCounter's Totals(), or SimulationReport::collectives) over every
+// communicator of group size `size` (0: all) and kind.
+CollectiveTally SumTallies(const std::map<CollectiveCounter::Key, CollectiveTally>& totals,
+                           CollectiveKind kind, int size = 0);
+
 // `inner` wrapped: same rank, size, device, name and timeout. Null `inner` gives null.
 std::shared_ptr<Communicator> WrapCounting(std::shared_ptr<Communicator> inner,
                                            std::shared_ptr<CollectiveCounter> counter);

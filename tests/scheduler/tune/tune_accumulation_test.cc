@@ -75,15 +75,9 @@ SimulationReport MustSimulate(const ModelDescription& m, const SimulationConfig&
   return r.ok() ? *std::move(r) : SimulationReport{};
 }
 
+// The tally of `kind` over rank 0's communicators of group size `size`.
 CollectiveTally Tally(const SimulationReport& r, CollectiveKind kind, int size) {
-  CollectiveTally sum;
-  for (const auto& [key, t] : r.collectives) {
-    if (key.kind != kind || key.size != size) continue;
-    sum.calls += t.calls;
-    sum.payload_bytes += t.payload_bytes;
-    sum.ring_sent_bytes_times_size += t.ring_sent_bytes_times_size;
-  }
-  return sum;
+  return SumTallies(r.collectives, kind, size);
 }
 
 struct Mix {
