@@ -13,10 +13,11 @@ namespace {
 
 std::atomic<clock_internal::BeforeBlockHook> before_block_hook{nullptr};
 
-// The calling thread is about to block: it must not hold back work it may be waiting for.
-void BeforeBlock() {
+// The calling thread is about to block (holding `lock`): it must not hold back work it may be
+// waiting for.
+void BeforeBlock(std::unique_lock<std::mutex>& lock) {
   if (clock_internal::BeforeBlockHook hook = before_block_hook.load(std::memory_order_acquire)) {
-    hook();
+    hook(lock);
   }
 }
 
@@ -25,7 +26,7 @@ class WallClockImpl final : public Clock {
   absl::Time Now() const override { return absl::Now(); }
   bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                  absl::Time deadline, absl::FunctionRef<bool()> done) const override {
-    BeforeBlock();
+    BeforeBlock(lock);
     if (deadline == absl::InfiniteFuture()) {
       cv.wait(lock, [&] { return done(); });
       return true;
@@ -55,7 +56,7 @@ absl::Time ManualClock::Now() const {
 
 bool ManualClock::WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                             absl::Time deadline, absl::FunctionRef<bool()> done) const {
-  BeforeBlock();
+  BeforeBlock(lock);
   if (deadline == absl::InfiniteFuture()) {
     cv.wait(lock, [&] { return done(); });
     return true;

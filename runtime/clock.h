@@ -43,7 +43,8 @@ class Clock {
   // true or this clock reaches `deadline`. Returns done(). `cv` must be notified whenever `done`
   // may have become true. absl::InfiniteFuture() waits for `done` only. The clocks here first
   // wake the host-stream workers that the thread's HostStreamWakeBatch holds back
-  // (runtime/stream.h), so a thread never blocks on work it held back.
+  // (runtime/stream.h), so a thread never blocks on work it held back; to do so they may release
+  // `lock` for a moment, as the wait itself does, before they check `done`.
   virtual bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                          absl::Time deadline, absl::FunctionRef<bool()> done) const = 0;
 

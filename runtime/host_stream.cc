@@ -62,6 +62,10 @@ struct WorkerWake {
   // before it runs anything, so the batch's thread pays for one wake-up, not one per worker.
   std::vector<std::shared_ptr<WorkerWake>> relay;  // guarded by mu
   bool worker_gone = false;                        // guarded by mu: nobody takes `relay` any more
+  // Guarded by mu: the worker is inside cv's wait, so it passes `relay` on before it runs
+  // anything. A worker already running (woken spuriously) could be running a wait for one of the
+  // workers it would relay to.
+  bool asleep = false;
 };
 
 // The calling thread's HostStreamWakeBatch: how deep, and the sleeping workers it holds back.
@@ -95,12 +99,13 @@ void WakeHeldWorkers() {
   // Swapped out first: the vector must not change under the loop.
   std::vector<std::shared_ptr<WorkerWake>> held;
   held.swap(wake_batch.held);
-  // One wake-up from this thread: the first worker wakes the others. Unless its stream is gone.
+  // One wake-up from this thread: the first worker wakes the others. Unless its stream is gone
+  // or its worker is already awake.
   size_t direct = held.size();
   if (held.size() > 1) {
     WorkerWake& first = *held.front();
     std::unique_lock<std::mutex> lock = LockSpinning(first.mu);
-    if (!first.worker_gone) {
+    if (first.asleep && !first.worker_gone) {
       for (size_t i = 1; i < held.size(); ++i) first.relay.push_back(std::move(held[i]));
       direct = 1;
     }
@@ -112,6 +117,14 @@ void WakeHeldWorkers() {
   held.clear();
   // Keep the storage for the next batch.
   if (wake_batch.held.empty()) wake_batch.held.swap(held);
+}
+
+void WakeHeldWorkersBeforeBlock(std::unique_lock<std::mutex>& lock) {
+  if (wake_batch.held.empty()) return;
+  // The waiter's lock may be a host stream's, the first held worker's among them.
+  lock.unlock();
+  WakeHeldWorkers();
+  lock.lock();
 }
 
 namespace {
@@ -397,8 +410,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
           if (!queue_.empty() || stopping_) break;
           worker_idle_ = true;  // Push clears it when it notifies
           awake_workers.fetch_sub(1, std::memory_order_relaxed);
+          wake_->asleep = true;
           wake_->cv.wait(lock,
                          [this] { return !queue_.empty() || stopping_ || !wake_->relay.empty(); });
+          wake_->asleep = false;
           awake_workers.fetch_add(1, std::memory_order_relaxed);
           worker_idle_ = false;
         }
@@ -504,7 +519,7 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateHostStream(StreamOptions options) 
   // Before any worker exists whose wake-up a thread could hold back: threads about to block in a
   // clock's wait wake the workers they hold back first.
   static const bool hooked =
-      (clock_internal::SetBeforeBlockHook(&stream_internal::WakeHeldWorkers), true);
+      (clock_internal::SetBeforeBlockHook(&stream_internal::WakeHeldWorkersBeforeBlock), true);
   (void)hooked;
   SL_ASSIGN_OR_RETURN(absl::Duration wait_timeout, stream_internal::ResolveWaitTimeout(options));
   const Clock& clock = options.clock != nullptr ? *options.clock : WallClock();

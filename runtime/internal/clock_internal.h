@@ -10,14 +10,18 @@
 #ifndef SHARDLINE_RUNTIME_INTERNAL_CLOCK_INTERNAL_H_
 #define SHARDLINE_RUNTIME_INTERNAL_CLOCK_INTERNAL_H_
 
+#include <mutex>
+
 namespace shardline::clock_internal {
 
 // Runs on the calling thread at the start of every WaitUntil of the built-in clocks (WallClock,
-// ManualClock), before the thread blocks.
-using BeforeBlockHook = void (*)();
+// ManualClock), before the thread blocks, with the WaitUntil's `lock` held. A hook that takes
+// other locks releases `lock` meanwhile (the waiter may hold the very lock the hook needs) and
+// takes it again before it returns; WaitUntil checks `done` after it.
+using BeforeBlockHook = void (*)(std::unique_lock<std::mutex>& lock);
 
 // Installs `hook` for every later WaitUntil on any thread; null removes it. runtime/host_stream.cc
-// installs stream_internal::WakeHeldWorkers before the first host stream exists.
+// installs stream_internal::WakeHeldWorkersBeforeBlock before the first host stream exists.
 void SetBeforeBlockHook(BeforeBlockHook hook);
 
 }  // namespace shardline::clock_internal

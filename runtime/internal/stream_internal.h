@@ -128,10 +128,15 @@ class HostWaitable {
   ~HostWaitable() = default;
 };
 
-// Wakes the workers whose wake-ups the calling thread's HostStreamWakeBatch holds back. The
-// built-in clocks' WaitUntil call it before blocking (the hook of
-// runtime/internal/clock_internal.h, installed by CreateHostStream).
+// Wakes the workers whose wake-ups the calling thread's HostStreamWakeBatch holds back. It takes
+// the first held worker's stream lock (to relay the others' wake-ups through that worker): the
+// caller holds no host stream's lock.
 void WakeHeldWorkers();
+
+// WakeHeldWorkers for a thread about to block in a clock's WaitUntil with `lock` held: releases
+// `lock` meanwhile, if there is anything to wake. The built-in clocks call it before blocking
+// (the hook of runtime/internal/clock_internal.h, installed by CreateHostStream).
+void WakeHeldWorkersBeforeBlock(std::unique_lock<std::mutex>& lock);
 
 // The wait_timeout a stream named options.name uses: options.wait_timeout if set, else
 // SHARDLINE_TIMEOUT_S. InvalidArgument if it is negative, or unset and the knob is invalid.

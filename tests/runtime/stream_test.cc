@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -785,6 +786,60 @@ TEST(HostStreamWakeBatchTest, AStreamDestroyedWhileItsWakeUpIsHeldRunsItsWork) {
   }
 }
 
+// Runs `body` on a thread of its own and waits for it at most `limit`. A body still running then
+// is deadlocked: its thread cannot be joined or cancelled, so the process ends with a message
+// rather than hanging until the test runner's timeout.
+void FailIfStuck(absl::Duration limit, const std::function<void()>& body) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread runner([&] {
+    body();
+    std::lock_guard<std::mutex> lock(mu);
+    done = true;
+    cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(mu);
+  if (!cv.wait_for(lock, absl::ToChronoNanoseconds(limit), [&] { return done; })) {
+    std::fprintf(stderr, "deadlocked: the body did not return within %s\n",
+                 absl::FormatDuration(limit).c_str());
+    std::abort();
+  }
+  lock.unlock();
+  runner.join();
+}
+
+// A thread blocking inside a batch wakes the workers it holds back while it still holds the lock
+// of the stream it waits for. That wake-up must not take the lock again (the first held worker
+// relays the others' wake-ups under its stream's lock): with that stream's wake-up held first,
+// the thread would deadlock on itself; with two threads, each on the other's stream.
+TEST(HostStreamWakeBatchTest, SynchronizingAStreamWhoseWakeUpIsHeldFirstReturns) {
+  auto a = MakeHost("held first");
+  auto b = MakeHost("held second");
+  int held_both = 0;
+  FailIfStuck(absl::Seconds(60), [&] {
+    for (int round = 0; round < 20; ++round) {
+      ASSERT_TRUE(a->Synchronize(Bounded()).ok());
+      ASSERT_TRUE(b->Synchronize(Bounded()).ok());
+      // Let both workers fall asleep, so that the batch holds both wake-ups, a's first.
+      absl::SleepFor(absl::Milliseconds(2));
+      std::atomic<int> ran{0};
+      auto count = CountInto(ran);
+      const uint64_t before = Wakes();
+      {
+        HostStreamWakeBatch batch;
+        ASSERT_TRUE(a->Enqueue(count).ok());
+        ASSERT_TRUE(b->Enqueue(count).ok());
+        ASSERT_TRUE(a->Synchronize(Bounded()).ok()) << "round " << round;
+        if (Wakes() - before == 1) ++held_both;  // one wake-up, relayed to b by a's worker
+      }
+      ASSERT_TRUE(b->Synchronize(Bounded()).ok()) << "round " << round;
+      EXPECT_EQ(ran.load(), 2);
+    }
+  });
+  EXPECT_GT(held_both, 0) << "no round found both workers asleep";
+}
+
 // Threads that batch their submissions to shared streams, with records and cross-stream waits,
 // while other threads' submissions find the workers already "woken" by a held wake-up: at the end
 // every op has run, in each thread's order per stream. A lost wake-up leaves work queued behind a
@@ -809,32 +864,34 @@ TEST(HostStreamWakeBatchTest, ThreadsBatchingOnSharedStreamsNeverLoseAWakeUp) {
   for (auto& v : ran)
     for (auto& x : v) x.store(0);
   std::atomic<int> failures{0};
-  testing::RunRankThreads(kThreads, [&](int t) {
-    std::mt19937 rng(1000 + t);
-    for (int r = 0; r < kRounds; ++r) {
-      HostStreamWakeBatch batch;
-      const int n = 1 + static_cast<int>(rng() % 6);
-      for (int i = 0; i < n; ++i) {
-        const int s = static_cast<int>(rng() % kStreams);
-        if (rng() % 3 == 0) {
-          const int from = static_cast<int>(rng() % kStreams);
-          absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*streams[from]);
-          if (!event.ok() || !streams[s]->WaitEvent(**event).ok()) failures.fetch_add(1);
+  FailIfStuck(absl::Seconds(120), [&] {
+    testing::RunRankThreads(kThreads, [&](int t) {
+      std::mt19937 rng(1000 + t);
+      for (int r = 0; r < kRounds; ++r) {
+        HostStreamWakeBatch batch;
+        const int n = 1 + static_cast<int>(rng() % 6);
+        for (int i = 0; i < n; ++i) {
+          const int s = static_cast<int>(rng() % kStreams);
+          if (rng() % 3 == 0) {
+            const int from = static_cast<int>(rng() % kStreams);
+            absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*streams[from]);
+            if (!event.ok() || !streams[s]->WaitEvent(**event).ok()) failures.fetch_add(1);
+          }
+          ++submitted[t][s];
+          absl::Status status = streams[s]->Enqueue([&, t, s, r] {
+            if (last[t][s].load() > r) out_of_order[t].fetch_add(1);
+            last[t][s].store(r);
+            ran[t][s].fetch_add(1);
+            return absl::OkStatus();
+          });
+          if (!status.ok()) failures.fetch_add(1);
         }
-        ++submitted[t][s];
-        absl::Status status = streams[s]->Enqueue([&, t, s, r] {
-          if (last[t][s].load() > r) out_of_order[t].fetch_add(1);
-          last[t][s].store(r);
-          ran[t][s].fetch_add(1);
-          return absl::OkStatus();
-        });
-        if (!status.ok()) failures.fetch_add(1);
+        if (r % 50 == 49) {
+          // Blocking inside the batch: this thread's held wake-ups go out first.
+          if (!streams[rng() % kStreams]->Synchronize(Bounded()).ok()) failures.fetch_add(1);
+        }
       }
-      if (r % 50 == 49) {
-        // Blocking inside the batch: this thread's held wake-ups go out first.
-        if (!streams[rng() % kStreams]->Synchronize(Bounded()).ok()) failures.fetch_add(1);
-      }
-    }
+    });
   });
   for (int s = 0; s < kStreams; ++s) {
     ASSERT_TRUE(streams[s]->Synchronize(Bounded()).ok()) << "stream " << s;
