@@ -8,6 +8,8 @@
 #    (default: the time), printed first so that a failure can be rerun with
 #    SHARDLINE_PROPERTY_FIRST_SEED=<seed> SHARDLINE_PROPERTY_SEEDS=1.
 # SHARDLINE_LONG_SEEDS sets the number of configurations.
+# 2. The Python tests marked `long` (pytest -m long in tests/python: the PyTorch headline
+#    benchmark's smoke test), against the package scripts/run-tests.sh installed into .venv/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed=${1:-$(date +%s)}
@@ -18,4 +20,7 @@ echo "run-long-tests: scheduler property test, $seeds configurations from seed $
 SHARDLINE_PROPERTY_FIRST_SEED=$seed SHARDLINE_PROPERTY_SEEDS=$seeds \
   build/tests/scheduler_scheduler_property_test \
   --gtest_filter='SchedulerPropertyTest.RandomConfigurationsKeepEveryPromiseOnVirtualTime'
+echo "run-long-tests: Python tests marked long"
+[[ -x .venv/bin/python ]] || scripts/install-python.sh --module
+(cd tests/python && ../../.venv/bin/python -m pytest -q -rf -p no:cacheprovider -m long .)
 echo "run-long-tests: all passed (seed $seed)"

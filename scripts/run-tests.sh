@@ -10,7 +10,7 @@
 #      tools, pytest, numpy, torch from PyPI once per machine; build-pip/, beside build/: ccache
 #      serves the C++ layers stage 1 compiled, so only the module's own sources compile), pytest
 #      tests/python (test_safetensors.py also runs build/bin's checkpoint_fixture and
-#      shardline-checkpoint)
+#      shardline-checkpoint); tests marked `long` are left to scripts/run-long-tests.sh
 #   4. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer, -O1 -g1): ctest -L unit
 #   5. build-tsan/ (ThreadSanitizer, -O1 -g1): ctest -L threads (streams, pools, collectives, the
 #      store, the scheduler)
@@ -78,7 +78,7 @@ if want 3; then
   [[ -x build/bin/checkpoint_fixture && -x build/bin/shardline-checkpoint ]] ||
     scripts/build.sh build -- checkpoint_fixture shardline-checkpoint
   # From tests/python, so that `import shardline` is the installed package.
-  if ! (cd tests/python && "$root/.venv/bin/python" -m pytest -q -rf -p no:cacheprovider . |
+  if ! (cd tests/python && "$root/.venv/bin/python" -m pytest -q -rf -p no:cacheprovider -m "not long" . |
         tee "$root/build-pytest.log"; exit "${PIPESTATUS[0]}"); then
     echo
     echo "To rerun a failing test alone:"

@@ -1210,15 +1210,15 @@ TEST(UcxCommunicatorTest, ReductionsMatchTheLocalBackendBitForBit) {
       });
     }
     // The inputs as the backends saw them (rounded to the dtype), reduced in double.
-    auto reference = [&](size_t i) {
-      double sum = 0;
-      for (int s = 0; s < n; ++s) {
-        std::vector<uint8_t> one(esize);
+    std::vector<double> reduced(n * c.count, 0.0);
+    std::vector<uint8_t> one(esize);
+    for (int s = 0; s < n; ++s) {
+      for (size_t i = 0; i < n * c.count; ++i) {
         SetElement(c.dtype, one.data(), 0, HashedFloat(s, i, 21));
-        sum += GetElement(c.dtype, one.data(), 0);
+        reduced[i] += GetElement(c.dtype, one.data(), 0);
       }
-      return c.op == ReduceOp::kAvg ? sum / n : sum;
-    };
+    }
+    auto reference = [&](size_t i) { return c.op == ReduceOp::kAvg ? reduced[i] / n : reduced[i]; };
     const double tolerance = c.dtype == DType::kBF16 ? 3.0 / 128 : 1e-5;
     for (int r = 0; r < n; ++r) {
       ASSERT_EQ(allreduce[0][r], allreduce[1][r])

@@ -20,6 +20,12 @@ sys.path[:0] = [str(HERE), str(WORKERS)]
 from harness import run_bounded  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "long: the long tier (scripts/run-long-tests.sh); scripts/run-tests.sh deselects it")
+
+
 @pytest.fixture
 def launch():
     """launch(n, args, timeout=..., grace=None, env=None): `python -m shardline.launch -n n

@@ -1,7 +1,8 @@
 """The PyTorch headline benchmark's smoke test: bench/torch/headline.py --quick (a tiny GPT, two
 steps, one round of all six configurations) runs, every configuration's loss curve equals the
 single process's, the sharded configurations hold half of DDP's parameters, gradients and
-optimizer state per rank, and the table has its six rows."""
+optimizer state per rank, and the table has its six rows. In the long tier (22 s: six
+configurations, each starting processes that import torch)."""
 import json
 import pathlib
 import sys
@@ -19,6 +20,7 @@ CONFIG_ROWS = {"single-1t": "single process, 1 thread", "single-2t": "single pro
                "fsdp2-sl": "FSDP2 + shardline backend", "shardline": "shardline.torch.fully_shard"}
 
 
+@pytest.mark.long
 def test_headline_quick(tmp_path):
     result = run_bounded([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
                          timeout=240)
