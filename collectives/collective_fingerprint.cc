@@ -66,8 +66,8 @@ void CollectiveFingerprint::Encode(uint8_t out[kEncodedSize]) const {
 absl::StatusOr<CollectiveFingerprint> CollectiveFingerprint::Decode(
     const uint8_t in[kEncodedSize]) {
   if (in[0] > static_cast<uint8_t>(CollectiveKind::kBarrier) ||
-      in[1] > static_cast<uint8_t>(DType::kI64) || in[2] > static_cast<uint8_t>(ReduceOp::kMax) ||
-      in[3] != 0) {
+      in[1] > static_cast<uint8_t>(DType::kI64) ||
+      in[2] > static_cast<uint8_t>(ReduceOp::kProduct) || in[3] != 0) {
     return absl::InvalidArgumentError(absl::StrCat("malformed collective fingerprint (kind ", in[0],
                                                    ", dtype ", in[1], ", op ", in[2], ")"));
   }

@@ -320,7 +320,7 @@ absl::Status Communicator::MismatchError(const Op& op, int rank_a,
 absl::Status Communicator::DeadlineError(const Op& op, const std::vector<int>& missing) const {
   if (!missing.empty()) NoteWaitingOn(op, missing);
   absl::Status status = absl::DeadlineExceededError(absl::StrCat(
-      Describe(op), ": timed out after ", absl::FormatDuration(op.timeout),
+      Describe(op), ": timeout after ", absl::FormatDuration(op.timeout),
       missing.empty() ? std::string()
                       : absl::StrCat(" waiting for rank(s) ", absl::StrJoin(missing, ", "))));
   return missing.empty() ? status : MarkPeerError(std::move(status), absl::StrJoin(missing, ", "));

@@ -65,6 +65,8 @@ absl::string_view ReduceOpName(ReduceOp op) {
       return "min";
     case ReduceOp::kMax:
       return "max";
+    case ReduceOp::kProduct:
+      return "product";
   }
   return "invalid";
 }
@@ -75,8 +77,9 @@ absl::StatusOr<ReduceOp> ParseReduceOp(absl::string_view text) {
     if (lower == ReduceOpName(op)) return op;
   }
   if (lower == "mean") return ReduceOp::kAvg;
+  if (lower == "prod") return ReduceOp::kProduct;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown reduce op '", text, "' (expected sum, avg, min or max)"));
+      absl::StrCat("unknown reduce op '", text, "' (expected sum, avg, min, max or product)"));
 }
 
 std::ostream& operator<<(std::ostream& os, ReduceOp op) { return os << ReduceOpName(op); }

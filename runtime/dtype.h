@@ -59,15 +59,16 @@ absl::StatusOr<DType> ParseDType(absl::string_view text);
 std::ostream& operator<<(std::ostream& os, DType dtype);
 
 // Reductions of ReduceScatter / AllReduce and of the host and CUDA reduce kernels.
-// kAvg is a sum followed by a division by the number of contributors.
-enum class ReduceOp : uint8_t { kSum, kAvg, kMin, kMax };
+// kAvg is a sum followed by a division by the number of contributors. kProduct multiplies
+// (integers modulo 2^bits, like their sums).
+enum class ReduceOp : uint8_t { kSum, kAvg, kMin, kMax, kProduct };
 
-inline constexpr std::array<ReduceOp, 4> kAllReduceOps = {ReduceOp::kSum, ReduceOp::kAvg,
-                                                          ReduceOp::kMin, ReduceOp::kMax};
+inline constexpr std::array<ReduceOp, 5> kAllReduceOps = {
+    ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProduct};
 
-// "sum", "avg", "min", "max".
+// "sum", "avg", "min", "max", "product".
 absl::string_view ReduceOpName(ReduceOp op);
-// Accepts the names above, case-insensitive; "mean" is accepted for avg.
+// Accepts the names above, case-insensitive; "mean" is accepted for avg, "prod" for product.
 absl::StatusOr<ReduceOp> ParseReduceOp(absl::string_view text);
 std::ostream& operator<<(std::ostream& os, ReduceOp op);
 

@@ -90,6 +90,19 @@ struct SumOp {
     }
   }
 };
+struct ProductOp {
+  template <typename C>
+  static C Apply(C a, C b) {
+    if constexpr (std::is_integral_v<C>) {
+      // Modulo 2^bits, as the sums. Unsigned types narrower than int promote to (signed) int
+      // in a multiplication, which can overflow: multiply as unsigned int at least.
+      using U = std::common_type_t<std::make_unsigned_t<C>, unsigned int>;
+      return static_cast<C>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+    } else {
+      return a * b;
+    }
+  }
+};
 struct MinOp {
   template <typename C>
   static C Apply(C a, C b) {
@@ -147,6 +160,9 @@ bool DispatchOp(ReduceOp op, F&& f) {
       return true;
     case ReduceOp::kMax:
       f(MaxOp{});
+      return true;
+    case ReduceOp::kProduct:
+      f(ProductOp{});
       return true;
   }
   return false;

@@ -8,7 +8,7 @@
 //   * Pointers need no particular alignment (any byte address works); count may be 0, in which
 //     case nothing is touched and the pointers may be null.
 //   * bf16 and f16 are computed in f32 and rounded once, to nearest even, when stored.
-//   * Integer sums wrap modulo 2^bits (no undefined behaviour on overflow).
+//   * Integer sums and products wrap modulo 2^bits (no undefined behaviour on overflow).
 //   * min/max use `a < b ? a : b` / `a > b ? a : b` on the compute type: NaN propagation is not
 //     guaranteed (it depends on the operand order), as with most hardware min/max.
 //   * An output may be identical to an input (same pointer); partially overlapping ranges are

@@ -123,6 +123,8 @@ inline double ReferenceOp(ReduceOp op, double acc, double v) {
       return std::min(acc, v);
     case ReduceOp::kMax:
       return std::max(acc, v);
+    case ReduceOp::kProduct:
+      return acc * v;
   }
   return acc;
 }
@@ -140,9 +142,23 @@ inline double ReferenceReduce(DType dtype, ReduceOp op, int num_ranks, size_t i,
   return acc;
 }
 
-// How far a computed average may be from the exact one in `dtype` (sums, min and max of the
-// pattern are exact in every dtype).
-inline double Tolerance(DType dtype, ReduceOp op) {
+// Whether `op` over `num_ranks` ranks' pattern values stays in `dtype`'s range: a product of more
+// than 5 ranks' (8^6 > 65504) may overflow f16, where the order of the steps decides between
+// inf and NaN (inf times 0). Everything else fits: 8 ranks' products reach 8^8 = 2^24 at most.
+inline bool PatternReductionFits(DType dtype, ReduceOp op, int num_ranks) {
+  return !(op == ReduceOp::kProduct && dtype == DType::kF16 && num_ranks > 5);
+}
+
+// How far a computed reduction may be from the exact one, `expected`, in `dtype`. Sums, min and
+// max of the pattern are exact in every dtype, and so are products in f32, f64 and the integers;
+// a 16-bit float rounds a product at every step of a reduction, relatively by 2^-8 (bf16) or
+// 2^-11 (f16) each; an average rounds its division.
+inline double Tolerance(DType dtype, ReduceOp op, double expected = 0) {
+  if (op == ReduceOp::kProduct) {
+    if (dtype == DType::kBF16) return std::abs(expected) * 8.0 / 256;
+    if (dtype == DType::kF16) return std::abs(expected) * 8.0 / 2048;
+    return 0;
+  }
   if (op != ReduceOp::kAvg) return 0;
   switch (dtype) {
     case DType::kBF16:

@@ -65,6 +65,9 @@ bool ToOp(shardlineRedOp_t in, ReduceOp* out) {
     case shardlineMax:
       *out = ReduceOp::kMax;
       return true;
+    case shardlineProduct:
+      *out = ReduceOp::kProduct;
+      return true;
   }
   return false;
 }

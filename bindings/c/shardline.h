@@ -83,7 +83,8 @@ typedef enum {
   shardlineSum = 0,
   shardlineAvg = 1,
   shardlineMin = 2,
-  shardlineMax = 3
+  shardlineMax = 3,
+  shardlineProduct = 4
 } shardlineRedOp_t;
 
 typedef struct shardlineComm_s* shardlineComm_t;

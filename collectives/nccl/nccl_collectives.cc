@@ -49,6 +49,8 @@ ncclRedOp_t NcclOp(ReduceOp op) {
       return ncclMin;
     case ReduceOp::kMax:
       return ncclMax;
+    case ReduceOp::kProduct:
+      return ncclProd;
   }
   return ncclSum;
 }

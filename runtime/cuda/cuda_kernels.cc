@@ -29,11 +29,12 @@ static_assert(
 static_assert(static_cast<int>(ReduceOp::kSum) == ci::kKSum &&
               static_cast<int>(ReduceOp::kAvg) == ci::kKAvg &&
               static_cast<int>(ReduceOp::kMin) == ci::kKMin &&
-              static_cast<int>(ReduceOp::kMax) == ci::kKMax);
+              static_cast<int>(ReduceOp::kMax) == ci::kKMax &&
+              static_cast<int>(ReduceOp::kProduct) == ci::kKProduct);
 static_assert(kCudaMaxReduceInputs == ci::kMaxReduceInputs);
 
 bool ValidDType(DType dtype) { return static_cast<int>(dtype) <= ci::kKI64; }
-bool ValidOp(ReduceOp op) { return static_cast<int>(op) <= ci::kKMax; }
+bool ValidOp(ReduceOp op) { return static_cast<int>(op) <= ci::kKProduct; }
 
 absl::Status CheckPointer(absl::string_view fn, absl::string_view arg, const void* p, DType dtype) {
   if (p == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": ", arg, " is null"));

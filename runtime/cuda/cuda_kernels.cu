@@ -106,6 +106,19 @@ struct SumOp {
     }
   }
 };
+struct ProductOp {
+  template <typename C>
+  __device__ static C Apply(C a, C b) {
+    if constexpr (IsIntegral<C>::value) {
+      // Modulo 2^bits; unsigned types narrower than int would promote to (signed) int.
+      using U = typename IsIntegral<C>::U;
+      using W = decltype(U{} * 1u);
+      return static_cast<C>(static_cast<U>(static_cast<W>(a) * static_cast<W>(b)));
+    } else {
+      return a * b;
+    }
+  }
+};
 struct MinOp {
   template <typename C>
   __device__ static C Apply(C a, C b) {
@@ -272,6 +285,8 @@ int ReduceManyOp(void* out, const void* const* inputs, int num_inputs, size_t co
       return ReduceManyTyped<D, MinOp>(out, inputs, num_inputs, count, stream);
     case kKMax:
       return ReduceManyTyped<D, MaxOp>(out, inputs, num_inputs, count, stream);
+    case kKProduct:
+      return ReduceManyTyped<D, ProductOp>(out, inputs, num_inputs, count, stream);
     default:
       return static_cast<int>(cudaErrorInvalidValue);
   }

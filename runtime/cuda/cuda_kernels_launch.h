@@ -16,7 +16,7 @@ namespace shardline::cuda_internal {
 
 // Mirrors of DType and ReduceOp (cuda_kernels.cc static_asserts that they agree).
 enum KernelDType : int { kKF32 = 0, kKF64, kKF16, kKBF16, kKI8, kKU8, kKI32, kKI64 };
-enum KernelOp : int { kKSum = 0, kKAvg, kKMin, kKMax };
+enum KernelOp : int { kKSum = 0, kKAvg, kKMin, kKMax, kKProduct };
 
 // The most inputs ReduceMany takes in one launch (their pointers travel as a kernel argument).
 inline constexpr int kMaxReduceInputs = 64;

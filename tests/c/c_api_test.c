@@ -114,6 +114,23 @@ static int AllGather(shardlineComm_t comm, int rank) {
       shardline_all_gather(comm, in, out, kCount, (shardlineDataType_t)99, stream, &work);
   CHECK(bad == shardlineInvalidArgument, "bad dtype gave %s", shardline_result_string(bad));
   CHECK(strstr(shardline_last_error(), "dtype") != NULL, "message: %s", shardline_last_error());
+  /* An all-reduce with shardlineProduct, against a plain loop over the ranks' inputs. */
+  double product[kCount];
+  for (size_t i = 0; i < kCount; ++i) product[i] = 1.0 + Hash(8, rank, i);
+  CALL(shardline_all_reduce(comm, product, product, kCount, shardlineFloat64, shardlineProduct,
+                            stream, &work));
+  CALL(shardline_work_wait(work, 30));
+  shardline_work_destroy(work);
+  for (size_t i = 0; i < kCount; ++i) {
+    double want = 1.0;
+    for (int r = 0; r < RANKS; ++r) want *= 1.0 + Hash(8, r, i);
+    CHECK(fabs(product[i] - want) <= 1e-12 * fabs(want), "product: element %zu is %g, want %g", i,
+          product[i], want);
+  }
+  bad = shardline_all_reduce(comm, product, product, kCount, shardlineFloat64, (shardlineRedOp_t)99,
+                             stream, &work);
+  CHECK(bad == shardlineInvalidArgument, "bad op gave %s", shardline_result_string(bad));
+  CHECK(strstr(shardline_last_error(), "op") != NULL, "message: %s", shardline_last_error());
   free(in);
   free(out);
   CALL(shardline_stream_destroy(stream));

@@ -382,7 +382,7 @@ TEST(SimCommunicatorTest, TimeoutIsVirtual) {
   Work w1 = *sim.comms[1]->AllGather(data.data(), out1.data(), 4, DType::kF32, *sim.streams[1]);
   EXPECT_TRUE(sim.timeline->RunUntilIdle().ok());
   EXPECT_EQ(w0.status().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_THAT(w0.status().message(), HasSubstr("timed out after 1s waiting for rank(s) 1"));
+  EXPECT_THAT(w0.status().message(), HasSubstr("timeout after 1s waiting for rank(s) 1"));
   EXPECT_EQ(DoneAt(w0), absl::Seconds(1));
   EXPECT_EQ(w1.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(w1.status().message(), HasSubstr("peer rank 0 aborted"));

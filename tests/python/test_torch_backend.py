@@ -92,15 +92,15 @@ def test_collectives_match_references(which, request):
     ranks, _ = request.getfixturevalue(which)
     expected_class = "ProcessGroupShardline" if which == "alone" else "BackendShardline"
     assert [r["cpu_class"] for r in ranks] == [expected_class] * 2
-    # 2 dtypes x 3 sizes x (5 all_reduce + 5 reduce_scatter + all_gather + broadcast +
+    # 2 dtypes x 3 sizes x (6 all_reduce + 6 reduce_scatter + all_gather + broadcast +
     # all_to_all), coalesced, views, other dtypes, edge shapes, futures, shardline.init().
-    section(ranks, "collectives", 2 * 3 * 13 + 6)
+    section(ranks, "collectives", 2 * 3 * 15 + 6)
 
 
 @pytest.mark.parametrize("which", ["alone", "mixed"])
 def test_errors_name_the_collective(which, request):
     ranks, _ = request.getfixturevalue(which)
-    section(ranks, "errors", 6)
+    section(ranks, "errors", 7)
 
 
 @pytest.mark.parametrize("which", ["alone", "mixed"])

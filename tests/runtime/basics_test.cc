@@ -1,4 +1,5 @@
 // DType, ReduceOp, Device and the Status macros.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "runtime/device.h"
@@ -13,6 +14,8 @@
 
 namespace shardline {
 namespace {
+
+using ::testing::HasSubstr;
 
 TEST(DTypeTest, SizesMatchTheirCTypes) {
   EXPECT_EQ(DTypeSize(DType::kF32), sizeof(float));
@@ -53,7 +56,11 @@ TEST(DTypeTest, FloatingPointClassification) {
 TEST(ReduceOpTest, NamesRoundTrip) {
   for (ReduceOp op : kAllReduceOps) EXPECT_EQ(*ParseReduceOp(ReduceOpName(op)), op);
   EXPECT_EQ(*ParseReduceOp("MEAN"), ReduceOp::kAvg);
-  EXPECT_EQ(ParseReduceOp("prod").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*ParseReduceOp("Prod"), ReduceOp::kProduct);
+  absl::StatusOr<ReduceOp> bad = ParseReduceOp("band");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("'band'"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("product"));
 }
 
 TEST(DeviceTest, ParseAndPrint) {

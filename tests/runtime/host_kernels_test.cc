@@ -151,6 +151,14 @@ T RefOp(T a, T b, ReduceOp op) {
       return a < b ? a : b;
     case ReduceOp::kMax:
       return a > b ? a : b;
+    case ReduceOp::kProduct:
+      if constexpr (std::is_integral_v<T>) {
+        // Modulo 2^bits: the low bits of the 64-bit product of the sign-extended operands.
+        return static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(a)) *
+                              static_cast<uint64_t>(static_cast<int64_t>(b)));
+      } else {
+        return a * b;
+      }
   }
   return a;
 }
@@ -385,7 +393,7 @@ TEST(ReduceTest, InPlaceWithItself) {
   }
 }
 
-// Sums that overflow: f16 to Inf, integers wrap.
+// Sums and products that overflow: f16 to Inf, integers wrap.
 TEST(ReduceTest, OverflowBehaviour) {
   uint16_t a = 0x7bff, b = 0x7bff;  // 65504 + 65504
   ASSERT_TRUE(Reduce(&a, &b, 1, DType::kF16, ReduceOp::kSum).ok());
@@ -393,6 +401,15 @@ TEST(ReduceTest, OverflowBehaviour) {
   int32_t x = std::numeric_limits<int32_t>::max(), y = 1;
   ASSERT_TRUE(Reduce(&x, &y, 1, DType::kI32, ReduceOp::kSum).ok());
   EXPECT_EQ(x, std::numeric_limits<int32_t>::min());
+  uint8_t u = 200, v = 200;  // 40000 = 156 * 256 + 64
+  ASSERT_TRUE(Reduce(&u, &v, 1, DType::kU8, ReduceOp::kProduct).ok());
+  EXPECT_EQ(u, 64);
+  int32_t p = std::numeric_limits<int32_t>::max(), q = 3;  // 3 * (2^31 - 1) = 2^32 + 2^31 - 3
+  ASSERT_TRUE(Reduce(&p, &q, 1, DType::kI32, ReduceOp::kProduct).ok());
+  EXPECT_EQ(p, std::numeric_limits<int32_t>::max() - 2);
+  uint16_t h = 0x7bff, k = 0x4000;  // 65504 * 2
+  ASSERT_TRUE(Reduce(&h, &k, 1, DType::kF16, ReduceOp::kProduct).ok());
+  EXPECT_EQ(h, 0x7c00);
 }
 
 TEST(ReduceManyTest, EveryDTypeOpAndFanIn) {

@@ -198,7 +198,7 @@ class FlightRecorderTest(unittest.TestCase):
         self.assertEqual(job.finish(), EXPECTED_FAILURE, job.output())
         out = job.output()
         self.assertRegex(out, rf"FAILED rank [01] at iteration \d+: DEADLINE_EXCEEDED: .*"
-                              rf"all_gather #\d+ on world .*timed out after "
+                              rf"all_gather #\d+ on world .*timeout after "
                               rf"{STRAGGLER_DEADLINE_S}s waiting for rank\(s\) 2", out)
 
         dumps = self.check_dumps()
@@ -411,7 +411,7 @@ class FlightRecorderTest(unittest.TestCase):
         # "i": deadline dumps where the straggler failed too: rank 2 was stopped in all_gather
         # #51, its peers timed out waiting for it and aborted, and once resumed it failed #51 on
         # their abort marks; the waits go round (1 <-> 2), but the deadline names rank 2.
-        late = "DEADLINE_EXCEEDED: all_gather #51 on i: timed out after 8s waiting for rank(s) 2"
+        late = "DEADLINE_EXCEEDED: all_gather #51 on i: timeout after 8s waiting for rank(s) 2"
         self.write_dump("i", 0, 3, [(50, rs, "done", "u50", None),
                                     (51, ag, "failed", "u51", [], late)])
         self.write_dump("i", 1, 3, [(50, rs, "done", "u50", None),

@@ -263,10 +263,11 @@ void RegisterCollectives(nb::module_& m) {
       .def("reduce_scatter", &ReduceScatter, nb::arg("output"), nb::arg("input"),
            nb::arg("op") = "sum", nb::arg("stream") = nb::none(),
            "output := this rank's slice of the reduction of every rank's input; op: sum, avg, "
-           "min, max.")
+           "min, max, product.")
       .def("all_reduce", &AllReduce, nb::arg("tensor"), nb::arg("op") = "sum",
            nb::arg("output") = nb::none(), nb::arg("stream") = nb::none(),
-           "Reduces tensor over every rank: in place, or into output when given.")
+           "Reduces tensor over every rank (op: sum, avg, min, max, product): in place, or into "
+           "output when given.")
       .def("broadcast", &Broadcast, nb::arg("tensor"), nb::arg("root") = 0,
            nb::arg("stream") = nb::none(), "tensor := root's tensor on every rank.")
       .def("all_to_all", &AllToAll, nb::arg("output"), nb::arg("input"),

@@ -26,7 +26,7 @@ except ImportError:  # the numpy cases still run
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
 REDUCIBLE = {"float32", "float64", "float16", "bfloat16", "int32", "int64"}
-OPS = ["sum", "avg", "min", "max"]
+OPS = ["sum", "avg", "min", "max", "product"]
 INT_BITS = {"int8": 8, "uint8": 8, "int32": 32, "int64": 64}
 # Relative rounding of one stored result, and of the f32/f64 accumulation.
 OUT_EPS = {"float32": 2.0**-23, "float64": 2.0**-52, "float16": 2.0**-10, "bfloat16": 2.0**-7}
@@ -105,6 +105,17 @@ def reference(xs, op, dtype):
     stack = np.stack(xs)
     if op in ("min", "max"):
         return (stack.min(axis=0) if op == "min" else stack.max(axis=0)), None
+    if op == "product":
+        if dtype in INT_BITS:
+            p = np.ones(stack.shape[1], dtype=np.uint64)
+            for x in xs:
+                p *= x.view(np.uint64)  # wraps modulo 2^64
+            return wrap(p, dtype), None
+        exact = stack.astype(np.longdouble).prod(axis=0).astype(np.float64)
+        # Every step of the reduction may round to dtype: relatively, or by the smallest
+        # subnormal step times the factors still to come (|x| <= 4).
+        tol = n * (OUT_EPS[dtype] + ACC_EPS[dtype]) * np.abs(exact) + n * TINY[dtype] * 4.0**n
+        return exact, tol
     if dtype in INT_BITS:
         s = np.zeros(stack.shape[1], dtype=np.uint64)
         for x in xs:

@@ -73,13 +73,15 @@ def reduce_ref(values, op):
         out = stacked.min(0).values
     elif op == "max":
         out = stacked.max(0).values
+    elif op == "product":
+        out = stacked.prod(0)
     elif op == "premul":
         out = (stacked * 0.5).sum(0)
     return out.to(values[0].dtype)
 
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN,
-             "max": dist.ReduceOp.MAX}
+             "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
 
 
 def torch_op(op):
@@ -91,7 +93,7 @@ def collective_checks(checks, rank, world):
     dt_id = {torch.float32: 1, torch.bfloat16: 2}
     for dtype in DTYPES:
         for n in SIZES:
-            for k, op in enumerate(("sum", "avg", "min", "max", "premul")):
+            for k, op in enumerate(("sum", "avg", "min", "max", "product", "premul")):
                 def allreduce(dtype=dtype, n=n, op=op, k=k):
                     inputs = [data(seed_of(1, dt_id[dtype], n, k, r), n, dtype)
                               for r in range(world)]
@@ -117,7 +119,7 @@ def collective_checks(checks, rank, world):
                     close(lst[r], inputs[r], f"all_gather list [{r}]")
             checks.run(s, f"all_gather {dtype} n={n}", all_gather)
 
-            for k, op in enumerate(("sum", "avg", "min", "max", "premul")):
+            for k, op in enumerate(("sum", "avg", "min", "max", "product", "premul")):
                 def reduce_scatter(dtype=dtype, n=n, op=op, k=k):
                     inputs = [data(seed_of(3, dt_id[dtype], n, k, r), n * world, dtype)
                               for r in range(world)]
@@ -181,6 +183,19 @@ def collective_checks(checks, rank, world):
         cm.wait()
         for i in range(3):
             close(ar[i], reduce_ref(all_ins[i], "sum"), f"allreduce_coalesced [{i}]")
+        # all_gather_coalesced: output_lists[r][i] receives input i of rank r. As many inputs as
+        # ranks (a transposed layout would pass the sizes and swap the values), and a different
+        # number, of different sizes.
+        for count in (world, world + 1):
+            sizes = [n + 2 * i for i in range(count)]
+            mine = [data(seed_of(8, count, i, rank), sizes[i], torch.float32)
+                    for i in range(count)]
+            lists = [[torch.empty(sizes[i]) for i in range(count)] for _ in range(world)]
+            dist.all_gather_coalesced(lists, mine)
+            for r in range(world):
+                for i in range(count):
+                    close(lists[r][i], data(seed_of(8, count, i, r), sizes[i], torch.float32),
+                          f"all_gather_coalesced of {count} inputs [rank {r}][input {i}]")
     checks.run(s, "coalesced", coalesced)
 
     def non_contiguous():
@@ -261,15 +276,18 @@ def error_checks(checks, rank, world):
     checks.run(s, "unequal all_to_all splits", lambda: expect_error(
         NotImplementedError, ["all_to_all_single", "unequal splits"],
         lambda: dist.all_to_all_single(torch.empty(8), t, [3, 5], [3, 5])))
-    checks.run(s, "PRODUCT", lambda: expect_error(
-        NotImplementedError, ["allreduce", "PRODUCT"],
-        lambda: dist.all_reduce(t, op=dist.ReduceOp.PRODUCT)))
+    checks.run(s, "BAND", lambda: expect_error(
+        NotImplementedError, ["allreduce", "BAND"],
+        lambda: dist.all_reduce(torch.ones(8, dtype=torch.int32), op=dist.ReduceOp.BAND)))
     checks.run(s, "scatter", lambda: expect_error(
         NotImplementedError, ["scatter"],
         lambda: dist.scatter(t, [t, t] if rank == 0 else None, src=0)))
     checks.run(s, "wrong output size", lambda: expect_error(
         ValueError, ["all_gather_into_tensor", "output"],
         lambda: dist.all_gather_into_tensor(torch.empty(5), t)))
+    checks.run(s, "all_gather_coalesced lists per input", lambda: expect_error(
+        ValueError, ["allgather_coalesced", "output lists", f"{world} ranks"],
+        lambda: dist.all_gather_coalesced([[torch.empty(8)] * world], [t])))
     checks.run(s, "bool reduction", lambda: expect_error(
         NotImplementedError, ["allreduce", "torch.bool"],
         lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool))))

@@ -41,6 +41,7 @@ _REDUCE_OPS = {
     _RedOpType.AVG: "avg",
     _RedOpType.MIN: "min",
     _RedOpType.MAX: "max",
+    _RedOpType.PRODUCT: "product",
 }
 
 _SUPPORTED = ("allreduce, allreduce_coalesced, allgather, all_gather_single(_coalesced), "
@@ -65,7 +66,7 @@ def _reduce_op(op, collective):
     name = _REDUCE_OPS.get(kind)
     if name is None:
         raise _unsupported(f"{collective} with ReduceOp.{getattr(kind, 'name', kind)} "
-                           "(SUM, AVG, MIN, MAX and PREMUL_SUM are)")
+                           "(SUM, AVG, MIN, MAX, PRODUCT and PREMUL_SUM are)")
     return name, None
 
 
@@ -382,10 +383,22 @@ class _Collectives:
         self._issue(call, self._comm.all_gather, dst, src)
 
     def allgather(self, output_lists, inputs, opts=None):
-        return self._allgather_lists("allgather", output_lists, inputs)
+        # output_lists[i][r] receives input i of rank r.
+        return self._allgather_lists("allgather", output_lists, inputs, output_lists)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self._allgather_lists("allgather_coalesced", output_lists, inputs)
+        # torch's layout is the other way round: output_lists[r][i] receives input i of rank r.
+        collective = "allgather_coalesced"
+        if len(output_lists) != self.size():
+            raise ValueError(f"shardline backend: {collective}: {len(output_lists)} output lists "
+                             f"for {self.size()} ranks (output_lists[rank][i] receives input i "
+                             f"of that rank)")
+        for r, outputs in enumerate(output_lists):
+            if len(outputs) != len(inputs):
+                raise ValueError(f"shardline backend: {collective}: output list {r} has "
+                                 f"{len(outputs)} tensors for {len(inputs)} inputs")
+        per_input = [[output_lists[r][i] for r in range(self.size())] for i in range(len(inputs))]
+        return self._allgather_lists(collective, per_input, inputs, output_lists)
 
     def _check_rank_list(self, collective, tensors, kind, like, like_kind, i):
         """One tensor per rank in list i, each with the dtype and size of `like`."""
@@ -400,7 +413,9 @@ class _Collectives:
                     f"{t.numel()} elements but {like_kind} {i} is {like.dtype} with "
                     f"{like.numel()} (every rank's tensors must match)")
 
-    def _allgather_lists(self, collective, output_lists, inputs):
+    def _allgather_lists(self, collective, output_lists, inputs, result):
+        """All-gathers each of `inputs` into output_lists[i] (one tensor per rank); the Work's
+        result is `result`, the caller's lists as given."""
         call = _Call(collective)
         if len(output_lists) != len(inputs):
             raise ValueError(f"shardline backend: {collective}: {len(output_lists)} output "
@@ -412,7 +427,7 @@ class _Collectives:
             dst = call.target(flat, f"output list {i}", reduce=False)
             self._issue(call, self._comm.all_gather, dst, src)
             call.finish.append(_copy_chunks(flat, outputs))
-        return _Work(self, call, [list(o) for o in output_lists])
+        return _Work(self, call, [list(o) for o in result])
 
     # ---- reduce-scatter ------------------------------------------------------------------------
 
