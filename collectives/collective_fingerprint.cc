@@ -30,8 +30,16 @@ absl::string_view CollectiveName(CollectiveKind kind) {
       return "all_to_all";
     case CollectiveKind::kBarrier:
       return "barrier";
+    case CollectiveKind::kSend:
+      return "send";
+    case CollectiveKind::kRecv:
+      return "recv";
   }
   return "invalid";
+}
+
+bool IsPointToPoint(CollectiveKind kind) {
+  return kind == CollectiveKind::kSend || kind == CollectiveKind::kRecv;
 }
 
 bool IsReduction(CollectiveKind kind) {
@@ -43,6 +51,14 @@ std::string CollectiveFingerprint::CallString() const {
   std::string out = absl::StrCat(CollectiveName(kind), "(count=", count, ", ", DTypeName(dtype));
   if (IsReduction(kind)) absl::StrAppend(&out, ", ", ReduceOpName(op));
   if (kind == CollectiveKind::kBroadcast) absl::StrAppend(&out, ", root=", root);
+  if (kind == CollectiveKind::kSend) absl::StrAppend(&out, ", to=", root, ", tag=", key);
+  if (kind == CollectiveKind::kRecv) {
+    if (root == kAnySource) {
+      absl::StrAppend(&out, ", from=any, tag=", key);
+    } else {
+      absl::StrAppend(&out, ", from=", root, ", tag=", key);
+    }
+  }
   out += ")";
   return out;
 }
@@ -65,7 +81,7 @@ void CollectiveFingerprint::Encode(uint8_t out[kEncodedSize]) const {
 
 absl::StatusOr<CollectiveFingerprint> CollectiveFingerprint::Decode(
     const uint8_t in[kEncodedSize]) {
-  if (in[0] > static_cast<uint8_t>(CollectiveKind::kBarrier) ||
+  if (in[0] > static_cast<uint8_t>(CollectiveKind::kRecv) ||
       in[1] > static_cast<uint8_t>(DType::kI64) ||
       in[2] > static_cast<uint8_t>(ReduceOp::kProduct) || in[3] != 0) {
     return absl::InvalidArgumentError(absl::StrCat("malformed collective fingerprint (kind ", in[0],

@@ -19,11 +19,10 @@
 namespace shardline {
 namespace {
 
-// Byte-moving collectives accept every dtype; reductions need arithmetic ones.
+// Byte-moving collectives (and send, recv) accept every dtype; reductions need arithmetic ones.
 bool DTypeAllowed(CollectiveKind kind, DType dtype) {
   if (dtype == DType::kU8 || dtype == DType::kI8) {
-    return kind == CollectiveKind::kAllGather || kind == CollectiveKind::kBroadcast ||
-           kind == CollectiveKind::kAllToAll || kind == CollectiveKind::kBarrier;
+    return !IsReduction(kind);
   }
   return true;
 }
@@ -68,6 +67,11 @@ absl::Status Work::Synchronize(Stream& stream) const {
   return stream.WaitEvent(*done_);
 }
 
+int Work::source() const {
+  if (source_ == nullptr || !IsCompleted() || !status().ok()) return -1;
+  return source_->load(std::memory_order_acquire);
+}
+
 void Work::Abort(absl::Status reason) const {
   if (std::shared_ptr<Communicator> comm = comm_.lock()) {
     comm->Abort(reason.ok() ? absl::AbortedError("aborted through a Work handle")
@@ -82,12 +86,16 @@ Communicator::Communicator(int rank, int size, Device device, std::string name,
       device_(device),
       name_(std::move(name)),
       timeout_(timeout),
-      flight_(std::make_unique<FlightRecorder>(flight_internal::Capacity())) {}
+      flight_(std::make_unique<FlightRecorder>(flight_internal::Capacity())),
+      p2p_flight_(std::make_unique<FlightRecorder>(flight_->capacity())) {}
 
-void Communicator::DisableFlightRecorder() { flight_ = std::make_unique<FlightRecorder>(0); }
+void Communicator::DisableFlightRecorder() {
+  flight_ = std::make_unique<FlightRecorder>(0);
+  p2p_flight_ = std::make_unique<FlightRecorder>(0);
+}
 
 void Communicator::NoteWaitingOn(const Op& op, const std::vector<int>& peers) const {
-  flight_->SetWaitingOn(op.fingerprint.seq, peers);
+  FlightOf(op.fingerprint.kind).SetWaitingOn(op.fingerprint.seq, peers);
 }
 
 absl::string_view TransferPathName(TransferPath path) {
@@ -170,11 +178,13 @@ std::unique_ptr<Allocator> Communicator::CreateHostAllocatorForTransfers(size_t 
 }
 
 void Communicator::RecordStarted(const Op& op) const {
-  if (flight_->enabled()) flight_->Started(op.fingerprint.seq, absl::GetCurrentTimeNanos());
+  FlightRecorder& flight = FlightOf(op.fingerprint.kind);
+  if (flight.enabled()) flight.Started(op.fingerprint.seq, absl::GetCurrentTimeNanos());
 }
 
 void Communicator::RecordEnded(const Op& op, const absl::Status& status) const {
-  if (flight_->enabled()) flight_->Ended(op.fingerprint.seq, status, absl::GetCurrentTimeNanos());
+  FlightRecorder& flight = FlightOf(op.fingerprint.kind);
+  if (flight.enabled()) flight.Ended(op.fingerprint.seq, status, absl::GetCurrentTimeNanos());
 }
 
 std::vector<FlightRecord> Communicator::FlightRecords() const {
@@ -249,7 +259,18 @@ void Communicator::DumpAfterAbort() const {
 }
 
 std::string Communicator::Describe(const Op& op) const {
-  return Describe(op.fingerprint.kind, op.fingerprint.seq);
+  const CollectiveFingerprint& fp = op.fingerprint;
+  if (fp.kind == CollectiveKind::kSend) {
+    return absl::StrCat("send #", fp.seq, " to rank ", fp.root, " on ", name_, " (rank ", rank_,
+                        " of ", size_, ", ", backend(), ")");
+  }
+  if (fp.kind == CollectiveKind::kRecv) {
+    return absl::StrCat(
+        "recv #", fp.seq, " from ",
+        fp.root == kAnySource ? std::string("any rank") : absl::StrCat("rank ", fp.root), " on ",
+        name_, " (rank ", rank_, " of ", size_, ", ", backend(), ")");
+  }
+  return Describe(fp.kind, fp.seq);
 }
 
 std::string Communicator::Describe(CollectiveKind kind, uint64_t seq) const {
@@ -260,14 +281,15 @@ std::string Communicator::Describe(CollectiveKind kind, uint64_t seq) const {
 absl::Status Communicator::WaitTimedOut(CollectiveKind kind, uint64_t seq,
                                         absl::Duration waited) const {
   std::string state = "still running";  // what is known without a flight record
+  const FlightRecorder& flight = FlightOf(kind);
   FlightRecord record;
-  if (flight_->Find(seq, &record)) {
+  if (flight.Find(seq, &record)) {
     const absl::Time now = absl::Now();
     switch (record.state) {
       case FlightState::kQueued: {
         state = absl::StrCat("still queued on stream '", record.stream, "'");
         FlightRecord before;
-        if (seq > 0 && flight_->Find(seq - 1, &before) &&
+        if (seq > 0 && flight.Find(seq - 1, &before) &&
             (before.state == FlightState::kQueued || before.state == FlightState::kRunning)) {
           absl::StrAppend(&state, ", behind ", CollectiveName(before.kind), " #", seq - 1, " (",
                           FlightStateName(before.state), ")");
@@ -279,7 +301,8 @@ absl::Status Communicator::WaitTimedOut(CollectiveKind kind, uint64_t seq,
             absl::StrCat("running for ",
                          absl::FormatDuration(absl::Trunc(
                              now - absl::FromUnixNanos(record.started_ns), absl::Milliseconds(1))));
-        std::optional<std::vector<int>> peers = WaitingOn();
+        std::optional<std::vector<int>> peers;
+        if (!IsPointToPoint(kind)) peers = WaitingOn();  // the running collective's
         if (!peers.has_value() && record.waiting_known) peers = record.waiting_on;
         if (peers.has_value() && !peers->empty()) {
           absl::StrAppend(&state, ", waiting for rank(s) ", absl::StrJoin(*peers, ", "));
@@ -470,6 +493,8 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
         break;
       case CollectiveKind::kAllToAll:
       case CollectiveKind::kBarrier:
+      case CollectiveKind::kSend:
+      case CollectiveKind::kRecv:
         break;
     }
     if (!in_place) {

@@ -33,7 +33,8 @@
 // Any other overlap of input and output is InvalidArgument. AllToAll has no in-place form.
 //
 // Dtypes: f32, f64, f16, bf16, i32, i64 everywhere; u8 and i8 for AllGather, Broadcast and
-// AllToAll (byte movement only). Reductions: sum, avg, min, max (avg of integers truncates).
+// AllToAll (byte movement only). Reductions: sum, avg, min, max, product (avg of integers
+// truncates; integer sums and products wrap modulo 2^bits).
 //
 // Ordering across streams (the rule every scheduler must follow). A communicator runs its
 // collectives in issue order, whichever streams they were issued on: a collective issued on
@@ -60,6 +61,28 @@
 // deadline, a peer's abort, Abort()) — and again once the collective running then has ended, so
 // the file shows it failed — and, for every communicator of the process, on SIGUSR1. The sim
 // backend records nothing (a thousand simulated ranks share one process).
+//
+// Point-to-point (Send, Recv). A send to rank d with message tag t matches a receive posted by
+// d from this rank (or from kAnySource) with tag t; between two ranks, sends and receives of one
+// tag match in the order each rank issued them (MPI's non-overtaking rule); a receive from
+// kAnySource takes the earliest arrived match from any rank. They are not collectives:
+//   * Only the two ranks take part, and they are outside the issue order: a send or receive
+//     neither waits for the collective issued before it on another stream nor holds back the
+//     collectives issued after it. On its own stream it is ordered like any other work: it
+//     starts after what was enqueued before it and work enqueued after it waits for it (a
+//     receive's data is there; a send's buffer may be reused).
+//   * A send completes once its data is out of its buffer: copied into the backend's buffers
+//     (local) or received. A receive completes once the data is in its buffer. The two sides
+//     must agree on the count and dtype: a receive that matches a send of another size or
+//     dtype fails naming both (InvalidArgument, a peer error), and so aborts the communicator.
+//   * Each has its own sequence number ("send #3"), counted over this rank's sends and receives
+//     only (ranks need not issue the same ones), a fingerprint (kind, count, dtype, peer in
+//     `root`, tag in `key`), and a flight record in a ring of their own.
+//   * Deadlines and aborts as for collectives: a receive with no matching send by its deadline
+//     fails with DeadlineExceeded naming the rank(s) it waited for, and a failed send or
+//     receive aborts the communicator like a failed collective.
+//   * The backends that have them: local (kAnySource too). Elsewhere Send and Recv return
+//     Unimplemented naming the backend; nothing is enqueued.
 //
 // Thread safety: collectives may be issued from several threads at once (PyTorch runs backward
 // hooks on its own threads); Issue is serialized, and the order in which the calls take the
@@ -124,6 +147,16 @@ struct BroadcastOptions : CollectiveOptions {
   int root = 0;
 };
 
+// Send and Recv.
+struct PointToPointOptions {
+  // As CollectiveOptions::timeout: from the operation's start on its stream.
+  absl::Duration timeout = absl::ZeroDuration();
+  // A label for the flight recorder (CollectiveOptions::tag).
+  std::string label;
+  // The message tag a send and a receive match on (MPI's and torch's `tag`).
+  uint64_t match_tag = 0;
+};
+
 class Communicator;
 
 // The handle of one enqueued collective (c10d's Work). Copyable; all copies refer to the same
@@ -154,16 +187,25 @@ class Work {
   // The event recorded after the collective on its stream (null for a default Work).
   const std::shared_ptr<Event>& event() const { return done_; }
 
+  // A completed Recv: the rank the data came from (for kAnySource, the one it matched). -1
+  // before it completed, if it failed, and for every other operation.
+  int source() const;
+
  private:
   friend class Communicator;
   Work(std::shared_ptr<Event> done, std::weak_ptr<Communicator> comm, CollectiveKind kind,
-       uint64_t seq)
-      : done_(std::move(done)), comm_(std::move(comm)), kind_(kind), seq_(seq) {}
+       uint64_t seq, std::shared_ptr<std::atomic<int>> source = nullptr)
+      : done_(std::move(done)),
+        comm_(std::move(comm)),
+        kind_(kind),
+        seq_(seq),
+        source_(std::move(source)) {}
 
   std::shared_ptr<Event> done_;
   std::weak_ptr<Communicator> comm_;
   CollectiveKind kind_ = CollectiveKind::kBarrier;
   uint64_t seq_ = 0;
+  std::shared_ptr<std::atomic<int>> source_;  // Recv: set by the operation before it completes
 };
 
 // How a backend's peers read memory registered with Communicator::RegisterMemory.
@@ -241,6 +283,16 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   absl::StatusOr<Work> AllToAll(const void* input, void* output, size_t count, DType dtype,
                                 Stream& stream, const CollectiveOptions& options = {});
   absl::StatusOr<Work> Barrier(Stream& stream, const CollectiveOptions& options = {});
+
+  // Point-to-point (the rules above; defined in point_to_point.cc). Send: `count` elements of
+  // `data` to rank `peer`. Recv: `count` elements into `data` from rank `peer`, or from any rank
+  // (kAnySource; Work::source() tells which). Any dtype. InvalidArgument for a peer out of
+  // range or this rank itself, a null buffer with a non-zero count, a negative timeout;
+  // Unimplemented where the backend has no point-to-point (or no kAnySource).
+  absl::StatusOr<Work> Send(const void* data, size_t count, DType dtype, int peer, Stream& stream,
+                            const PointToPointOptions& options = {});
+  absl::StatusOr<Work> Recv(void* data, size_t count, DType dtype, int peer, Stream& stream,
+                            const PointToPointOptions& options = {});
 
   // Splits the group as MPI_Comm_split does: ranks with the same `color` form a new
   // communicator, ordered by (`key`, rank). A negative color takes part in the split but joins
@@ -323,6 +375,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     size_t element_size = 0;
     size_t input_count = 0;
     size_t output_count = 0;
+    // Recv: where Run() stores the rank the data came from (shared with the Work).
+    std::shared_ptr<std::atomic<int>> source;
   };
 
   // Host backends: moves the data of `op`, blocking the calling thread (a stream's worker) until
@@ -338,6 +392,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // The stream kinds this backend can run on (default: host memory on host/caller streams).
   virtual absl::Status CheckStream(const Stream& stream) const;
+  // Whether this backend runs Send and Recv (from `peer`, possibly kAnySource): OK, or
+  // Unimplemented saying what it lacks (the default: no point-to-point at all).
+  virtual absl::Status CheckPointToPoint(CollectiveKind kind, int peer) const;
   // The memory this backend can move (default: any). Called before anything is enqueued, so a
   // wrong buffer is InvalidArgument and leaves the communicator intact; `where` names the call
   // ("all_reduce on world (rank 0 of 2)") for the message.
@@ -420,6 +477,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                              size_t input_count, size_t output_count, size_t count, DType dtype,
                              ReduceOp op, int root, Stream& stream,
                              const CollectiveOptions& options);
+  // Send and Recv after their arguments are known (point_to_point.cc).
+  absl::StatusOr<Work> IssuePointToPoint(CollectiveKind kind, const void* input, void* output,
+                                         size_t count, DType dtype, int peer, Stream& stream,
+                                         const PointToPointOptions& options);
+  // The flight ring of `kind`: collectives', or point-to-point's.
+  FlightRecorder& FlightOf(CollectiveKind kind) const {
+    return IsPointToPoint(kind) ? *p2p_flight_ : *flight_;
+  }
 
   const int rank_;
   const int size_;
@@ -432,6 +497,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::atomic<uint64_t> issued_{0};  // next_seq_, readable without issue_mu_ (dumps)
   std::shared_ptr<Event> last_done_;
   std::unique_ptr<FlightRecorder> flight_;
+  // Point-to-point: this rank's next sequence number (guarded by issue_mu_) and flight ring.
+  uint64_t next_p2p_seq_ = 0;
+  std::unique_ptr<FlightRecorder> p2p_flight_;
   bool flight_registered_ = false;  // guarded by issue_mu_
   // Serializes the dumps of this communicator (snapshot and write), so that of two dumps racing
   // (an abort's on one thread, the failed collective's on its stream) the later snapshot is the
@@ -439,7 +507,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   mutable std::mutex dump_mu_;
   // "all_gather on world (rank 0 of 2)" per kind, for Issue's messages: built at the first call
   // of each kind, so that issuing a collective formats no string. Guarded by issue_mu_.
-  std::string call_sites_[static_cast<size_t>(CollectiveKind::kBarrier) + 1];
+  std::string call_sites_[static_cast<size_t>(CollectiveKind::kRecv) + 1];
   std::atomic<uint64_t> next_split_{0};
   std::atomic<uint64_t> next_shrink_{0};
   std::atomic<uint64_t> next_registration_{0};

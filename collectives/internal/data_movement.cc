@@ -52,8 +52,12 @@ absl::Status WriteRankOutput(const CollectiveFingerprint& fp, size_t element_siz
 
     case CollectiveKind::kBarrier:
       return absl::OkStatus();
+
+    case CollectiveKind::kSend:  // not collectives: the backends move them themselves
+    case CollectiveKind::kRecv:
+      break;
   }
-  return absl::InternalError("unknown collective kind");
+  return absl::InternalError(absl::StrCat(CollectiveName(fp.kind), " is not a collective"));
 }
 
 absl::Status ReduceSlice(const CollectiveFingerprint& fp, size_t element_size,

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,7 +20,8 @@ namespace {
 // The state shared by the ranks of one group.
 class LocalGroup {
  public:
-  LocalGroup(int size, std::string name) : size_(size), name_(std::move(name)), slots_(size) {}
+  LocalGroup(int size, std::string name)
+      : size_(size), name_(std::move(name)), slots_(size), inboxes_(size) {}
 
   int size() const { return size_; }
 
@@ -80,6 +83,47 @@ class LocalGroup {
     return slots_;
   }
 
+  // Point-to-point: a sent message, copied out of its sender's buffer (so a send never waits
+  // for its receive, and two ranks that both send first do not deadlock).
+  struct Message {
+    int from = 0;
+    CollectiveFingerprint send;  // the sender's
+    std::unique_ptr<uint8_t[]> data;
+  };
+
+  // Queues `message` for rank `to`; the group's abort status if it was aborted.
+  absl::Status Deliver(int to, Message message) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!status_.ok()) return status_;
+    inboxes_[to].push_back(std::move(message));
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  // Takes the earliest message to `rank` from `from` (kAnySource: from anyone) with message tag
+  // `tag`, waiting for one until `deadline` (then sets `timed_out`, OK status) or an abort (its
+  // status).
+  absl::Status Take(int rank, int from, uint64_t tag, const Clock& clock, absl::Time deadline,
+                    Message* out, bool* timed_out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::deque<Message>& inbox = inboxes_[rank];
+    auto match = inbox.end();
+    const bool woken = clock.WaitUntil(cv_, lock, deadline, [&] {
+      match = std::find_if(inbox.begin(), inbox.end(), [&](const Message& m) {
+        return (from == kAnySource || m.from == from) && m.send.key == tag;
+      });
+      return match != inbox.end() || !status_.ok();
+    });
+    if (!status_.ok()) return status_;
+    if (!woken) {
+      *timed_out = true;
+      return absl::OkStatus();
+    }
+    *out = std::move(*match);
+    inbox.erase(match);
+    return absl::OkStatus();
+  }
+
   void Abort(const absl::Status& reason) {
     std::lock_guard<std::mutex> lock(mu_);
     if (status_.ok()) status_ = reason;
@@ -107,6 +151,7 @@ class LocalGroup {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Slot> slots_;
+  std::vector<std::deque<Message>> inboxes_;  // per receiving rank, in arrival order
   absl::Status status_;
   std::map<std::string, ChildEntry> children_;
 };
@@ -123,6 +168,9 @@ class LocalCommunicator final : public Communicator {
 
  protected:
   absl::Status Run(const Op& op) override;
+  absl::Status CheckPointToPoint(CollectiveKind kind, int peer) const override {
+    return absl::OkStatus();
+  }
   absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
                                                                int index, const std::string& name,
                                                                absl::Time deadline) override {
@@ -152,11 +200,55 @@ class LocalCommunicator final : public Communicator {
   }
 
   absl::Status Move(const Op& op, const std::vector<LocalGroup::Slot>& slots);
+  absl::Status RunSend(const Op& op);
+  absl::Status RunRecv(const Op& op);
 
   std::shared_ptr<LocalGroup> group_;
 };
 
+absl::Status LocalCommunicator::RunSend(const Op& op) {
+  LocalGroup::Message message;
+  message.from = rank();
+  message.send = op.fingerprint;
+  const size_t bytes = op.fingerprint.count * op.element_size;
+  absl::StatusOr<std::unique_ptr<uint8_t[]>> data = data_movement::AllocateScratch(bytes);
+  if (!data.ok()) return Annotate(data.status(), Describe(op));
+  message.data = *std::move(data);
+  if (bytes > 0) std::memcpy(message.data.get(), op.input, bytes);
+  absl::Status delivered = group_->Deliver(op.fingerprint.root, std::move(message));
+  return delivered.ok() ? delivered : Annotate(delivered, Describe(op));
+}
+
+absl::Status LocalCommunicator::RunRecv(const Op& op) {
+  const CollectiveFingerprint& fp = op.fingerprint;
+  LocalGroup::Message message;
+  bool timed_out = false;
+  absl::Status status =
+      group_->Take(rank(), fp.root, fp.key, *op.clock, op.deadline, &message, &timed_out);
+  if (!status.ok()) return Annotate(status, Describe(op));
+  if (timed_out) {
+    std::vector<int> awaited;
+    for (int r = 0; r < size(); ++r) {
+      if (r != rank() && (fp.root == kAnySource || r == fp.root)) awaited.push_back(r);
+    }
+    return DeadlineError(op, awaited);
+  }
+  if (message.send.count != fp.count || message.send.dtype != fp.dtype) {
+    return MarkPeerError(
+        absl::InvalidArgumentError(absl::StrCat(Describe(op), ": rank ", message.from, " sent ",
+                                                message.send.ToString(), " but this rank receives ",
+                                                fp.CallString(), ": sizes and dtypes must match")),
+        absl::StrCat(message.from));
+  }
+  const size_t bytes = fp.count * op.element_size;
+  if (bytes > 0) std::memcpy(op.output, message.data.get(), bytes);
+  op.source->store(message.from, std::memory_order_release);
+  return absl::OkStatus();
+}
+
 absl::Status LocalCommunicator::Run(const Op& op) {
+  if (op.fingerprint.kind == CollectiveKind::kSend) return RunSend(op);
+  if (op.fingerprint.kind == CollectiveKind::kRecv) return RunRecv(op);
   group_->Post(rank(), op.fingerprint, op.input, op.output);
   SL_RETURN_IF_ERROR(Phase(op));
   const std::vector<LocalGroup::Slot> slots = group_->Slots();

@@ -166,6 +166,9 @@ absl::Status NcclCommunicator::Enqueue(const Op& op, cudaStream_t stream) {
       return SL_NCCL_ACCEPTED(
           ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, comm_, stream),
           comm_);
+    case CollectiveKind::kSend:  // never issued here: CheckPointToPoint refuses them
+    case CollectiveKind::kRecv:
+      break;
   }
   return absl::InternalError(absl::StrCat(Describe(op), ": unknown collective kind"));
 }

@@ -131,6 +131,9 @@ absl::Duration SimCollectiveCost(CollectiveKind kind, size_t count, DType dtype,
       return (n - 1) * options.latency + transfer(bytes);
     case CollectiveKind::kBarrier:
       return 2 * (n - 1) * options.latency;
+    case CollectiveKind::kSend:  // one message between two ranks
+    case CollectiveKind::kRecv:
+      return options.latency + transfer(bytes);
   }
   return absl::ZeroDuration();
 }

@@ -271,6 +271,11 @@ absl::StatusOr<CollectiveCost> Formula(const Topology& t, CollectiveAlgorithm al
           steps = 2 * (n - 1);
           m = 0;
           break;
+        case CollectiveKind::kSend:  // one message: one step of `bytes`
+        case CollectiveKind::kRecv:
+          steps = 1;
+          bus = bytes;
+          break;
       }
       if (g.nodes == 1) {
         c.latency_s = steps * in.latency_s;

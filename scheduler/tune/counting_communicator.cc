@@ -22,6 +22,8 @@ uint64_t CollectivePayloadBytes(CollectiveKind kind, uint64_t count, size_t elem
       return count * n * e;
     case CollectiveKind::kAllReduce:
     case CollectiveKind::kBroadcast:
+    case CollectiveKind::kSend:
+    case CollectiveKind::kRecv:
       return count * e;
     case CollectiveKind::kBarrier:
       return 0;
@@ -41,6 +43,9 @@ uint64_t RingSentBytesTimesSize(CollectiveKind kind, uint64_t payload_bytes, int
       return 2 * n1 * payload_bytes;
     case CollectiveKind::kBarrier:
       return 0;
+    case CollectiveKind::kSend:  // the payload once, from one rank: size x (payload / size)
+    case CollectiveKind::kRecv:
+      return payload_bytes;
   }
   return 0;
 }
@@ -139,6 +144,9 @@ class CountingCommunicator final : public Communicator {
       case CollectiveKind::kBarrier:
         work = inner_->Barrier(stream, options);
         break;
+      case CollectiveKind::kSend:  // never issued here: CheckPointToPoint refuses them
+      case CollectiveKind::kRecv:
+        return absl::InternalError("the counting communicator has no point-to-point");
     }
     // Counted once the wrapped communicator has taken it.
     if (work.ok()) {

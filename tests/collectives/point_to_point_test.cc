@@ -1,0 +1,309 @@
+// Communicator::Send and Communicator::Recv on the local backend: every element of odd-sized
+// messages of every dtype, both orders, many tags in flight, any source, and the failures (a size
+// mismatch, a send that never comes, a dead peer, bad arguments); point-to-point stays out of the
+// collectives' issue order; backends without it say so.
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+#include "collectives/local/local_communicator.h"
+#include "gmock/gmock.h"
+#include "runtime/stream.h"
+#include "tests/collectives/rank_comms.h"
+#include "tests/common/rank_threads.h"
+
+namespace shardline {
+namespace {
+
+using ::shardline::testing::Comms;
+using ::shardline::testing::MakeUcxComms;
+using ::shardline::testing::RunRanks;
+using ::shardline::testing::RunRankThreads;
+using ::shardline::testing::WaitFor;
+using ::testing::HasSubstr;
+
+Comms MakeLocal(int n, absl::Duration timeout = absl::Seconds(30)) {
+  absl::StatusOr<Comms> comms = CreateLocalCommunicators(n, {.timeout = timeout});
+  EXPECT_TRUE(comms.ok()) << comms.status();
+  return *std::move(comms);
+}
+
+std::unique_ptr<Stream> MakeStream(const std::string& name) {
+  absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = name});
+  EXPECT_TRUE(stream.ok()) << stream.status();
+  return *std::move(stream);
+}
+
+// Hashed bytes of (sender, message, i): no period along the buffer, different per message.
+std::vector<uint8_t> Message(int from, int message, size_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  for (size_t i = 0; i < bytes; ++i) {
+    uint64_t x = (static_cast<uint64_t>(from) << 56) ^ (static_cast<uint64_t>(message) << 40) ^ i;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    out[i] = static_cast<uint8_t>(x ^ (x >> 31));
+  }
+  return out;
+}
+
+// Every byte; the first difference named.
+void ExpectSameBytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want,
+                     const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i], want[i]) << what << ": byte " << i;
+  }
+}
+
+// A ring: rank r sends to r + 1 and receives from r - 1, for odd sizes of every dtype. Sends
+// first on one stream; or receives first, on a stream of their own, with the sends after them
+// on another (a receive blocks its stream until its message is there).
+TEST(PointToPointTest, EveryElementOfOddSizesInBothOrders) {
+  constexpr int n = 3;
+  Comms comms = MakeLocal(n);
+  const size_t counts[] = {0, 1, 7, 4097, 100003};
+  const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kU8, DType::kI64};
+  for (bool receive_first : {false, true}) {
+    RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+      std::unique_ptr<Stream> other = MakeStream(absl::StrCat("recv", r));
+      Stream& recv_stream = receive_first ? *other : stream;
+      const int to = (r + 1) % n, from = (r + n - 1) % n;
+      int message = 0;
+      for (DType dtype : dtypes) {
+        for (size_t count : counts) {
+          SCOPED_TRACE(
+              absl::StrCat(DTypeName(dtype), " x ", count, receive_first ? ", recv first" : ""));
+          const size_t bytes = count * DTypeSize(dtype);
+          std::vector<uint8_t> out = Message(r, message, bytes);
+          std::vector<uint8_t> in(bytes, 0xEE);
+          absl::StatusOr<Work> received, sent;
+          if (receive_first) {
+            received = comm.Recv(in.data(), count, dtype, from, recv_stream);
+            sent = comm.Send(out.data(), count, dtype, to, stream);
+          } else {
+            sent = comm.Send(out.data(), count, dtype, to, stream);
+            received = comm.Recv(in.data(), count, dtype, from, recv_stream);
+          }
+          ASSERT_TRUE(WaitFor(sent).ok()) << WaitFor(sent);
+          ASSERT_TRUE(WaitFor(received).ok()) << WaitFor(received);
+          EXPECT_EQ(received->source(), from);
+          EXPECT_EQ(sent->source(), -1);
+          ExpectSameBytes(in, Message(from, message, bytes), "received");
+          ExpectSameBytes(out, Message(r, message, bytes), "the send's buffer");
+          ++message;
+        }
+      }
+    });
+  }
+}
+
+// Ten tags in flight from rank 0, received by rank 1 in the reverse order of their tags; two
+// messages of one tag arrive in the order they were sent.
+TEST(PointToPointTest, ManyTagsInFlightMatchByTagInOrder) {
+  Comms comms = MakeLocal(2);
+  constexpr int kTags = 10;
+  constexpr size_t kBytes = 333;
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    if (r == 0) {
+      std::vector<std::vector<uint8_t>> out;
+      for (int t = 0; t < kTags; ++t) out.push_back(Message(0, t, kBytes));
+      out.push_back(Message(0, 100, kBytes));  // a second message with tag 3
+      std::vector<Work> works;
+      for (int t = 0; t <= kTags; ++t) {
+        absl::StatusOr<Work> sent = comm.Send(out[t].data(), kBytes, DType::kU8, 1, stream,
+                                              {.match_tag = t == kTags ? 3u : uint64_t(t)});
+        ASSERT_TRUE(sent.ok()) << sent.status();
+        works.push_back(*sent);
+      }
+      for (const Work& w : works) ASSERT_TRUE(w.Wait(absl::Now() + absl::Seconds(30)).ok());
+      return;
+    }
+    std::vector<std::vector<uint8_t>> in(kTags + 1, std::vector<uint8_t>(kBytes));
+    std::vector<Work> works;
+    for (int t = kTags - 1; t >= 0; --t) {
+      absl::StatusOr<Work> received =
+          comm.Recv(in[t].data(), kBytes, DType::kU8, 0, stream, {.match_tag = uint64_t(t)});
+      ASSERT_TRUE(received.ok()) << received.status();
+      works.push_back(*received);
+    }
+    absl::StatusOr<Work> second =
+        comm.Recv(in[kTags].data(), kBytes, DType::kU8, 0, stream, {.match_tag = 3});
+    ASSERT_TRUE(second.ok()) << second.status();
+    works.push_back(*second);
+    for (const Work& w : works) ASSERT_TRUE(w.Wait(absl::Now() + absl::Seconds(30)).ok());
+    for (int t = 0; t < kTags; ++t)
+      ExpectSameBytes(in[t], Message(0, t, kBytes), absl::StrCat("tag ", t));
+    ExpectSameBytes(in[kTags], Message(0, 100, kBytes), "the second message of tag 3");
+  });
+}
+
+// Rank 0 receives from any rank, three times: each sender's message exactly once, and
+// Work::source() names who sent the buffer it filled.
+TEST(PointToPointTest, AnySourceTakesEachSendersMessage) {
+  constexpr int n = 4;
+  constexpr size_t kCount = 1001;
+  Comms comms = MakeLocal(n);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    const size_t bytes = kCount * sizeof(float);
+    if (r != 0) {
+      std::vector<uint8_t> out = Message(r, 7, bytes);
+      ASSERT_TRUE(
+          WaitFor(comm.Send(out.data(), kCount, DType::kF32, 0, stream, {.match_tag = 5})).ok());
+      return;
+    }
+    std::set<int> sources;
+    for (int k = 0; k < n - 1; ++k) {
+      std::vector<uint8_t> in(bytes);
+      absl::StatusOr<Work> received =
+          comm.Recv(in.data(), kCount, DType::kF32, kAnySource, stream, {.match_tag = 5});
+      ASSERT_TRUE(WaitFor(received).ok()) << WaitFor(received);
+      const int source = received->source();
+      ASSERT_TRUE(source >= 1 && source < n) << source;
+      EXPECT_TRUE(sources.insert(source).second) << "rank " << source << " twice";
+      ExpectSameBytes(in, Message(source, 7, bytes), absl::StrCat("from rank ", source));
+    }
+  });
+}
+
+// A receive of another size than its send fails naming both sides, as a peer error; the
+// receiver's failure aborts the group, so the sender's next operation fails too.
+TEST(PointToPointTest, AMismatchedSizeFailsNamingBothSides) {
+  Comms comms = MakeLocal(2);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    std::vector<float> buffer(7, 1.5f);
+    if (r == 0) {
+      ASSERT_TRUE(WaitFor(comm.Send(buffer.data(), 5, DType::kF32, 1, stream)).ok());
+      // Rank 1 sends nothing: this receive ends when the receiver's failure reaches this rank.
+      absl::Status next = WaitFor(comm.Recv(buffer.data(), 5, DType::kF32, 1, stream));
+      EXPECT_EQ(next.code(), absl::StatusCode::kInvalidArgument) << next;
+      EXPECT_THAT(next.message(), HasSubstr("peer rank 1 aborted"));
+      EXPECT_TRUE(IsPeerError(next)) << next;
+      EXPECT_FALSE(comm.status().ok());
+      return;
+    }
+    absl::Status status = WaitFor(comm.Recv(buffer.data(), 7, DType::kF32, 0, stream));
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(status.message(), HasSubstr("recv #0 from rank 0"));
+    EXPECT_THAT(status.message(), HasSubstr("rank 0 sent send(count=5, f32, to=1, tag=0)"));
+    EXPECT_THAT(status.message(), HasSubstr("recv(count=7, f32, from=0, tag=0)"));
+    EXPECT_TRUE(IsPeerError(status));
+    for (float v : buffer) EXPECT_EQ(v, 1.5f) << "the mismatched receive wrote its buffer";
+  });
+}
+
+// A receive whose send never comes fails at its deadline, naming the rank it waited for in the
+// words torch's tests look for; a receive from any rank names every other rank.
+TEST(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
+  Comms comms = MakeLocal(3, absl::Milliseconds(200));
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    if (r != 1) return;
+    float x = 0;
+    absl::Status status = WaitFor(comm.Recv(&x, 1, DType::kF32, 2, stream));
+    EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+    EXPECT_THAT(status.message(), HasSubstr("recv #0 from rank 2"));
+    EXPECT_THAT(status.message(), HasSubstr(" timeout after 200ms waiting for rank(s) 2"));
+  });
+  comms = MakeLocal(3, absl::Milliseconds(200));
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    if (r != 1) return;
+    float x = 0;
+    absl::Status status = WaitFor(comm.Recv(&x, 1, DType::kF32, kAnySource, stream));
+    EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+    EXPECT_THAT(status.message(), HasSubstr("recv #0 from any rank"));
+    EXPECT_THAT(status.message(), HasSubstr("waiting for rank(s) 0, 2"));
+  });
+}
+
+// A peer that dies (its communicator aborted) while this rank waits for its message: an error
+// here well before the deadline, naming that peer.
+TEST(PointToPointTest, ADeadPeerFailsTheWaitingReceive) {
+  Comms comms = MakeLocal(2, absl::Seconds(60));
+  const absl::Time start = absl::Now();
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    if (r == 0) {
+      comm.Abort(absl::UnavailableError("rank 0 died"));
+      return;
+    }
+    float x = 0;
+    absl::Status status = WaitFor(comm.Recv(&x, 1, DType::kF32, 0, stream));
+    EXPECT_FALSE(status.ok());
+    EXPECT_THAT(status.message(), HasSubstr("rank 0 died"));
+    EXPECT_TRUE(IsPeerError(status)) << status;
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+}
+
+// Bad arguments are InvalidArgument naming what was wrong, and enqueue nothing: the
+// communicator still works.
+TEST(PointToPointTest, BadArgumentsAreNamedAndEnqueueNothing) {
+  Comms comms = MakeLocal(2);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    float x = 0;
+    auto expect_invalid = [&](const absl::StatusOr<Work>& work, const std::string& text) {
+      EXPECT_EQ(work.status().code(), absl::StatusCode::kInvalidArgument) << work.status();
+      EXPECT_THAT(work.status().message(), HasSubstr(text));
+    };
+    expect_invalid(comm.Send(&x, 1, DType::kF32, 2, stream), "peer 2 is not a rank");
+    expect_invalid(comm.Send(&x, 1, DType::kF32, kAnySource, stream), "peer -1 is not a rank");
+    expect_invalid(comm.Recv(&x, 1, DType::kF32, -2, stream), "kAnySource (-1)");
+    expect_invalid(comm.Send(&x, 1, DType::kF32, r, stream), "cannot send to itself");
+    expect_invalid(comm.Recv(&x, 1, DType::kF32, r, stream), "cannot receive from itself");
+    expect_invalid(comm.Recv(nullptr, 3, DType::kF32, 1 - r, stream), "data is null");
+    expect_invalid(comm.Send(&x, 1, DType::kF32, 1 - r, stream, {.timeout = absl::Seconds(-1)}),
+                   "negative timeout");
+    // Still usable.
+    std::vector<uint8_t> out = Message(r, 1, 4), in(4);
+    absl::StatusOr<Work> sent = comm.Send(out.data(), 1, DType::kF32, 1 - r, stream);
+    absl::StatusOr<Work> received = comm.Recv(in.data(), 1, DType::kF32, 1 - r, stream);
+    ASSERT_TRUE(WaitFor(sent).ok());
+    ASSERT_TRUE(WaitFor(received).ok());
+    ExpectSameBytes(in, Message(1 - r, 1, 4), "after the bad calls");
+  });
+}
+
+// Point-to-point is outside the collectives' issue order. Rank 0 issues an all-reduce, then on
+// another stream a send; rank 1 first waits for that message, only then joins the all-reduce.
+// A send held behind the all-reduce would wait for rank 1, which waits for the send.
+TEST(PointToPointTest, StaysOutOfTheCollectivesIssueOrder) {
+  Comms comms = MakeLocal(2, absl::Seconds(20));
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    std::unique_ptr<Stream> p2p = MakeStream(absl::StrCat("p2p", r));
+    float sum = 1.0f + r, message = 0;
+    if (r == 0) {
+      absl::StatusOr<Work> reduce = comm.AllReduce(&sum, &sum, 1, DType::kF32, stream);
+      message = 4.25f;
+      absl::StatusOr<Work> sent = comm.Send(&message, 1, DType::kF32, 1, *p2p);
+      ASSERT_TRUE(WaitFor(sent).ok()) << WaitFor(sent);
+      ASSERT_TRUE(WaitFor(reduce).ok()) << WaitFor(reduce);
+    } else {
+      ASSERT_TRUE(WaitFor(comm.Recv(&message, 1, DType::kF32, 0, *p2p)).ok());
+      EXPECT_EQ(message, 4.25f);
+      ASSERT_TRUE(WaitFor(comm.AllReduce(&sum, &sum, 1, DType::kF32, stream)).ok());
+    }
+    EXPECT_EQ(sum, 3.0f);
+  });
+}
+
+TEST(PointToPointTest, BackendsWithoutItSaySo) {
+  Comms comms = MakeUcxComms(2);
+  std::unique_ptr<Stream> stream = MakeStream("ucx");
+  float x = 0;
+  absl::StatusOr<Work> sent = comms[0]->Send(&x, 1, DType::kF32, 1, *stream);
+  EXPECT_EQ(sent.status().code(), absl::StatusCode::kUnimplemented) << sent.status();
+  EXPECT_THAT(sent.status().message(), HasSubstr("ucx backend has no point-to-point"));
+  EXPECT_TRUE(comms[0]->status().ok()) << "a refused send aborted the communicator";
+}
+
+}  // namespace
+}  // namespace shardline
