@@ -68,6 +68,8 @@ bool ToOp(shardlineRedOp_t in, ReduceOp* out) {
     case shardlineProduct:
       *out = ReduceOp::kProduct;
       return true;
+    case shardlineRedOpEnumMax:
+      break;
   }
   return false;
 }

@@ -84,7 +84,10 @@ typedef enum {
   shardlineAvg = 1,
   shardlineMin = 2,
   shardlineMax = 3,
-  shardlineProduct = 4
+  shardlineProduct = 4,
+  /* Makes every int a valid value of the type: an unknown op is an InvalidArgument, not
+   * undefined behaviour in the library. Not an op. */
+  shardlineRedOpEnumMax = 0x7fffffff
 } shardlineRedOp_t;
 
 typedef struct shardlineComm_s* shardlineComm_t;
