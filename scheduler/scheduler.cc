@@ -49,6 +49,16 @@ absl::Status Scheduler::HookError(absl::string_view hook, int unit, absl::Status
   if (!absl::IsInvalidArgument(status) && !absl::IsFailedPrecondition(status)) {
     return Fail(std::move(status));
   }
+  // Unless the step already failed where no hook saw it (the framework found a failed
+  // collective on its compute stream, or in a unit's view) and this misuse follows from it:
+  // then that failure, sticky, as if a hook had seen it.
+  for (Stream* stream :
+       {&compute_, gather_stream_.get(), reduce_stream_.get(), all_reduce_stream_.get()}) {
+    if (stream == nullptr) continue;
+    if (absl::Status failed = stream->status(); !failed.ok()) {
+      return Fail(IsPeerError(failed) ? WithOrderNote(std::move(failed)) : std::move(failed));
+    }
+  }
   return status;
 }
 
