@@ -203,6 +203,10 @@ std::vector<FlightRecord> Communicator::FlightRecords() const {
   return records;
 }
 
+std::vector<FlightRecord> Communicator::PointToPointFlightRecords() const {
+  return p2p_flight_->Snapshot();
+}
+
 std::string Communicator::FlightRecordJson(absl::string_view reason) const {
   FlightDumpHeader header;
   header.communicator = name_;
@@ -213,7 +217,7 @@ std::string Communicator::FlightRecordJson(absl::string_view reason) const {
   header.capacity = flight_->capacity();
   header.recorded = flight_->recorded();
   header.next_seq = issued_.load(std::memory_order_relaxed);
-  return FlightRecordsToJson(header, FlightRecords());
+  return FlightRecordsToJson(header, FlightRecords(), PointToPointFlightRecords());
 }
 
 absl::StatusOr<std::string> Communicator::DumpFlightRecord(absl::string_view dir,
@@ -243,7 +247,7 @@ std::string Communicator::KeyName(uint64_t key) const {
 
 void Communicator::DumpAfterAbort() const {
   if (!aborted_.load(std::memory_order_acquire) || !flight_->enabled() ||
-      flight_->recorded() == 0) {
+      (flight_->recorded() == 0 && p2p_flight_->recorded() == 0)) {
     return;
   }
   const std::string dir = flight_internal::Dir();

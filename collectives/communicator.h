@@ -351,7 +351,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // The flight recorder's records, oldest first; running ones carry the peers they wait on where
   // the backend can tell (local, ucx). Empty if recording is off.
   std::vector<FlightRecord> FlightRecords() const;
-  // The JSON dump of FlightRecords() (format in flight_recorder.h), `reason` saying why.
+  // The flight records of this rank's sends and receives, oldest first (a ring of their own).
+  std::vector<FlightRecord> PointToPointFlightRecords() const;
+  // The JSON dump of FlightRecords() and PointToPointFlightRecords() (format in
+  // flight_recorder.h), `reason` saying why.
   std::string FlightRecordJson(absl::string_view reason) const;
   // Writes FlightRecordJson(reason) to FlightDumpPath(dir, name(), rank()); returns the path.
   // FailedPrecondition if recording is off; the write's error otherwise.

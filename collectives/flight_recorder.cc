@@ -40,7 +40,7 @@ absl::string_view FlightStateName(FlightState state) {
 }
 
 CollectiveFingerprint FlightRecord::fingerprint() const {
-  return CollectiveFingerprint{kind, seq, count, dtype, op, root};
+  return CollectiveFingerprint{kind, seq, count, dtype, op, root, key};
 }
 
 namespace {
@@ -86,6 +86,7 @@ void FlightRecorder::Enqueued(const CollectiveFingerprint& fp, absl::string_view
   r.dtype = fp.dtype;
   r.op = fp.op;
   r.root = fp.root;
+  r.key = fp.key;
   // assign() keeps the slot's capacity: once the ring has wrapped, recording allocates nothing.
   r.stream.assign(stream.data(), stream.size());
   r.tag.assign(tag.data(), tag.size());
@@ -150,8 +151,57 @@ std::vector<FlightRecord> FlightRecorder::Snapshot() const {
   return out;
 }
 
+namespace {
+
+// One record as a JSON object.
+void AppendRecordJson(std::string* out, const FlightRecord& r) {
+  const CollectiveFingerprint fp = r.fingerprint();
+  absl::StrAppend(out, "{\"seq\": ", r.seq, ", \"call\": ");
+  AppendJsonString(out, fp.CallString());
+  *out += ", \"kind\": ";
+  AppendJsonString(out, CollectiveName(r.kind));
+  absl::StrAppend(out, ", \"count\": ", r.count, ", \"dtype\": ");
+  AppendJsonString(out, DTypeName(r.dtype));
+  *out += ", \"op\": ";
+  AppendJsonString(out, ReduceOpName(r.op));
+  absl::StrAppend(out, ", \"root\": ", r.root);
+  if (IsPointToPoint(r.kind)) absl::StrAppend(out, ", \"key\": ", r.key);
+  *out += ", \"stream\": ";
+  AppendJsonString(out, r.stream);
+  *out += ", \"tag\": ";
+  AppendJsonString(out, r.tag);
+  *out += ", \"state\": ";
+  AppendJsonString(out, FlightStateName(r.state));
+  absl::StrAppend(out, ", \"enqueued_ns\": ", r.enqueued_ns, ", \"started_ns\": ", r.started_ns,
+                  ", \"ended_ns\": ", r.ended_ns);
+  if (r.waiting_known) {
+    *out += ", \"waiting_on\": [";
+    for (size_t i = 0; i < r.waiting_on.size(); ++i) {
+      absl::StrAppend(out, i == 0 ? "" : ", ", r.waiting_on[i]);
+    }
+    *out += "]";
+  }
+  *out += ", \"error\": ";
+  AppendJsonString(out, r.error);
+  *out += "}";
+}
+
+void AppendRecordsJson(std::string* out, const std::vector<FlightRecord>& records) {
+  *out += "[";
+  bool first = true;
+  for (const FlightRecord& r : records) {
+    *out += first ? "\n" : ",\n";
+    first = false;
+    AppendRecordJson(out, r);
+  }
+  *out += "\n]";
+}
+
+}  // namespace
+
 std::string FlightRecordsToJson(const FlightDumpHeader& header,
-                                const std::vector<FlightRecord>& records) {
+                                const std::vector<FlightRecord>& records,
+                                const std::vector<FlightRecord>& point_to_point) {
   std::string out =
       "{\"format\": \"shardline-flight-recorder\", \"version\": 1, \"communicator\": ";
   AppendJsonString(&out, header.communicator);
@@ -164,40 +214,11 @@ std::string FlightRecordsToJson(const FlightDumpHeader& header,
   AppendJsonString(&out, header.reason);
   absl::StrAppend(&out, ", \"dumped_at_ns\": ", absl::GetCurrentTimeNanos(),
                   ", \"capacity\": ", header.capacity, ", \"recorded\": ", header.recorded,
-                  ", \"next_seq\": ", header.next_seq, ",\n\"entries\": [");
-  bool first = true;
-  for (const FlightRecord& r : records) {
-    out += first ? "\n" : ",\n";
-    first = false;
-    const CollectiveFingerprint fp = r.fingerprint();
-    absl::StrAppend(&out, "{\"seq\": ", r.seq, ", \"call\": ");
-    AppendJsonString(&out, fp.CallString());
-    out += ", \"kind\": ";
-    AppendJsonString(&out, CollectiveName(r.kind));
-    absl::StrAppend(&out, ", \"count\": ", r.count, ", \"dtype\": ");
-    AppendJsonString(&out, DTypeName(r.dtype));
-    out += ", \"op\": ";
-    AppendJsonString(&out, ReduceOpName(r.op));
-    absl::StrAppend(&out, ", \"root\": ", r.root, ", \"stream\": ");
-    AppendJsonString(&out, r.stream);
-    out += ", \"tag\": ";
-    AppendJsonString(&out, r.tag);
-    out += ", \"state\": ";
-    AppendJsonString(&out, FlightStateName(r.state));
-    absl::StrAppend(&out, ", \"enqueued_ns\": ", r.enqueued_ns, ", \"started_ns\": ", r.started_ns,
-                    ", \"ended_ns\": ", r.ended_ns);
-    if (r.waiting_known) {
-      out += ", \"waiting_on\": [";
-      for (size_t i = 0; i < r.waiting_on.size(); ++i) {
-        absl::StrAppend(&out, i == 0 ? "" : ", ", r.waiting_on[i]);
-      }
-      out += "]";
-    }
-    out += ", \"error\": ";
-    AppendJsonString(&out, r.error);
-    out += "}";
-  }
-  out += "\n]}\n";
+                  ", \"next_seq\": ", header.next_seq, ",\n\"entries\": ");
+  AppendRecordsJson(&out, records);
+  out += ",\n\"point_to_point\": ";
+  AppendRecordsJson(&out, point_to_point);
+  out += "}\n";
   return out;
 }
 

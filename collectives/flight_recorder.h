@@ -17,7 +17,13 @@
 //                 "kind": "reduce_scatter", "count": 7, "dtype": "f32", "op": "sum", "root": 0,
 //                 "stream": "reduce", "tag": "block.17", "state": "running",
 //                 "enqueued_ns": ..., "started_ns": ..., "ended_ns": 0,
-//                 "waiting_on": [3], "error": ""}, ...]}
+//                 "waiting_on": [3], "error": ""}, ...],
+//    "point_to_point": [{"seq": 0, "call": "send(count=7, f32, to=1, tag=3)", "kind": "send",
+//                        ..., "root": 1, "key": 3, ...}, ...]}
+//
+// "point_to_point" holds the communicator's sends and receives (communicator.h), numbered apart
+// from the collectives, with the peer in "root" and the message tag in "key"; a dump of a
+// communicator that issued none has an empty list.
 //
 // Entries are oldest first; times are Unix nanoseconds (0: not yet); "waiting_on" is present only
 // where the backend told (see WaitingOn in communicator.h). `shardline-flight` merges the ranks'
@@ -51,13 +57,14 @@ absl::string_view FlightStateName(FlightState state);
 
 // One collective as the recorder saw it.
 struct FlightRecord {
-  // Kind, sequence number, count, dtype, op, root (as in CollectiveFingerprint).
+  // Kind, sequence number, count, dtype, op, root, key (as in CollectiveFingerprint).
   CollectiveKind kind{};
   uint64_t seq = 0;
   uint64_t count = 0;
   DType dtype = DType::kU8;
   ReduceOp op = ReduceOp::kSum;
   int32_t root = 0;
+  uint64_t key = 0;
   std::string stream;
   std::string tag;
   FlightState state = FlightState::kQueued;
@@ -128,9 +135,11 @@ struct FlightDumpHeader {
   uint64_t next_seq = 0;
 };
 
-// The JSON of a dump (the format in the file comment).
+// The JSON of a dump (the format in the file comment): the collectives' records and the
+// point-to-point operations'.
 std::string FlightRecordsToJson(const FlightDumpHeader& header,
-                                const std::vector<FlightRecord>& records);
+                                const std::vector<FlightRecord>& records,
+                                const std::vector<FlightRecord>& point_to_point = {});
 
 // "<dir>/flight.<communicator>.rank<r>.json", the communicator's name with every character other
 // than [A-Za-z0-9._-] replaced by '_'.

@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "runtime/stream.h"
 #include "tests/collectives/rank_comms.h"
+#include "tests/common/gate.h"
 #include "tests/common/rank_threads.h"
 
 namespace shardline {
@@ -203,16 +204,38 @@ TEST(PointToPointTest, AMismatchedSizeFailsNamingBothSides) {
 }
 
 // A receive whose send never comes fails at its deadline, naming the rank it waited for in the
-// words torch's tests look for; a receive from any rank names every other rank.
+// words torch's tests look for; a receive from any rank names every other rank. The flight
+// record shows both sides: the send done, the receive failed waiting on its peer.
 TEST(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
   Comms comms = MakeLocal(3, absl::Milliseconds(200));
+  testing::Gate sent;  // the receive starts once the send is done (its timeout aborts the group)
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
-    if (r != 1) return;
     float x = 0;
-    absl::Status status = WaitFor(comm.Recv(&x, 1, DType::kF32, 2, stream));
+    if (r == 2) {  // a message with another tag, which the receive must not take
+      ASSERT_TRUE(
+          WaitFor(comm.Send(&x, 1, DType::kF32, 1, stream, {.label = "probe", .match_tag = 8}))
+              .ok());
+      const std::string json = comm.FlightRecordJson("test");
+      EXPECT_THAT(json, HasSubstr("\"call\": \"send(count=1, f32, to=1, tag=8)\""));
+      EXPECT_THAT(json, HasSubstr("\"key\": 8"));
+      EXPECT_THAT(json, HasSubstr("\"tag\": \"probe\""));
+      EXPECT_THAT(json, HasSubstr("\"state\": \"done\""));
+      sent.Open();
+      return;
+    }
+    if (r != 1) return;
+    ASSERT_TRUE(sent.Wait());
+    absl::Status status = WaitFor(comm.Recv(&x, 1, DType::kF32, 2, stream, {.match_tag = 9}));
     EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
     EXPECT_THAT(status.message(), HasSubstr("recv #0 from rank 2"));
     EXPECT_THAT(status.message(), HasSubstr(" timeout after 200ms waiting for rank(s) 2"));
+    std::vector<FlightRecord> records = comm.PointToPointFlightRecords();
+    ASSERT_EQ(records.size(), 1u);
+    EXPECT_EQ(records[0].state, FlightState::kFailed);
+    EXPECT_EQ(records[0].fingerprint().CallString(), "recv(count=1, f32, from=2, tag=9)");
+    EXPECT_EQ(records[0].waiting_on, std::vector<int>{2});
+    EXPECT_TRUE(comm.FlightRecords().empty()) << "a receive recorded as a collective";
+    EXPECT_THAT(comm.FlightRecordJson("test"), HasSubstr("\"point_to_point\": [\n{\"seq\": 0"));
   });
   comms = MakeLocal(3, absl::Milliseconds(200));
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {

@@ -353,7 +353,7 @@ class FlightRecorderTest(unittest.TestCase):
 
     # --- The tool on hand-written dumps: the cases the processes above do not produce -------
 
-    def write_dump(self, comm, rank, size, entries):
+    def write_dump(self, comm, rank, size, entries, point_to_point=None):
         dump = {"format": "shardline-flight-recorder", "version": 1, "communicator": comm,
                 "backend": "ucx", "rank": rank, "size": size, "pid": 100 + rank, "host": "h",
                 "reason": "test", "dumped_at_ns": 1, "capacity": 2048, "recorded": len(entries),
@@ -368,6 +368,8 @@ class FlightRecorderTest(unittest.TestCase):
             if state == "failed":
                 e["error"] = item[5] if len(item) > 5 else "INTERNAL: boom"
             dump["entries"].append(e)
+        if point_to_point is not None:
+            dump["point_to_point"] = point_to_point
         name = comm.replace("/", "_")
         with open(os.path.join(self.dir, f"flight.{name}.rank{rank}.json"), "w") as fh:
             json.dump(dump, fh)
@@ -423,6 +425,19 @@ class FlightRecorderTest(unittest.TestCase):
         # nobody, so nobody is named.
         for r in range(2):
             self.write_dump("h", r, 2, [(3, ar, "running", "", None)])
+        # "p": the collectives are fine; rank 1's receive from rank 0 failed at its deadline
+        # after its send went out.
+        def p2p(seq, kind, call, state, waiting=None):
+            e = {"seq": seq, "call": call, "kind": kind, "count": 4, "dtype": "f32", "op": "sum",
+                 "root": 0, "key": 9, "stream": "s", "tag": "", "state": state,
+                 "enqueued_ns": 1, "started_ns": 2, "ended_ns": 3, "error": ""}
+            if waiting is not None:
+                e["waiting_on"] = waiting
+            return e
+        self.write_dump("p", 0, 2, [(0, ag, "done", "", None)], [])
+        self.write_dump("p", 1, 2, [(0, ag, "done", "", None)], [
+            p2p(0, "send", "send(count=4, f32, to=0, tag=9)", "done"),
+            p2p(1, "recv", "recv(count=4, f32, from=0, tag=9)", "failed", [0])])
         code, stdout, stderr = self.flight()
         self.assertEqual(code, 1, stdout + stderr)
         self.assertEqual(stdout.splitlines(), [
@@ -441,12 +456,15 @@ class FlightRecorderTest(unittest.TestCase):
             "waits on nobody)",
             "[i] rank 2 is behind: it last completed reduce_scatter #50 (unit u50), ranks 0-1 wait "
             "in all_gather #51 (unit u51)",
+            "[p] nothing pending: all 2 ranks completed up to #0",
+            "[p]   point-to-point: rank 1 failed in recv #1: recv(count=4, f32, from=0, tag=9), "
+            "waiting on rank 0",
             "[b] nothing pending: all 2 ranks completed up to #1",
         ])
         code, stdout, stderr = self.flight("--json")
         culprits = {f["communicator"]: f["culprits"] for f in json.loads(stdout)}
         self.assertEqual(culprits, {"a": [2], "b": [], "c": [], "d/x": [1], "e": [3], "f": [1],
-                                    "g": [3], "h": [], "i": [2]})
+                                    "g": [3], "h": [], "i": [2], "p": []})
 
     def test_bad_input(self):
         code, _, stderr = self.flight()
