@@ -33,6 +33,8 @@ shardlineResult_t Issue(absl::StatusOr<shardline::Work> work, shardlineWork_t* o
   return shardlineSuccess;
 }
 
+static_assert(SHARDLINE_ANY_SOURCE == shardline::kAnySource);
+
 }  // namespace
 
 extern "C" {
@@ -150,6 +152,32 @@ shardlineResult_t shardline_work_is_completed(shardlineWork_t work, int* complet
                "shardline_work_is_completed: NULL argument");
   *completed = work->work.IsCompleted() ? 1 : 0;
   return FromStatus(work->work.status());
+}
+
+shardlineResult_t shardline_send(shardlineComm_t comm, const void* data, size_t count,
+                                 shardlineDataType_t dtype, int peer, uint64_t tag,
+                                 shardlineStream_t stream, shardlineWork_t* work) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_COLLECTIVE_ARGS("shardline_send");
+    return Issue(comm->comm->Send(data, count, dt, peer, *stream->stream, {.match_tag = tag}),
+                 work);
+  });
+}
+
+shardlineResult_t shardline_recv(shardlineComm_t comm, void* data, size_t count,
+                                 shardlineDataType_t dtype, int peer, uint64_t tag,
+                                 shardlineStream_t stream, shardlineWork_t* work) {
+  return Guard([&]() -> shardlineResult_t {
+    SL_C_COLLECTIVE_ARGS("shardline_recv");
+    return Issue(comm->comm->Recv(data, count, dt, peer, *stream->stream, {.match_tag = tag}),
+                 work);
+  });
+}
+
+shardlineResult_t shardline_work_source(shardlineWork_t work, int* source) {
+  SL_C_REQUIRE(work != nullptr && source != nullptr, "shardline_work_source: NULL argument");
+  *source = work->work.source();
+  return shardlineSuccess;
 }
 
 shardlineResult_t shardline_work_destroy(shardlineWork_t work) {

@@ -184,6 +184,23 @@ SHARDLINE_API shardlineResult_t shardline_broadcast(shardlineComm_t comm, void* 
                                                     size_t count, shardlineDataType_t dtype,
                                                     int root, shardlineStream_t stream,
                                                     shardlineWork_t* work);
+
+/* ---- Point-to-point (the rules in collectives/communicator.h) ----------------------------- */
+/* `count` elements to rank `peer`, or from rank `peer` (shardline_recv: SHARDLINE_ANY_SOURCE
+ * receives from any rank; shardline_work_source tells which), matched by `tag`. Outside the
+ * collectives' issue order. Local communicators (shardline_comm_init_local) only, for now:
+ * elsewhere shardlineUnimplemented, naming the backend. */
+#define SHARDLINE_ANY_SOURCE (-1)
+SHARDLINE_API shardlineResult_t shardline_send(shardlineComm_t comm, const void* data, size_t count,
+                                               shardlineDataType_t dtype, int peer, uint64_t tag,
+                                               shardlineStream_t stream, shardlineWork_t* work);
+SHARDLINE_API shardlineResult_t shardline_recv(shardlineComm_t comm, void* data, size_t count,
+                                               shardlineDataType_t dtype, int peer, uint64_t tag,
+                                               shardlineStream_t stream, shardlineWork_t* work);
+/* A completed receive: the rank its data came from (-1 before it completed, if it failed, and
+ * for every other operation). */
+SHARDLINE_API shardlineResult_t shardline_work_source(shardlineWork_t work, int* source);
+
 /* Blocks until the collective finished (its error if it failed) or the timeout passed. */
 SHARDLINE_API shardlineResult_t shardline_work_wait(shardlineWork_t work, double timeout_s);
 SHARDLINE_API shardlineResult_t shardline_work_is_completed(shardlineWork_t work, int* completed);

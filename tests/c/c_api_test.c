@@ -127,6 +127,29 @@ static int AllGather(shardlineComm_t comm, int rank) {
     CHECK(fabs(product[i] - want) <= 1e-12 * fabs(want), "product: element %zu is %g, want %g", i,
           product[i], want);
   }
+  /* A ring of sends and receives (rank r sends to r + 1), tag 5, the receive from any rank on
+   * one stream and the send on another: every element, and the sender named. */
+  const int to = (rank + 1) % RANKS, from = (rank + RANKS - 1) % RANKS;
+  shardlineWork_t sent, received;
+  for (size_t i = 0; i < kCount; ++i) in[i] = Hash(9, rank, i);
+  CALL(shardline_recv(comm, out, kCount, shardlineFloat32, SHARDLINE_ANY_SOURCE, 5, stream,
+                      &received));
+  shardlineStream_t send_stream;
+  CALL(shardline_stream_create_host("send", &send_stream));
+  CALL(shardline_send(comm, in, kCount, shardlineFloat32, to, 5, send_stream, &sent));
+  CALL(shardline_work_wait(sent, 30));
+  CALL(shardline_work_wait(received, 30));
+  int source = -2;
+  CALL(shardline_work_source(received, &source));
+  CHECK(source == from, "recv from any rank: source %d, want %d", source, from);
+  for (size_t i = 0; i < kCount; ++i)
+    CHECK(out[i] == Hash(9, from, i), "recv: element %zu from rank %d", i, from);
+  shardline_work_destroy(sent);
+  shardline_work_destroy(received);
+  CALL(shardline_stream_destroy(send_stream));
+  bad = shardline_send(comm, in, kCount, shardlineFloat32, rank, 0, stream, &work);
+  CHECK(bad == shardlineInvalidArgument, "send to itself gave %s", shardline_result_string(bad));
+  CHECK(strstr(shardline_last_error(), "itself") != NULL, "message: %s", shardline_last_error());
   bad = shardline_all_reduce(comm, product, product, kCount, shardlineFloat64, (shardlineRedOp_t)99,
                              stream, &work);
   CHECK(bad == shardlineInvalidArgument, "bad op gave %s", shardline_result_string(bad));
