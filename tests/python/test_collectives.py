@@ -65,3 +65,43 @@ def test_processes(launch, nprocs):
         mapped = re.compile(rf"ucx communicator world rank {rank}: (maps the shareable memory "
                             rf"of peer rank \d|.* for peer rank \d+ failed)")
         assert mapped.search(result.output), f"rank {rank}: no mapping\n{result.describe()}"
+
+
+def test_send_recv_local_threads():
+    """Communicator.send / recv on two local ranks: a ring of hashed floats both ways (each rank
+    receives from any rank on one stream while it sends on another), every element and the
+    sender checked; a send to itself is refused naming it."""
+    import numpy as np
+
+    comms = shardline.init_local(2, timeout=60)
+    results, errors = {}, []
+
+    def rank(comm):
+        try:
+            r = comm.rank
+            mine = np.random.default_rng([7, r]).standard_normal(1001).astype(np.float32)
+            got = np.zeros(1001, np.float32)
+            recv_stream = shardline.host_stream(f"recv{r}")  # alive until the receive is done
+            received = comm.recv(got, tag=3, stream=recv_stream)
+            comm.send(mine, 1 - r, tag=3).wait(timeout=30)
+            received.wait(timeout=30)
+            results[r] = (got, received.source)
+            with pytest.raises(shardline.InvalidArgumentError, match="itself"):
+                comm.send(mine, r)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"rank {comm.rank}: {e!r}")
+            comm.abort()
+
+    threads = [threading.Thread(target=rank, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank's thread did not finish in 60 s"
+    assert not errors, "\n".join(errors)
+    assert shardline.ANY_SOURCE == -1
+    for r in range(2):
+        got, source = results[r]
+        assert source == 1 - r
+        want = np.random.default_rng([7, 1 - r]).standard_normal(1001).astype(np.float32)
+        np.testing.assert_array_equal(got, want)

@@ -44,6 +44,7 @@ _preload_framework_libraries()
 
 from . import _core  # noqa: E402
 from ._core import (  # noqa: E402
+    ANY_SOURCE,
     AlreadyExistsError,
     Checkpointer,
     Communicator,
@@ -74,7 +75,7 @@ from ._core import (  # noqa: E402
 )
 
 __all__ = [
-    "AlreadyExistsError", "Checkpointer", "Communicator", "DataLossError", "DeadlineExceededError", "Error", "FailedPreconditionError",
+    "ANY_SOURCE", "AlreadyExistsError", "Checkpointer", "Communicator", "DataLossError", "DeadlineExceededError", "Error", "FailedPreconditionError",
     "InvalidArgumentError", "Mesh", "NotFoundError", "RemoteError", "ResourceExhaustedError",
     "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "Unit", "UnitStepMetrics",
     "Work", "__version__", "empty", "export_safetensors", "host_stream", "import_safetensors", "init",

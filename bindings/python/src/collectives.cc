@@ -99,6 +99,26 @@ PyWork AllReduce(PyComm& c, nb::handle tensor, const std::string& op, nb::handle
   return MakeWork(std::move(work), {in.owner, out.owner});
 }
 
+PyWork Send(PyComm& c, nb::handle tensor, int peer, uint64_t tag, Stream* stream) {
+  Tensor t = ToTensor(tensor, "send tensor", false, c.comm->device());
+  absl::StatusOr<Work> work;
+  {
+    nb::gil_scoped_release release;
+    work = c.comm->Send(t.data, t.numel, t.dtype, peer, StreamFor(c, stream), {.match_tag = tag});
+  }
+  return MakeWork(std::move(work), {t.owner});
+}
+
+PyWork Recv(PyComm& c, nb::handle tensor, int peer, uint64_t tag, Stream* stream) {
+  Tensor t = ToTensor(tensor, "recv tensor", true, c.comm->device());
+  absl::StatusOr<Work> work;
+  {
+    nb::gil_scoped_release release;
+    work = c.comm->Recv(t.data, t.numel, t.dtype, peer, StreamFor(c, stream), {.match_tag = tag});
+  }
+  return MakeWork(std::move(work), {t.owner});
+}
+
 PyWork Broadcast(PyComm& c, nb::handle tensor, int root, Stream* stream) {
   Tensor t = ToTensor(tensor, "broadcast tensor", true, c.comm->device());
   BroadcastOptions options;
@@ -274,6 +294,14 @@ void RegisterCollectives(nb::module_& m) {
            nb::arg("stream") = nb::none(),
            "Block j of input goes to rank j; block i of output comes from rank i.")
       .def("barrier", &Barrier, nb::arg("stream") = nb::none())
+      .def("send", &Send, nb::arg("tensor"), nb::arg("peer"), nb::arg("tag") = 0,
+           nb::arg("stream") = nb::none(),
+           "Sends tensor to rank peer, matched by tag (collectives/communicator.h's rules: "
+           "outside the collectives' order). The local backend only, for now.")
+      .def("recv", &Recv, nb::arg("tensor"), nb::arg("peer") = kAnySource, nb::arg("tag") = 0,
+           nb::arg("stream") = nb::none(),
+           "Receives into tensor from rank peer (ANY_SOURCE, the default: from any rank; "
+           "Work.source tells which), matched by tag.")
       .def(
           "split",
           [](PyComm& c, int color, int key, std::optional<double> timeout_s) -> nb::object {

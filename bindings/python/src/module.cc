@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bindings/python/src/common.h"
+#include "collectives/collective_fingerprint.h"
 #include "runtime/config.h"
 
 namespace shardline::python {
@@ -32,6 +33,7 @@ NB_MODULE(_core, m) {
   namespace sp = shardline::python;
   m.doc() = "shardline's native module; import shardline instead.";
   m.attr("__version__") = SHARDLINE_VERSION_STRING;
+  m.attr("ANY_SOURCE") = shardline::kAnySource;  // Communicator.recv's peer: any rank
   sp::RegisterErrors(m);
   sp::RegisterWork(m);
   sp::RegisterTensors(m);

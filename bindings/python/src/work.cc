@@ -190,6 +190,10 @@ void RegisterWork(nb::module_& m) {
       .def(
           "is_completed", [](const PyWork& w) { return w.work.IsCompleted(); },
           "True once the collective finished, successfully or not.")
+      .def_prop_ro(
+          "source", [](const PyWork& w) { return w.work.source(); },
+          "A completed recv: the rank its data came from; -1 before, if it failed, and for "
+          "every other operation.")
       .def(
           "exception",
           [](const PyWork& w) -> nb::object {
