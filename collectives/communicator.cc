@@ -540,14 +540,21 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
   op.output_count = output_count;
   op.timeout = options.timeout == absl::ZeroDuration() ? timeout_ : options.timeout;
   issued_.store(next_seq_, std::memory_order_relaxed);
-  if (flight_->enabled()) {
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, EnqueueAndRecord(op, stream, options.tag));
+  last_done_ = done;
+  return Work(std::move(done), weak_from_this(), kind, op.fingerprint.seq);
+}
+
+absl::StatusOr<std::shared_ptr<Event>> Communicator::EnqueueAndRecord(const Op& op, Stream& stream,
+                                                                      absl::string_view label) {
+  FlightRecorder& flight = FlightOf(op.fingerprint.kind);
+  if (flight.enabled()) {
     if (!flight_registered_) {
       flight_registered_ = true;
       flight_internal::Register(weak_from_this());
     }
-    flight_->Enqueued(op.fingerprint, stream.name(), options.tag, absl::GetCurrentTimeNanos());
+    flight.Enqueued(op.fingerprint, stream.name(), label, absl::GetCurrentTimeNanos());
   }
-
   absl::Status launched = Launch(op, stream);
   if (!launched.ok()) {
     // The sequence number is spent, so the peers would wait for this rank in vain: tell them.
@@ -574,8 +581,7 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
     Abort(std::move(skipped));
     return done.status();
   }
-  last_done_ = *done;
-  return Work(*std::move(done), weak_from_this(), kind, op.fingerprint.seq);
+  return done;
 }
 
 absl::StatusOr<Work> Communicator::AllGather(const void* input, void* output, size_t count,

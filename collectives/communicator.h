@@ -484,6 +484,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   absl::StatusOr<Work> IssuePointToPoint(CollectiveKind kind, const void* input, void* output,
                                          size_t count, DType dtype, int peer, Stream& stream,
                                          const PointToPointOptions& options);
+  // After validation, with issue_mu_ held: records `op` as enqueued (in its flight ring,
+  // labelled `label`), launches it on `stream` and records its completion event. If either
+  // fails, the communicator is aborted (the peers would wait for this rank in vain).
+  absl::StatusOr<std::shared_ptr<Event>> EnqueueAndRecord(const Op& op, Stream& stream,
+                                                          absl::string_view label);
   // The flight ring of `kind`: collectives', or point-to-point's.
   FlightRecorder& FlightOf(CollectiveKind kind) const {
     return IsPointToPoint(kind) ? *p2p_flight_ : *flight_;

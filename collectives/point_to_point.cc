@@ -7,9 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "collectives/communicator.h"
-#include "collectives/internal/flight_dump.h"
 #include "runtime/status.h"
 
 namespace shardline {
@@ -91,34 +89,9 @@ absl::StatusOr<Work> Communicator::IssuePointToPoint(CollectiveKind kind, const 
   op.output_count = send ? 0 : count;
   op.timeout = options.timeout == absl::ZeroDuration() ? timeout_ : options.timeout;
   if (!send) op.source = std::make_shared<std::atomic<int>>(-1);
-  if (p2p_flight_->enabled()) {
-    if (!flight_registered_) {
-      flight_registered_ = true;
-      flight_internal::Register(weak_from_this());
-    }
-    p2p_flight_->Enqueued(op.fingerprint, stream.name(), options.label,
-                          absl::GetCurrentTimeNanos());
-  }
   std::shared_ptr<std::atomic<int>> source = op.source;
-  absl::Status launched = Launch(op, stream);
-  if (!launched.ok()) {
-    // Its peer may wait for it in vain: fail the communicator, as a collective does.
-    absl::Status skipped =
-        SkippedError(op, stream.name(), absl::StrCat("did not accept it: ", launched.message()));
-    RecordEnded(op, skipped);
-    Abort(skipped);
-    return skipped;
-  }
-  absl::StatusOr<std::shared_ptr<Event>> done = RecordEvent(stream);
-  if (!done.ok()) {
-    absl::Status skipped = SkippedError(
-        op, stream.name(),
-        absl::StrCat("could not record its completion event: ", done.status().message()));
-    RecordEnded(op, skipped);
-    Abort(std::move(skipped));
-    return done.status();
-  }
-  return Work(*std::move(done), weak_from_this(), kind, op.fingerprint.seq, std::move(source));
+  SL_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, EnqueueAndRecord(op, stream, options.label));
+  return Work(std::move(done), weak_from_this(), kind, op.fingerprint.seq, std::move(source));
 }
 
 }  // namespace shardline

@@ -31,13 +31,14 @@ def test_world1_init():
     assert run_all(world, FRAMEWORKS) > 300
 
 
-def test_world2_local_threads():
-    comms = shardline.init_local(2, timeout=60)
+def run_rank_threads(comms, fn, timeout):
+    """fn(comm) on a thread per rank; a rank that raises aborts its communicator (so that its
+    peers fail instead of waiting), and every error is reported once all threads ended."""
     errors = []
 
     def rank(comm):
         try:
-            run_all(comm, FRAMEWORKS, log=lambda m: None)
+            fn(comm)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(f"rank {comm.rank}: {e!r}")
             comm.abort()
@@ -46,9 +47,14 @@ def test_world2_local_threads():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a rank's thread did not finish in 120 s"
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), f"a rank's thread did not finish in {timeout} s"
     assert not errors, "\n".join(errors)
+
+
+def test_world2_local_threads():
+    comms = shardline.init_local(2, timeout=60)
+    run_rank_threads(comms, lambda comm: run_all(comm, FRAMEWORKS, log=lambda m: None), 120)
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
@@ -74,31 +80,21 @@ def test_send_recv_local_threads():
     import numpy as np
 
     comms = shardline.init_local(2, timeout=60)
-    results, errors = {}, []
+    results = {}
 
     def rank(comm):
-        try:
-            r = comm.rank
-            mine = np.random.default_rng([7, r]).standard_normal(1001).astype(np.float32)
-            got = np.zeros(1001, np.float32)
-            recv_stream = shardline.host_stream(f"recv{r}")  # alive until the receive is done
-            received = comm.recv(got, tag=3, stream=recv_stream)
-            comm.send(mine, 1 - r, tag=3).wait(timeout=30)
-            received.wait(timeout=30)
-            results[r] = (got, received.source)
-            with pytest.raises(shardline.InvalidArgumentError, match="itself"):
-                comm.send(mine, r)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(f"rank {comm.rank}: {e!r}")
-            comm.abort()
+        r = comm.rank
+        mine = np.random.default_rng([7, r]).standard_normal(1001).astype(np.float32)
+        got = np.zeros(1001, np.float32)
+        recv_stream = shardline.host_stream(f"recv{r}")  # alive until the receive is done
+        received = comm.recv(got, tag=3, stream=recv_stream)
+        comm.send(mine, 1 - r, tag=3).wait(timeout=30)
+        received.wait(timeout=30)
+        results[r] = (got, received.source)
+        with pytest.raises(shardline.InvalidArgumentError, match="itself"):
+            comm.send(mine, r)
 
-    threads = [threading.Thread(target=rank, args=(c,)) for c in comms]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a rank's thread did not finish in 60 s"
-    assert not errors, "\n".join(errors)
+    run_rank_threads(comms, rank, 60)
     assert shardline.ANY_SOURCE == -1
     for r in range(2):
         got, source = results[r]
