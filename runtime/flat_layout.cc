@@ -11,20 +11,26 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "runtime/check.h"
+#include "runtime/internal/flat_layout_internal.h"
 
 namespace shardline {
+
+std::string flat_layout_internal::QuoteName(absl::string_view name) {
+  return absl::StrCat("'", absl::CHexEscape(name), "'");
+}
+
 namespace {
 
 bool ValidDType(DType dtype) { return static_cast<size_t>(dtype) < kAllDTypes.size(); }
 
-std::string Quote(absl::string_view name) { return absl::StrCat("'", absl::CHexEscape(name), "'"); }
+using flat_layout_internal::QuoteName;
 
 std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 std::string SpecLabel(size_t index, absl::string_view name) {
-  return absl::StrCat("spec ", index, " (", Quote(name), ")");
+  return absl::StrCat("spec ", index, " (", QuoteName(name), ")");
 }
 
 bool MulOverflows(size_t a, size_t b, size_t* out) { return __builtin_mul_overflow(a, b, out); }
@@ -114,11 +120,11 @@ absl::StatusOr<FlatLayout> FlatLayout::Create(absl::Span<const TensorSpec> specs
       return absl::InvalidArgumentError(absl::StrCat("FlatLayout: spec ", i, " has an empty name"));
     }
     if (layout.index_by_name_.contains(spec.name)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "FlatLayout: ", SpecLabel(i, spec.name), " repeats the name of spec ",
-          layout.index_by_name_.at(spec.name),
-          " (names are unique; to share storage give a new name and tied_to = ", Quote(spec.name),
-          ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("FlatLayout: ", SpecLabel(i, spec.name), " repeats the name of spec ",
+                       layout.index_by_name_.at(spec.name),
+                       " (names are unique; to share storage give a new name and tied_to = ",
+                       QuoteName(spec.name), ")"));
     }
     if (spec.name.size() > kMaxFlatTensorNameBytes) {
       return absl::InvalidArgumentError(absl::StrCat("FlatLayout: spec ", i, " name has ",
@@ -160,7 +166,7 @@ absl::StatusOr<FlatLayout> FlatLayout::Create(absl::Span<const TensorSpec> specs
       auto it = layout.index_by_name_.find(spec.tied_to);
       if (it == layout.index_by_name_.end()) {
         return absl::InvalidArgumentError(absl::StrCat("FlatLayout: ", SpecLabel(i, spec.name),
-                                                       " is tied_to ", Quote(spec.tied_to),
+                                                       " is tied_to ", QuoteName(spec.tied_to),
                                                        ", which names no earlier spec"));
       }
       const FlatTensor& target = layout.tensors_[it->second];
@@ -361,9 +367,9 @@ absl::Status CompareLayouts(const FlatLayout& a, const FlatLayout& b, absl::stri
     const TensorSpec& sa = a.tensor(i).spec;
     const TensorSpec& sb = b.tensor(i).spec;
     const std::string where =
-        absl::StrCat("tensor ", i, " (", Quote(sa.name), " vs ", Quote(sb.name), ") ");
+        absl::StrCat("tensor ", i, " (", QuoteName(sa.name), " vs ", QuoteName(sb.name), ") ");
     if (sa.name != sb.name)
-      return differ(absl::StrCat(where, "name"), Quote(sa.name), Quote(sb.name));
+      return differ(absl::StrCat(where, "name"), QuoteName(sa.name), QuoteName(sb.name));
     if (sa.shape != sb.shape) {
       return differ(absl::StrCat(where, "shape"), ShapeString(sa.shape), ShapeString(sb.shape));
     }
@@ -371,7 +377,7 @@ absl::Status CompareLayouts(const FlatLayout& a, const FlatLayout& b, absl::stri
       return differ(absl::StrCat(where, "dtype"), DTypeName(sa.dtype), DTypeName(sb.dtype));
     }
     if (sa.tied_to != sb.tied_to) {
-      return differ(absl::StrCat(where, "tied_to"), Quote(sa.tied_to), Quote(sb.tied_to));
+      return differ(absl::StrCat(where, "tied_to"), QuoteName(sa.tied_to), QuoteName(sb.tied_to));
     }
   }
   if (a.num_tensors() != b.num_tensors()) {
@@ -379,7 +385,7 @@ absl::Status CompareLayouts(const FlatLayout& a, const FlatLayout& b, absl::stri
     return absl::InvalidArgumentError(
         absl::StrCat("flat layouts differ in the tensor count: ", a_label, " has ", a.num_tensors(),
                      ", ", b_label, " has ", b.num_tensors(), "; first extra tensor is ", n, " (",
-                     Quote(longer.tensor(n).spec.name), ")"));
+                     QuoteName(longer.tensor(n).spec.name), ")"));
   }
   return absl::OkStatus();
 }

@@ -7,6 +7,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/flat_layout.h"
+#include "runtime/internal/flat_layout_internal.h"
 
 // Serialised form, version 1, all integers little-endian:
 //   "SLFL" | u16 version | u8 element dtype | u8 reserved (0) | u32 num_shards
@@ -27,7 +28,7 @@ constexpr size_t kHeaderBytes = 4 + 2 + 1 + 1 + 4 + 8 + 8 + 8 + 4;
 // name length, one name byte, dtype, rank, tied_to, offset.
 constexpr size_t kMinTensorBytes = 4 + 1 + 1 + 1 + 4 + 8;
 
-std::string Quote(absl::string_view name) { return absl::StrCat("'", absl::CHexEscape(name), "'"); }
+using flat_layout_internal::QuoteName;
 
 class ByteWriter {
  public:
@@ -194,12 +195,12 @@ absl::StatusOr<FlatLayout> FlatLayout::Deserialize(absl::string_view bytes) {
     if (!r.U8(&dtype) || !r.U8(&rank)) return Truncated(r, absl::StrCat("tensor ", i));
     if (dtype >= kAllDTypes.size()) {
       return absl::InvalidArgumentError(absl::StrCat("FlatLayout::Deserialize: tensor ", i, " (",
-                                                     Quote(name), ") dtype code ", dtype,
+                                                     QuoteName(name), ") dtype code ", dtype,
                                                      " is not a dtype"));
     }
     if (rank > kMaxFlatTensorRank) {
       return absl::InvalidArgumentError(absl::StrCat("FlatLayout::Deserialize: tensor ", i, " (",
-                                                     Quote(name), ") rank ", rank, " exceeds ",
+                                                     QuoteName(name), ") rank ", rank, " exceeds ",
                                                      kMaxFlatTensorRank));
     }
     spec.dtype = static_cast<DType>(dtype);
@@ -214,7 +215,7 @@ absl::StatusOr<FlatLayout> FlatLayout::Deserialize(absl::string_view bytes) {
     if (tie != kNoTie) {
       if (tie >= i) {
         return absl::InvalidArgumentError(absl::StrCat("FlatLayout::Deserialize: tensor ", i, " (",
-                                                       Quote(name), ") is tied to tensor ", tie,
+                                                       QuoteName(name), ") is tied to tensor ", tie,
                                                        ", which is not an earlier tensor"));
       }
       spec.tied_to = specs[tie].name;
@@ -237,7 +238,7 @@ absl::StatusOr<FlatLayout> FlatLayout::Deserialize(absl::string_view bytes) {
   for (uint32_t i = 0; i < num_tensors; ++i) {
     if (layout->tensor(i).offset != offsets[i]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "FlatLayout::Deserialize: tensor ", i, " (", Quote(specs[i].name), ") stored offset ",
+          "FlatLayout::Deserialize: tensor ", i, " (", QuoteName(specs[i].name), ") stored offset ",
           offsets[i], " differs from the ", layout->tensor(i).offset,
           " this build computes (written by another placement rule?)"));
     }

@@ -20,7 +20,7 @@
 #include "scheduler/checkpoint/internal/kill_points.h"
 
 namespace shardline {
-namespace {
+namespace checkpoint_internal {
 
 uint64_t Fnv1a(uint64_t h, absl::string_view bytes) {
   for (const char c : bytes) {
@@ -30,10 +30,6 @@ uint64_t Fnv1a(uint64_t h, absl::string_view bytes) {
   return h;
 }
 
-}  // namespace
-
-namespace checkpoint_internal {
-
 std::string NormalizeDir(absl::string_view dir) {
   while (!dir.empty() && dir.back() == '/') dir.remove_suffix(1);
   return std::string(dir);
@@ -41,6 +37,7 @@ std::string NormalizeDir(absl::string_view dir) {
 
 }  // namespace checkpoint_internal
 
+using checkpoint_internal::Fnv1a;
 using checkpoint_internal::KillPoint;
 using checkpoint_internal::ParamCheckpointKillAt;
 using checkpoint_internal::ParseKillPoint;

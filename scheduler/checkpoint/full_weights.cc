@@ -17,17 +17,13 @@
 #include "runtime/host_kernels.h"
 #include "runtime/status.h"
 #include "scheduler/checkpoint/agree.h"
+#include "scheduler/checkpoint/internal/checkpoint_internal.h"
 
 namespace shardline {
 namespace {
 
-uint64_t Fnv1a(uint64_t h, absl::string_view bytes) {
-  for (const char c : bytes) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
+using checkpoint_internal::Fnv1a;
+
 uint64_t Fnv1a(uint64_t h, uint64_t v) {
   char buf[8];
   for (int i = 0; i < 8; ++i) buf[i] = static_cast<char>((v >> (8 * i)) & 0xFF);

@@ -12,7 +12,7 @@
 namespace shardline {
 namespace {
 
-absl::Status Bad(absl::string_view member, absl::string_view what) {
+absl::Status BadMember(absl::string_view member, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("overlap_bench JSON: '", member, "' ", what));
 }
 
@@ -20,11 +20,11 @@ absl::StatusOr<const JsonValue*> Member(const JsonValue& object, absl::string_vi
                                         absl::string_view key, JsonValue::Kind kind) {
   const JsonValue* v = object.Find(key);
   const std::string name = path.empty() ? std::string(key) : absl::StrCat(path, ".", key);
-  if (v == nullptr) return Bad(name, "is missing");
+  if (v == nullptr) return BadMember(name, "is missing");
   const bool number = kind == JsonValue::Kind::kNumber;
   if (number ? !v->is_number() : v->kind() != kind) {
-    return Bad(name, absl::StrCat("must be ", number ? "a number" : JsonKindName(kind), ", got ",
-                                  JsonKindName(v->kind())));
+    return BadMember(name, absl::StrCat("must be ", number ? "a number" : JsonKindName(kind),
+                                        ", got ", JsonKindName(v->kind())));
   }
   return v;
 }
@@ -46,8 +46,8 @@ absl::StatusOr<int64_t> Whole(const JsonValue& object, absl::string_view path,
                               absl::string_view key, int64_t lo) {
   SL_ASSIGN_OR_RETURN(double v, Number(object, path, key));
   if (!(v >= static_cast<double>(lo)) || v != std::floor(v) || v > 9e15) {
-    return Bad(path.empty() ? std::string(key) : absl::StrCat(path, ".", key),
-               absl::StrCat("must be a whole number >= ", lo, ", got ", v));
+    return BadMember(path.empty() ? std::string(key) : absl::StrCat(path, ".", key),
+                     absl::StrCat("must be a whole number >= ", lo, ", got ", v));
   }
   return static_cast<int64_t>(v);
 }
@@ -57,38 +57,40 @@ absl::StatusOr<BackwardPrefetch> ParseBackward(absl::string_view member, absl::s
        {BackwardPrefetch::kOff, BackwardPrefetch::kBeforeGrad, BackwardPrefetch::kAfterGrad}) {
     if (BackwardPrefetchName(b) == name) return b;
   }
-  return Bad(member, absl::StrCat("is not a backward prefetch mode: '", name, "'"));
+  return BadMember(member, absl::StrCat("is not a backward prefetch mode: '", name, "'"));
 }
 
 }  // namespace
 
 absl::StatusOr<OverlapBenchRun> ParseOverlapBenchJson(absl::string_view json) {
   SL_ASSIGN_OR_RETURN(JsonValue root, ParseJson(json));
-  if (root.kind() != JsonValue::Kind::kObject) return Bad("(root)", "must be an object");
+  if (root.kind() != JsonValue::Kind::kObject) return BadMember("(root)", "must be an object");
   OverlapBenchRun run;
   SL_ASSIGN_OR_RETURN(std::string bench, String(root, "", "benchmark"));
-  if (bench != "overlap_bench") return Bad("benchmark", absl::StrCat("is '", bench, "'"));
+  if (bench != "overlap_bench") return BadMember("benchmark", absl::StrCat("is '", bench, "'"));
   SL_ASSIGN_OR_RETURN(int64_t ranks, Whole(root, "", "ranks", 1));
   SL_ASSIGN_OR_RETURN(int64_t units, Whole(root, "", "units", 1));
   SL_ASSIGN_OR_RETURN(int64_t root_unit, Whole(root, "", "root_unit", -1));
   run.ranks = static_cast<int>(ranks);
   run.units = static_cast<int>(units);
   run.root_unit = static_cast<int>(root_unit);
-  if (run.root_unit >= run.units) return Bad("root_unit", "is not below 'units'");
+  if (run.root_unit >= run.units) return BadMember("root_unit", "is not below 'units'");
   SL_ASSIGN_OR_RETURN(run.ratio, Number(root, "", "ratio"));
   SL_ASSIGN_OR_RETURN(run.backward_factor, Number(root, "", "backward_factor"));
-  if (!(run.backward_factor > 0)) return Bad("backward_factor", "must be > 0");
+  if (!(run.backward_factor > 0)) return BadMember("backward_factor", "must be > 0");
   SL_ASSIGN_OR_RETURN(run.compute, String(root, "", "compute"));
   if (run.compute != "stream") {
-    return Bad("compute", absl::StrCat("is '", run.compute,
-                                       "': only runs with --compute stream can be simulated"));
+    return BadMember(
+        "compute",
+        absl::StrCat("is '", run.compute, "': only runs with --compute stream can be simulated"));
   }
   SL_ASSIGN_OR_RETURN(run.load_before, String(root, "", "load_before"));
   SL_ASSIGN_OR_RETURN(run.load_after, String(root, "", "load_after"));
   SL_ASSIGN_OR_RETURN(const JsonValue* calib,
                       Member(root, "", "calibration", JsonValue::Kind::kObject));
   SL_ASSIGN_OR_RETURN(int64_t unit_bytes, Whole(*calib, "calibration", "unit_bytes", 4));
-  if (unit_bytes % 4 != 0) return Bad("calibration.unit_bytes", "is not a multiple of 4 (f32)");
+  if (unit_bytes % 4 != 0)
+    return BadMember("calibration.unit_bytes", "is not a multiple of 4 (f32)");
   run.unit_bytes = static_cast<uint64_t>(unit_bytes);
   SL_ASSIGN_OR_RETURN(run.all_gather_us, Number(*calib, "calibration", "all_gather_us"));
   SL_ASSIGN_OR_RETURN(run.reduce_scatter_us, Number(*calib, "calibration", "reduce_scatter_us"));
@@ -97,11 +99,11 @@ absl::StatusOr<OverlapBenchRun> ParseOverlapBenchJson(absl::string_view json) {
   SL_ASSIGN_OR_RETURN(run.backward_us, Number(*calib, "calibration", "backward_us"));
   SL_ASSIGN_OR_RETURN(const JsonValue* configs,
                       Member(root, "", "configs", JsonValue::Kind::kArray));
-  if (configs->items().empty()) return Bad("configs", "is empty");
+  if (configs->items().empty()) return BadMember("configs", "is empty");
   for (size_t i = 0; i < configs->items().size(); ++i) {
     const JsonValue& c = configs->items()[i];
     const std::string path = absl::StrCat("configs[", i, "]");
-    if (c.kind() != JsonValue::Kind::kObject) return Bad(path, "must be an object");
+    if (c.kind() != JsonValue::Kind::kObject) return BadMember(path, "must be an object");
     OverlapBenchConfig config;
     SL_ASSIGN_OR_RETURN(config.name, String(c, path, "name"));
     SL_ASSIGN_OR_RETURN(int64_t fp, Whole(c, path, "forward_prefetch", 0));
@@ -121,14 +123,14 @@ absl::StatusOr<OverlapBenchRun> ParseOverlapBenchJson(absl::string_view json) {
     SL_ASSIGN_OR_RETURN(config.gathers, Number(*median, mpath, "gathers"));
     SL_ASSIGN_OR_RETURN(config.reductions, Number(*median, mpath, "reductions"));
     if (!(config.step_ms > 0) || !(config.compute_ms > 0)) {
-      return Bad(mpath, "step_ms and compute_ms must be > 0");
+      return BadMember(mpath, "step_ms and compute_ms must be > 0");
     }
     SL_ASSIGN_OR_RETURN(const JsonValue* samples,
                         Member(c, path, "samples", JsonValue::Kind::kArray));
     for (size_t j = 0; j < samples->items().size(); ++j) {
       const JsonValue& s = samples->items()[j];
       if (s.kind() != JsonValue::Kind::kObject) {
-        return Bad(absl::StrCat(path, ".samples[", j, "]"), "must be an object");
+        return BadMember(absl::StrCat(path, ".samples[", j, "]"), "must be an object");
       }
       SL_ASSIGN_OR_RETURN(double step,
                           Number(s, absl::StrCat(path, ".samples[", j, "]"), "step_ms"));

@@ -1,7 +1,8 @@
 // File: scheduler/checkpoint/internal/checkpoint_internal.h
 // -----------------------------------------------------------------------------
 // Private to the Checkpointer's sources (not installed): checkpoint.cc (creation, registration,
-// the agreements), checkpoint_save.cc and checkpoint_load.cc share these. The Checkpointer owns
+// the agreements), checkpoint_save.cc and checkpoint_load.cc share these (full_weights.cc the
+// hash). The Checkpointer owns
 // its pending background save (a SaveJob), so its constructor and destructor need the type.
 
 #ifndef SHARDLINE_SCHEDULER_CHECKPOINT_INTERNAL_CHECKPOINT_INTERNAL_H_
@@ -39,6 +40,10 @@ namespace checkpoint_internal {
 
 // `dir` without trailing slashes ("ckpt/" -> "ckpt"); "" for "" or "/".
 std::string NormalizeDir(absl::string_view dir);
+
+// FNV-1a of `bytes`, continuing from `h` (start: 0xcbf29ce484222325): the fingerprints that
+// every rank compares (the units', a save's options).
+uint64_t Fnv1a(uint64_t h, absl::string_view bytes);
 
 }  // namespace checkpoint_internal
 }  // namespace shardline
