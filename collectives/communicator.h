@@ -71,18 +71,20 @@
 //     collectives issued after it. On its own stream it is ordered like any other work: it
 //     starts after what was enqueued before it and work enqueued after it waits for it (a
 //     receive's data is there; a send's buffer may be reused).
-//   * A send completes once its data is out of its buffer: copied into the backend's buffers
-//     (local) or received. A receive completes once the data is in its buffer. The two sides
-//     must agree on the count and dtype: a receive that matches a send of another size or
-//     dtype fails naming both (InvalidArgument, a peer error), and so aborts the communicator.
+//   * A send completes once its data is out of its buffer, copied into the backend's buffers:
+//     it never waits for its receive, so two ranks that both send first do not deadlock. A
+//     receive completes once the data is in its buffer. The two sides must agree on the count
+//     and dtype: a receive that matches a send of another size or dtype fails naming both
+//     (InvalidArgument, a peer error), and so aborts the communicator; it writes nothing.
 //   * Each has its own sequence number ("send #3"), counted over this rank's sends and receives
 //     only (ranks need not issue the same ones), a fingerprint (kind, count, dtype, peer in
 //     `root`, tag in `key`), and a flight record in a ring of their own.
 //   * Deadlines and aborts as for collectives: a receive with no matching send by its deadline
 //     fails with DeadlineExceeded naming the rank(s) it waited for, and a failed send or
 //     receive aborts the communicator like a failed collective.
-//   * The backends that have them: local (kAnySource too). Elsewhere Send and Recv return
-//     Unimplemented naming the backend; nothing is enqueued.
+//   * The backends that have them: local and ucx (kAnySource on both; ucx carries message tags
+//     up to 2^36 - 1). Elsewhere Send and Recv return Unimplemented naming the backend; nothing
+//     is enqueued.
 //
 // Thread safety: collectives may be issued from several threads at once (PyTorch runs backward
 // hooks on its own threads); Issue is serialized, and the order in which the calls take the
@@ -395,9 +397,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // The stream kinds this backend can run on (default: host memory on host/caller streams).
   virtual absl::Status CheckStream(const Stream& stream) const;
-  // Whether this backend runs Send and Recv (from `peer`, possibly kAnySource): OK, or
-  // Unimplemented saying what it lacks (the default: no point-to-point at all).
-  virtual absl::Status CheckPointToPoint(CollectiveKind kind, int peer) const;
+  // Whether this backend runs Send and Recv (from `peer`, possibly kAnySource, with message tag
+  // `match_tag`): OK, or Unimplemented saying what it lacks (the default: no point-to-point at
+  // all), or InvalidArgument for a tag out of the backend's range.
+  virtual absl::Status CheckPointToPoint(CollectiveKind kind, int peer, uint64_t match_tag) const;
   // The memory this backend can move (default: any). Called before anything is enqueued, so a
   // wrong buffer is InvalidArgument and leaves the communicator intact; `where` names the call
   // ("all_reduce on world (rank 0 of 2)") for the message.

@@ -24,10 +24,12 @@ absl::StatusOr<Work> Communicator::Recv(void* data, size_t count, DType dtype, i
                            options);
 }
 
-absl::Status Communicator::CheckPointToPoint(CollectiveKind kind, int peer) const {
-  return absl::UnimplementedError(absl::StrCat("the ", backend(),
-                                               " backend has no point-to-point operations yet "
-                                               "(send and recv run on the local backend)"));
+absl::Status Communicator::CheckPointToPoint(CollectiveKind kind, int peer,
+                                             uint64_t match_tag) const {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", backend(),
+                   " backend has no point-to-point operations yet "
+                   "(send and recv run on the local and ucx backends)"));
 }
 
 absl::StatusOr<Work> Communicator::IssuePointToPoint(CollectiveKind kind, const void* input,
@@ -50,6 +52,9 @@ absl::StatusOr<Work> Communicator::IssuePointToPoint(CollectiveKind kind, const 
     return invalid("peer ", peer, " is not a rank of this communicator (size ", size_, ")",
                    send ? "" : "; kAnySource (-1) receives from any rank");
   }
+  if (any && size_ == 1) {
+    return invalid("a receive from any rank in a group of one: there is no other rank");
+  }
   if (peer == rank_) {
     return invalid("peer ", peer, " is this rank: it cannot ", send ? "send to" : "receive from",
                    " itself");
@@ -65,7 +70,7 @@ absl::StatusOr<Work> Communicator::IssuePointToPoint(CollectiveKind kind, const 
   if (bytes > 0 && (send ? input == nullptr : output == nullptr)) {
     return invalid("data is null but count is ", count);
   }
-  if (absl::Status supported = CheckPointToPoint(kind, peer); !supported.ok()) {
+  if (absl::Status supported = CheckPointToPoint(kind, peer, options.match_tag); !supported.ok()) {
     return Annotate(supported, call_site);
   }
   SL_RETURN_IF_ERROR(CheckStream(stream));

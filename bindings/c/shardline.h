@@ -188,8 +188,8 @@ SHARDLINE_API shardlineResult_t shardline_broadcast(shardlineComm_t comm, void* 
 /* ---- Point-to-point (the rules in collectives/communicator.h) ----------------------------- */
 /* `count` elements to rank `peer`, or from rank `peer` (shardline_recv: SHARDLINE_ANY_SOURCE
  * receives from any rank; shardline_work_source tells which), matched by `tag`. Outside the
- * collectives' issue order. Local communicators (shardline_comm_init_local) only, for now:
- * elsewhere shardlineUnimplemented, naming the backend. */
+ * collectives' issue order. Local and ucx communicators (a tag above 2^36 - 1 is
+ * shardlineInvalidArgument on ucx); elsewhere shardlineUnimplemented, naming the backend. */
 #define SHARDLINE_ANY_SOURCE (-1)
 SHARDLINE_API shardlineResult_t shardline_send(shardlineComm_t comm, const void* data, size_t count,
                                                shardlineDataType_t dtype, int peer, uint64_t tag,

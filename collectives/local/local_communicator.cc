@@ -168,7 +168,7 @@ class LocalCommunicator final : public Communicator {
 
  protected:
   absl::Status Run(const Op& op) override;
-  absl::Status CheckPointToPoint(CollectiveKind kind, int peer) const override {
+  absl::Status CheckPointToPoint(CollectiveKind kind, int peer, uint64_t match_tag) const override {
     return absl::OkStatus();
   }
   absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
@@ -235,9 +235,9 @@ absl::Status LocalCommunicator::RunRecv(const Op& op) {
   }
   if (message.send.count != fp.count || message.send.dtype != fp.dtype) {
     return MarkPeerError(
-        absl::InvalidArgumentError(absl::StrCat(Describe(op), ": rank ", message.from, " sent ",
-                                                message.send.ToString(), " but this rank receives ",
-                                                fp.CallString(), ": sizes and dtypes must match")),
+        absl::InvalidArgumentError(absl::StrCat(
+            Describe(op), ": rank ", message.from, " sent ", message.send.CallString(),
+            " but this rank receives ", fp.CallString(), ": sizes and dtypes must match")),
         absl::StrCat(message.from));
   }
   const size_t bytes = fp.count * op.element_size;

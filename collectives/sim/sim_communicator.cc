@@ -39,6 +39,15 @@ absl::Status SimCommunicator::CheckStream(const Stream& stream) const {
   return absl::OkStatus();
 }
 
+absl::Status SimCommunicator::CheckPointToPoint(CollectiveKind kind, int peer,
+                                                uint64_t match_tag) const {
+  if (group_->present() < size()) {
+    return absl::UnimplementedError(
+        "a representative-rank sim communicator has no peers to exchange messages with");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SimCommunicator::Launch(Op op, Stream& stream) {
   struct Task {
     std::shared_ptr<SimCommunicator> comm;
@@ -46,7 +55,8 @@ absl::Status SimCommunicator::Launch(Op op, Stream& stream) {
     std::string stream_name;
   };
   op.clock = &stream.clock();
-  group_->NoteIssued(rank(), op.fingerprint.seq);
+  const bool point_to_point = IsPointToPoint(op.fingerprint.kind);
+  if (!point_to_point) group_->NoteIssued(rank(), op.fingerprint.seq);
   auto task = std::make_shared<Task>(
       Task{std::static_pointer_cast<SimCommunicator>(shared_from_this()), op, stream.name()});
   VirtualAsyncOp async;
@@ -59,20 +69,30 @@ absl::Status SimCommunicator::Launch(Op op, Stream& stream) {
         task->comm->SkippedError(task->op, task->stream_name,
                                  absl::StrCat("was poisoned before it ran: ", poison.message())));
   };
-  async.describe = [task] { return task->comm->group_->DescribeWait(task->op.fingerprint); };
-  async.start = [task](absl::Time start, VirtualAsyncDone done) {
+  async.describe = [task, point_to_point] {
+    SimGroup& group = *task->comm->group_;
+    return point_to_point ? group.DescribePointToPoint(task->op.fingerprint, task->comm->rank())
+                          : group.DescribeWait(task->op.fingerprint);
+  };
+  async.start = [task, point_to_point](absl::Time start, VirtualAsyncDone done) {
     SimCommunicator& comm = *task->comm;
     if (absl::Status status = comm.status(); !status.ok()) {
       std::move(done)(std::move(status), start);
       return;
     }
     task->op.deadline = start + task->op.timeout;
-    comm.group_->Arrive(
-        task->comm, task->op, start,
-        [task, done = std::move(done)](absl::Status status, absl::Time end) mutable {
-          if (!status.ok()) task->comm->Abort(status);
-          std::move(done)(std::move(status), end);
-        });
+    VirtualAsyncDone end = [task, done = std::move(done)](absl::Status status,
+                                                          absl::Time end) mutable {
+      if (!status.ok()) task->comm->Abort(status);
+      std::move(done)(std::move(status), end);
+    };
+    if (!point_to_point) {
+      comm.group_->Arrive(task->comm, task->op, start, std::move(end));
+    } else if (task->op.fingerprint.kind == CollectiveKind::kSend) {
+      comm.group_->Send(task->comm, task->op, start, std::move(end));
+    } else {
+      comm.group_->Receive(task->comm, task->op, start, std::move(end));
+    }
   };
   return group_->timeline().SubmitAsync(stream, std::move(async));
 }

@@ -52,6 +52,15 @@
 // ranks whose streams have not reached it and the ranks that have not issued it). A failed or
 // aborted collective aborts the whole group, as in the local backend.
 //
+// Point-to-point (Send, Recv; the rules in communicator.h): a send ends on its stream when it
+// starts (its data copied into a message, when data moves) and its message arrives at the
+// receiver one message later: L + count*e / B (SimCollectiveCost of kSend), or with a topology
+// the topology's cost of one message between the two ranks' devices, whose transfer occupies
+// both devices' ports like a collective's. A receive ends at max(its start, its message's
+// arrival); from kAnySource it takes the earliest arrived message among each source's first of
+// its tag. A receive whose message never comes fails with DeadlineExceeded at its start +
+// timeout (as collectives do). Representative mode has no point-to-point (Unimplemented).
+//
 // Streams: only virtual streams of the group's timeline (InvalidArgument otherwise).
 //
 // Split and Dup: Split(0, rank) on every rank — what Dup() does — completes at once, without
@@ -141,7 +150,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateRepresentativeSimCommunicato
 struct SimLinkTraffic {
   double intra_node_bytes = 0;
   double inter_node_bytes = 0;
-  int64_t collectives = 0;  // collectives of more than one rank this device took part in
+  int64_t collectives = 0;  // collectives of more than one rank it took part in, messages sent
 };
 // Empty if `comm` is not a sim communicator or its simulation has no topology.
 std::vector<SimLinkTraffic> SimTrafficByDevice(const Communicator& comm);

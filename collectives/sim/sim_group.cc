@@ -228,6 +228,11 @@ void SimGroup::Fail(const absl::Status& peer_status, int own_rank, const absl::S
       }
     }
     pending_.clear();
+    for (std::deque<Arrival>& waiting : receivers_) {
+      for (Arrival& receive : waiting) failed.push_back(std::move(receive));
+      waiting.clear();
+    }
+    for (std::deque<Message>& inbox : inboxes_) inbox.clear();
   }
   // Abort may come from any thread; the collectives end inside the engine, now.
   for (Arrival& arrival : failed) {

@@ -170,6 +170,7 @@ struct Topology {
   int devices() const { return nodes * devices_per_node; }
   // A device's share of its node's NICs: nic bandwidth * nics_per_node / devices_per_node.
   double rail_bandwidth_bytes_per_s() const;
+  // `kind`: a collective (messages have no algorithms: EstimateCollective prices them alone).
   const std::vector<AlgorithmModel>& algorithms(CollectiveKind kind) const {
     return collectives[static_cast<int>(kind)];
   }
@@ -218,8 +219,9 @@ struct CollectiveCost {
   absl::Duration duration() const { return absl::Seconds(seconds()); }
 };
 
-// The cost with the best algorithm the topology lists for `kind`. InvalidArgument if the shape
-// does not fit the topology (more nodes, or more ranks per node, than it has).
+// The cost with the best algorithm the topology lists for `kind` (kSend, kRecv: one message
+// between the group's two ranks, one ring step). InvalidArgument if the shape does not fit the
+// topology (more nodes, or more ranks per node, than it has).
 absl::StatusOr<CollectiveCost> EstimateCollective(const Topology& topology, CollectiveKind kind,
                                                   size_t count, DType dtype,
                                                   const GroupShape& shape);

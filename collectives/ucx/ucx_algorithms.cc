@@ -182,7 +182,7 @@ size_t SmallPayloadBytes(const CollectiveRun& run, int from, int /*to*/) {
     case CollectiveKind::kBroadcast:
       return from == run.fp().root ? BlockBytes(run) : 0;
     case CollectiveKind::kBarrier:
-    case CollectiveKind::kSend:  // never issued here: CheckPointToPoint refuses them
+    case CollectiveKind::kSend:  // point-to-point never runs here (ucx_point_to_point.cc)
     case CollectiveKind::kRecv:
       return 0;
   }
@@ -258,7 +258,7 @@ absl::Status FinishSmall(CollectiveRun& run, const std::vector<const uint8_t*>& 
     }
     case CollectiveKind::kBarrier:
       return absl::OkStatus();
-    case CollectiveKind::kSend:  // never issued here: CheckPointToPoint refuses them
+    case CollectiveKind::kSend:  // point-to-point never runs here (ucx_point_to_point.cc)
     case CollectiveKind::kRecv:
       break;
   }

@@ -375,7 +375,7 @@ absl::Status RunLarge(CollectiveRun& run) {
       SL_RETURN_IF_ERROR(LargeAllReduce(run));
       break;
     case CollectiveKind::kBarrier:
-    case CollectiveKind::kSend:  // never issued here: CheckPointToPoint refuses them
+    case CollectiveKind::kSend:  // point-to-point never runs here (ucx_point_to_point.cc)
     case CollectiveKind::kRecv:
       break;
   }

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "collectives/ucx/internal/ucx_collective.h"
 #include "collectives/ucx/internal/ucx_communicator_internal.h"
+#include "collectives/ucx/internal/ucx_point_to_point.h"
 #include "collectives/ucx/internal/ucx_transport.h"
 #include "runtime/config.h"
 #include "runtime/host_kernels.h"
@@ -36,7 +37,11 @@ class UcxCommunicator final : public Communicator {
       : Communicator(rank, size, Device::Host(), std::move(name), timeout),
         store_(std::move(store)),
         transport_(std::move(transport)),
-        tuning_(tuning) {}
+        tuning_(tuning) {
+    if (transport_ != nullptr) {
+      point_to_point_ = std::make_unique<ucx_internal::PointToPoint>(*transport_, tuning_);
+    }
+  }
 
   // Connects the transport's failure reports to Abort(). The handler holds a plain pointer:
   // the destructor removes it (waiting for a call in flight) before anything is destroyed, and
@@ -68,6 +73,14 @@ class UcxCommunicator final : public Communicator {
 
  protected:
   absl::Status Run(const Op& op) override;
+  absl::Status CheckPointToPoint(CollectiveKind kind, int peer, uint64_t match_tag) const override {
+    if (match_tag > ucx_internal::kMaxMessageTag) {
+      return absl::InvalidArgumentError(absl::StrCat("message tag ", match_tag,
+                                                     " is out of the ucx backend's range [0, ",
+                                                     ucx_internal::kMaxMessageTag, "]"));
+    }
+    return absl::OkStatus();
+  }
   absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
                                                                int index, const std::string& name,
                                                                absl::Time deadline) override;
@@ -120,6 +133,7 @@ class UcxCommunicator final : public Communicator {
   };
 
   absl::Status RunAlone(const Op& op);
+  absl::Status RunPointToPoint(const Op& op);
   // Whether an abort raised on this thread must be sent to the peers (false while handling a
   // peer's notice).
   static thread_local bool forward_abort_;
@@ -131,6 +145,8 @@ class UcxCommunicator final : public Communicator {
   // of one communicator never run concurrently).
   std::unique_ptr<ucx_internal::Batch> batch_;
   ucx_internal::RunScratch scratch_;
+  // Send and Recv (null for a group of one); destroyed before the transport.
+  std::unique_ptr<ucx_internal::PointToPoint> point_to_point_;
 };
 
 thread_local bool UcxCommunicator::forward_abort_ = true;
@@ -150,15 +166,34 @@ absl::Status UcxCommunicator::RunAlone(const Op& op) {
       return absl::OkStatus();
     case CollectiveKind::kBroadcast:
     case CollectiveKind::kBarrier:
-    case CollectiveKind::kSend:  // never issued here: CheckPointToPoint refuses them
+    case CollectiveKind::kSend:  // never issued: a group of one has no peer
     case CollectiveKind::kRecv:
       return absl::OkStatus();
   }
   return absl::OkStatus();
 }
 
+absl::Status UcxCommunicator::RunPointToPoint(const Op& op) {
+  OpHooks hooks(*this, op);
+  if (op.fingerprint.kind == CollectiveKind::kSend) {
+    return point_to_point_->Send(op.fingerprint, op.input, op.element_size, hooks);
+  }
+  std::unique_ptr<ucx_internal::Batch> batch;
+  absl::Status status = point_to_point_->Recv(op.fingerprint, op.output, op.element_size,
+                                              op.deadline, hooks, op.source.get(), &batch);
+  if (!status.ok()) {
+    // As for a collective: the peers hear of the failure before the release waits for the
+    // cancellation of the receive.
+    RecordEnded(op, status);
+    Abort(status);
+  }
+  if (batch != nullptr) transport_->Release(std::move(batch)).reset();
+  return status;
+}
+
 absl::Status UcxCommunicator::Run(const Op& op) {
   if (size() == 1) return RunAlone(op);
+  if (IsPointToPoint(op.fingerprint.kind)) return RunPointToPoint(op);
   // Collectives run in sequence order whichever streams they were issued on (the base class
   // orders them), so every rank runs them in the same order: header tags carry no sequence
   // number and would cross otherwise.

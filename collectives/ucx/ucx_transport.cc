@@ -306,6 +306,42 @@ absl::Status UcxTransport::Recv(int peer, void* buffer, size_t bytes, uint64_t t
   return absl::OkStatus();
 }
 
+ucp_tag_message_h UcxTransport::Probe(uint64_t tag, uint64_t mask, ucp_tag_recv_info_t* info) {
+  return ucp_tag_probe_nb(worker_, tag, mask, /*remove=*/1, info);
+}
+
+void UcxTransport::RecvProbed(ucp_tag_message_h message, int peer, void* buffer, size_t bytes,
+                              Completion* c) {
+  c->expected = bytes;
+  c->peer = peer;
+  c->is_send = false;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.recv = &RecvCallback;
+  param.user_data = c;
+  static uint8_t sink = 0;
+  ucs_status_ptr_t r =
+      ucp_tag_msg_recv_nbx(worker_, bytes == 0 ? &sink : buffer, bytes, message, &param);
+  if (r == nullptr) c->length = bytes;
+  Track(r, c);
+}
+
+bool UcxTransport::Reap(Batch& batch) {
+  FreeRequests(batch);
+  for (Completion& c : batch.slots()) {
+    if (!c.done.load(std::memory_order_acquire)) return false;
+  }
+  return true;
+}
+
+void UcxTransport::Abandon(std::unique_ptr<Batch> batch) {
+  if (batch == nullptr) return;
+  FreeRequests(*batch);
+  unclean_ = true;
+  std::lock_guard<std::mutex> lock(mu_);
+  graveyard_.push_back(std::move(batch));
+}
+
 const uint8_t* UcxTransport::MapPeerRegion(int peer, uint64_t region_id, int fd, size_t bytes,
                                            size_t needed) {
   if (!map_ || !peers_[peer].pulls_from) return nullptr;

@@ -1,7 +1,8 @@
-// Communicator::Send and Communicator::Recv on the local backend: every element of odd-sized
-// messages of every dtype, both orders, many tags in flight, any source, and the failures (a size
-// mismatch, a send that never comes, a dead peer, bad arguments); point-to-point stays out of the
-// collectives' issue order; backends without it say so.
+// Communicator::Send and Communicator::Recv, the same cases on the local and ucx backends (ranks
+// as threads): every element of odd-sized messages of every dtype, both orders, many tags in
+// flight, any source, and the failures (a size or dtype mismatch, a send that never comes, a dead
+// peer, bad arguments); point-to-point stays out of the collectives' issue order; backends
+// without it say so.
 
 #include <gtest/gtest.h>
 
@@ -18,8 +19,10 @@
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
 #include "collectives/local/local_communicator.h"
+#include "collectives/sim/sim_communicator.h"
 #include "gmock/gmock.h"
 #include "runtime/stream.h"
+#include "runtime/virtual_time.h"
 #include "tests/collectives/rank_comms.h"
 #include "tests/common/gate.h"
 #include "tests/common/rank_threads.h"
@@ -34,11 +37,16 @@ using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::WaitFor;
 using ::testing::HasSubstr;
 
-Comms MakeLocal(int n, absl::Duration timeout = absl::Seconds(30)) {
-  absl::StatusOr<Comms> comms = CreateLocalCommunicators(n, {.timeout = timeout});
-  EXPECT_TRUE(comms.ok()) << comms.status();
-  return *std::move(comms);
-}
+// The backend under test: "local" or "ucx".
+class PointToPointTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  Comms Make(int n, absl::Duration timeout = absl::Seconds(30)) {
+    if (GetParam() == "ucx") return MakeUcxComms(n, timeout);
+    absl::StatusOr<Comms> comms = CreateLocalCommunicators(n, {.timeout = timeout});
+    EXPECT_TRUE(comms.ok()) << comms.status();
+    return *std::move(comms);
+  }
+};
 
 std::unique_ptr<Stream> MakeStream(const std::string& name) {
   absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = name});
@@ -70,9 +78,9 @@ void ExpectSameBytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>
 // A ring: rank r sends to r + 1 and receives from r - 1, for odd sizes of every dtype. Sends
 // first on one stream; or receives first, on a stream of their own, with the sends after them
 // on another (a receive blocks its stream until its message is there).
-TEST(PointToPointTest, EveryElementOfOddSizesInBothOrders) {
+TEST_P(PointToPointTest, EveryElementOfOddSizesInBothOrders) {
   constexpr int n = 3;
-  Comms comms = MakeLocal(n);
+  Comms comms = Make(n);
   const size_t counts[] = {0, 1, 7, 4097, 100003};
   const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kU8, DType::kI64};
   for (bool receive_first : {false, true}) {
@@ -111,8 +119,8 @@ TEST(PointToPointTest, EveryElementOfOddSizesInBothOrders) {
 
 // Ten tags in flight from rank 0, received by rank 1 in the reverse order of their tags; two
 // messages of one tag arrive in the order they were sent.
-TEST(PointToPointTest, ManyTagsInFlightMatchByTagInOrder) {
-  Comms comms = MakeLocal(2);
+TEST_P(PointToPointTest, ManyTagsInFlightMatchByTagInOrder) {
+  Comms comms = Make(2);
   constexpr int kTags = 10;
   constexpr size_t kBytes = 333;
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
@@ -151,10 +159,10 @@ TEST(PointToPointTest, ManyTagsInFlightMatchByTagInOrder) {
 
 // Rank 0 receives from any rank, three times: each sender's message exactly once, and
 // Work::source() names who sent the buffer it filled.
-TEST(PointToPointTest, AnySourceTakesEachSendersMessage) {
+TEST_P(PointToPointTest, AnySourceTakesEachSendersMessage) {
   constexpr int n = 4;
   constexpr size_t kCount = 1001;
-  Comms comms = MakeLocal(n);
+  Comms comms = Make(n);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     const size_t bytes = kCount * sizeof(float);
     if (r != 0) {
@@ -179,8 +187,8 @@ TEST(PointToPointTest, AnySourceTakesEachSendersMessage) {
 
 // A receive of another size than its send fails naming both sides, as a peer error; the
 // receiver's failure aborts the group, so the sender's next operation fails too.
-TEST(PointToPointTest, AMismatchedSizeFailsNamingBothSides) {
-  Comms comms = MakeLocal(2);
+TEST_P(PointToPointTest, AMismatchedSizeFailsNamingBothSides) {
+  Comms comms = Make(2);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     std::vector<float> buffer(7, 1.5f);
     if (r == 0) {
@@ -203,11 +211,31 @@ TEST(PointToPointTest, AMismatchedSizeFailsNamingBothSides) {
   });
 }
 
+// A receive that matches a send of as many bytes but another dtype fails the same way, before it
+// writes a byte.
+TEST_P(PointToPointTest, AMismatchedDTypeOfTheSameBytesFails) {
+  Comms comms = Make(2);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    if (r == 0) {
+      std::vector<float> out = {1.25f, -2.5f, 3.75f, 0.125f};
+      ASSERT_TRUE(WaitFor(comm.Send(out.data(), 4, DType::kF32, 1, stream, {.match_tag = 6})).ok());
+      return;
+    }
+    std::vector<double> in(2, 9.5);
+    absl::Status status =
+        WaitFor(comm.Recv(in.data(), 2, DType::kF64, 0, stream, {.match_tag = 6}));
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(status.message(), HasSubstr("rank 0 sent send(count=4, f32, to=1, tag=6)"));
+    EXPECT_THAT(status.message(), HasSubstr("recv(count=2, f64, from=0, tag=6)"));
+    EXPECT_EQ(in, std::vector<double>(2, 9.5)) << "the mismatched receive wrote its buffer";
+  });
+}
+
 // A receive whose send never comes fails at its deadline, naming the rank it waited for in the
 // words torch's tests look for; a receive from any rank names every other rank. The flight
 // record shows both sides: the send done, the receive failed waiting on its peer.
-TEST(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
-  Comms comms = MakeLocal(3, absl::Milliseconds(200));
+TEST_P(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
+  Comms comms = Make(3);
   testing::Gate sent;  // the receive starts once the send is done (its timeout aborts the group)
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     float x = 0;
@@ -225,7 +253,8 @@ TEST(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
     }
     if (r != 1) return;
     ASSERT_TRUE(sent.Wait());
-    absl::Status status = WaitFor(comm.Recv(&x, 1, DType::kF32, 2, stream, {.match_tag = 9}));
+    absl::Status status = WaitFor(comm.Recv(&x, 1, DType::kF32, 2, stream,
+                                            {.timeout = absl::Milliseconds(200), .match_tag = 9}));
     EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
     EXPECT_THAT(status.message(), HasSubstr("recv #0 from rank 2"));
     EXPECT_THAT(status.message(), HasSubstr(" timeout after 200ms waiting for rank(s) 2"));
@@ -237,11 +266,12 @@ TEST(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
     EXPECT_TRUE(comm.FlightRecords().empty()) << "a receive recorded as a collective";
     EXPECT_THAT(comm.FlightRecordJson("test"), HasSubstr("\"point_to_point\": [\n{\"seq\": 0"));
   });
-  comms = MakeLocal(3, absl::Milliseconds(200));
+  comms = Make(3);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     if (r != 1) return;
     float x = 0;
-    absl::Status status = WaitFor(comm.Recv(&x, 1, DType::kF32, kAnySource, stream));
+    absl::Status status = WaitFor(
+        comm.Recv(&x, 1, DType::kF32, kAnySource, stream, {.timeout = absl::Milliseconds(200)}));
     EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
     EXPECT_THAT(status.message(), HasSubstr("recv #0 from any rank"));
     EXPECT_THAT(status.message(), HasSubstr("waiting for rank(s) 0, 2"));
@@ -250,8 +280,8 @@ TEST(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
 
 // A peer that dies (its communicator aborted) while this rank waits for its message: an error
 // here well before the deadline, naming that peer.
-TEST(PointToPointTest, ADeadPeerFailsTheWaitingReceive) {
-  Comms comms = MakeLocal(2, absl::Seconds(60));
+TEST_P(PointToPointTest, ADeadPeerFailsTheWaitingReceive) {
+  Comms comms = Make(2, absl::Seconds(60));
   const absl::Time start = absl::Now();
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     if (r == 0) {
@@ -269,8 +299,8 @@ TEST(PointToPointTest, ADeadPeerFailsTheWaitingReceive) {
 
 // Bad arguments are InvalidArgument naming what was wrong, and enqueue nothing: the
 // communicator still works.
-TEST(PointToPointTest, BadArgumentsAreNamedAndEnqueueNothing) {
-  Comms comms = MakeLocal(2);
+TEST_P(PointToPointTest, BadArgumentsAreNamedAndEnqueueNothing) {
+  Comms comms = Make(2);
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     float x = 0;
     auto expect_invalid = [&](const absl::StatusOr<Work>& work, const std::string& text) {
@@ -285,6 +315,10 @@ TEST(PointToPointTest, BadArgumentsAreNamedAndEnqueueNothing) {
     expect_invalid(comm.Recv(nullptr, 3, DType::kF32, 1 - r, stream), "data is null");
     expect_invalid(comm.Send(&x, 1, DType::kF32, 1 - r, stream, {.timeout = absl::Seconds(-1)}),
                    "negative timeout");
+    if (GetParam() == "ucx") {
+      expect_invalid(comm.Send(&x, 1, DType::kF32, 1 - r, stream, {.match_tag = uint64_t{1} << 36}),
+                     "message tag 68719476736 is out of the ucx backend's range");
+    }
     // Still usable.
     std::vector<uint8_t> out = Message(r, 1, 4), in(4);
     absl::StatusOr<Work> sent = comm.Send(out.data(), 1, DType::kF32, 1 - r, stream);
@@ -298,8 +332,8 @@ TEST(PointToPointTest, BadArgumentsAreNamedAndEnqueueNothing) {
 // Point-to-point is outside the collectives' issue order. Rank 0 issues an all-reduce, then on
 // another stream a send; rank 1 first waits for that message, only then joins the all-reduce.
 // A send held behind the all-reduce would wait for rank 1, which waits for the send.
-TEST(PointToPointTest, StaysOutOfTheCollectivesIssueOrder) {
-  Comms comms = MakeLocal(2, absl::Seconds(20));
+TEST_P(PointToPointTest, StaysOutOfTheCollectivesIssueOrder) {
+  Comms comms = Make(2, absl::Seconds(20));
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     std::unique_ptr<Stream> p2p = MakeStream(absl::StrCat("p2p", r));
     float sum = 1.0f + r, message = 0;
@@ -318,15 +352,29 @@ TEST(PointToPointTest, StaysOutOfTheCollectivesIssueOrder) {
   });
 }
 
-TEST(PointToPointTest, BackendsWithoutItSaySo) {
-  Comms comms = MakeUcxComms(2);
-  std::unique_ptr<Stream> stream = MakeStream("ucx");
+// Where a communicator has no point-to-point (nccl, without a GPU here; a representative-rank
+// sim communicator, which has no peers), Send says so and aborts nothing.
+TEST(PointToPointBackendTest, CommunicatorsWithoutItSaySo) {
+  std::unique_ptr<VirtualTimeline> timeline = *VirtualTimeline::Create({});
+  SimOptions options;
+  options.move_data = false;
+  options.split_call = [](uint64_t, int rank) { return std::pair{0, rank}; };
+  absl::StatusOr<std::shared_ptr<Communicator>> comm =
+      CreateRepresentativeSimCommunicator(*timeline, 4, 1, options);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  std::unique_ptr<Stream> stream = *CreateVirtualStream(*timeline, {.name = "sim"});
   float x = 0;
-  absl::StatusOr<Work> sent = comms[0]->Send(&x, 1, DType::kF32, 1, *stream);
+  absl::StatusOr<Work> sent = (*comm)->Send(&x, 1, DType::kF32, 0, *stream);
   EXPECT_EQ(sent.status().code(), absl::StatusCode::kUnimplemented) << sent.status();
-  EXPECT_THAT(sent.status().message(), HasSubstr("ucx backend has no point-to-point"));
-  EXPECT_TRUE(comms[0]->status().ok()) << "a refused send aborted the communicator";
+  EXPECT_THAT(sent.status().message(), HasSubstr("send on world (rank 1 of 4)"));
+  EXPECT_THAT(sent.status().message(), HasSubstr("representative-rank sim communicator"));
+  EXPECT_TRUE((*comm)->status().ok()) << "a refused send aborted the communicator";
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, PointToPointTest, ::testing::Values("local", "ucx"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
 
 }  // namespace
 }  // namespace shardline

@@ -1,7 +1,7 @@
 // The sim backend (collectives/sim/): completion times from the cost model with staggered
 // arrivals, data against plain loops and the local backend, mismatches, stalls and virtual
-// timeouts, aborts, stream checks, phantom runs, Dup and Split, representative mode, and 64 ranks
-// in one thread.
+// timeouts, aborts, stream checks, phantom runs, Dup and Split, representative mode, 64 ranks
+// in one thread, and point-to-point (message times, data, any source, order, failures).
 
 #include "collectives/sim/sim_communicator.h"
 
@@ -92,6 +92,94 @@ std::vector<float> RandomFloats(size_t n, uint32_t seed) {
 
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Point-to-point in virtual time. A ring of 3 ranks, rank r reaching its send at 10us * r: a send
+// ends when it starts; its message (4000 bytes: 5us + 4us) arrives 9us later; the receive that
+// follows the send on the same stream ends at max(its start, the arrival). Every bit arrives.
+TEST(SimCommunicatorTest, PointToPointMessagesTakeOneMessagesCost) {
+  constexpr int n = 3;
+  constexpr size_t kCount = 1000;
+  EXPECT_EQ(SimCollectiveCost(CollectiveKind::kSend, kCount, DType::kF32, n, Model()), Us(9));
+  Sim sim(n);
+  std::vector<std::vector<float>> out, in(n, std::vector<float>(kCount, -1.0f));
+  std::vector<Work> sends, receives;
+  for (int r = 0; r < n; ++r) {
+    out.push_back(RandomFloats(kCount, 40 + r));
+    sim.Delay(r, Us(10) * r);
+    sends.push_back(
+        *sim.comms[r]->Send(out[r].data(), kCount, DType::kF32, (r + 1) % n, *sim.streams[r]));
+    receives.push_back(
+        *sim.comms[r]->Recv(in[r].data(), kCount, DType::kF32, (r + n - 1) % n, *sim.streams[r]));
+  }
+  ASSERT_TRUE(sim.timeline->RunUntilIdle().ok());
+  for (int r = 0; r < n; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    EXPECT_EQ(DoneAt(sends[r]), Us(10) * r);
+    // Rank 0 waits for rank 2's message (sent at 20us); the others' arrived before they looked.
+    EXPECT_EQ(DoneAt(receives[r]), r == 0 ? Us(29) : Us(10) * r);
+    EXPECT_TRUE(receives[r].status().ok()) << receives[r].status();
+    EXPECT_EQ(receives[r].source(), (r + n - 1) % n);
+    EXPECT_TRUE(SameBits(in[r], out[(r + n - 1) % n]));
+  }
+}
+
+// From any source: the earliest arrived message first. Messages of one source keep their order
+// even when a later, smaller one arrives first.
+TEST(SimCommunicatorTest, PointToPointFromAnySourceTakesTheEarliestArrival) {
+  Sim sim(3);
+  const std::vector<float> big = RandomFloats(4000, 1), small = RandomFloats(1, 2),
+                           late = RandomFloats(1, 3);
+  // Rank 2 at 0: 16000 bytes (arrives at 21us), then 4 bytes (arrives at 5.004us).
+  ASSERT_TRUE(sim.comms[2]->Send(big.data(), 4000, DType::kF32, 0, *sim.streams[2]).ok());
+  ASSERT_TRUE(sim.comms[2]->Send(small.data(), 1, DType::kF32, 0, *sim.streams[2]).ok());
+  // Rank 1 at 30us: 4 bytes (arrives at 35.004us).
+  sim.Delay(1, Us(30));
+  ASSERT_TRUE(sim.comms[1]->Send(late.data(), 1, DType::kF32, 0, *sim.streams[1]).ok());
+  std::vector<float> first(4000), second(1), third(1);
+  Work a = *sim.comms[0]->Recv(first.data(), 4000, DType::kF32, 2, *sim.streams[0]);
+  Work b = *sim.comms[0]->Recv(second.data(), 1, DType::kF32, kAnySource, *sim.streams[0]);
+  Work c = *sim.comms[0]->Recv(third.data(), 1, DType::kF32, kAnySource, *sim.streams[0]);
+  ASSERT_TRUE(sim.timeline->RunUntilIdle().ok());
+  EXPECT_EQ(DoneAt(a), Us(21));
+  EXPECT_TRUE(SameBits(first, big)) << "the later, smaller message overtook the first";
+  EXPECT_EQ(b.source(), 2);
+  EXPECT_EQ(DoneAt(b), Us(21));
+  EXPECT_TRUE(SameBits(second, small));
+  EXPECT_EQ(c.source(), 1);
+  EXPECT_EQ(DoneAt(c), Us(35.004));
+  EXPECT_TRUE(SameBits(third, late));
+}
+
+// A size mismatch fails the receive naming both sides, writes nothing and aborts the group; a
+// receive whose message never comes fails at its virtual deadline naming the rank.
+TEST(SimCommunicatorTest, PointToPointFailures) {
+  {
+    Sim sim(2);
+    std::vector<float> out = RandomFloats(5, 7), in(7, 0.5f);
+    ASSERT_TRUE(sim.comms[0]->Send(out.data(), 5, DType::kF32, 1, *sim.streams[0]).ok());
+    Work w = *sim.comms[1]->Recv(in.data(), 7, DType::kF32, 0, *sim.streams[1]);
+    ASSERT_TRUE(sim.timeline->RunUntilIdle().ok());
+    EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument) << w.status();
+    EXPECT_THAT(w.status().message(), HasSubstr("rank 0 sent send(count=5, f32, to=1, tag=0) but "
+                                                "this rank receives recv(count=7, f32, from=0"));
+    EXPECT_EQ(in, std::vector<float>(7, 0.5f));
+    // The receiver's failure aborted the group: the sender's next operation fails with it.
+    Work next = *sim.comms[0]->Send(out.data(), 5, DType::kF32, 1, *sim.streams[0]);
+    ASSERT_TRUE(sim.timeline->RunUntilIdle().ok());
+    EXPECT_THAT(next.status().message(), HasSubstr("peer rank 1 aborted")) << next.status();
+  }
+  {
+    Sim sim(3);
+    float x = 0;
+    Work w = *sim.comms[1]->Recv(&x, 1, DType::kF32, kAnySource, *sim.streams[1],
+                                 {.timeout = Us(100), .match_tag = 3});
+    sim.Delay(0, absl::Milliseconds(1));  // moves the clock past the deadline
+    ASSERT_TRUE(sim.timeline->RunUntilIdle().ok());
+    EXPECT_EQ(w.status().code(), absl::StatusCode::kDeadlineExceeded) << w.status();
+    EXPECT_THAT(w.status().message(), HasSubstr("waiting for rank(s) 0, 2"));
+    EXPECT_EQ(DoneAt(w), Us(100));
+  }
 }
 
 TEST(SimCommunicatorTest, CostModel) {

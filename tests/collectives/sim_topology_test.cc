@@ -273,6 +273,34 @@ TEST(SimTopologyTest, OverlappingCollectivesShareTheirPorts) {
   }
 }
 
+// A message between the nodes takes the topology's cost of one message; two messages out of one
+// device share its network port (L + 2X each); one between other devices does not.
+TEST(SimTopologyTest, MessagesTakeTheModelsTimeAndShareTheirPorts) {
+  auto topo = TwoNodes();
+  const size_t count = 1000000;  // 4 MB
+  const CollectiveCost c = Cost(*topo, CollectiveKind::kSend, count, {2, 2, 1});
+  const double L = c.latency_s * 1e6, X = c.transfer_s * 1e6;
+  EXPECT_GT(c.inter_bytes, 0);
+  Sim sim(8, On(topo), 2);
+  // Device 0 sends to 4 and 5 at once (sharing its port); device 1 sends to 6.
+  std::vector<Work> received;
+  ASSERT_TRUE(sim.comms[0]->Send(kIn, count, DType::kF32, 4, *sim.streams[0][0]).ok());
+  ASSERT_TRUE(sim.comms[0]->Send(kIn, count, DType::kF32, 5, *sim.streams[1][0]).ok());
+  ASSERT_TRUE(sim.comms[1]->Send(kIn, count, DType::kF32, 6, *sim.streams[0][1]).ok());
+  for (int r : {4, 5, 6}) {
+    received.push_back(
+        *sim.comms[r]->Recv(kOut, count, DType::kF32, r == 6 ? 1 : 0, *sim.streams[0][r]));
+  }
+  ASSERT_TRUE(sim.timeline->RunUntilIdle().ok());
+  ExpectUs(DoneUs(received[0]), L + 2 * X);
+  ExpectUs(DoneUs(received[1]), L + 2 * X);
+  ExpectUs(DoneUs(received[2]), L + X);
+  // The senders' traffic counts the network bytes.
+  const std::vector<SimLinkTraffic> traffic = SimTrafficByDevice(*sim.comms[0]);
+  EXPECT_DOUBLE_EQ(traffic[0].inter_node_bytes, 2 * c.inter_bytes);
+  EXPECT_DOUBLE_EQ(traffic[1].inter_node_bytes, c.inter_bytes);
+}
+
 // Collectives on disjoint ports do not interfere: two all-gathers on the two halves of one node,
 // and a network all-reduce next to an all-gather inside the node on other devices.
 TEST(SimTopologyTest, DisjointPortsDoNotShare) {

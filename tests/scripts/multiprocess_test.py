@@ -157,6 +157,24 @@ class MultiprocessUcxTest(unittest.TestCase):
         self.assertIsNone(CRASH.search(out), out)
         self.assertLess(took, 60, out)
 
+    def test_point_to_point(self):
+        self.expect_ok(3, "p2p", timeout=120)
+
+    def test_point_to_point_over_tcp(self):
+        self.expect_ok(2, "p2p", timeout=120, env={"SHARDLINE_UCX_SHM": "0"})
+
+    def test_killed_rank_fails_the_receives_waiting_for_it(self):
+        code, out, took = run(3, "p2p_kill", timeout=90, grace=30)
+        self.assertRegex(out, r"rank 1 \(pid \d+\) was killed by signal 9", out)
+        for r in (0, 2):
+            m = re.search(rf"SURVIVOR rank {r} failed after ([0-9.]+) s: (\w+)", out)
+            self.assertIsNotNone(m, f"rank {r} did not report the failure:\n{out}")
+            self.assertLess(float(m.group(1)), 20 + 5, out)
+            self.assertIn(m.group(2), ("UNAVAILABLE", "ABORTED"), out)
+            self.assertRegex(out, rf"rank {r} \(pid \d+\) exited with status {SURVIVOR_EXIT}\b",
+                             f"rank {r} did not exit cleanly:\n{out}")
+        self.assertIsNone(CRASH.search(out), out)
+
     def test_killed_rank_is_an_error_on_every_survivor(self):
         # The default: large messages between the processes are single-copy (CMA) reads.
         self.check_kill({})

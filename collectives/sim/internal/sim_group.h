@@ -7,12 +7,14 @@
 //   sim_communicator.cc  SimCommunicator, the factories, the cost model without a topology
 //   sim_group.cc         a group's collectives: arrival, timeout, completion, data, abort
 //   sim_split.cc         a group's splits and the groups they create
+//   sim_point_to_point.cc  a group's sends and receives
 
 #ifndef SHARDLINE_COLLECTIVES_SIM_INTERNAL_SIM_GROUP_H_
 #define SHARDLINE_COLLECTIVES_SIM_INTERNAL_SIM_GROUP_H_
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -59,6 +61,7 @@ class SimCommunicator final : public Communicator {
   }
   absl::Status Launch(Op op, Stream& stream) override;
   absl::Status CheckStream(const Stream& stream) const override;
+  absl::Status CheckPointToPoint(CollectiveKind kind, int peer, uint64_t match_tag) const override;
   absl::StatusOr<std::shared_ptr<Communicator>> SplitImpl(int color, int key,
                                                           absl::Time deadline) override;
   absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
@@ -85,7 +88,9 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
         options_(options),
         arbiter_(std::move(arbiter)),
         representative_(representative),
-        issued_(size, 0) {
+        issued_(size, 0),
+        inboxes_(size),
+        receivers_(size) {
     if (options_.topology != nullptr) {
       absl::StatusOr<GroupShape> shape = GroupShapeOf(*options_.topology, options_.devices);
       SL_CHECK_OK(shape.status());
@@ -111,6 +116,19 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
   // What the collective `seq` waits for: "all_gather #3 on world (sim; ranks waiting: 0; not
   // issued: 1)".
   std::string DescribeWait(const CollectiveFingerprint& fp);
+
+  // Point-to-point (sim_point_to_point.cc; the rules in communicator.h). A send ends on its
+  // stream at `start` (its data copied, when the simulation moves data); its message reaches
+  // the receiver one message's cost later: SimCollectiveCost(kSend), or with a topology its
+  // latency, then its transfer over the two devices' ports, shared like a collective's. A
+  // receive ends when its message has arrived: at its start if it had, else at the arrival;
+  // at its deadline, DeadlineExceeded.
+  void Send(std::shared_ptr<SimCommunicator> comm, const SimCommunicator::Op& op, absl::Time start,
+            VirtualAsyncDone done);
+  void Receive(std::shared_ptr<SimCommunicator> comm, const SimCommunicator::Op& op,
+               absl::Time start, VirtualAsyncDone done);
+  // "recv #2 from rank 1 on world (sim; no matching message has arrived)".
+  std::string DescribePointToPoint(const CollectiveFingerprint& fp, int rank);
 
   // Fails every collective in flight, and every later one, with `reason` (from rank `rank`).
   void Abort(int rank, const absl::Status& reason) {
@@ -149,6 +167,14 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
     std::vector<std::optional<Arrival>> ranks;
     int arrived = 0;
   };
+  // A sent message, in its receiver's inbox from its send until a receive takes it.
+  struct Message {
+    int from = 0;
+    CollectiveFingerprint send;
+    std::shared_ptr<uint8_t[]> data;  // null when the simulation moves no data
+    bool arrived = false;
+    uint64_t arrival = 0;  // order of arrival, once arrived
+  };
   struct ChildEntry {
     std::shared_ptr<SimGroup> group;
     int joined = 0;
@@ -162,6 +188,15 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
   };
 
   void TimeOut(uint64_t seq, int rank);
+  // Point-to-point: the message a waiting receive of `fp` takes from `inbox` (inbox.end() if
+  // none yet) — per source the first of its tag, the earliest arrived among them.
+  static std::deque<Message>::iterator Candidate(std::deque<Message>& inbox,
+                                                 const CollectiveFingerprint& fp);
+  // Matches `rank`'s waiting receives with arrived messages (mu_ held); the matched receives
+  // are moved to `ready` with their messages, to be finished without the lock.
+  void Match(int rank, std::vector<std::pair<Arrival, Message>>* ready);
+  void FinishReceives(std::vector<std::pair<Arrival, Message>> ready);
+  void ReceiveTimeOut(int rank, uint64_t seq);
   // Every rank arrived: compare fingerprints, then complete at the last arrival + cost.
   void Complete(std::vector<Arrival> ranks);
   // At the completion time: move the data and end the collective on every rank.
@@ -181,6 +216,9 @@ class SimGroup : public std::enable_shared_from_this<SimGroup> {
   std::vector<uint64_t> issued_;
   std::map<uint64_t, SplitEntry> splits_;
   std::map<std::string, ChildEntry> children_;
+  std::vector<std::deque<Message>> inboxes_;    // per receiving rank
+  std::vector<std::deque<Arrival>> receivers_;  // per rank: its waiting receives, in order
+  uint64_t arrivals_ = 0;
 };
 
 }  // namespace shardline::sim_internal

@@ -73,10 +73,11 @@ namespace shardline::ucx_internal {
 // sequence: headers from one peer are matched in send order, so a peer that is at another
 // collective is reported as a mismatch instead of never matching.
 enum class Phase : uint64_t {
-  kHeader = 0,  // fingerprint (+ the payload of a small collective)
-  kData = 2,    // first data phase of large collectives
-  kGather = 3,  // all-gather phase of the large all-reduce
-  kWireup = 4,  // the one-message handshake at creation (never used by a collective)
+  kHeader = 0,        // fingerprint (+ the payload of a small collective)
+  kData = 2,          // first data phase of large collectives
+  kGather = 3,        // all-gather phase of the large all-reduce
+  kWireup = 4,        // the one-message handshake at creation (never used by a collective)
+  kPointToPoint = 5,  // Send / Recv (their own tag layout: ucx_point_to_point.h)
   // 8 | p: the receiver's "read done" answer to a single-copy (CMA) message of phase p.
   kDataFin = 10,
   kGatherFin = 11,
@@ -240,6 +241,17 @@ class UcxTransport {
   absl::Status SendIov(int peer, const ucp_dt_iov_t* iov, size_t count, uint64_t tag,
                        Completion* c);
   absl::Status Recv(int peer, void* buffer, size_t bytes, uint64_t tag, Completion* c);
+  // Takes the earliest arrived message whose tag matches `tag` in the bits of `mask` off the
+  // unexpected queue (null if none has arrived; `info` then says nothing): its sender's tag and
+  // length are in `info`, and RecvProbed must receive it. Any thread.
+  ucp_tag_message_h Probe(uint64_t tag, uint64_t mask, ucp_tag_recv_info_t* info);
+  // Receives the probed `message` (of `bytes`, as Probe said) into `buffer`, completing `c`.
+  void RecvProbed(ucp_tag_message_h message, int peer, void* buffer, size_t bytes, Completion* c);
+  // Frees the requests of `batch` that are done; whether none is still pending.
+  bool Reap(Batch& batch);
+  // Keeps `batch`, whose requests may still be pending, until the transport is destroyed
+  // (which then closes the endpoints by force): for sends that nobody will receive.
+  void Abandon(std::unique_ptr<Batch> batch);
 
   // Progresses the worker, then handles control messages and endpoint failures. Returns
   // whether UCX reported any activity.

@@ -50,6 +50,12 @@
 //                                shareable input is freed while the peers map it and the arena's
 //                                resident bytes must drop by its size. Prints "OK register rank r
 //                                path <name>"
+//   collectives_mp p2p           Send / Recv: a ring of hashed messages of odd sizes (up to 16 MiB
+//                                + 3 bytes) with sends first on one stream, then receives first;
+//                                every rank's message received from any source on rank 0; every
+//                                byte checked
+//   collectives_mp p2p_kill      rank 1 SIGKILLs itself while every other rank waits for its
+//                                message; survivors fail within the deadline (as kill)
 //   collectives_mp bench         ad-hoc timings on rank 0 and each rank's memcpy reference
 //                                (SL_BENCH_HUGE=1: buffers on transparent huge pages)
 //
@@ -983,6 +989,107 @@ int ShrinkScenario() {
   return 0;
 }
 
+// Hashed bytes of (sender, message, i): every message different, no period along it.
+std::vector<uint8_t> MessageBytes(int from, int message, size_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  for (size_t i = 0; i < bytes; ++i) {
+    uint64_t x = (uint64_t(from) << 56) ^ (uint64_t(message) << 40) ^ i;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    out[i] = static_cast<uint8_t>(x ^ (x >> 31));
+  }
+  return out;
+}
+
+void ExpectBytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want,
+                 const std::string& what) {
+  Expect(got.size() == want.size(), absl::StrCat(what, ": size"));
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) Fail(absl::StrCat(what, ": byte ", i, " differs"));
+  }
+}
+
+int PointToPointScenario() {
+  World w = Join(absl::Seconds(60));
+  absl::StatusOr<std::unique_ptr<Stream>> other = CreateHostStream({.name = "recv"});
+  ExpectOk(other.status(), "stream");
+  const int to = (g_rank + 1) % g_size, from = (g_rank + g_size - 1) % g_size;
+  int message = 0;
+  for (bool receive_first : {false, true}) {
+    // Sends first: the sends and receives share one stream (a send never waits for its
+    // receive). Receives first: on a stream of their own.
+    Stream& recv_stream = receive_first ? **other : *w.stream;
+    for (size_t bytes :
+         {size_t{0}, size_t{1}, size_t{4099}, size_t{1000003}, (size_t{16} << 20) + 3}) {
+      const std::string what = absl::StrCat(bytes, " bytes", receive_first ? ", recv first" : "");
+      std::vector<uint8_t> out = MessageBytes(g_rank, message, bytes), in(bytes, 0xEE);
+      absl::StatusOr<Work> sent, received;
+      if (receive_first) {
+        received = w.comm->Recv(in.data(), bytes, DType::kU8, from, recv_stream, {.match_tag = 4});
+        sent = w.comm->Send(out.data(), bytes, DType::kU8, to, *w.stream, {.match_tag = 4});
+      } else {
+        sent = w.comm->Send(out.data(), bytes, DType::kU8, to, *w.stream, {.match_tag = 4});
+        received = w.comm->Recv(in.data(), bytes, DType::kU8, from, recv_stream, {.match_tag = 4});
+      }
+      ExpectOk(WaitFor(sent), absl::StrCat("send of ", what));
+      ExpectOk(WaitFor(received), absl::StrCat("recv of ", what));
+      Expect(received->source() == from, absl::StrCat(what, ": source"));
+      ExpectBytes(in, MessageBytes(from, message, bytes), what);
+      ++message;
+    }
+  }
+  // Rank 0 receives every other rank's f32 message from any source.
+  constexpr size_t kCount = 70001;
+  if (g_rank != 0) {
+    std::vector<uint8_t> out = MessageBytes(g_rank, 99, kCount * 4);
+    ExpectOk(WaitFor(w.comm->Send(out.data(), kCount, DType::kF32, 0, *w.stream)), "send to 0");
+  } else {
+    std::vector<bool> seen(g_size, false);
+    for (int k = 1; k < g_size; ++k) {
+      std::vector<uint8_t> in(kCount * 4);
+      absl::StatusOr<Work> received =
+          w.comm->Recv(in.data(), kCount, DType::kF32, kAnySource, *w.stream);
+      ExpectOk(WaitFor(received), "recv from any");
+      const int source = received->source();
+      Expect(source > 0 && source < g_size && !seen[source], absl::StrCat("source ", source));
+      seen[source] = true;
+      ExpectBytes(in, MessageBytes(source, 99, kCount * 4), absl::StrCat("from rank ", source));
+    }
+  }
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  std::printf("OK p2p rank %d\n", g_rank);
+  std::fflush(stdout);
+  return 0;
+}
+
+// Rank 1 dies while every other rank waits in a receive from it.
+int PointToPointKill() {
+  const absl::Duration timeout = absl::Seconds(20);
+  World w = Join(timeout);
+  ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  if (g_rank == 1) {
+    absl::SleepFor(absl::Milliseconds(50));
+    raise(SIGKILL);
+  }
+  const absl::Time start = absl::Now();
+  std::vector<float> in(1 << 20);
+  absl::Status status = WaitFor(w.comm->Recv(in.data(), in.size(), DType::kF32, 1, *w.stream));
+  const absl::Duration took = absl::Now() - start;
+  if (status.ok()) Fail("a receive from a dead rank succeeded");
+  std::printf("SURVIVOR rank %d failed after %.2f s: %s\n", g_rank, absl::ToDoubleSeconds(took),
+              status.ToString().c_str());
+  Expect(took < timeout + absl::Seconds(5), "survivor took longer than the deadline");
+  std::fflush(stdout);
+  const absl::Time shutdown = absl::Now();
+  w.stream.reset();
+  w.comm.reset();
+  w.store.reset();
+  std::printf("SHUTDOWN rank %d in %.2f s\n", g_rank,
+              absl::ToDoubleSeconds(absl::Now() - shutdown));
+  std::fflush(stdout);
+  return kSurvivorExit;
+}
+
 // Host memory for the benchmark; `huge`: 2 MiB aligned and backed by transparent huge pages
 // where the kernel allows it (single-copy reads pin the source page by page: far fewer pages).
 std::unique_ptr<float, void (*)(void*)> BenchBuffer(size_t count, bool huge) {
@@ -1054,6 +1161,8 @@ int main(int argc, char** argv) {
   if (scenario == "flood") return shardline::FloodScenario();
   if (scenario == "skipped") return shardline::Skipped();
   if (scenario == "bench") return shardline::Bench();
+  if (scenario == "p2p") return shardline::PointToPointScenario();
+  if (scenario == "p2p_kill") return shardline::PointToPointKill();
   if (scenario == "register") return shardline::Register();
   if (scenario == "hosts") return shardline::HostsScenario();
   if (scenario == "crossing") return shardline::Crossing();

@@ -1,0 +1,82 @@
+// File: collectives/ucx/internal/ucx_point_to_point.h
+// -----------------------------------------------------------------------------
+// Send and Recv of the ucx backend (backend-private; the rules are communicator.h's).
+//
+// A message is one UCX tagged message whose tag says everything the receiver checks before it
+// writes a byte: the phase (kPointToPoint), the sender's rank, the dtype and the message tag;
+// its length is the count. A receive probes the unexpected queue for the earliest arrived
+// message that matches its peer (any peer for kAnySource) and message tag, checks its dtype and
+// length, and only then receives it into the caller's buffer; a message of another size or dtype
+// is a peer error naming both sides. UCX matches messages of one sender and tag in the order
+// they were sent, which is the non-overtaking rule.
+//
+// A send copies its data into a buffer of its own and posts the message: it completes at once,
+// never waiting for its receive (two ranks that both send first do not deadlock), and the
+// transport's progress (the idle progress thread, or any thread waiting in a collective or a
+// receive) carries the message to its receiver. Sent buffers are reused once their messages are
+// delivered; those still undelivered when the communicator is destroyed stay with the transport,
+// which closes its endpoints by force.
+//
+// A receive waits like a collective: it progresses the worker itself (the idle progress thread
+// pauses meanwhile), spins for SHARDLINE_UCX_SPIN_US, then sleeps on the worker's event fd, and
+// fails on an aborted communicator, a dead peer on this host, or its deadline (naming the ranks
+// it waited for). Receives run concurrently with collectives of other streams: all of them
+// progress the one worker (UCS_THREAD_MODE_MULTI), so a receive that progresses the worker wakes
+// the other waiters, and sleeps at most 5 ms at a time (another thread may have taken the event
+// that announced its message).
+
+#ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_POINT_TO_POINT_H_
+#define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_POINT_TO_POINT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "collectives/communicator.h"
+#include "collectives/ucx/internal/ucx_collective.h"
+#include "collectives/ucx/internal/ucx_transport.h"
+
+namespace shardline::ucx_internal {
+
+// Point-to-point tag layout (64 bits): phase (4) | source rank (16) | dtype (8) | message tag
+// (36). The largest message tag the backend carries:
+constexpr uint64_t kMaxMessageTag = (uint64_t{1} << 36) - 1;
+
+class PointToPoint {
+ public:
+  // `transport` outlives this object.
+  PointToPoint(UcxTransport& transport, Tuning tuning) : transport_(transport), tuning_(tuning) {}
+  PointToPoint(const PointToPoint&) = delete;
+  PointToPoint& operator=(const PointToPoint&) = delete;
+  // Hands the sends still undelivered to the transport (UcxTransport::Abandon).
+  ~PointToPoint();
+
+  // `fp` is the operation's (kind kSend / kRecv, count, dtype, peer in root, tag in key).
+  absl::Status Send(const CollectiveFingerprint& fp, const void* data, size_t element_size,
+                    const CollectiveHooks& hooks);
+  // Stores the sender's rank in `source` once the data is in `data`. `batch` receives the
+  // batch of a receive that failed, for the caller to release after it aborted the
+  // communicator (its request may still be pending).
+  absl::Status Recv(const CollectiveFingerprint& fp, void* data, size_t element_size,
+                    absl::Time deadline, const CollectiveHooks& hooks, std::atomic<int>* source,
+                    std::unique_ptr<Batch>* batch);
+
+ private:
+  // A batch with no slot and no buffer in use: a recycled one, else a new one.
+  std::unique_ptr<Batch> TakeBatch();
+  // Moves the sends whose messages were delivered back to the free batches.
+  void ReapSends();
+
+  UcxTransport& transport_;
+  const Tuning tuning_;
+  std::mutex mu_;  // guards sending_ and free_ (sends and receives run on any stream)
+  std::vector<std::unique_ptr<Batch>> sending_;  // one undelivered message each
+  std::vector<std::unique_ptr<Batch>> free_;
+};
+
+}  // namespace shardline::ucx_internal
+
+#endif  // SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_POINT_TO_POINT_H_

@@ -1,0 +1,201 @@
+#include "collectives/ucx/internal/ucx_point_to_point.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/functional/function_ref.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "runtime/status.h"
+
+namespace shardline::ucx_internal {
+namespace {
+
+constexpr uint64_t kSourceBits = uint64_t{0xFFFF} << 44;
+constexpr uint64_t kDTypeBits = uint64_t{0xFF} << 36;
+// How many delivered sends' batches (each keeping up to Batch::kRetainBytes) wait for reuse.
+constexpr size_t kFreeBatches = 8;
+// The longest sleep of a receive: another thread progressing the worker may take the event that
+// announced its message.
+constexpr absl::Duration kLongestSleep = absl::Milliseconds(5);
+
+uint64_t MessageTag(int source, DType dtype, uint64_t tag) {
+  return (static_cast<uint64_t>(Phase::kPointToPoint) << 60) |
+         (static_cast<uint64_t>(source) << 44) | (static_cast<uint64_t>(dtype) << 36) |
+         (tag & kMaxMessageTag);
+}
+
+}  // namespace
+
+PointToPoint::~PointToPoint() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (std::unique_ptr<Batch>& batch : sending_) {
+    if (!transport_.Reap(*batch)) transport_.Abandon(std::move(batch));
+  }
+}
+
+std::unique_ptr<Batch> PointToPoint::TakeBatch() {
+  std::unique_ptr<Batch> batch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!free_.empty()) {
+      batch = std::move(free_.back());
+      free_.pop_back();
+    }
+  }
+  if (batch == nullptr) batch = std::make_unique<Batch>();
+  batch->set_limit_bytes(tuning_.staging_limit_bytes);
+  return batch;
+}
+
+void PointToPoint::ReapSends() {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto delivered =
+      std::partition(sending_.begin(), sending_.end(),
+                     [&](const std::unique_ptr<Batch>& b) { return !transport_.Reap(*b); });
+  for (auto it = delivered; it != sending_.end(); ++it) {
+    if (free_.size() == kFreeBatches) break;
+    (*it)->Reset();
+    free_.push_back(std::move(*it));
+  }
+  sending_.erase(delivered, sending_.end());
+}
+
+absl::Status PointToPoint::Send(const CollectiveFingerprint& fp, const void* data,
+                                size_t element_size, const CollectiveHooks& hooks) {
+  ReapSends();
+  const size_t bytes = fp.count * element_size;
+  std::unique_ptr<Batch> batch = TakeBatch();
+  uint8_t* copy = nullptr;
+  if (bytes > 0) {
+    absl::StatusOr<uint8_t*> buffer = batch->Buffer(bytes);
+    if (!buffer.ok()) return Annotate(buffer.status(), hooks.describe());
+    copy = *buffer;
+    std::memcpy(copy, data, bytes);
+  }
+  Completion* c = batch->Add(fp.root, /*is_send=*/true);
+  SL_RETURN_IF_ERROR(
+      transport_.Send(fp.root, copy, bytes, MessageTag(transport_.rank(), fp.dtype, fp.key), c));
+  if (c->done.load(std::memory_order_acquire) && c->status != UCS_OK) {
+    return MarkPeerError(
+        absl::UnavailableError(absl::StrCat(hooks.describe(), ": sending to rank ", fp.root,
+                                            " failed (ucx: ", UcxError(c->status), ")")),
+        absl::StrCat(fp.root));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  sending_.push_back(std::move(batch));
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The wait of a receive (see the file comment) until `ready()`: OK, or the communicator's
+// failure, a dead peer, or DeadlineExceeded naming `awaited`.
+absl::Status Wait(UcxTransport& transport, const Tuning& tuning, absl::Time deadline,
+                  const CollectiveHooks& hooks, const std::vector<int>& awaited,
+                  absl::FunctionRef<bool()> ready) {
+  absl::Time last_activity = absl::Now();
+  while (true) {
+    const bool activity = transport.Progress();
+    // What this thread progressed may complete another waiter's request, and the event that
+    // would have woken that waiter is spent: wake it to look.
+    if (activity) transport.Wake();
+    if (ready()) return absl::OkStatus();
+    absl::Status comm = hooks.comm_status();
+    if (!comm.ok()) return Annotate(comm, hooks.describe());
+    const absl::Time now = absl::Now();
+    absl::Status peers = transport.CheckPeers(now);
+    if (!peers.ok()) return Annotate(peers, hooks.describe());
+    if (now >= deadline) return hooks.deadline_error(awaited);
+    if (activity) last_activity = now;
+    if (now - last_activity < tuning.spin) {
+      transport.YieldIfOversubscribed(now, now - last_activity);
+      continue;
+    }
+    hooks.waiting_on(awaited);
+    transport.Sleep(std::min(deadline, now + kLongestSleep));
+  }
+}
+
+}  // namespace
+
+absl::Status PointToPoint::Recv(const CollectiveFingerprint& fp, void* data, size_t element_size,
+                                absl::Time deadline, const CollectiveHooks& hooks,
+                                std::atomic<int>* source, std::unique_ptr<Batch>* batch_out) {
+  transport_.BeginCollective();
+  absl::Cleanup end = [&] { transport_.EndCollective(); };
+
+  const bool any = fp.root == kAnySource;
+  const uint64_t tag = MessageTag(any ? 0 : fp.root, DType{}, fp.key);
+  const uint64_t mask = kFullMask & ~kDTypeBits & (any ? ~kSourceBits : kFullMask);
+  std::vector<int> awaited;
+  for (int r = 0; r < transport_.size(); ++r) {
+    if (r != transport_.rank() && (any || r == fp.root)) awaited.push_back(r);
+  }
+  ucp_tag_recv_info_t info{};
+  ucp_tag_message_h message = nullptr;
+  SL_RETURN_IF_ERROR(Wait(transport_, tuning_, deadline, hooks, awaited, [&] {
+    message = transport_.Probe(tag, mask, &info);
+    return message != nullptr;
+  }));
+
+  const int from = TagSource(info.sender_tag);
+  const uint64_t dtype_code = (info.sender_tag & kDTypeBits) >> 36;
+  const size_t bytes = fp.count * element_size;
+  std::unique_ptr<Batch> batch = TakeBatch();
+  Completion* c = batch->Add(from, /*is_send=*/false);
+  if (dtype_code != static_cast<uint64_t>(fp.dtype) || info.length != bytes) {
+    // Received into a buffer of its own (the caller's stays untouched), so that the worker
+    // holds no probed message that nobody receives.
+    absl::StatusOr<uint8_t*> sink = batch->Buffer(std::max<size_t>(info.length, 1));
+    if (sink.ok()) {
+      transport_.RecvProbed(message, from, *sink, info.length, c);
+    } else {
+      c->done.store(true, std::memory_order_release);
+    }
+    *batch_out = std::move(batch);
+    std::string sent;
+    if (dtype_code < kAllDTypes.size()) {
+      const DType sent_dtype = static_cast<DType>(dtype_code);
+      CollectiveFingerprint send;
+      send.kind = CollectiveKind::kSend;
+      send.count = info.length / DTypeSize(sent_dtype);
+      send.dtype = sent_dtype;
+      send.root = transport_.rank();
+      send.key = fp.key;
+      sent = send.CallString();
+      if (info.length % DTypeSize(sent_dtype) != 0)
+        absl::StrAppend(&sent, " of ", info.length, " bytes");
+    } else {
+      sent = absl::StrCat(info.length, " bytes of dtype code ", dtype_code);
+    }
+    return MarkPeerError(
+        absl::InvalidArgumentError(absl::StrCat(hooks.describe(), ": rank ", from, " sent ", sent,
+                                                " but this rank receives ", fp.CallString(),
+                                                ": sizes and dtypes must match")),
+        absl::StrCat(from));
+  }
+  transport_.RecvProbed(message, from, data, bytes, c);
+  absl::Status received = Wait(transport_, tuning_, deadline, hooks, {from},
+                               [&] { return c->done.load(std::memory_order_acquire); });
+  if (received.ok() && c->status != UCS_OK) {
+    received = MarkPeerError(
+        absl::UnavailableError(absl::StrCat(hooks.describe(), ": receiving from rank ", from,
+                                            " failed (ucx: ", UcxError(c->status), ")")),
+        absl::StrCat(from));
+  }
+  if (!received.ok()) {
+    *batch_out = std::move(batch);
+    return received;
+  }
+  source->store(from, std::memory_order_release);
+  transport_.Reap(*batch);
+  batch->Reset();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.size() < kFreeBatches) free_.push_back(std::move(batch));
+  return absl::OkStatus();
+}
+
+}  // namespace shardline::ucx_internal
