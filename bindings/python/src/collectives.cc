@@ -99,22 +99,19 @@ PyWork AllReduce(PyComm& c, nb::handle tensor, const std::string& op, nb::handle
   return MakeWork(std::move(work), {in.owner, out.owner});
 }
 
-PyWork Send(PyComm& c, nb::handle tensor, int peer, uint64_t tag, Stream* stream) {
-  Tensor t = ToTensor(tensor, "send tensor", false, c.comm->device());
+// Send (`send`) or Recv: `timeout_s` bounds the operation from its start (None: the
+// communicator's timeout); a negative one is InvalidArgument from the C++ API.
+PyWork PointToPoint(PyComm& c, nb::handle tensor, int peer, uint64_t tag, Stream* stream,
+                    std::optional<double> timeout_s, bool send) {
+  Tensor t =
+      ToTensor(tensor, send ? "send tensor" : "recv tensor", /*writable=*/!send, c.comm->device());
+  PointToPointOptions options{.match_tag = tag};
+  if (timeout_s.has_value()) options.timeout = absl::Seconds(*timeout_s);
   absl::StatusOr<Work> work;
   {
     nb::gil_scoped_release release;
-    work = c.comm->Send(t.data, t.numel, t.dtype, peer, StreamFor(c, stream), {.match_tag = tag});
-  }
-  return MakeWork(std::move(work), {t.owner});
-}
-
-PyWork Recv(PyComm& c, nb::handle tensor, int peer, uint64_t tag, Stream* stream) {
-  Tensor t = ToTensor(tensor, "recv tensor", true, c.comm->device());
-  absl::StatusOr<Work> work;
-  {
-    nb::gil_scoped_release release;
-    work = c.comm->Recv(t.data, t.numel, t.dtype, peer, StreamFor(c, stream), {.match_tag = tag});
+    work = send ? c.comm->Send(t.data, t.numel, t.dtype, peer, StreamFor(c, stream), options)
+                : c.comm->Recv(t.data, t.numel, t.dtype, peer, StreamFor(c, stream), options);
   }
   return MakeWork(std::move(work), {t.owner});
 }
@@ -294,14 +291,28 @@ void RegisterCollectives(nb::module_& m) {
            nb::arg("stream") = nb::none(),
            "Block j of input goes to rank j; block i of output comes from rank i.")
       .def("barrier", &Barrier, nb::arg("stream") = nb::none())
-      .def("send", &Send, nb::arg("tensor"), nb::arg("peer"), nb::arg("tag") = 0,
-           nb::arg("stream") = nb::none(),
-           "Sends tensor to rank peer, matched by tag (collectives/communicator.h's rules: "
-           "outside the collectives' order). The local backend only, for now.")
-      .def("recv", &Recv, nb::arg("tensor"), nb::arg("peer") = kAnySource, nb::arg("tag") = 0,
-           nb::arg("stream") = nb::none(),
-           "Receives into tensor from rank peer (ANY_SOURCE, the default: from any rank; "
-           "Work.source tells which), matched by tag.")
+      .def(
+          "send",
+          [](PyComm& c, nb::handle tensor, int peer, uint64_t tag, Stream* stream,
+             std::optional<double> timeout) {
+            return PointToPoint(c, tensor, peer, tag, stream, timeout, /*send=*/true);
+          },
+          nb::arg("tensor"), nb::arg("peer"), nb::arg("tag") = 0, nb::arg("stream") = nb::none(),
+          nb::arg("timeout") = nb::none(),
+          "Sends tensor to rank peer, matched by tag (collectives/communicator.h's rules: "
+          "outside the collectives' order; it never waits for its receive). The local, ucx and "
+          "sim backends. timeout: seconds from its start (None: the communicator's).")
+      .def(
+          "recv",
+          [](PyComm& c, nb::handle tensor, int peer, uint64_t tag, Stream* stream,
+             std::optional<double> timeout) {
+            return PointToPoint(c, tensor, peer, tag, stream, timeout, /*send=*/false);
+          },
+          nb::arg("tensor"), nb::arg("peer") = kAnySource, nb::arg("tag") = 0,
+          nb::arg("stream") = nb::none(), nb::arg("timeout") = nb::none(),
+          "Receives into tensor from rank peer (ANY_SOURCE, the default: from any rank; "
+          "Work.source tells which), matched by tag. timeout: seconds from its start (None: the "
+          "communicator's); past it, DeadlineExceededError naming the rank(s) it waited for.")
       .def(
           "split",
           [](PyComm& c, int color, int key, std::optional<double> timeout_s) -> nb::object {
@@ -346,6 +357,15 @@ void RegisterCollectives(nb::module_& m) {
           "ncclCommShrink: a communicator over the ranks not in excluded (e.g. peers that died), "
           "in order, built through the store without using this one, so it works after a dead "
           "peer aborted it. Every survivor passes the same ranks.")
+      .def(
+          "flight_record_json",
+          [](const PyComm& c, const std::string& reason) {
+            return c.comm->FlightRecordJson(reason);
+          },
+          nb::arg("reason") = "python",
+          "The flight recorder's rings as JSON (collectives/flight_recorder.h): the last "
+          "collectives under \"entries\" and sends and receives under \"point_to_point\", "
+          "each with its kind, count, dtype, root (a send's or receive's peer), state and times.")
       .def(
           "abort", [](PyComm& c) { c.comm->Abort(); },
           "Fails every collective in flight or issued later, here and on the peers it reaches.")

@@ -1,4 +1,5 @@
-"""One rank of tests/python/test_torch_backend.py, started by shardline.launch.
+"""One rank of tests/python/test_torch_backend.py, started by shardline.launch (the point-to-point
+checks are in torch_p2p_checks.py).
 
     torch_backend_worker.py run OUT_DIR    every check; writes OUT_DIR/rank<R>.json
     torch_backend_worker.py mixed OUT_DIR  the same under "cpu:shardline,cuda:gloo" (shardline
@@ -22,20 +23,11 @@ import torch.nn as nn
 
 import shardline
 import shardline.torch
+from torch_p2p_checks import p2p_checks
+from torch_reference import close, data, reduce_ref, seed_of, torch_op
 
 SIZES = (1, 7, 1031)
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def data(seed, n, dtype):
-    """Hashed random values for (seed, n): the same on every rank that asks."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g).to(dtype)
-
-
-def seed_of(*parts):
-    """A seed for the tuple `parts` (stable across processes, unlike hash())."""
-    return sum(p * 1000003**i for i, p in enumerate(parts)) % (2**31)
 
 
 class Checks:
@@ -49,43 +41,6 @@ class Checks:
             self.passed.setdefault(section, []).append(name)
         except Exception:  # noqa: BLE001 - recorded for the test to report
             self.failures.setdefault(section, []).append(f"{name}: {traceback.format_exc()}")
-
-
-def close(got, want, what):
-    tol = dict(rtol=1e-2, atol=1e-2) if want.dtype == torch.bfloat16 else dict(rtol=1e-6,
-                                                                                atol=1e-6)
-    if got.dtype != want.dtype or got.shape != want.shape:
-        raise AssertionError(f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} "
-                             f"{tuple(want.shape)}")
-    if not torch.allclose(got.float(), want.float(), **tol):
-        bad = (got.float() - want.float()).abs().argmax().item()
-        raise AssertionError(f"{what}: element {bad} is {got.flatten()[bad].item()}, want "
-                             f"{want.flatten()[bad].item()}")
-
-
-def reduce_ref(values, op):
-    stacked = torch.stack([v.float() for v in values])
-    if op == "sum":
-        out = stacked.sum(0)
-    elif op == "avg":
-        out = stacked.mean(0)
-    elif op == "min":
-        out = stacked.min(0).values
-    elif op == "max":
-        out = stacked.max(0).values
-    elif op == "product":
-        out = stacked.prod(0)
-    elif op == "premul":
-        out = (stacked * 0.5).sum(0)
-    return out.to(values[0].dtype)
-
-
-TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN,
-             "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
-
-
-def torch_op(op):
-    return dist.ReduceOp.PREMUL_SUM(0.5) if op == "premul" else TORCH_OPS[op]
 
 
 def collective_checks(checks, rank, world):
@@ -273,15 +228,12 @@ def expect_error(kind, fragments, fn):
 def error_checks(checks, rank, world):
     s = "errors"
     t = torch.ones(8)
-    checks.run(s, "unequal all_to_all splits", lambda: expect_error(
-        NotImplementedError, ["all_to_all_single", "unequal splits"],
-        lambda: dist.all_to_all_single(torch.empty(8), t, [3, 5], [3, 5])))
+    checks.run(s, "all_to_all splits that do not add up", lambda: expect_error(
+        ValueError, ["all_to_all_single", "input_split_sizes", "adding up to input's 8 rows"],
+        lambda: dist.all_to_all_single(torch.empty(8), t, [4] * world, [3] * world)))
     checks.run(s, "BAND", lambda: expect_error(
         NotImplementedError, ["allreduce", "BAND"],
         lambda: dist.all_reduce(torch.ones(8, dtype=torch.int32), op=dist.ReduceOp.BAND)))
-    checks.run(s, "scatter", lambda: expect_error(
-        NotImplementedError, ["scatter"],
-        lambda: dist.scatter(t, [t, t] if rank == 0 else None, src=0)))
     checks.run(s, "wrong output size", lambda: expect_error(
         ValueError, ["all_gather_into_tensor", "output"],
         lambda: dist.all_gather_into_tensor(torch.empty(5), t)))
@@ -443,6 +395,7 @@ def run(out_dir):
     collective_checks(checks, rank, world)
     shardline_init_checks(checks, rank, world)
     error_checks(checks, rank, world)
+    p2p_checks(checks, rank, world, MODE, lambda: cpu.communicator)
     training_checks(checks, rank, world, results)
     dist.barrier()
     dist.destroy_process_group()
