@@ -82,9 +82,10 @@
 //   * Deadlines and aborts as for collectives: a receive with no matching send by its deadline
 //     fails with DeadlineExceeded naming the rank(s) it waited for, and a failed send or
 //     receive aborts the communicator like a failed collective.
-//   * The backends that have them: local and ucx (kAnySource on both; ucx carries message tags
-//     up to 2^36 - 1). Elsewhere Send and Recv return Unimplemented naming the backend; nothing
-//     is enqueued.
+//   * The backends that have them: local, ucx and sim (kAnySource on all three; ucx carries
+//     message tags up to 2^36 - 1), and nccl with NCCL's limits (nccl_communicator.h): tag 0
+//     only, no kAnySource, and a send that waits for its receive. A communicator without them
+//     returns Unimplemented naming why; nothing is enqueued.
 //
 // Thread safety: collectives may be issued from several threads at once (PyTorch runs backward
 // hooks on its own threads); Issue is serialized, and the order in which the calls take the

@@ -74,6 +74,21 @@ absl::Status NcclCommunicator::CheckStream(const Stream& stream) const {
   return absl::OkStatus();
 }
 
+absl::Status NcclCommunicator::CheckPointToPoint(CollectiveKind kind, int peer,
+                                                 uint64_t match_tag) const {
+  if (peer == kAnySource) {
+    return absl::UnimplementedError(
+        "the nccl backend cannot receive from any rank (NCCL has no wildcard receive)");
+  }
+  if (match_tag != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "message tag ", match_tag,
+        ": the nccl backend has no tags (NCCL matches the messages between two ranks in the "
+        "order they were issued); use tag 0"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status NcclCommunicator::CheckBuffers(absl::string_view where, const void* input,
                                             size_t input_bytes, const void* output,
                                             size_t output_bytes) const {
@@ -118,7 +133,9 @@ absl::Status NcclCommunicator::EnqueueOneRank(const Op& op, cudaStream_t stream)
   // Every collective of one rank leaves its input in its output: a reduction over one rank is
   // the identity for sum, avg (x / 1), min and max; a gather, a broadcast and an all-to-all copy
   // the rank's own block.
-  const size_t bytes = fp.kind == CollectiveKind::kBarrier ? 0 : fp.count * op.element_size;
+  const size_t bytes = fp.kind == CollectiveKind::kBarrier || IsPointToPoint(fp.kind)
+                           ? 0
+                           : fp.count * op.element_size;
   if (bytes == 0 || op.input == op.output) return absl::OkStatus();
   return SL_CUDA_STATUS(
       cudaMemcpyAsync(op.output, op.input, bytes, cudaMemcpyDeviceToDevice, stream));
@@ -166,9 +183,11 @@ absl::Status NcclCommunicator::Enqueue(const Op& op, cudaStream_t stream) {
       return SL_NCCL_ACCEPTED(
           ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, comm_, stream),
           comm_);
-    case CollectiveKind::kSend:  // never issued here: CheckPointToPoint refuses them
+    case CollectiveKind::kSend:
+      return SL_NCCL_ACCEPTED(ncclSend(op.input, fp.count, dtype, fp.root, comm_, stream), comm_);
     case CollectiveKind::kRecv:
-      break;
+      op.source->store(fp.root, std::memory_order_release);
+      return SL_NCCL_ACCEPTED(ncclRecv(op.output, fp.count, dtype, fp.root, comm_, stream), comm_);
   }
   return absl::InternalError(absl::StrCat(Describe(op), ": unknown collective kind"));
 }

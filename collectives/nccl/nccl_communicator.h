@@ -44,6 +44,13 @@
 // communicator aborted on one rank is not aborted on the others by NCCL: they fail at their own
 // deadline, or earlier when NCCL notices the lost peer.
 //
+// Point-to-point (Send, Recv): ncclSend and ncclRecv on the caller's stream, each its own NCCL
+// call. NCCL buffers nothing: a send completes when its receive has taken the data, so two ranks
+// that both send first on one stream wait for each other until the deadline (put the receive
+// first, or on another stream). NCCL matches the messages between two ranks in the order they
+// were issued and has no tags (a tag other than 0 is InvalidArgument) and no receive from any
+// rank (Unimplemented); a receive of another size than its send is not detected.
+//
 // Mismatched collectives (different kinds, counts, dtypes, roots or order across ranks) are not
 // detected by NCCL: they hang until the deadline or corrupt memory.
 // SHARDLINE_NCCL_CHECK_FINGERPRINTS=1 makes every collective first all-gather the ranks'

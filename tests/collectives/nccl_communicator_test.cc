@@ -379,6 +379,41 @@ TEST(NcclCommunicatorTest, EveryCollectiveAcrossGpus) {
   RunRanks(GroupSize(), CheckEveryCollective);
 }
 
+// Point-to-point across GPUs: a ring of odd-sized messages of every dtype, every element (the
+// receive on a stream of its own, so that the send ahead of it on the other stream can complete);
+// any source and message tags are refused, naming why, and abort nothing.
+TEST(NcclCommunicatorTest, SendAndRecvAcrossGpus) {
+  SKIP_UNLESS_GPUS(2);
+  RunRanks(GroupSize(), [](int r, int n, Communicator& comm, Stream& stream) {
+    absl::StatusOr<std::unique_ptr<Stream>> recv_stream =
+        CreateStream(Device::Cuda(r), {.name = absl::StrCat("recv", r)});
+    ASSERT_TRUE(recv_stream.ok()) << recv_stream.status();
+    const int to = (r + 1) % n, from = (r + n - 1) % n;
+    for (DType dtype : kAllDTypes) {
+      for (size_t count : kCounts) {
+        SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " x ", count));
+        const size_t bytes = count * DTypeSize(dtype);
+        DeviceBuffer out(bytes), in(bytes);
+        Upload(stream, out.get(), PatternBuffer(dtype, r, count));
+        absl::StatusOr<Work> received = comm.Recv(in.get(), count, dtype, from, **recv_stream);
+        absl::StatusOr<Work> sent = comm.Send(out.get(), count, dtype, to, stream);
+        ASSERT_TRUE(WaitFor(sent).ok()) << WaitFor(sent);
+        ASSERT_TRUE(WaitFor(received).ok()) << WaitFor(received);
+        EXPECT_EQ(received->source(), from);
+        EXPECT_EQ(Download(**recv_stream, in.get(), bytes), PatternBuffer(dtype, from, count));
+      }
+    }
+    DeviceBuffer x(4);
+    absl::StatusOr<Work> any = comm.Recv(x.get(), 1, DType::kF32, kAnySource, stream);
+    EXPECT_EQ(any.status().code(), absl::StatusCode::kUnimplemented) << any.status();
+    EXPECT_TRUE(absl::StrContains(any.status().message(), "any rank")) << any.status();
+    absl::StatusOr<Work> tagged = comm.Send(x.get(), 1, DType::kF32, to, stream, {.match_tag = 3});
+    EXPECT_EQ(tagged.status().code(), absl::StatusCode::kInvalidArgument) << tagged.status();
+    EXPECT_TRUE(absl::StrContains(tagged.status().message(), "no tags")) << tagged.status();
+    EXPECT_TRUE(comm.status().ok()) << comm.status();
+  });
+}
+
 // ---- Validation, abort ----------------------------------------------------------------------
 
 TEST(NcclCommunicatorTest, RejectsStreamsOfOtherDevices) {

@@ -83,6 +83,7 @@ class NcclCommunicator final : public Communicator {
   absl::Status Run(const Op& op) override;
   absl::Status Launch(Op op, Stream& stream) override;
   absl::Status CheckStream(const Stream& stream) const override;
+  absl::Status CheckPointToPoint(CollectiveKind kind, int peer, uint64_t match_tag) const override;
   absl::Status CheckBuffers(absl::string_view where, const void* input, size_t input_bytes,
                             const void* output, size_t output_bytes) const override;
   absl::StatusOr<std::shared_ptr<Communicator>> SplitImpl(int color, int key,
