@@ -41,7 +41,8 @@ py=$venv/bin/python
 wanted=(scikit_build_core=scikit-build-core nanobind=nanobind pytest=pytest numpy=numpy
         matplotlib=matplotlib safetensors=safetensors)
 if ((torch)); then
-  wanted+=(torch=torch)
+  # expecttest: torch's own distributed test suite imports it (tests/python/torch_suite.py).
+  wanted+=(torch=torch expecttest=expecttest)
 fi
 missing=()
 for entry in "${wanted[@]}"; do

@@ -24,7 +24,8 @@ _REDUCE_OPS = {
 _SUPPORTED = ("allreduce, allreduce_coalesced, allgather, allgather_coalesced, "
               "all_gather_single(_coalesced), reduce_scatter, reduce_scatter_single(_coalesced), "
               "broadcast, reduce, gather, scatter, all_to_all_single, alltoall, barrier, "
-              "monitored_barrier, send, recv, recv_anysource; dense CPU tensors")
+              "monitored_barrier, send, recv, recv_anysource; CPU tensors, dense (sparse COO: "
+              "allreduce SUM)")
 
 def _unsupported(what):
     return NotImplementedError(f"shardline backend: {what} is not supported (supported: "

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 
 from .._core import Error
-from ._backend_calls import _Call, _check_tensor, _copy_chunks, _reduce_op, _unsupported
-from ._backend_work import _Completer, _Work, _live_completers
+from ._backend_calls import (_NATIVE_DTYPES, _Call, _check_tensor, _copy_chunks, _reduce_op,
+                             _unsupported)
+from ._backend_work import _WAIT_MARGIN_S, _Completer, _Work, _live_completers
 
 
 class _Collectives:
@@ -52,11 +53,54 @@ class _Collectives:
         call = _Call(collective)
         op, factor = _reduce_op(reduce_op, collective)
         for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
+                self._sparse_allreduce(call, t, op, factor, f"tensor {i}")
+                continue
             buf = call.target(t, f"tensor {i}", reduce=True, initial=True)
             if factor is not None:
                 buf.mul_(factor)
             self._issue(call, self._comm.all_reduce, buf, op)
         return _Work(self, call, list(tensors))
+
+    def _sparse_allreduce(self, call, t, op, factor, what):
+        """A SUM of sparse COO tensors, never densified: every rank's coalesced indices and
+        values are all-gathered (padded to the largest count, which a first all-gather of the
+        counts tells), and `t` becomes their coalesced sum once they are here."""
+        if op != "sum" or factor is not None:
+            raise _unsupported(f"{call.collective} of sparse {what} with op {op} (SUM is)")
+        if t.device.type != "cpu":
+            raise ValueError(f"shardline backend: {what} is on {t.device}; this backend moves "
+                             "CPU tensors only")
+        src = t.detach().coalesce()
+        indices = src.indices().t().contiguous()  # nnz x sparse dims
+        values = src.values().contiguous()  # nnz x dense shape
+        if values.dtype not in _NATIVE_DTYPES:
+            raise _unsupported(f"{call.collective} of sparse {what} with dtype {values.dtype}")
+        size = self.size()
+        counts = torch.zeros(size, dtype=torch.int64)
+        try:
+            self._comm.all_gather(counts, torch.tensor([indices.shape[0]])).wait(
+                self._timeout_s + _WAIT_MARGIN_S)
+        except Error as e:
+            raise self._named_error(call.collective, e) from e
+        most = int(counts.max())
+        padded = [torch.zeros((most,) + tuple(x.shape[1:]), dtype=x.dtype)
+                  for x in (indices, values)]
+        padded[0][:indices.shape[0]] = indices
+        padded[1][:values.shape[0]] = values
+        gathered = [torch.empty((size * most,) + tuple(x.shape[1:]), dtype=x.dtype)
+                    for x in padded]
+        for out, mine in zip(gathered, padded):
+            self._issue(call, self._comm.all_gather, out, mine)
+
+        def finish():
+            keep = torch.cat([torch.arange(r * most, r * most + int(counts[r]))
+                              for r in range(size)])
+            total = torch.sparse_coo_tensor(gathered[0][keep].t(), gathered[1][keep],
+                                            t.shape).coalesce()
+            with torch.no_grad():
+                t.copy_(total)
+        call.finish.append(finish)
 
     # ---- all-gather ----------------------------------------------------------------------------
 
