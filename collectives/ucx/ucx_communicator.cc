@@ -58,6 +58,10 @@ class UcxCommunicator final : public Communicator {
   }
 
   ~UcxCommunicator() override {
+    // Sends whose receivers still read them out of this process.
+    if (point_to_point_ != nullptr) {
+      point_to_point_->Flush(absl::Now() + timeout(), [this] { return status().ok(); });
+    }
     if (transport_ != nullptr) transport_->ClearAbortHandler();
   }
 

@@ -36,6 +36,18 @@ PointToPoint::~PointToPoint() {
   }
 }
 
+void PointToPoint::Flush(absl::Time deadline, absl::FunctionRef<bool()> healthy) {
+  while (true) {
+    ReapSends();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (sending_.empty()) return;
+    }
+    if (!healthy() || absl::Now() >= deadline) return;
+    if (!transport_.Progress()) transport_.Sleep(std::min(deadline, absl::Now() + kLongestSleep));
+  }
+}
+
 std::unique_ptr<Batch> PointToPoint::TakeBatch() {
   std::unique_ptr<Batch> batch;
   {

@@ -6,11 +6,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -276,6 +278,24 @@ TEST_P(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
     EXPECT_THAT(status.message(), HasSubstr("recv #0 from any rank"));
     EXPECT_THAT(status.message(), HasSubstr("waiting for rank(s) 0, 2"));
   });
+}
+
+// A send is delivered even when its sender's communicator is destroyed right after it: the
+// destruction waits for the receiver to take the message (ucx: a large message is read out of
+// the sender's memory). The send's buffer may be reused as soon as the send completes.
+TEST_P(PointToPointTest, ASendIsDeliveredAfterItsSenderIsDestroyed) {
+  Comms comms = Make(2);
+  constexpr size_t kBytes = (size_t{3} << 20) + 5;
+  std::vector<uint8_t> out = Message(0, 9, kBytes), in(kBytes);
+  std::unique_ptr<Stream> sender = MakeStream("sender"), receiver = MakeStream("receiver");
+  ASSERT_TRUE(WaitFor(comms[0]->Send(out.data(), kBytes, DType::kU8, 1, *sender)).ok());
+  std::fill(out.begin(), out.end(), 0);
+  sender.reset();
+  std::thread destroy([&] { comms[0].reset(); });
+  absl::StatusOr<Work> received = comms[1]->Recv(in.data(), kBytes, DType::kU8, 0, *receiver);
+  EXPECT_TRUE(WaitFor(received).ok()) << WaitFor(received);
+  destroy.join();
+  ExpectSameBytes(in, Message(0, 9, kBytes), "received after the sender's destruction");
 }
 
 // A peer that dies (its communicator aborted) while this rank waits for its message: an error

@@ -14,8 +14,10 @@
 // never waiting for its receive (two ranks that both send first do not deadlock), and the
 // transport's progress (the idle progress thread, or any thread waiting in a collective or a
 // receive) carries the message to its receiver. Sent buffers are reused once their messages are
-// delivered; those still undelivered when the communicator is destroyed stay with the transport,
-// which closes its endpoints by force.
+// delivered. A large message is delivered by its receiver reading it out of this process, so a
+// communicator being destroyed first waits (Flush) until its sends are delivered, a receiver
+// failed, the communicator was aborted or its timeout passed; sends still undelivered then stay
+// with the transport, which closes its endpoints by force.
 //
 // A receive waits like a collective: it progresses the worker itself (the idle progress thread
 // pauses meanwhile), spins for SHARDLINE_UCX_SPIN_US, then sleeps on the worker's event fd, and
@@ -34,7 +36,9 @@
 #include <mutex>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "collectives/communicator.h"
 #include "collectives/ucx/internal/ucx_collective.h"
 #include "collectives/ucx/internal/ucx_transport.h"
@@ -53,6 +57,10 @@ class PointToPoint {
   PointToPoint& operator=(const PointToPoint&) = delete;
   // Hands the sends still undelivered to the transport (UcxTransport::Abandon).
   ~PointToPoint();
+
+  // Progresses the worker until every send was delivered (or failed), `deadline` passes or
+  // `healthy()` turns false.
+  void Flush(absl::Time deadline, absl::FunctionRef<bool()> healthy);
 
   // `fp` is the operation's (kind kSend / kRecv, count, dtype, peer in root, tag in key).
   absl::Status Send(const CollectiveFingerprint& fp, const void* data, size_t element_size,
