@@ -101,10 +101,11 @@ def test_collectives_match_references(which, request):
 def test_point_to_point_and_rooted_ops_match_references(which, request):
     """send/recv, isend/irecv from any rank, batch_isend_irecv, reduce (every op, every root),
     gather, scatter and their object variants, all-to-all with unequal splits, monitored_barrier
-    (alone: it needs the group's CPU backend), and the bytes each rank sends in reduce, gather
-    and scatter (workers/torch_p2p_checks.py)."""
+    (alone: it needs the group's CPU backend), the ops gloo has against gloo's results in f64,
+    bf16 and f32, and the bytes each rank sends in reduce, gather and scatter
+    (workers/torch_p2p_checks.py)."""
     ranks, _ = request.getfixturevalue(which)
-    section(ranks, "p2p", 2 * 2 * 6 + 6 + (1 if which == "alone" else 0))
+    section(ranks, "p2p", 2 * 2 * 6 + 7 + (1 if which == "alone" else 0))
 
 
 @pytest.mark.parametrize("which", ["alone", "mixed"])

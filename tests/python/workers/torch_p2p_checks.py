@@ -1,8 +1,9 @@
 """Checks of torch_backend_worker.py (one rank of tests/python/test_torch_backend.py): send and
 recv (isend, irecv from any rank, batch_isend_irecv), reduce, gather, scatter and their object
 variants, all-to-all with unequal splits, and monitored_barrier, each value-checked against plain
-torch computed from every rank's regenerated inputs; and the bytes each rank sends in reduce,
-gather and scatter, counted from the communicator's flight records."""
+torch computed from every rank's regenerated inputs; the ops gloo has, in f64, bf16 and f32 at
+odd sizes, against gloo's own results; and the bytes each rank sends in reduce, gather and
+scatter, counted from the communicator's flight records."""
 
 import json
 from datetime import timedelta
@@ -210,3 +211,75 @@ def p2p_checks(checks, rank, world, mode, comm):
                 raise AssertionError(f"{what}: rank {rank} sent {got} bytes in {kinds}, want "
                                      f"{want}")
     checks.run(s, "bytes each rank sends", bytes_moved)
+
+    def versus_gloo():
+        # The same calls on the world (shardline) and on a gloo group; gloo has no AVG (checked
+        # against plain torch above).
+        gloo = dist.new_group(backend="gloo")
+        n = 1031
+        for d, dtype in enumerate((torch.float64, torch.bfloat16, torch.float32)):
+            x = data(seed_of(30, d, rank), n * world, dtype)
+            shard = x[:n].clone()
+
+            def both(fn, what):
+                got = fn(None)
+                want = fn(gloo)
+                for i, (a, b) in enumerate(zip(got, want)):
+                    close(a, b, f"{what} {dtype} [{i}] against gloo")
+            both(lambda g: _gathered(shard, world, g), "all_gather_into_tensor")
+            both(lambda g: [_reduced_scatter(x, world, g)], "reduce_scatter_tensor")
+            for op in ("sum", "min", "max", "product"):
+                both(lambda g, op=op: [_all_reduced(x[:n], op, g)], f"all_reduce {op}")
+            both(lambda g: _reduced_to(x[:n], 1 % world, rank, g), "reduce")
+            both(lambda g: _gathered_to(shard, world, rank, g), "gather")
+            both(lambda g: [_scattered(x, world, rank, g)], "scatter")
+            both(lambda g: [_uneven_all_to_all(x, world, rank, g)], "all_to_all_single uneven")
+    checks.run(s, "the ops gloo has, against gloo", versus_gloo)
+
+
+def _gathered(shard, world, group):
+    out = torch.empty(shard.numel() * world, dtype=shard.dtype)
+    dist.all_gather_into_tensor(out, shard, group=group)
+    return [out]
+
+
+def _reduced_scatter(x, world, group):
+    out = torch.empty(x.numel() // world, dtype=x.dtype)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def _all_reduced(x, op, group):
+    t = x.clone()
+    dist.all_reduce(t, op=torch_op(op), group=group)
+    return t
+
+
+def _reduced_to(x, root, rank, group):
+    t = x.clone()
+    dist.reduce(t, dst=root, group=group)
+    return [t] if rank == root else []
+
+
+def _gathered_to(shard, world, rank, group):
+    outs = [torch.empty_like(shard) for _ in range(world)] if rank == 0 else None
+    dist.gather(shard, outs, dst=0, group=group)
+    return outs or []
+
+
+def _scattered(x, world, rank, group):
+    out = torch.empty(x.numel() // world, dtype=x.dtype)
+    dist.scatter(out, list(x.chunk(world)) if rank == world - 1 else None, src=world - 1,
+                 group=group)
+    return out
+
+
+def _uneven_all_to_all(x, world, rank, group):
+    def rows(src, dst):
+        return (3 * src + dst) % 4 + 1
+    send = [rows(rank, j) for j in range(world)]
+    recv = [rows(i, rank) for i in range(world)]
+    out = torch.empty(sum(recv), dtype=x.dtype)
+    dist.all_to_all_single(out, x[:sum(send)].contiguous(), recv, send, group=group)
+    return out
+
