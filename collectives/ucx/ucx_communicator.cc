@@ -40,6 +40,7 @@ class UcxCommunicator final : public Communicator {
         tuning_(tuning) {
     if (transport_ != nullptr) {
       point_to_point_ = std::make_unique<ucx_internal::PointToPoint>(*transport_, tuning_);
+      transport_->SetPendingWork([p2p = point_to_point_.get()] { return p2p->SendsPending(); });
     }
   }
 
@@ -61,6 +62,7 @@ class UcxCommunicator final : public Communicator {
     // Sends whose receivers still read them out of this process.
     if (point_to_point_ != nullptr) {
       point_to_point_->Flush(absl::Now() + timeout(), [this] { return status().ok(); });
+      transport_->SetPendingWork(nullptr);
     }
     if (transport_ != nullptr) transport_->ClearAbortHandler();
   }

@@ -96,9 +96,20 @@ absl::Status PointToPoint::Send(const CollectiveFingerprint& fp, const void* dat
                                             " failed (ucx: ", UcxError(c->status), ")")),
         absl::StrCat(fp.root));
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  sending_.push_back(std::move(batch));
+  const bool pending = !c->done.load(std::memory_order_acquire);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sending_.push_back(std::move(batch));
+  }
+  // Nothing may drive the worker until the next operation: the progress thread must, now.
+  if (pending) transport_.Urge();
   return absl::OkStatus();
+}
+
+bool PointToPoint::SendsPending() {
+  ReapSends();
+  std::lock_guard<std::mutex> lock(mu_);
+  return !sending_.empty();
 }
 
 namespace {

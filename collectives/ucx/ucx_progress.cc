@@ -163,23 +163,45 @@ void UcxTransport::EndCollective() {
   if (--active_ == 0) last_end_ = absl::Now();
 }
 
+void UcxTransport::SetPendingWork(std::function<bool()> pending) {
+  std::lock_guard<std::mutex> lock(pending_mu_);
+  pending_work_ = std::move(pending);
+}
+
+void UcxTransport::Urge() {
+  {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    if (urged_) return;
+    urged_ = true;
+  }
+  idle_cv_.notify_all();
+}
+
 void UcxTransport::ProgressThread() {
   // How long after the last collective the progress thread takes over polling the worker.
   constexpr absl::Duration kIdleGrace = absl::Milliseconds(20);
   std::unique_lock<std::mutex> lock(idle_mu_);
   while (!stop_) {
     const absl::Time now = absl::Now();
-    if (active_ > 0 || now < last_end_ + kIdleGrace) {
+    if (active_ > 0 || (now < last_end_ + kIdleGrace && !urged_)) {
       const absl::Time until = active_ > 0 ? now + kIdleGrace : last_end_ + kIdleGrace;
       idle_cv_.wait_until(lock, absl::ToChronoTime(until));
       continue;
     }
     polling_ = true;
+    const bool urged = urged_;
     lock.unlock();
     Progress();
-    Sleep(absl::Now() + absl::Seconds(1));
+    bool still_urged = false;
+    if (urged) {
+      std::lock_guard<std::mutex> pending_lock(pending_mu_);
+      still_urged = pending_work_ != nullptr && pending_work_();
+    }
+    // Urged: the worker's events (the receiver's reads, their completions) wake the sleep.
+    Sleep(absl::Now() + (still_urged ? absl::Milliseconds(5) : absl::Seconds(1)));
     lock.lock();
     polling_ = false;
+    if (urged && !still_urged) urged_ = false;
   }
 }
 

@@ -61,6 +61,9 @@ class PointToPoint {
   // Progresses the worker until every send was delivered (or failed), `deadline` passes or
   // `healthy()` turns false.
   void Flush(absl::Time deadline, absl::FunctionRef<bool()> healthy);
+  // Whether sends are still undelivered (those delivered are recycled first): the transport's
+  // idle progress thread asks while it is urged to carry them (UcxTransport::Urge).
+  bool SendsPending();
 
   // `fp` is the operation's (kind kSend / kRecv, count, dtype, peer in root, tag in key).
   absl::Status Send(const CollectiveFingerprint& fp, const void* data, size_t element_size,

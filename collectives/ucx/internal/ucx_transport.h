@@ -321,6 +321,14 @@ class UcxTransport {
   void BeginCollective();
   void EndCollective();
 
+  // Work that only progress completes and that no waiting thread drives (point-to-point sends
+  // whose receivers read them out of this process): once `Urge()` is called, the idle progress
+  // thread polls at once instead of after its grace period, until `pending()` (called on that
+  // thread, never with the transport's locks held) says nothing is left. SetPendingWork(nullptr)
+  // returns once no call of the previous hook runs.
+  void SetPendingWork(std::function<bool()> pending);
+  void Urge();
+
   // Marks this rank's mailbox aborted (Mailboxes::MarkAborted; any thread, idempotent), then
   // sends `reason` to every peer still reachable (best effort, does not wait).
   void BroadcastAbort(const absl::Status& reason);
@@ -445,7 +453,10 @@ class UcxTransport {
   std::condition_variable idle_cv_;
   int active_ = 0;
   bool stop_ = false;
-  bool polling_ = false;                        // the progress thread is (about to be) in Sleep()
+  bool polling_ = false;   // the progress thread is (about to be) in Sleep()
+  bool urged_ = false;     // Urge() was called: see SetPendingWork
+  std::mutex pending_mu_;  // guards pending_work_ and its calls
+  std::function<bool()> pending_work_;
   absl::Time last_end_ = absl::InfinitePast();  // when active_ last dropped to 0
   std::thread progress_thread_;
 
