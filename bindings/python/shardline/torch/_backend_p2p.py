@@ -92,32 +92,44 @@ class _PointToPoint:
 
     def reduce(self, tensors, opts=None):
         """The root's tensor := the reduction; the other ranks' stay as they were. A
-        reduce-scatter of the (padded) tensors, then each rank's reduced shard to the root: a
-        rank sends about one tensor's bytes, where an all-reduce would send twice that."""
+        reduce-scatter, then each rank's reduced shard to the root: a rank sends about one
+        tensor's bytes, where an all-reduce would send twice that. A contiguous tensor whose size
+        the ranks divide is reduced where it is (in place on the root, which receives the shards
+        straight into it); any other goes through a padded copy."""
         opts = torch.distributed.ReduceOptions() if opts is None else opts
         call = _Call("reduce")
-        root, size = opts.rootRank, self.size()
+        root, size, me = opts.rootRank, self.size(), self.rank()
         self._check_root("reduce", root)
         t = self._one_tensor("reduce", tensors)
         op, factor = _reduce_op(opts.reduceOp, "reduce")
-        source = call.source(t, "tensor", reduce=True).reshape(-1)
-        chunk = -(-source.numel() // size)
-        padded = torch.zeros(chunk * size, dtype=source.dtype)
-        padded[:source.numel()].copy_(source)
-        if factor is not None:
-            padded.mul_(factor)
-        reduced = torch.empty(chunk * size if self.rank() == root else chunk, dtype=source.dtype)
-        shard = reduced[root * chunk:(root + 1) * chunk] if self.rank() == root else reduced
-        self._issue(call, self._comm.reduce_scatter, shard, padded, op)
-        if self.rank() != root:
+        source = call.source(t, "tensor", reduce=True)  # checks t; a copy if t is strided
+        numel = source.numel()
+        direct = factor is None and t.is_contiguous() and numel % size == 0
+        if direct:
+            flat = source.reshape(-1)
+            chunk = numel // size
+            reduced = flat  # the root's tensor itself
+        else:
+            chunk = -(-numel // size)
+            flat = torch.zeros(chunk * size, dtype=source.dtype)
+            flat[:numel].copy_(source.reshape(-1))
+            if factor is not None:
+                flat.mul_(factor)
+            reduced = torch.empty(chunk * size, dtype=source.dtype) if me == root else None
+        if me != root:
+            shard = torch.empty(chunk, dtype=flat.dtype)
+            self._issue(call, self._comm.reduce_scatter, shard, flat, op)
             self._issue(call, self._comm.send, shard, root, _TAG_REDUCE)
             return _Work(self, call, [t])
+        # In place when direct: the root's shard is its block of its own tensor.
+        self._issue(call, self._comm.reduce_scatter, reduced[root * chunk:(root + 1) * chunk],
+                    flat, op)
         for r in range(size):
             if r != root:
                 self._issue(call, self._comm.recv, reduced[r * chunk:(r + 1) * chunk], r,
                             _TAG_REDUCE)
-        numel = source.numel()
-        call.finish.append(lambda: t.detach().copy_(reduced[:numel].view(t.shape)))
+        if not direct:
+            call.finish.append(lambda: t.detach().copy_(reduced[:numel].view(t.shape)))
         return _Work(self, call, [t])
 
     def gather(self, output_tensors, input_tensors, opts=None):
