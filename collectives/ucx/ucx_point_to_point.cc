@@ -21,11 +21,24 @@ constexpr size_t kFreeBatches = 8;
 // announced its message.
 constexpr absl::Duration kLongestSleep = absl::Milliseconds(5);
 
-uint64_t MessageTag(int source, DType dtype, uint64_t tag) {
-  return (static_cast<uint64_t>(Phase::kPointToPoint) << 60) |
-         (static_cast<uint64_t>(source) << 44) | (static_cast<uint64_t>(dtype) << 36) |
-         (tag & kMaxMessageTag);
+uint64_t MessageTag(int source, DType dtype, uint64_t tag, Phase phase = Phase::kPointToPoint) {
+  return (static_cast<uint64_t>(phase) << 60) | (static_cast<uint64_t>(source) << 44) |
+         (static_cast<uint64_t>(dtype) << 36) | (tag & kMaxMessageTag);
 }
+
+// The fin of descriptor `number` of rank `sender`'s sends, sent by `receiver`.
+uint64_t FinTag(int receiver, uint64_t number) {
+  return (static_cast<uint64_t>(Phase::kPointToPointFin) << 60) |
+         (static_cast<uint64_t>(receiver) << 44) | (number & ((uint64_t{1} << 44) - 1));
+}
+
+// What a descriptor message carries: where the copy of the data is in the sender, its length,
+// and the number the fin must carry.
+struct Descriptor {
+  uint64_t address;
+  uint64_t bytes;
+  uint64_t number;
+};
 
 }  // namespace
 
@@ -88,8 +101,25 @@ absl::Status PointToPoint::Send(const CollectiveFingerprint& fp, const void* dat
     std::memcpy(copy, data, bytes);
   }
   Completion* c = batch->Add(fp.root, /*is_send=*/true);
-  SL_RETURN_IF_ERROR(
-      transport_.Send(fp.root, copy, bytes, MessageTag(transport_.rank(), fp.dtype, fp.key), c));
+  if (bytes >= tuning_.small_bytes && transport_.PulledBy(fp.root)) {
+    // The receiver reads the copy: post the fin's receive first, then the descriptor.
+    absl::StatusOr<uint8_t*> buffers = batch->Buffer(sizeof(Descriptor) + sizeof(uint64_t));
+    if (!buffers.ok()) return Annotate(buffers.status(), hooks.describe());
+    auto* descriptor = reinterpret_cast<Descriptor*>(*buffers);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      *descriptor = {reinterpret_cast<uint64_t>(copy), bytes, reads_++};
+    }
+    Completion* fin = batch->Add(fp.root, /*is_send=*/false);
+    SL_RETURN_IF_ERROR(transport_.Recv(fp.root, *buffers + sizeof(Descriptor), sizeof(uint64_t),
+                                       FinTag(fp.root, descriptor->number), fin));
+    SL_RETURN_IF_ERROR(transport_.Send(
+        fp.root, descriptor, sizeof(Descriptor),
+        MessageTag(transport_.rank(), fp.dtype, fp.key, Phase::kPointToPointRead), c));
+  } else {
+    SL_RETURN_IF_ERROR(
+        transport_.Send(fp.root, copy, bytes, MessageTag(transport_.rank(), fp.dtype, fp.key), c));
+  }
   if (c->done.load(std::memory_order_acquire) && c->status != UCS_OK) {
     return MarkPeerError(
         absl::UnavailableError(absl::StrCat(hooks.describe(), ": sending to rank ", fp.root,
@@ -104,6 +134,19 @@ absl::Status PointToPoint::Send(const CollectiveFingerprint& fp, const void* dat
   // Nothing may drive the worker until the next operation: the progress thread must, now.
   if (pending) transport_.Urge();
   return absl::OkStatus();
+}
+
+void PointToPoint::SendFin(int to, uint64_t number) {
+  std::unique_ptr<Batch> batch = TakeBatch();
+  absl::StatusOr<uint8_t*> payload = batch->Buffer(sizeof(uint64_t));
+  if (!payload.ok()) return;  // the sender then frees its copy when its communicator goes
+  std::memcpy(*payload, &number, sizeof(number));
+  Completion* c = batch->Add(to, /*is_send=*/true);
+  if (!transport_.Send(to, *payload, sizeof(number), FinTag(transport_.rank(), number), c).ok()) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  sending_.push_back(std::move(batch));
 }
 
 bool PointToPoint::SendsPending() {
@@ -152,7 +195,9 @@ absl::Status PointToPoint::Recv(const CollectiveFingerprint& fp, void* data, siz
 
   const bool any = fp.root == kAnySource;
   const uint64_t tag = MessageTag(any ? 0 : fp.root, DType{}, fp.key);
-  const uint64_t mask = kFullMask & ~kDTypeBits & (any ? ~kSourceBits : kFullMask);
+  // Either phase: kPointToPoint (6) and kPointToPointRead (7) differ in the lowest phase bit.
+  const uint64_t mask =
+      kFullMask & ~kDTypeBits & ~(uint64_t{1} << 60) & (any ? ~kSourceBits : kFullMask);
   std::vector<int> awaited;
   for (int r = 0; r < transport_.size(); ++r) {
     if (r != transport_.rank() && (any || r == fp.root)) awaited.push_back(r);
@@ -169,14 +214,26 @@ absl::Status PointToPoint::Recv(const CollectiveFingerprint& fp, void* data, siz
   const size_t bytes = fp.count * element_size;
   std::unique_ptr<Batch> batch = TakeBatch();
   Completion* c = batch->Add(from, /*is_send=*/false);
+  const bool read = (info.sender_tag >> 60) == static_cast<uint64_t>(Phase::kPointToPointRead);
+  Descriptor descriptor{};
+  if (read && info.length == sizeof(Descriptor)) {
+    // The descriptor first (a small message: it is here), then the size check on its length.
+    transport_.RecvProbed(message, from, &descriptor, sizeof(Descriptor), c);
+    SL_RETURN_IF_ERROR(Wait(transport_, tuning_, deadline, hooks, {from},
+                            [&] { return c->done.load(std::memory_order_acquire); }));
+    info.length = descriptor.bytes;
+    message = nullptr;
+  }
   if (dtype_code != static_cast<uint64_t>(fp.dtype) || info.length != bytes) {
     // Received into a buffer of its own (the caller's stays untouched), so that the worker
     // holds no probed message that nobody receives.
-    absl::StatusOr<uint8_t*> sink = batch->Buffer(std::max<size_t>(info.length, 1));
-    if (sink.ok()) {
-      transport_.RecvProbed(message, from, *sink, info.length, c);
-    } else {
-      c->done.store(true, std::memory_order_release);
+    if (message != nullptr) {
+      absl::StatusOr<uint8_t*> sink = batch->Buffer(std::max<size_t>(info.length, 1));
+      if (sink.ok()) {
+        transport_.RecvProbed(message, from, *sink, info.length, c);
+      } else {
+        c->done.store(true, std::memory_order_release);
+      }
     }
     *batch_out = std::move(batch);
     std::string sent;
@@ -200,9 +257,18 @@ absl::Status PointToPoint::Recv(const CollectiveFingerprint& fp, void* data, siz
                                                 ": sizes and dtypes must match")),
         absl::StrCat(from));
   }
-  transport_.RecvProbed(message, from, data, bytes, c);
-  absl::Status received = Wait(transport_, tuning_, deadline, hooks, {from},
-                               [&] { return c->done.load(std::memory_order_acquire); });
+  absl::Status received;
+  if (message == nullptr) {
+    // A descriptor: one copy out of the sender, then the fin that frees its buffer.
+    received =
+        bytes == 0 ? absl::OkStatus() : transport_.CmaRead(from, data, descriptor.address, bytes);
+    if (received.ok()) SendFin(from, descriptor.number);
+  } else {
+    transport_.RecvProbed(message, from, data, bytes, c);
+    received = Wait(transport_, tuning_, deadline, hooks, {from},
+                    [&] { return c->done.load(std::memory_order_acquire); });
+  }
+  if (!received.ok() && !IsPeerError(received)) received = Annotate(received, hooks.describe());
   if (received.ok() && c->status != UCS_OK) {
     received = MarkPeerError(
         absl::UnavailableError(absl::StrCat(hooks.describe(), ": receiving from rank ", from,

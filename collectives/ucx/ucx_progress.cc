@@ -171,6 +171,7 @@ void UcxTransport::SetPendingWork(std::function<bool()> pending) {
 void UcxTransport::Urge() {
   {
     std::lock_guard<std::mutex> lock(idle_mu_);
+    ++urges_;
     if (urged_) return;
     urged_ = true;
   }
@@ -190,6 +191,7 @@ void UcxTransport::ProgressThread() {
     }
     polling_ = true;
     const bool urged = urged_;
+    const uint64_t urges = urges_;
     lock.unlock();
     Progress();
     bool still_urged = false;
@@ -201,7 +203,8 @@ void UcxTransport::ProgressThread() {
     Sleep(absl::Now() + (still_urged ? absl::Milliseconds(5) : absl::Seconds(1)));
     lock.lock();
     polling_ = false;
-    if (urged && !still_urged) urged_ = false;
+    // An Urge() since the question was asked may be for work the answer did not see.
+    if (urged && !still_urged && urges_ == urges) urged_ = false;
   }
 }
 

@@ -13,11 +13,16 @@
 // A send copies its data into a buffer of its own and posts the message: it completes at once,
 // never waiting for its receive (two ranks that both send first do not deadlock), and the
 // transport's progress (the idle progress thread, or any thread waiting in a collective or a
-// receive) carries the message to its receiver. Sent buffers are reused once their messages are
-// delivered. A large message is delivered by its receiver reading it out of this process, so a
-// communicator being destroyed first waits (Flush) until its sends are delivered, a receiver
-// failed, the communicator was aborted or its timeout passed; sends still undelivered then stay
-// with the transport, which closes its endpoints by force.
+// receive) carries the message to its receiver. A message of SHARDLINE_UCX_SMALL_BYTES or more to
+// a peer on this host that may read this process's memory travels as a descriptor of that copy
+// (its address and length, on phase kPointToPointRead): the receiver reads the bytes straight
+// out of the sender (UcxTransport::CmaRead: one copy, no progress needed from the sender) and
+// answers with a fin (kPointToPointFin, tagged with the send's number), which frees the copy. Sent
+// buffers are reused once their messages are delivered. A large message is delivered by its
+// receiver reading it out of this process, so a communicator being destroyed first waits (Flush)
+// until its sends are delivered, a receiver failed, the communicator was aborted or its timeout
+// passed; sends still undelivered then stay with the transport, which closes its endpoints by
+// force.
 //
 // A receive waits like a collective: it progresses the worker itself (the idle progress thread
 // pauses meanwhile), spins for SHARDLINE_UCX_SPIN_US, then sleeps on the worker's event fd, and
@@ -80,12 +85,15 @@ class PointToPoint {
   std::unique_ptr<Batch> TakeBatch();
   // Moves the sends whose messages were delivered back to the free batches.
   void ReapSends();
+  // Tells rank `to` that its descriptor `number` was read (its copy may go).
+  void SendFin(int to, uint64_t number);
 
   UcxTransport& transport_;
   const Tuning tuning_;
   std::mutex mu_;  // guards sending_ and free_ (sends and receives run on any stream)
   std::vector<std::unique_ptr<Batch>> sending_;  // one undelivered message each
   std::vector<std::unique_ptr<Batch>> free_;
+  uint64_t reads_ = 0;  // descriptors sent (their fins' numbers), under mu_
 };
 
 }  // namespace shardline::ucx_internal

@@ -73,15 +73,19 @@ namespace shardline::ucx_internal {
 // sequence: headers from one peer are matched in send order, so a peer that is at another
 // collective is reported as a mismatch instead of never matching.
 enum class Phase : uint64_t {
-  kHeader = 0,        // fingerprint (+ the payload of a small collective)
-  kData = 2,          // first data phase of large collectives
-  kGather = 3,        // all-gather phase of the large all-reduce
-  kWireup = 4,        // the one-message handshake at creation (never used by a collective)
-  kPointToPoint = 5,  // Send / Recv (their own tag layout: ucx_point_to_point.h)
+  kHeader = 0,  // fingerprint (+ the payload of a small collective)
+  kData = 2,    // first data phase of large collectives
+  kGather = 3,  // all-gather phase of the large all-reduce
+  kWireup = 4,  // the one-message handshake at creation (never used by a collective)
+  // Send / Recv (their own tag layout: ucx_point_to_point.h): a message with its data, or the
+  // descriptor of one its receiver reads out of the sender's memory (single copy).
+  kPointToPoint = 6,
+  kPointToPointRead = 7,
   // 8 | p: the receiver's "read done" answer to a single-copy (CMA) message of phase p.
   kDataFin = 10,
   kGatherFin = 11,
-  kControl = 15  // abort notices and goodbyes
+  kPointToPointFin = 14,  // FinPhase(kPointToPoint): the read of a descriptor's data is done
+  kControl = 15           // abort notices and goodbyes
 };
 inline Phase FinPhase(Phase phase) { return static_cast<Phase>(8 | static_cast<uint64_t>(phase)); }
 constexpr int kMaxRanks = 1 << 16;
@@ -455,6 +459,7 @@ class UcxTransport {
   bool stop_ = false;
   bool polling_ = false;   // the progress thread is (about to be) in Sleep()
   bool urged_ = false;     // Urge() was called: see SetPendingWork
+  uint64_t urges_ = 0;     // Urge() calls so far
   std::mutex pending_mu_;  // guards pending_work_ and its calls
   std::function<bool()> pending_work_;
   absl::Time last_end_ = absl::InfinitePast();  // when active_ last dropped to 0
