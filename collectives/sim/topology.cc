@@ -666,7 +666,6 @@ absl::StatusOr<CollectiveCost> EstimateCollectiveWith(const Topology& t,
                                                       DType dtype, const GroupShape& shape) {
   SL_RETURN_IF_ERROR(CheckShape(t, shape));
   SL_ASSIGN_OR_RETURN(CollectiveCost c, Formula(t, algorithm, kind, count, dtype, shape));
-  if (IsPointToPoint(kind)) return c;  // the topology lists no corrections for messages
   for (const AlgorithmModel& m : t.algorithms(kind)) {
     if (m.algorithm == algorithm) return Corrected(c, m);
   }
@@ -677,8 +676,7 @@ absl::StatusOr<CollectiveCost> EstimateCollective(const Topology& t, CollectiveK
                                                   size_t count, DType dtype,
                                                   const GroupShape& shape) {
   SL_RETURN_IF_ERROR(CheckShape(t, shape));
-  // One message is one step between two ranks: no algorithm to choose.
-  if (IsPointToPoint(kind))
+  if (IsPointToPoint(kind))  // a message is one ring step: no algorithm to choose
     return Formula(t, CollectiveAlgorithm::kRing, kind, count, dtype, shape);
   std::optional<CollectiveCost> best;
   for (const AlgorithmModel& m : t.algorithms(kind)) {

@@ -170,9 +170,10 @@ struct Topology {
   int devices() const { return nodes * devices_per_node; }
   // A device's share of its node's NICs: nic bandwidth * nics_per_node / devices_per_node.
   double rail_bandwidth_bytes_per_s() const;
-  // `kind`: a collective (messages have no algorithms: EstimateCollective prices them alone).
+  // The algorithms listed for `kind`; none for messages (kSend, kRecv: one ring step each).
   const std::vector<AlgorithmModel>& algorithms(CollectiveKind kind) const {
-    return collectives[static_cast<int>(kind)];
+    static const std::vector<AlgorithmModel> kNone;
+    return IsPointToPoint(kind) ? kNone : collectives[static_cast<int>(kind)];
   }
   bool operator==(const Topology&) const = default;
 };
