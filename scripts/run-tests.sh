@@ -11,8 +11,8 @@
 #      serves the C++ layers stage 1 compiled, so only the module's own sources compile), pytest
 #      tests/python (test_safetensors.py also runs build/bin's checkpoint_fixture and
 #      shardline-checkpoint); tests marked `long` are left to scripts/run-long-tests.sh
-#   4. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer, -O1 -g1, the libraries as a
-#      unity build): ctest -L unit
+#   4. build-asan/ (AddressSanitizer; UndefinedBehaviorSanitizer on the libraries; the libraries
+#      at -O1 -g1 as a unity build, the test code at -O0): ctest -L unit
 #   5. build-tsan/ (ThreadSanitizer, likewise): ctest -L threads (streams, pools, collectives, the
 #      store, the scheduler)
 #   6. clang-format of every tracked C++ file
