@@ -9,7 +9,8 @@
 #    SHARDLINE_PROPERTY_FIRST_SEED=<seed> SHARDLINE_PROPERTY_SEEDS=1.
 # SHARDLINE_LONG_SEEDS sets the number of configurations.
 # 2. The Python tests marked `long` (pytest -m long in tests/python: the PyTorch headline
-#    benchmark's smoke test), against the package scripts/run-tests.sh installed into .venv/.
+#    benchmark's smoke test; torch's distributed suite on gloo and shardline at 2, 3 and 8 ranks,
+#    about 10 minutes), against the package scripts/run-tests.sh installed into .venv/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed=${1:-$(date +%s)}
