@@ -12,8 +12,11 @@ In-process runs (a world of one rank, shardline.init_local(1)) check what needs 
 forward views moving between the forward and the backward gather (the saved-tensor hooks),
 frozen parameters, a parameter used twice in one unit, and the errors.
 """
+import collections
+import dataclasses
 import json
 import math
+import typing
 
 import pytest
 
@@ -305,6 +308,73 @@ def test_bf16_param_policy_within_bf16_tolerance(world):
     assert 1e-6 < worst <= 1e-2, worst  # it computed in bfloat16, and closely
     with torch.no_grad():
         assert model(torch.zeros(1, 2, dtype=torch.long)).dtype == torch.bfloat16
+
+
+class Parts(typing.NamedTuple):
+    first: torch.Tensor
+    rest: list
+
+
+class Record(collections.OrderedDict):
+    """A dict subclass, as Hugging Face's ModelOutput is."""
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    parts: Parts
+    extras: Record
+    note: str = "kept"
+
+
+class StructuredOut(Tied):
+    """Tied, whose forward returns a dataclass holding a named tuple, a list and a dict subclass."""
+
+    def forward(self, tokens):
+        logits = super().forward(tokens)
+        return Out(logits, Parts(logits[:, :1], [logits * 2, 3]), Record(hidden=logits.sum()))
+
+
+@pytest.mark.parametrize("output_dtype", [None, torch.bfloat16])
+def test_structured_outputs_train_and_keep_their_types(world, output_dtype):
+    """A forward that returns a dataclass trains like the plain model (its tensors are found, so
+    the backward belongs to this step); output_dtype casts inside every container and keeps each
+    one's type, as FSDP2 does."""
+    torch.manual_seed(7)
+    ref = StructuredOut()
+    torch.manual_seed(7)
+    model = StructuredOut()
+    policy = slt.MixedPrecisionPolicy(output_dtype=output_dtype)
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world, mp_policy=policy)
+    slt.fully_shard(model, mesh=world, mp_policy=policy)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 23, (3, 5), generator=g)
+        target = torch.randint(0, 23, (3, 5), generator=g)
+        outs = []
+        for m, opt in zip((ref, model), opts):
+            out = m(tokens)
+            F.cross_entropy(out.logits.float().reshape(-1, 23), target.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(out)
+        plain, sharded = outs
+        assert type(sharded) is Out and sharded.note == "kept"
+        assert type(sharded.parts) is Parts and type(sharded.parts.rest) is list
+        assert type(sharded.extras) is Record and sharded.parts.rest[1] == 3
+        want = output_dtype or torch.float32
+        for t in (sharded.logits, sharded.parts.first, sharded.parts.rest[0],
+                  sharded.extras["hidden"]):
+            assert t.dtype == want
+    if output_dtype is None:
+        assert_same_parameters(ref, model)
+    else:  # the loss read bfloat16 logits: close, not equal
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            want = ref_params[name].detach().reshape(-1)
+            assert ((p.detach() - want).norm() / want.norm()).item() <= 1e-2, name
 
 
 def test_cpu_offload_policy(world):

@@ -14,8 +14,10 @@ __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 class MixedPrecisionPolicy:
     """FSDP2's MixedPrecisionPolicy. param_dtype: the dtype of the unsharded parameters (the
     forward and backward compute, the all-gather); reduce_dtype: of the gradient reduction;
-    output_dtype: the root's floating outputs are cast to it; cast_forward_inputs: floating
-    inputs of every fully_shard'ed module are cast to param_dtype. None: float32."""
+    output_dtype: the root's floating outputs are cast to it, inside tuples, named tuples,
+    lists, dicts, dataclasses and their subclasses (HF's ModelOutput), each kept as its own
+    type; cast_forward_inputs: floating inputs of every fully_shard'ed module are cast to
+    param_dtype. None: float32."""
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None

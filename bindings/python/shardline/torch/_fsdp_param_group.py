@@ -3,6 +3,8 @@ the parameters it collects, the autograd functions of its forward and backward u
 root's calls into the scheduler for one unit (_UnitUses: gather, reshard, gradients; FSDP2's
 FSDPParamGroup.pre_forward / post_forward / pre_backward / post_backward / unshard)."""
 
+import copy
+import dataclasses
 import time
 import weakref
 
@@ -138,14 +140,32 @@ class _InputBoundary(torch.autograd.Function):
 
 
 def _map_tensors(fn, obj):
+    """`obj` with fn applied to every tensor in it, each container rebuilt as its own type (as
+    FSDP2 does): named tuples, lists, tuples, dicts and their subclasses (HF's ModelOutput is an
+    OrderedDict and a dataclass), and dataclass instances (frozen ones too)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name, None)
+            mapped = _map_tensors(fn, value)
+            if mapped is not value:
+                object.__setattr__(new, field.name, mapped)
+                if isinstance(new, dict) and field.name in new:
+                    dict.__setitem__(new, field.name, mapped)  # ModelOutput keeps both views
+        return new
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_map_tensors(fn, o) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(fn, o) for o in obj)
-    if isinstance(obj, dict):
+    if type(obj) is dict:
         return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, dict):
+        new = copy.copy(obj)
+        for k, v in obj.items():
+            dict.__setitem__(new, k, _map_tensors(fn, v))
+        return new
     return obj
 
 
