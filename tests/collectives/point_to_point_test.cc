@@ -27,12 +27,14 @@
 #include "runtime/virtual_time.h"
 #include "tests/collectives/rank_comms.h"
 #include "tests/common/gate.h"
+#include "tests/common/hashed_bytes.h"
 #include "tests/common/rank_threads.h"
 
 namespace shardline {
 namespace {
 
 using ::shardline::testing::Comms;
+using ::shardline::testing::HashedBytes;
 using ::shardline::testing::MakeUcxComms;
 using ::shardline::testing::RunRanks;
 using ::shardline::testing::RunRankThreads;
@@ -54,18 +56,6 @@ std::unique_ptr<Stream> MakeStream(const std::string& name) {
   absl::StatusOr<std::unique_ptr<Stream>> stream = CreateHostStream({.name = name});
   EXPECT_TRUE(stream.ok()) << stream.status();
   return *std::move(stream);
-}
-
-// Hashed bytes of (sender, message, i): no period along the buffer, different per message.
-std::vector<uint8_t> Message(int from, int message, size_t bytes) {
-  std::vector<uint8_t> out(bytes);
-  for (size_t i = 0; i < bytes; ++i) {
-    uint64_t x = (static_cast<uint64_t>(from) << 56) ^ (static_cast<uint64_t>(message) << 40) ^ i;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    out[i] = static_cast<uint8_t>(x ^ (x >> 31));
-  }
-  return out;
 }
 
 // Every byte; the first difference named.
@@ -96,7 +86,7 @@ TEST_P(PointToPointTest, EveryElementOfOddSizesInBothOrders) {
           SCOPED_TRACE(
               absl::StrCat(DTypeName(dtype), " x ", count, receive_first ? ", recv first" : ""));
           const size_t bytes = count * DTypeSize(dtype);
-          std::vector<uint8_t> out = Message(r, message, bytes);
+          std::vector<uint8_t> out = HashedBytes(r, message, bytes);
           std::vector<uint8_t> in(bytes, 0xEE);
           absl::StatusOr<Work> received, sent;
           if (receive_first) {
@@ -110,8 +100,8 @@ TEST_P(PointToPointTest, EveryElementOfOddSizesInBothOrders) {
           ASSERT_TRUE(WaitFor(received).ok()) << WaitFor(received);
           EXPECT_EQ(received->source(), from);
           EXPECT_EQ(sent->source(), -1);
-          ExpectSameBytes(in, Message(from, message, bytes), "received");
-          ExpectSameBytes(out, Message(r, message, bytes), "the send's buffer");
+          ExpectSameBytes(in, HashedBytes(from, message, bytes), "received");
+          ExpectSameBytes(out, HashedBytes(r, message, bytes), "the send's buffer");
           ++message;
         }
       }
@@ -128,8 +118,8 @@ TEST_P(PointToPointTest, ManyTagsInFlightMatchByTagInOrder) {
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     if (r == 0) {
       std::vector<std::vector<uint8_t>> out;
-      for (int t = 0; t < kTags; ++t) out.push_back(Message(0, t, kBytes));
-      out.push_back(Message(0, 100, kBytes));  // a second message with tag 3
+      for (int t = 0; t < kTags; ++t) out.push_back(HashedBytes(0, t, kBytes));
+      out.push_back(HashedBytes(0, 100, kBytes));  // a second message with tag 3
       std::vector<Work> works;
       for (int t = 0; t <= kTags; ++t) {
         absl::StatusOr<Work> sent = comm.Send(out[t].data(), kBytes, DType::kU8, 1, stream,
@@ -154,8 +144,8 @@ TEST_P(PointToPointTest, ManyTagsInFlightMatchByTagInOrder) {
     works.push_back(*second);
     for (const Work& w : works) ASSERT_TRUE(w.Wait(absl::Now() + absl::Seconds(30)).ok());
     for (int t = 0; t < kTags; ++t)
-      ExpectSameBytes(in[t], Message(0, t, kBytes), absl::StrCat("tag ", t));
-    ExpectSameBytes(in[kTags], Message(0, 100, kBytes), "the second message of tag 3");
+      ExpectSameBytes(in[t], HashedBytes(0, t, kBytes), absl::StrCat("tag ", t));
+    ExpectSameBytes(in[kTags], HashedBytes(0, 100, kBytes), "the second message of tag 3");
   });
 }
 
@@ -168,7 +158,7 @@ TEST_P(PointToPointTest, AnySourceTakesEachSendersMessage) {
   RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
     const size_t bytes = kCount * sizeof(float);
     if (r != 0) {
-      std::vector<uint8_t> out = Message(r, 7, bytes);
+      std::vector<uint8_t> out = HashedBytes(r, 7, bytes);
       ASSERT_TRUE(
           WaitFor(comm.Send(out.data(), kCount, DType::kF32, 0, stream, {.match_tag = 5})).ok());
       return;
@@ -182,7 +172,7 @@ TEST_P(PointToPointTest, AnySourceTakesEachSendersMessage) {
       const int source = received->source();
       ASSERT_TRUE(source >= 1 && source < n) << source;
       EXPECT_TRUE(sources.insert(source).second) << "rank " << source << " twice";
-      ExpectSameBytes(in, Message(source, 7, bytes), absl::StrCat("from rank ", source));
+      ExpectSameBytes(in, HashedBytes(source, 7, bytes), absl::StrCat("from rank ", source));
     }
   });
 }
@@ -286,7 +276,7 @@ TEST_P(PointToPointTest, AReceiveWithoutItsSendTimesOutNamingThePeer) {
 TEST_P(PointToPointTest, ASendIsDeliveredAfterItsSenderIsDestroyed) {
   Comms comms = Make(2);
   constexpr size_t kBytes = (size_t{3} << 20) + 5;
-  std::vector<uint8_t> out = Message(0, 9, kBytes), in(kBytes);
+  std::vector<uint8_t> out = HashedBytes(0, 9, kBytes), in(kBytes);
   std::unique_ptr<Stream> sender = MakeStream("sender"), receiver = MakeStream("receiver");
   ASSERT_TRUE(WaitFor(comms[0]->Send(out.data(), kBytes, DType::kU8, 1, *sender)).ok());
   std::fill(out.begin(), out.end(), 0);
@@ -295,7 +285,7 @@ TEST_P(PointToPointTest, ASendIsDeliveredAfterItsSenderIsDestroyed) {
   absl::StatusOr<Work> received = comms[1]->Recv(in.data(), kBytes, DType::kU8, 0, *receiver);
   EXPECT_TRUE(WaitFor(received).ok()) << WaitFor(received);
   destroy.join();
-  ExpectSameBytes(in, Message(0, 9, kBytes), "received after the sender's destruction");
+  ExpectSameBytes(in, HashedBytes(0, 9, kBytes), "received after the sender's destruction");
 }
 
 // A peer that dies (its communicator aborted) while this rank waits for its message: an error
@@ -340,12 +330,12 @@ TEST_P(PointToPointTest, BadArgumentsAreNamedAndEnqueueNothing) {
                      "message tag 68719476736 is out of the ucx backend's range");
     }
     // Still usable.
-    std::vector<uint8_t> out = Message(r, 1, 4), in(4);
+    std::vector<uint8_t> out = HashedBytes(r, 1, 4), in(4);
     absl::StatusOr<Work> sent = comm.Send(out.data(), 1, DType::kF32, 1 - r, stream);
     absl::StatusOr<Work> received = comm.Recv(in.data(), 1, DType::kF32, 1 - r, stream);
     ASSERT_TRUE(WaitFor(sent).ok());
     ASSERT_TRUE(WaitFor(received).ok());
-    ExpectSameBytes(in, Message(1 - r, 1, 4), "after the bad calls");
+    ExpectSameBytes(in, HashedBytes(1 - r, 1, 4), "after the bad calls");
   });
 }
 

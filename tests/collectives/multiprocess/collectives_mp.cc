@@ -94,11 +94,13 @@
 #include "runtime/shared_memory.h"
 #include "runtime/stream.h"
 #include "testing/typed_values.h"
+#include "tests/common/hashed_bytes.h"
 
 namespace shardline {
 namespace {
 
 using testing::GetElement;
+using testing::HashedBytes;
 using testing::PatternBuffer;
 using testing::PatternReductionFits;
 using testing::PatternValue;
@@ -502,6 +504,24 @@ int Mismatch() {
   return 0;
 }
 
+// A survivor of a killed rank: reports its error and how long it took to come (at most the
+// deadline + 5 s), shuts its world down, and returns kSurvivorExit (the exit code).
+int SurvivorShutsDown(World& w, const absl::Status& status, absl::Duration took,
+                      absl::Duration timeout) {
+  std::printf("SURVIVOR rank %d failed after %.2f s: %s\n", g_rank, absl::ToDoubleSeconds(took),
+              status.ToString().c_str());
+  Expect(took < timeout + absl::Seconds(5), "survivor took longer than the deadline");
+  std::fflush(stdout);
+  const absl::Time shutdown = absl::Now();
+  w.stream.reset();
+  w.comm.reset();
+  w.store.reset();
+  std::printf("SHUTDOWN rank %d in %.2f s\n", g_rank,
+              absl::ToDoubleSeconds(absl::Now() - shutdown));
+  std::fflush(stdout);
+  return kSurvivorExit;
+}
+
 int Kill() {
   const absl::Duration timeout = absl::Seconds(20);
   World w = Join(timeout);
@@ -524,18 +544,7 @@ int Kill() {
   const absl::Duration took = absl::Now() - start;
   if (g_rank == 1) Fail("rank 1 survived its own SIGKILL");
   if (status.ok()) Fail("survivor finished 1000 all_reduces without noticing rank 1's death");
-  std::printf("SURVIVOR rank %d failed after %.2f s: %s\n", g_rank, absl::ToDoubleSeconds(took),
-              status.ToString().c_str());
-  Expect(took < timeout + absl::Seconds(5), "survivor took longer than the deadline");
-  std::fflush(stdout);
-  const absl::Time shutdown = absl::Now();
-  w.stream.reset();
-  w.comm.reset();
-  w.store.reset();
-  std::printf("SHUTDOWN rank %d in %.2f s\n", g_rank,
-              absl::ToDoubleSeconds(absl::Now() - shutdown));
-  std::fflush(stdout);
-  return kSurvivorExit;
+  return SurvivorShutsDown(w, status, took, timeout);
 }
 
 int Skipped() {
@@ -989,18 +998,6 @@ int ShrinkScenario() {
   return 0;
 }
 
-// Hashed bytes of (sender, message, i): every message different, no period along it.
-std::vector<uint8_t> MessageBytes(int from, int message, size_t bytes) {
-  std::vector<uint8_t> out(bytes);
-  for (size_t i = 0; i < bytes; ++i) {
-    uint64_t x = (uint64_t(from) << 56) ^ (uint64_t(message) << 40) ^ i;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    out[i] = static_cast<uint8_t>(x ^ (x >> 31));
-  }
-  return out;
-}
-
 void ExpectBytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want,
                  const std::string& what) {
   Expect(got.size() == want.size(), absl::StrCat(what, ": size"));
@@ -1022,7 +1019,7 @@ int PointToPointScenario() {
     for (size_t bytes :
          {size_t{0}, size_t{1}, size_t{4099}, size_t{1000003}, (size_t{16} << 20) + 3}) {
       const std::string what = absl::StrCat(bytes, " bytes", receive_first ? ", recv first" : "");
-      std::vector<uint8_t> out = MessageBytes(g_rank, message, bytes), in(bytes, 0xEE);
+      std::vector<uint8_t> out = HashedBytes(g_rank, message, bytes), in(bytes, 0xEE);
       absl::StatusOr<Work> sent, received;
       if (receive_first) {
         received = w.comm->Recv(in.data(), bytes, DType::kU8, from, recv_stream, {.match_tag = 4});
@@ -1034,14 +1031,14 @@ int PointToPointScenario() {
       ExpectOk(WaitFor(sent), absl::StrCat("send of ", what));
       ExpectOk(WaitFor(received), absl::StrCat("recv of ", what));
       Expect(received->source() == from, absl::StrCat(what, ": source"));
-      ExpectBytes(in, MessageBytes(from, message, bytes), what);
+      ExpectBytes(in, HashedBytes(from, message, bytes), what);
       ++message;
     }
   }
   // Rank 0 receives every other rank's f32 message from any source.
   constexpr size_t kCount = 70001;
   if (g_rank != 0) {
-    std::vector<uint8_t> out = MessageBytes(g_rank, 99, kCount * 4);
+    std::vector<uint8_t> out = HashedBytes(g_rank, 99, kCount * 4);
     ExpectOk(WaitFor(w.comm->Send(out.data(), kCount, DType::kF32, 0, *w.stream)), "send to 0");
   } else {
     std::vector<bool> seen(g_size, false);
@@ -1053,7 +1050,7 @@ int PointToPointScenario() {
       const int source = received->source();
       Expect(source > 0 && source < g_size && !seen[source], absl::StrCat("source ", source));
       seen[source] = true;
-      ExpectBytes(in, MessageBytes(source, 99, kCount * 4), absl::StrCat("from rank ", source));
+      ExpectBytes(in, HashedBytes(source, 99, kCount * 4), absl::StrCat("from rank ", source));
     }
   }
   ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
@@ -1076,18 +1073,7 @@ int PointToPointKill() {
   absl::Status status = WaitFor(w.comm->Recv(in.data(), in.size(), DType::kF32, 1, *w.stream));
   const absl::Duration took = absl::Now() - start;
   if (status.ok()) Fail("a receive from a dead rank succeeded");
-  std::printf("SURVIVOR rank %d failed after %.2f s: %s\n", g_rank, absl::ToDoubleSeconds(took),
-              status.ToString().c_str());
-  Expect(took < timeout + absl::Seconds(5), "survivor took longer than the deadline");
-  std::fflush(stdout);
-  const absl::Time shutdown = absl::Now();
-  w.stream.reset();
-  w.comm.reset();
-  w.store.reset();
-  std::printf("SHUTDOWN rank %d in %.2f s\n", g_rank,
-              absl::ToDoubleSeconds(absl::Now() - shutdown));
-  std::fflush(stdout);
-  return kSurvivorExit;
+  return SurvivorShutsDown(w, status, took, timeout);
 }
 
 // Host memory for the benchmark; `huge`: 2 MiB aligned and backed by transparent huge pages

@@ -122,15 +122,21 @@ class _Collectives:
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def _all_gather_into(self, call, output, input, index):
-        src = call.source(input, f"input{index}", reduce=False)
+    def _check_per_rank(self, call, big_t, small_t, index, big, small):
+        """`big_t` must have `small_t`'s dtype and one `small_t` per rank (the all-gather's
+        output, the reduce-scatter's input)."""
+        output, input = (big_t, small_t) if big == "output" else (small_t, big_t)
         if output.dtype != input.dtype:
             raise ValueError(f"shardline backend: {call.collective}: output{index} is "
                              f"{output.dtype} but input{index} is {input.dtype}")
-        if output.numel() != input.numel() * self.size():
-            raise ValueError(f"shardline backend: {call.collective}: output{index} has "
-                             f"{output.numel()} elements; it needs input{index}'s "
-                             f"{input.numel()} x {self.size()} ranks")
+        if big_t.numel() != small_t.numel() * self.size():
+            raise ValueError(f"shardline backend: {call.collective}: {big}{index} has "
+                             f"{big_t.numel()} elements; it needs {small}{index}'s "
+                             f"{small_t.numel()} x {self.size()} ranks")
+
+    def _all_gather_into(self, call, output, input, index):
+        src = call.source(input, f"input{index}", reduce=False)
+        self._check_per_rank(call, output, input, index, big="output", small="input")
         dst = call.target(output, f"output{index}", reduce=False)
         self._issue(call, self._comm.all_gather, dst, src)
 
@@ -208,13 +214,7 @@ class _Collectives:
         src = call.source(input, f"input{index}", reduce=True)
         if factor is not None:
             src = src * factor
-        if output.dtype != input.dtype:
-            raise ValueError(f"shardline backend: {call.collective}: output{index} is "
-                             f"{output.dtype} but input{index} is {input.dtype}")
-        if input.numel() != output.numel() * self.size():
-            raise ValueError(f"shardline backend: {call.collective}: input{index} has "
-                             f"{input.numel()} elements; it needs output{index}'s "
-                             f"{output.numel()} x {self.size()} ranks")
+        self._check_per_rank(call, input, output, index, big="input", small="output")
         dst = call.target(output, f"output{index}", reduce=True)
         self._issue(call, self._comm.reduce_scatter, dst, src, op)
 
