@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Creates .venv/ (once) from the python3 on PATH and installs into it, from PyPI, only what is
 # missing: the Python module's build tools (scikit-build-core, nanobind), the test and plotting
-# tools (pytest, numpy, matplotlib, safetensors) and torch. torch is large (CUDA wheels, several
-# GB): it is installed once per machine and pip's cache serves later venvs; it is never
-# reinstalled when already importable.
+# tools (pytest, numpy, matplotlib, safetensors), torch and transformers. torch is large (CUDA
+# wheels, several GB): it is installed once per machine and pip's cache serves later venvs; it is
+# never reinstalled when already importable.
 #
 #   scripts/install-python.sh                     everything above
-#   scripts/install-python.sh --no-torch          all but torch
+#   scripts/install-python.sh --no-torch          all but torch and transformers
 #   scripts/install-python.sh [--no-torch] --module
 #                                                 then `pip install .`: shardline itself (build-pip/;
 #                                                 ccache serves what build/ compiled)
@@ -41,8 +41,10 @@ py=$venv/bin/python
 wanted=(scikit_build_core=scikit-build-core nanobind=nanobind pytest=pytest numpy=numpy
         matplotlib=matplotlib safetensors=safetensors)
 if ((torch)); then
+  # The versions the tests are run with: torch 2.15 and Hugging Face transformers 5 (the
+  # models of tests/python/test_hf.py, built from small configs; nothing is downloaded).
   # expecttest: torch's own distributed test suite imports it (tests/python/torch_suite.py).
-  wanted+=(torch=torch expecttest=expecttest)
+  wanted+=("torch=torch==2.15.*" "transformers=transformers>=5,<6" expecttest=expecttest)
 fi
 missing=()
 for entry in "${wanted[@]}"; do

@@ -159,23 +159,32 @@ def world():
 
 
 class Block(nn.Module):
-    def __init__(self, d, h):
+    def __init__(self, d, h, inner_checkpoint=None):
         super().__init__()
         self.fc1 = nn.Linear(d, h)
         self.fc2 = nn.Linear(h, d)
+        # "reentrant" / "nonreentrant": the forward checkpoints itself, below fully_shard's
+        # hooks, as Hugging Face's gradient checkpointing does.
+        self.inner_checkpoint = inner_checkpoint
 
     def forward(self, x):
+        if self.inner_checkpoint:
+            return torch.utils.checkpoint.checkpoint(
+                self.compute, x, use_reentrant=self.inner_checkpoint == "reentrant")
+        return self.compute(x)
+
+    def compute(self, x):
         return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
 class Tied(nn.Module):
     """Embedding and output head share one weight; four blocks of the same size in between."""
 
-    def __init__(self, vocab=23, d=9, h=17, blocks=4, checkpoint=False):
+    def __init__(self, vocab=23, d=9, h=17, blocks=4, checkpoint=None, inner_checkpoint=None):
         super().__init__()
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint  # "reentrant" / "nonreentrant" around each block
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([Block(d, h) for _ in range(blocks)])
+        self.blocks = nn.ModuleList([Block(d, h, inner_checkpoint) for _ in range(blocks)])
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight
 
@@ -183,7 +192,8 @@ class Tied(nn.Module):
         h = self.embed(tokens)
         for b in self.blocks:
             if self.checkpoint:
-                h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(
+                    b, h, use_reentrant=self.checkpoint == "reentrant")
             else:
                 h = b(h)
         return self.head(h)
@@ -250,8 +260,17 @@ def test_saved_weights_without_the_hooks_go_wrong(world, monkeypatch):
     assert worst > 1e-3, worst
 
 
-def test_activation_checkpointing_recomputes_from_the_backward_gather(world):
-    ref, model, losses = train_pair(world, lambda: Tied(checkpoint=True))
+@pytest.mark.parametrize("where", ["around", "inside"])
+@pytest.mark.parametrize("mode", ["reentrant", "nonreentrant"])
+def test_activation_checkpointing_recomputes_from_the_backward_gather(world, where, mode):
+    """torch.utils.checkpoint around each fully_shard'ed block (checkpoint_wrapper: the unit's
+    hooks run inside the recomputation) or inside its forward (Hugging Face's gradient
+    checkpointing: no hook runs during the recomputation, which reads the parameters the
+    backward use put on the module). Reentrant: the forward runs without gradients, and the
+    parameters' gradients come from differentiating the recomputation."""
+    make = (lambda: Tied(checkpoint=mode)) if where == "around" else (
+        lambda: Tied(inner_checkpoint=mode))
+    ref, model, losses = train_pair(world, make)
     for a, b in losses:
         assert abs(a - b) <= TOLERANCE * a
     assert_same_parameters(ref, model)
@@ -260,6 +279,45 @@ def test_activation_checkpointing_recomputes_from_the_backward_gather(world):
     # gather per block, as without checkpointing.
     for unit in metrics.units[1:]:
         assert unit.gathers == 2, str(metrics)
+
+
+class FrozenMiddle(nn.Module):
+    """The root's own layers around a child run under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 9)
+        self.blocks = nn.ModuleList([Block(9, 13)])
+        self.out = nn.Linear(9, 5)
+
+    def forward(self, x):
+        h = self.inp(x)
+        with torch.no_grad():
+            h = self.blocks[0](h)
+        return self.out(h)
+
+
+def test_a_child_without_gradients_leaves_the_parents_tracked(world):
+    """After a child's forward under no_grad, the parent's use goes on with gradients: `out`
+    (used after the child) trains as in the plain model."""
+    torch.manual_seed(3)
+    ref = FrozenMiddle()
+    torch.manual_seed(3)
+    model = FrozenMiddle()
+    slt.fully_shard(model.blocks[0], mesh=world)
+    slt.fully_shard(model, mesh=world)
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1))
+    for m in (ref, model):
+        m(x).square().sum().backward()
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        want = grads[name].grad
+        if want is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        assert p.grad is not None, name
+        rel = ((p.grad - want.reshape(-1)).norm() / want.norm()).item()
+        assert rel <= TOLERANCE, (name, rel)
 
 
 class Stack(nn.Module):
@@ -344,9 +402,11 @@ def test_structured_outputs_train_and_keep_their_types(world, output_dtype):
     ref = StructuredOut()
     torch.manual_seed(7)
     model = StructuredOut()
-    policy = slt.MixedPrecisionPolicy(output_dtype=output_dtype)
+    # output_dtype on the root only, as with FSDP2 (it acts per module: on the blocks it would
+    # hand the next block bfloat16 inputs)
     for b in model.blocks:
-        slt.fully_shard(b, mesh=world, mp_policy=policy)
+        slt.fully_shard(b, mesh=world)
+    policy = slt.MixedPrecisionPolicy(output_dtype=output_dtype)
     slt.fully_shard(model, mesh=world, mp_policy=policy)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
     for step in range(3):

@@ -14,10 +14,12 @@ __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 class MixedPrecisionPolicy:
     """FSDP2's MixedPrecisionPolicy. param_dtype: the dtype of the unsharded parameters (the
     forward and backward compute, the all-gather); reduce_dtype: of the gradient reduction;
-    output_dtype: the root's floating outputs are cast to it, inside tuples, named tuples,
+    output_dtype: the module's floating outputs are cast to it, inside tuples, named tuples,
     lists, dicts, dataclasses and their subclasses (HF's ModelOutput), each kept as its own
     type; cast_forward_inputs: floating inputs of every fully_shard'ed module are cast to
-    param_dtype. None: float32."""
+    param_dtype. None: float32. param_dtype and reduce_dtype are one root's scheduler's and must
+    be the same on every module under it; output_dtype and cast_forward_inputs may differ per
+    module."""
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None

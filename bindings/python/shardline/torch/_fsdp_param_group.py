@@ -21,6 +21,7 @@ class _UnitState:
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
         self.recompute_open = False
+        self.forward_grad = True  # grad mode of the module's current forward
         self.descendants = set()  # the states of fully_shard'ed modules under this one
         self.full = None  # the full tensors while unshard()'ed
         self.borrowed = []  # units whose tied parameters this module's forward uses too
@@ -169,6 +170,13 @@ def _map_tensors(fn, obj):
     return obj
 
 
+def _place(st, tensors):
+    """Puts `tensors` (one per parameter of `st`) into every module slot of its parameters."""
+    for t, slots in zip(tensors, st.slots):
+        for mod, name in slots:
+            mod._parameters[name] = t
+
+
 def _tensors(obj):
     out = []
     _map_tensors(lambda t: out.append(t) or t, obj)
@@ -214,13 +222,14 @@ class _UnitUses:
                 s.pre_forward(st.unit)
                 views = s.params(st.unit)
                 st.recompute_open = True
-            # As in the forward, the views require gradients (so autograd saves the same
-            # tensors, which checkpoint checks); this graph is only used to unpack.
-            views = [v.detach().requires_grad_(p.requires_grad and torch.is_grad_enabled())
-                     for v, p in zip(views, st.params)]
-            for v, slots in zip(views, st.slots):
-                for mod, name in slots:
-                    mod._parameters[name] = v
+            # As in the forward, the views pass through _Gather: autograd saves the same tensors
+            # (which a non-reentrant checkpoint checks, and only unpacks from this graph), and a
+            # reentrant checkpoint, which differentiates this graph, hands the parameters'
+            # gradients to the root.
+            frozen = [not p.requires_grad for p in st.params]
+            if torch.is_grad_enabled() and not all(frozen):
+                views = _Gather.apply(self, st, frozen, self.anchor, *views)
+            _place(st, views)
             return
         s.pre_forward(st.unit)
         if self.trace is not None:
@@ -232,16 +241,14 @@ class _UnitUses:
         frozen = [not p.requires_grad for p in st.params]
         if torch.is_grad_enabled() and not all(frozen):
             views = _Gather.apply(self, st, frozen, self.anchor, *views)
-        for v, slots in zip(views, st.slots):
-            for mod, name in slots:
-                mod._parameters[name] = v
+        _place(st, views)
 
     def _end_unit(self, st):
         if not st.params:
             return
-        for p, slots in zip(st.params, st.slots):
-            for mod, name in slots:
-                mod._parameters[name] = p
+        # The module holds its shard again, or, after a recomputation inside its backward use,
+        # that use's views.
+        _place(st, self.placed.get(st.unit, st.params))
         if self.recomputing and not st.recompute_open:
             return
         if not self.recomputing:
@@ -272,7 +279,19 @@ class _UnitUses:
         self.scheduler.pre_backward(st.unit)
         if self.trace is not None:
             self.span_start[st.unit] = time.time_ns()
-        self.views[st.unit] = self.scheduler.params(st.unit)
+        views = self.views[st.unit] = self.scheduler.params(st.unit)
+        # The module holds the unsharded views for the whole backward use, as FSDP2 puts the
+        # full parameters back before a module's backward: a forward that is recomputed below
+        # the unit's hooks (Hugging Face's gradient checkpointing wraps a layer's `forward`
+        # itself) reads them. Through _Gather, so that a reentrant checkpoint, which
+        # differentiates its recomputed graph, hands the parameters' gradients to the root;
+        # a non-reentrant one only takes its saved tensors from that graph.
+        frozen = [not p.requires_grad for p in st.params]
+        if not all(frozen):
+            with torch.enable_grad():
+                views = _Gather.apply(self, st, frozen, self.anchor, *views)
+        self.placed[st.unit] = views
+        _place(st, views)
         for grads in self.pending.pop(st.unit, []):
             self._add_grads(st, grads)
 
@@ -280,6 +299,8 @@ class _UnitUses:
         if not st.params:
             return
         self.views.pop(st.unit, None)
+        self.placed.pop(st.unit, None)
+        _place(st, st.params)
         self._end_span("backward", st)
         self.scheduler.post_backward(st.unit)
 

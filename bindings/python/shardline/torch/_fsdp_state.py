@@ -83,6 +83,7 @@ class _ForwardHooks:
         self.span_start.clear()
         self.pack_map.clear()
         self.views.clear()
+        self.placed.clear()
         self.pending.clear()
 
     def pre_forward(self, st, args, kwargs):
@@ -120,6 +121,7 @@ class _ForwardHooks:
                 swap = {id(t): r for t, r in zip(need, replaced)}
                 args, kwargs = _map_tensors(lambda t: swap.get(id(t), t), (args, kwargs))
         self.forward_stack.append(st)
+        st.forward_grad = torch.is_grad_enabled()
         self._begin_use(st)
         return args, kwargs
 
@@ -130,26 +132,39 @@ class _ForwardHooks:
         self._end_use(st)
         if self.recomputing:
             self.recomputing = False
+            if st.recompute_open:
+                # A reentrant checkpoint ran the forward without gradients (no backward use was
+                # registered) and differentiates this recomputation: its outputs open the use.
+                self._on_outputs(st, output)
             return output
         if self.forward_stack:
-            self._begin_use(self.forward_stack[-1])
+            # The parent's use goes on in the parent's grad mode, not the child's: a child run
+            # without gradients (inside a reentrant checkpoint, or under no_grad) must not leave
+            # the parent's parameters untracked for the rest of its forward.
+            parent = self.forward_stack[-1]
+            with torch.set_grad_enabled(parent.forward_grad):
+                self._begin_use(parent)
         else:
             self.in_forward = False
             self.saved_hooks.__exit__(None, None, None)
             self.saved_hooks = None
-            if st.mp_policy.output_dtype is not None:
-                dtype = st.mp_policy.output_dtype
-                output = _map_tensors(
-                    lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+        if st.mp_policy.output_dtype is not None:
+            dtype = st.mp_policy.output_dtype
+            output = _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+        if not self._on_outputs(st, output) and not self.forward_stack:
+            # Nothing to differentiate: the step ends with the forward.
+            self.finish_step()
+        return output
+
+    def _on_outputs(self, st, output):
+        """The first gradient that reaches `output` opens st's backward use; False when no
+        output requires a gradient."""
         outs = [t for t in _tensors(output) if t.requires_grad]
         if outs:
             step = self.step_id
             torch.autograd.graph.register_multi_grad_hook(
                 outs, lambda grads, st=st: self._on_pre_backward(st, step), mode="any")
-        elif not self.forward_stack:
-            # Nothing to differentiate: the step ends with the forward.
-            self.finish_step()
-        return output
+        return bool(outs)
 
     def forward_failed(self):
         """An exception left the forward: close the open uses and end the step."""
@@ -259,6 +274,7 @@ class _BackwardHooks:
             self.backward_started = False
             self.pack_map.clear()
             self.views.clear()
+            self.placed.clear()
             self.pending.clear()
             self.step_id += 1
         if self.scheduler.steps == 1:
@@ -299,6 +315,7 @@ class _BackwardHooks:
             self.backward_stack.clear()
             self.pack_map.clear()
             self.views.clear()
+            self.placed.clear()
             self.pending.clear()
             self.span_start.clear()
             self.step_id += 1
@@ -320,6 +337,7 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
         self.backward_started = False
         self.pending = {}         # unit -> [grads] that arrived while the unit was not open
         self.views = {}           # unit -> its unsharded views of the current backward use
+        self.placed = {}          # unit -> what its modules hold during that use (_open_unit)
         self.pack_map = {}        # storage address -> (unit, tensor) of the open forward views
         self.saved_hooks = None
         self.anchor = torch.empty(0, requires_grad=True)
@@ -353,10 +371,15 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
                 raise NotImplementedError(
                     "fully_shard: every module under one root must use the same mesh (one "
                     "shardline Scheduler per root)")
-            if st.mp_policy != first.mp_policy or st.offload_policy != first.offload_policy:
+            # output_dtype and cast_forward_inputs act per module, as in FSDP2; the dtypes of
+            # the gathers and reductions are the scheduler's.
+            if (st.mp_policy.param_dtype != first.mp_policy.param_dtype
+                    or st.mp_policy.reduce_dtype != first.mp_policy.reduce_dtype
+                    or st.offload_policy != first.offload_policy):
                 raise NotImplementedError(
-                    "fully_shard: every module under one root must use the same mp_policy and "
-                    "offload_policy (one shardline Scheduler per root)")
+                    "fully_shard: every module under one root must use the same mp_policy "
+                    "param_dtype and reduce_dtype, and the same offload_policy (one shardline "
+                    "Scheduler per root)")
         for st in self.states:
             for owner in st.borrowed:
                 if owner not in self.states:
