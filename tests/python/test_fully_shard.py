@@ -598,6 +598,46 @@ def test_tie_across_fully_shard_calls(world, head_unit):
     assert torch.equal(model.embed.weight.detach(), fresh.embed.weight.detach().reshape(-1))
 
 
+@pytest.mark.parametrize("layout", ["one_unit", "across_units"])
+def test_export_records_ties_and_loads_strictly(world, tmp_path, layout):
+    """export_safetensors writes a tied weight once and records the tie in the header: with it,
+    safetensors.torch.load_model loads the file strictly into a plain model, tie restored, equal
+    to full_state_dict; import_safetensors takes it back."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from safetensors import safe_open
+
+    torch.manual_seed(7)
+    model = Tied()
+    if layout == "across_units":
+        slt.fully_shard(model.embed, mesh=world)
+    for b in model.blocks:
+        slt.fully_shard(b, mesh=world)
+    slt.fully_shard(model, mesh=world)
+    tokens = torch.randint(0, 23, (3, 5), generator=torch.Generator().manual_seed(1))
+    model(tokens).square().mean().backward()
+    path = tmp_path / "tied.safetensors"
+    slt.export_safetensors(model, path)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["shardline.tied_to.head.weight"] == "embed.weight"
+        assert "head.weight" not in f.keys()
+    plain = Tied()
+    safetensors_torch.load_model(plain, path, strict=True)
+    assert plain.head.weight is plain.embed.weight
+    full = slt.full_state_dict(model)
+    assert sorted(plain.state_dict()) == sorted(full)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, full[k]), k
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    slt.import_safetensors(model, path)
+    for k, v in slt.full_state_dict(model).items():
+        assert torch.equal(v, full[k]), k
+    with pytest.raises(ValueError, match="ties shardline records"):
+        slt.export_safetensors(model, tmp_path / "x.safetensors",
+                               metadata={"shardline.tied_to.head.weight": "y"})
+
+
 def test_frozen_parameters_get_no_gradient(world):
     def freeze(m):
         m.blocks[1].fc1.weight.requires_grad_(False)

@@ -11,7 +11,9 @@ Per case, on every rank:
   bf16;
 - in fp32, losses and weights within 1e-5 relative of one process on the global batch;
 - the same state-dict names as FSDP2's, eval losses alike, and `generate()` from the trained
-  sharded model gives the tokens of an unsharded copy of its weights.
+  sharded model gives the tokens of an unsharded copy of its weights;
+- `save_pretrained` of the sharded model writes the full weights: `from_pretrained` of that
+  directory equals the full state dict bit for bit (tied names included).
 Hugging Face's own gradient checkpointing (reentrant and not) checkpoints a layer's `forward`
 below fully_shard's hooks: without the adapter's backward-use parameters it fails.
 """
@@ -26,10 +28,10 @@ TOLERANCE = 1e-5
 
 # At most a few seconds each: the CI slice.
 CI_CASES = [
-    "gpt2:fp32:nonreentrant:accum,eval,generate",
+    "gpt2:fp32:nonreentrant:accum,eval,generate,save_pretrained",
     "gpt2:bf16:reentrant:output_dtype",
     "llama:fp32:reentrant:nosync,clip",
-    "llama:bf16:nonreentrant:eval,generate",
+    "llama:bf16:nonreentrant:eval,generate,save_pretrained",
     "bert:fp32:none:clip,eval",
     "bert:bf16:nonreentrant:accum",
 ]
@@ -40,7 +42,7 @@ LONG_CASES = [f"{model}:{dtype}:{ckpt}:{extras}"
               for dtype in ("fp32", "bf16")
               for ckpt in ("none", "reentrant", "nonreentrant")
               for extras in ("accum,eval" + (",generate" if model != "bert" else ""),
-                             "nosync,clip,output_dtype")]
+                             "nosync,clip,output_dtype,save_pretrained")]
 
 
 def run_cases(launch, tmp_path, nprocs, cases):
@@ -81,6 +83,10 @@ def check_case(case, rank, got, nprocs):
         worst = max(got["vs_reference"].items(), key=lambda kv: kv[1])
         assert worst[1] <= TOLERANCE, (where, worst)
         assert len(got["vs_reference"]) == len(got["keys"]), where
+    if "save_pretrained" in extras:
+        saved = got["save_pretrained"]
+        assert saved["keys_equal"] and saved["max_abs"] == 0.0, (where, saved)
+        assert saved["parameters"][0] == saved["parameters"][1], (where, saved)
     if "generate" in extras:
         assert got["generate"]["sharded"] == got["generate"]["unsharded"], (where,
                                                                             got["generate"])
@@ -94,3 +100,32 @@ def test_hf_models_match_fsdp2_and_one_process(launch, tmp_path):
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_hf_models_full_matrix(launch, tmp_path, nprocs):
     run_cases(launch, tmp_path, nprocs, LONG_CASES)
+
+
+def test_hf_example_matches_one_process(launch, tmp_path):
+    """examples/train_hf.py (GPT-2 with Hugging Face's gradient checkpointing) on 2 ranks prints
+    the losses of --impl single on the same global batches, saves with save_pretrained, and
+    from_pretrained of the directory generates the sharded model's tokens."""
+    import pathlib
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_hf.py"
+    small = ["--layers", "2", "--dim", "32", "--seq", "12", "--steps", "3"]
+
+    def losses(output):
+        return [float(line.split("loss ")[1]) for line in output.splitlines()
+                if "step " in line and "loss " in line]
+
+    save = tmp_path / "saved"
+    sharded = launch(2, [script, *small, "--save", save], timeout=150,
+                     env={"HF_HUB_OFFLINE": "1"})
+    assert sharded.returncode == 0, sharded.describe()
+    single = subprocess.run([sys.executable, str(script), "--impl", "single", "--global-ranks",
+                             "2", *small], capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stdout + single.stderr
+    got, want = losses(sharded.output), losses(single.stdout)
+    assert len(got) == len(want) == 3, (sharded.output, single.stdout)
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 1e-5 * w, (got, want)
+    assert "from_pretrained generates the same: True" in sharded.output, sharded.output
+    assert (save / "model.safetensors").is_file()

@@ -14,7 +14,10 @@ CASE is MODEL:DTYPE:CHECKPOINTING[:EXTRA,...]
                    (greedy tokens from the trained sharded model under no_grad, and from an
                    unsharded model holding its full weights), output_dtype
                    (MixedPrecisionPolicy(output_dtype=bfloat16) on the root: the output keeps
-                   its ModelOutput type)
+                   its ModelOutput type), save_pretrained (the trained sharded model's
+                   save_pretrained, then from_pretrained of that directory on every rank: equal
+                   to the full state dict bit for bit; and the parameter count that
+                   shardline.torch.original_shape gives equals the unsharded model's)
 
 fully_shard is applied the FSDP2 way: each transformer block, then the root. Each rank trains on
 its rows of the global batch; the reference trains on all of them. Every rank writes
@@ -22,6 +25,7 @@ OUT_DIR/rank<r>.json: per case the three runs' losses, and per parameter of the 
 the largest absolute difference from FSDP2's and the relative error against the reference.
 """
 import json
+import math
 import os
 import sys
 from datetime import timedelta
@@ -189,7 +193,20 @@ def generate(kind, dtype, model, weights):
     return out
 
 
-def run_case(case, rank, size):
+def save_pretrained(kind, model, weights, directory):
+    """The sharded model's save_pretrained, read back by from_pretrained."""
+    model.save_pretrained(directory)
+    dist.barrier()
+    plain, _ = make_model(kind)
+    loaded = type(plain).from_pretrained(directory)
+    got = loaded.state_dict()
+    count = sum(math.prod(slt.original_shape(p)) for p in model.parameters())
+    return {"keys_equal": sorted(got) == sorted(weights),
+            "max_abs": max((got[k].float() - w).abs().max().item() for k, w in weights.items()),
+            "parameters": [count, plain.num_parameters()]}
+
+
+def run_case(case, rank, size, directory):
     kind, dtype, ckpt, *rest = case.split(":")
     extras = set(rest[0].split(",")) if rest and rest[0] else set()
     result = {"losses": {}, "eval": {}, "vs_fsdp2": {}, "vs_reference": {}}
@@ -205,6 +222,8 @@ def run_case(case, rank, size):
             result["keys"] = sorted(weights[way])
             if "generate" in extras:
                 result["generate"] = generate(kind, dtype, model, weights[way])
+            if "save_pretrained" in extras:
+                result["save_pretrained"] = save_pretrained(kind, model, weights[way], directory)
     result["fsdp2_keys"] = sorted(weights["fsdp2"])
     for name, w in weights["shardline"].items():
         result["vs_fsdp2"][name] = (w - weights["fsdp2"][name]).abs().max().item()
@@ -219,7 +238,8 @@ def main():
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    results = {case: run_case(case, rank, size) for case in cases}
+    results = {case: run_case(case, rank, size, os.path.join(out_dir, f"pretrained{i}"))
+               for i, case in enumerate(cases)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "cases": results}, f)
     dist.destroy_process_group()

@@ -33,6 +33,7 @@ class _UnitState:
         self.slots = []   # per parameter, every (submodule, attribute name) that holds it
         self.slot_names = []  # per parameter, those slots' names relative to the module
         self.root = None  # the _Root, once initialised
+        self.prefix = ""  # the module's name in the root module, with a trailing dot
         self.unit = None  # the scheduler's unit id
         self.slices = []  # per parameter (shard_offset, length), after initialisation
         self.tensor_offsets = []  # per parameter, the flat index of its first element here

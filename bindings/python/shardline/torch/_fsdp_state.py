@@ -436,14 +436,14 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
         for i, st in enumerate(self.states):
             st.root = self
             st.name = names.get(id(st.module), "") or "<root>"
+            st.prefix = f"{names[id(st.module)]}." if names.get(id(st.module)) else ""
             if not st.params:
                 continue  # a module with no parameters of its own: no unit, no hooks' work
             reshard = False if st is self.root_state else st.reshard_after_forward
             # The tensors are registered under their names in the root module (the unsharded
             # model's state-dict keys), unique across units: checkpoints and safetensors
             # exports carry them.
-            prefix = names.get(id(st.module), "")
-            st.fqns = [f"{prefix}.{n}" if prefix else n for n in st.names]
+            st.fqns = [st.prefix + n for n in st.names]
             st.unit = s.register_unit(
                 f"{i}:{st.name}", [(n, tuple(p.shape)) for n, p in zip(st.fqns, st.params)],
                 reshard_after_forward=reshard, reduce_op="avg")

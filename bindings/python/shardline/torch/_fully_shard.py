@@ -50,7 +50,7 @@ from ._fsdp_api import _DTYPE_NAMES, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_init import _mesh_config, _reshard_size
 from ._fsdp_param_group import _collect_parameters, _owner, _UnitState
 from ._fsdp_state import _post_forward, _pre_forward
-from ._state_dict import _load_full_tensors
+from ._state_dict import SavePretrainedFullWeights, _load_full_tensors
 
 __all__ = ["FSDPModule", "fully_shard", "original_shape"]
 
@@ -113,7 +113,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
     cls = type(module)
     new_cls = _CLASS_CACHE.get(cls)
     if new_cls is None:
-        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        # A Hugging Face model's save_pretrained writes the full weights (_state_dict.py).
+        hf = callable(getattr(cls, "save_pretrained", None)) and hasattr(cls, "config_class")
+        bases = (FSDPModule, SavePretrainedFullWeights, cls) if hf else (FSDPModule, cls)
+        new_cls = type(f"FSDP{cls.__name__}", bases, {})
         _CLASS_CACHE[cls] = new_cls
     module.__class__ = new_cls
     module._shardline_state = state

@@ -1,6 +1,7 @@
 """State dicts of fully_shard'ed modules: module.state_dict() gives this rank's slices (the
 sharded form), load_state_dict() takes either form (_load_full_tensors), and full_state_dict()
-gives the whole tensors (FSDP2's get_model_state_dict(full_state_dict=True) counterpart)."""
+gives the whole tensors (FSDP2's get_model_state_dict(full_state_dict=True) counterpart), which a
+fully_shard'ed Hugging Face model's save_pretrained writes (SavePretrainedFullWeights)."""
 
 import torch
 
@@ -51,3 +52,20 @@ def full_state_dict(module, *, rank0_only=False, cpu_offload=False):
         for m in units:
             m.reshard()
 
+
+class SavePretrainedFullWeights:
+    """Mixed into a fully_shard'ed Hugging Face model's class: save_pretrained writes the full
+    weights, never this rank's slices."""
+
+    def save_pretrained(self, save_directory, *args, is_main_process=True, state_dict=None,
+                        **kwargs):
+        """transformers' save_pretrained, called on every rank between steps (collective): the
+        weights are full_state_dict(self, rank0_only=True) (rank 0 of the world keeps the
+        copies), and only world rank 0 writes (is_main_process=False on a rank
+        keeps it from writing). A state_dict passed in is written as it is."""
+        st = self._shardline_state
+        if state_dict is None and st.root is not None:  # before the first forward: whole
+            state_dict = full_state_dict(self, rank0_only=True)
+            is_main_process = is_main_process and st.mesh[0].rank == 0
+        return super().save_pretrained(save_directory, *args, is_main_process=is_main_process,
+                                       state_dict=state_dict, **kwargs)

@@ -33,7 +33,9 @@ def export_safetensors(model, path, dtype=None, *, writer_rank=0, metadata=None,
     so safetensors.torch.load_file(path) is a state dict that a plain copy of the model takes
     (module buffers are not in it: load_state_dict(..., strict=False) for a model with buffers).
     A parameter tied to another (one nn.Parameter under two names) is written once, under its
-    first name. dtype: None (float32, the master weights' bits) or torch.bfloat16 /
+    first name, and the tie is recorded in the header's __metadata__ as
+    "shardline.tied_to.<name>": "<first name>"; safetensors.torch.load_model(plain, path)
+    (strict) re-ties it, and import_safetensors needs only the first name. dtype: None (float32, the master weights' bits) or torch.bfloat16 /
     torch.float16 / torch.float64 (rounded to nearest even). metadata: {str: str} added to the
     header's __metadata__. Collective, between steps."""
     what = "export_safetensors"
@@ -41,9 +43,27 @@ def export_safetensors(model, path, dtype=None, *, writer_rank=0, metadata=None,
     if dtype is not None and dtype not in _EXPORT_DTYPES:
         raise ValueError(f"{what}: dtype {dtype}; the export writes "
                          f"{', '.join(str(d) for d in _EXPORT_DTYPES)} or None")
+    ties = _tie_metadata(root)
+    clash = sorted(set(ties) & set(metadata or {}))
+    if clash:
+        raise ValueError(f"{what}: metadata keys {clash} are the ties shardline records itself")
     shardline.export_safetensors(
         root.scheduler, os.fspath(path), dtype=None if dtype is None else _EXPORT_DTYPES[dtype],
-        writer_rank=writer_rank, metadata=metadata, timeout=timeout)
+        writer_rank=writer_rank, metadata={**ties, **(metadata or {})}, timeout=timeout)
+
+
+def _tie_metadata(root):
+    """{"shardline.tied_to.<name>": "<name written>"} for every further name of a tied
+    parameter (the scheduler's units hold each tensor once, under its first name)."""
+    ties = {}
+    for st in root.states:
+        for i, names in enumerate(st.slot_names):
+            for name in names[1:]:
+                if name is not None:  # None: a slot under another module (its borrowed_names)
+                    ties[f"shardline.tied_to.{st.prefix}{name}"] = st.fqns[i]
+        for owner, i, name in st.borrowed_names:
+            ties[f"shardline.tied_to.{st.prefix}{name}"] = owner.fqns[i]
+    return ties
 
 
 def import_safetensors(model, path, *, strict=True, timeout=None):
