@@ -34,6 +34,7 @@ class _UnitState:
         self.slot_names = []  # per parameter, those slots' names relative to the module
         self.root = None  # the _Root, once initialised
         self.prefix = ""  # the module's name in the root module, with a trailing dot
+        self.device_mesh = None  # the torch DeviceMesh fully_shard was given, if any
         self.unit = None  # the scheduler's unit id
         self.slices = []  # per parameter (shard_offset, length), after initialisation
         self.tensor_offsets = []  # per parameter, the flat index of its first element here
@@ -312,10 +313,11 @@ class _UnitUses:
                 view.add_(g.reshape(view.shape))
 
     # -- unshard() / reshard()
-    def gather_full(self, st):
-        """The unit's full tensors, from every rank's master shard and slice table."""
+    def gather_full(self, st, shard=None):
+        """The unit's full tensors, from every rank's master shard (or `shard`: a tensor of the
+        master shard's size and layout, such as an optimizer state) and slice table."""
         s = self.scheduler
-        master = s.master_shard(st.unit)
+        master = s.master_shard(st.unit) if shard is None else shard
         size = self.world.size
         shards = torch.empty(size * master.numel(), dtype=master.dtype)
         self.world.all_gather(shards, master.contiguous()).wait()
@@ -325,7 +327,7 @@ class _UnitUses:
         self.world.all_gather(tables, table).wait()
         tables = tables.reshape(size, len(st.params), 3)
         shards = shards.reshape(size, master.numel())
-        full = [torch.empty(tuple(shape), dtype=torch.float32) for shape in st.shapes]
+        full = [torch.empty(tuple(shape), dtype=master.dtype) for shape in st.shapes]
         for r in range(size):
             for i, (t, o, n) in enumerate(tables[r].tolist()):
                 if n:

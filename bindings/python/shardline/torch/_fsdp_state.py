@@ -338,6 +338,7 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
         self.pending = {}         # unit -> [grads] that arrived while the unit was not open
         self.views = {}           # unit -> its unsharded views of the current backward use
         self.placed = {}          # unit -> what its modules hold during that use (_open_unit)
+        self.device_mesh = None   # the 1-D DeviceMesh of the world's DTensors (_state_dict.py)
         self.pack_map = {}        # storage address -> (unit, tensor) of the open forward views
         self.saved_hooks = None
         self.anchor = torch.empty(0, requires_grad=True)
@@ -510,6 +511,21 @@ def _lazy_root(st):
         root = _Root(st)
         root.initialize()
     return st.root
+
+
+_states = weakref.WeakSet()  # every fully_shard call's _UnitState
+
+
+def _init_outermost(st):
+    """Initialises the root of st's tree before any forward (a state dict, an optimizer's
+    state): the outermost fully_shard'ed module that contains st's module, which the root's
+    first forward would have made the root."""
+    if st.root is not None:
+        return st.root
+    outer = max((o for o in _states if o.module is not None and o.root is None
+                 and any(m is st.module for m in o.module.modules())),
+                key=lambda o: sum(1 for _ in o.module.modules()))
+    return _lazy_root(outer)
 
 
 # torch.compile: dynamo does not trace the hooks (they drive the scheduler and autograd's

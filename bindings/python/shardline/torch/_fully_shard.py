@@ -37,8 +37,8 @@ Where the parts are (FSDP2's layout, torch/distributed/fsdp/_fully_shard/):
   * _fsdp_param_group.py: a unit (_UnitState), its parameters, its autograd functions and the
     root's per-unit steps (_UnitUses).
   * _fsdp_state.py: the root (_Root: one Scheduler, the step's state machine) and its hooks.
-  * _state_dict.py: full_state_dict and load_state_dict's pre-hook; _clip_grad.py:
-    clip_grad_norm_.
+  * _state_dict.py: full_state_dict, the sharded state dict's DTensors (model and optimizer)
+    and load_state_dict's pre-hooks; _clip_grad.py: clip_grad_norm_.
 """
 
 import torch
@@ -49,8 +49,9 @@ import shardline
 from ._fsdp_api import _DTYPE_NAMES, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_init import _mesh_config, _reshard_size
 from ._fsdp_param_group import _collect_parameters, _owner, _UnitState
-from ._fsdp_state import _post_forward, _pre_forward
-from ._state_dict import SavePretrainedFullWeights, _load_full_tensors
+from ._fsdp_state import _post_forward, _pre_forward, _states
+from ._state_dict import (SavePretrainedFullWeights, _before_state_dict, _load_full_tensors,
+                          _to_dtensors)
 
 __all__ = ["FSDPModule", "fully_shard", "original_shape"]
 
@@ -109,6 +110,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
         reshard_after_forward = _reshard_size(int(reshard_after_forward), mesh_config)
 
     state = _UnitState(module, mesh_config, reshard_after_forward, mp_policy, offload_policy)
+    if not (mesh is None or isinstance(mesh, shardline.Communicator)):
+        state.device_mesh = mesh  # a DeviceMesh (_mesh_config checked it)
     _collect_parameters(state, module)
     cls = type(module)
     new_cls = _CLASS_CACHE.get(cls)
@@ -123,6 +126,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, always_call=True, with_kwargs=True)
     module._register_load_state_dict_pre_hook(_load_full_tensors, with_module=True)
+    module.register_state_dict_pre_hook(_before_state_dict)
+    module._register_state_dict_hook(_to_dtensors)
+    _states.add(state)
     return module
 
 

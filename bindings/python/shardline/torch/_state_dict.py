@@ -1,27 +1,136 @@
-"""State dicts of fully_shard'ed modules: module.state_dict() gives this rank's slices (the
-sharded form), load_state_dict() takes either form (_load_full_tensors), and full_state_dict()
-gives the whole tensors (FSDP2's get_model_state_dict(full_state_dict=True) counterpart), which a
-fully_shard'ed Hugging Face model's save_pretrained writes (SavePretrainedFullWeights)."""
+"""State dicts of fully_shard'ed modules.
+
+module.state_dict() gives the sharded form. Under an initialised torch.distributed it is FSDP2's:
+each parameter in its original shape as a DTensor sharded on dim 0 over the shard group
+(Shard(0) on a 1-D mesh, (Replicate(), Shard(0)) on a 2-D one). Those row chunks are derived from
+the flat layout, whose shards cut tensors anywhere, one unit at a time (_to_dtensors: the unit's
+shards are all-gathered, each rank copies its chunks out, and the gathered unit is freed before
+the next), so torch.distributed.checkpoint (DCP) and the torch.distributed.checkpoint.state_dict
+functions work on it as on an FSDP2 model, and each rank's part is about 1/N of the bytes.
+Without torch.distributed there is no DeviceMesh for a DTensor: the sharded form is this rank's
+1-D slices of the flat shard. load_state_dict() takes DTensors, full tensors and slices
+(_load_full_tensors), and full_state_dict() gives the whole tensors (FSDP2's
+get_model_state_dict(full_state_dict=True) counterpart), which a fully_shard'ed Hugging Face
+model's save_pretrained writes (SavePretrainedFullWeights)."""
+
+import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["full_state_dict"]
 
 
+def _entries(st):
+    """(owner state, parameter index, name relative to st's module) of every name under st's
+    module that a fully_shard'ed parameter is registered as: st's own slots, then the ties it
+    borrows from other units."""
+    own = [(st, i, name) for i, names in enumerate(st.slot_names) for name in names
+           if name is not None]  # None: a tie under another module (that module's entry)
+    return own + list(st.borrowed_names)
+
+
 def _load_full_tensors(module, state_dict, prefix, *args):
-    """load_state_dict's pre-hook on a fully_shard'ed module: a full tensor (the parameter's
-    original shape) for a sharded parameter becomes this rank's slice of it, so torch's copy
-    into the sharded parameter works. Other entries (slices: the sharded form) are kept."""
+    """load_state_dict's pre-hook on a fully_shard'ed module: a DTensor (the sharded form) or a
+    full tensor (the parameter's original shape) for a sharded parameter becomes this rank's
+    slice of it, so torch's copy into the sharded parameter works. A DTensor is made whole one
+    tensor at a time (full_tensor(): collective over its mesh). Other entries (1-D slices: the
+    sharded form without torch.distributed) are kept."""
     st = module._shardline_state
-    entries = [(st, i, name) for i, names in enumerate(st.slot_names) for name in names
-               if name is not None]  # None: a tie under another module (its hook's entry)
-    for owner, i, name in entries + st.borrowed_names:
+    for owner, i, name in _entries(st):
         if owner.root is None or owner.full is not None:
             continue  # the parameters are whole (before the first forward, or unshard()'ed)
         value = state_dict.get(prefix + name)
+        if _is_dtensor(value):
+            value = value.full_tensor()
         if isinstance(value, torch.Tensor) and tuple(value.shape) == owner.shapes[i]:
             t, n = owner.tensor_offsets[i], owner.slices[i][1]
             state_dict[prefix + name] = value.reshape(-1)[t:t + n]
+
+
+def _is_dtensor(value):
+    tensor = getattr(torch.distributed, "tensor", None)
+    return tensor is not None and isinstance(value, tensor.DTensor)
+
+
+def _device_mesh(st):
+    """The DeviceMesh of st's DTensors: the one fully_shard was given, or, for the world, a 1-D
+    mesh over torch.distributed's world (made once per root). None without torch.distributed, or
+    for a shardline.Communicator mesh that is not torch's world."""
+    if st.device_mesh is not None:
+        return st.device_mesh
+    dist = torch.distributed
+    world, strategy, _ = st.mesh
+    if (not dist.is_available() or not dist.is_initialized() or strategy != "full_shard"
+            or dist.get_world_size() != world.size or dist.get_rank() != world.rank):
+        return None
+    root = st.root
+    if root.device_mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        root.device_mesh = init_device_mesh("cpu", (world.size,))
+    return root.device_mesh
+
+
+def _sharded(full, mesh):
+    """This rank's DTensor of the whole tensor `full` on `mesh`: dim 0 chunked over the mesh's
+    last dimension (torch.chunk's split, as DTensor's Shard(0)), replicated over a first one; a
+    0-dim tensor replicated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if full.dim() == 0:
+        local = full.clone()
+        placements = [Replicate()] * mesh.ndim
+    else:
+        shards = mesh.size(mesh.ndim - 1)
+        chunks = torch.chunk(full, shards, dim=0)
+        k = mesh.get_local_rank(mesh.ndim - 1)
+        # clone: a view would keep the whole gathered tensor alive
+        local = chunks[k].clone() if k < len(chunks) else full.new_empty((0,) + full.shape[1:])
+        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def _before_state_dict(module, prefix, keep_vars):
+    """state_dict()'s pre-hook on a fully_shard'ed module: under torch.distributed, a model
+    whose first forward has not run yet is initialised now (its parameters become slices of the
+    master shards), so its state dict is the sharded DTensors from the start, as FSDP2's is."""
+    st = module._shardline_state
+    if st.root is None and _world_mesh_possible(st) and not any(
+            p.device.type == "meta" for p in module.parameters()):
+        from ._fsdp_state import _init_outermost  # (_fsdp_state imports this module's users)
+        _init_outermost(st)
+
+
+def _world_mesh_possible(st):
+    dist = torch.distributed
+    return st.device_mesh is not None or (
+        dist.is_available() and dist.is_initialized() and st.mesh[1] == "full_shard"
+        and dist.get_world_size() == st.mesh[0].size)
+
+
+def _to_dtensors(module, state_dict, prefix, local_metadata):
+    """state_dict()'s post-hook on a fully_shard'ed module: its parameters as DTensors in their
+    original shapes (see the module docstring). Collective over the world: every rank calls
+    state_dict(). Each unit is gathered whole once, and freed before the next."""
+    st = module._shardline_state
+    if st.root is None:
+        return  # before the first forward the parameters are whole
+    mesh = _device_mesh(st)
+    if mesh is None:
+        return  # no torch.distributed: the 1-D slices
+    by_owner = {}
+    for owner, i, name in _entries(st):
+        if owner.full is None and prefix + name in state_dict:
+            by_owner.setdefault(id(owner), (owner, []))[1].append((i, name))
+    for owner, names in by_owner.values():
+        full = owner.root.gather_full(owner)
+        made = {}
+        for i, name in names:
+            if i not in made:  # a tie inside the unit: one DTensor under both names
+                made[i] = _sharded(full[i], _device_mesh(owner))
+            state_dict[prefix + name] = made[i]
+        del full
 
 
 def full_state_dict(module, *, rank0_only=False, cpu_offload=False):
@@ -29,7 +138,8 @@ def full_state_dict(module, *, rank0_only=False, cpu_offload=False):
     `module` is unshard()'ed for the call, then resharded. Collective over the world, between
     steps. The keys and shapes are those of the unsharded module, so a plain (never sharded)
     copy of the model takes the result with nn.Module.load_state_dict. (module.state_dict()
-    itself gives this rank's 1-D slices: the sharded form; load_state_dict() takes either form.)
+    itself gives the sharded form: DTensors, or without torch.distributed this rank's 1-D
+    slices; load_state_dict() takes every form.)
 
     rank0_only: every rank still takes part, but only rank 0 of the world keeps the copies; the
     others get {}. cpu_offload: as in FSDP2's StateDictOptions(full_state_dict=True,
@@ -69,3 +179,106 @@ class SavePretrainedFullWeights:
             is_main_process = is_main_process and st.mesh[0].rank == 0
         return super().save_pretrained(save_directory, *args, is_main_process=is_main_process,
                                        state_dict=state_dict, **kwargs)
+
+
+# ---- Optimizer state ---------------------------------------------------------------------------
+# An optimizer's state of a fully_shard'ed parameter is shaped like the parameter: this rank's
+# 1-D slice. Under torch.distributed its state_dict() gives each element-wise state (AdamW's
+# exp_avg, ...) as the parameter's DTensor would be, and load_state_dict() takes DTensors or full
+# tensors back, so get_optimizer_state_dict / set_optimizer_state_dict and DCP work as with
+# FSDP2. The hooks are added to an optimizer at its first step (a global step pre-hook; torch's
+# get/set_optimizer_state_dict step a fresh optimizer once with zero gradients).
+
+_hooked = weakref.WeakSet()  # the optimizers seen by _on_optimizer_step
+
+
+def _on_optimizer_step(optimizer, args, kwargs):
+    """torch.optim's global step pre-hook: gives an optimizer of fully_shard'ed parameters the
+    state-dict hooks, once, and initialises their root if no forward ran yet."""
+    if optimizer in _hooked:
+        return
+    _hooked.add(optimizer)
+    owners = {_owner_of(p) for g in optimizer.param_groups for p in g["params"]} - {None}
+    if not owners:
+        return
+    from ._fsdp_state import _init_outermost
+    for st in owners:
+        if st.root is None and not any(p.device.type == "meta" for p in st.params):
+            _init_outermost(st)
+    optimizer.register_state_dict_post_hook(_optimizer_to_dtensors)
+    optimizer.register_load_state_dict_pre_hook(_optimizer_from_dtensors)
+
+
+def _owner_of(p):
+    return getattr(p, "_shardline_unit", None)
+
+
+def _index(st, p):
+    return next(i for i, q in enumerate(st.params) if q is p)
+
+
+def _optimizer_params(optimizer):
+    """The optimizer's parameters in its state dict's numbering."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _optimizer_to_dtensors(optimizer, state_dict):
+    """The optimizer's state_dict() post-hook: each 1-D state of a fully_shard'ed parameter
+    (this rank's slice) becomes the parameter's DTensor in its original shape. Per unit and
+    state name, the states are placed in a buffer shaped like the master shard and gathered
+    whole once (collective over the world: every rank calls state_dict())."""
+    states = state_dict["state"]
+    per_unit = {}
+    for pid, p in enumerate(_optimizer_params(optimizer)):
+        st = _owner_of(p)
+        if st is None or st.root is None or st.full is not None or pid not in states:
+            continue
+        mesh = _device_mesh(st)
+        if mesh is None:
+            continue
+        per_unit.setdefault(id(st), (st, mesh, []))[2].append((pid, _index(st, p)))
+    for st, mesh, entries in sorted(per_unit.values(), key=lambda e: e[0].unit):
+        names = [k for k, v in states[entries[0][0]].items()
+                 if isinstance(v, torch.Tensor) and v.dim() == 1]
+        for pid, _ in entries:
+            states[pid] = dict(states[pid])  # the live state's dict: never change it
+        master = st.root.scheduler.master_shard(st.unit)
+        for name in names:
+            dtype = states[entries[0][0]][name].dtype
+            shard = torch.zeros(master.numel(), dtype=dtype)
+            for pid, i in entries:
+                offset, length = st.slices[i]
+                shard[offset:offset + length] = states[pid][name]
+            full = st.root.gather_full(st, shard)
+            for pid, i in entries:
+                states[pid][name] = _sharded(full[i], mesh)
+            del full
+    return state_dict
+
+
+def _optimizer_from_dtensors(optimizer, state_dict):
+    """The optimizer's load_state_dict() pre-hook: a DTensor (made whole one tensor at a time)
+    or a full tensor in a fully_shard'ed parameter's original shape becomes this rank's
+    slice."""
+    states = state_dict["state"]
+    # As load_state_dict pairs them: the state dict's parameter keys (ids, or FQNs from torch's
+    # set_optimizer_state_dict) in its param_groups' order with the optimizer's parameters.
+    keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+    for pid, p in zip(keys, _optimizer_params(optimizer)):
+        st = _owner_of(p)
+        if st is None or st.root is None or st.full is not None or pid not in states:
+            continue
+        i = _index(st, p)
+        state = dict(states[pid])
+        for name, value in state.items():
+            if _is_dtensor(value):
+                value = value.full_tensor()
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == st.shapes[i] \
+                    and value.dim() > 0:
+                t, n = st.tensor_offsets[i], st.slices[i][1]
+                state[name] = value.reshape(-1)[t:t + n].clone()
+        states[pid] = state
+    return state_dict
+
+
+register_optimizer_step_pre_hook(_on_optimizer_step)
