@@ -25,6 +25,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     sharded, replicated, roots = [], [], []
     for p in params:
         st = _owner(p)
+        if st is not None and any(q is p and spec is not None
+                                  for q, spec in zip(st.params, st.dtensors)):
+            raise NotImplementedError(
+                "clip_grad_norm_: a tensor-parallel parameter's gradient is sharded over the tp "
+                "group too, which this norm (summed over the shard group) does not reduce")
         if st is not None and st.root is not None:
             sharded.append(p)
             if st.root not in roots:

@@ -40,9 +40,23 @@ def get_default_world():
     return _world
 
 
+_groups = {}  # ranks of a 1-D DeviceMesh over part of the world -> its communicator
+
+
+def _group(ranks, world):
+    """The communicator over `ranks` (a 1-D sub-mesh, as the dp dimension of a (dp, tp) mesh),
+    split from the world once per group. Collective over the world: every rank asks for its own
+    group at the same point (its fully_shard calls), each group a color."""
+    key = tuple(ranks)
+    if key not in _groups:
+        _groups[key] = world.split(min(ranks), ranks.index(world.rank))
+    return _groups[key]
+
+
 def _drop_default_world():
     """At exit (_fsdp_state._release_all): the default world goes, after the schedulers."""
     global _world
+    _groups.clear()
     _world = None
 
 
@@ -59,10 +73,13 @@ def _mesh_config(mesh):
                              "shardline.torch.fully_shard computes on the CPU")
         world = get_default_world()
         ranks = mesh.mesh.flatten().tolist()
+        if mesh.ndim == 1 and sorted(ranks) != list(range(world.size)):
+            # The dp dimension of a larger mesh (tensor parallel beside it): its own group.
+            return _group(ranks, world), "full_shard", 0
         if sorted(ranks) != list(range(world.size)):
             raise NotImplementedError(
-                f"fully_shard: the DeviceMesh covers ranks {ranks}; shardline's scheduler needs a "
-                f"mesh over the whole world of {world.size} ranks")
+                f"fully_shard: the 2-D DeviceMesh covers ranks {ranks}; shardline's scheduler "
+                f"shards a 2-D mesh over the whole world of {world.size} ranks")
         if mesh.ndim == 1:
             return world, "full_shard", 0
         if mesh.ndim == 2:

@@ -95,6 +95,7 @@ def _collect_parameters(state, module):
                 visit(child, f"{prefix}{child_name}.", False)
 
     visit(module, "", True)
+    _take_local_tensors(state)
     state.shapes = [tuple(p.shape) for p in state.params]
     for name, p in zip(state.names, state.params):
         if p.dtype != torch.float32:
@@ -105,6 +106,41 @@ def _collect_parameters(state, module):
                              "shardline.torch.fully_shard computes on the CPU")
     for p in state.params:
         p._shardline_unit = state
+
+
+def _take_local_tensors(state):
+    """Tensor parallel underneath: a DTensor parameter (torch's parallelize_module, on the tp
+    mesh) becomes a plain parameter of its local tensor, which the unit's flat layout holds; its
+    spec is kept (state.dtensors) so that compute sees the DTensor again (_as_dtensors)."""
+    tensor = getattr(torch.distributed, "tensor", None)
+    state.dtensors = [None] * len(state.params)
+    if tensor is None:
+        return
+    for i, p in enumerate(state.params):
+        if not isinstance(p, tensor.DTensor):
+            continue
+        if p.device_mesh.ndim != 1:
+            raise NotImplementedError(
+                f"fully_shard: parameter '{state.names[i]}' is a DTensor on a "
+                f"{p.device_mesh.ndim}-D mesh; shardline takes DTensors of tensor parallel on a "
+                "1-D (tp) mesh")
+        local = torch.nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+        state.dtensors[i] = (p.device_mesh, tuple(p.placements), tuple(p.shape), p.stride())
+        state.params[i] = local
+        for mod, name in state.slots[i]:
+            mod._parameters[name] = local
+
+
+def _as_dtensors(st, views):
+    """The unit's views with each tensor-parallel parameter's wrapped as its DTensor again
+    (differentiable: the gradient of the DTensor reaches the view)."""
+    if not any(st.dtensors):
+        return views
+    from torch.distributed.tensor import DTensor
+    return [v if spec is None else
+            DTensor.from_local(v, spec[0], spec[1], run_check=False, shape=spec[2],
+                               stride=spec[3])
+            for v, spec in zip(views, st.dtensors)]
 
 
 # ---- Autograd functions -----------------------------------------------------------------------
@@ -231,7 +267,7 @@ class _UnitUses:
             frozen = [not p.requires_grad for p in st.params]
             if torch.is_grad_enabled() and not all(frozen):
                 views = _Gather.apply(self, st, frozen, self.anchor, *views)
-            _place(st, views)
+            _place(st, _as_dtensors(st, views))
             return
         s.pre_forward(st.unit)
         if self.trace is not None:
@@ -243,7 +279,7 @@ class _UnitUses:
         frozen = [not p.requires_grad for p in st.params]
         if torch.is_grad_enabled() and not all(frozen):
             views = _Gather.apply(self, st, frozen, self.anchor, *views)
-        _place(st, views)
+        _place(st, _as_dtensors(st, views))
 
     def _end_unit(self, st):
         if not st.params:
@@ -289,9 +325,10 @@ class _UnitUses:
         # differentiates its recomputed graph, hands the parameters' gradients to the root;
         # a non-reentrant one only takes its saved tensors from that graph.
         frozen = [not p.requires_grad for p in st.params]
-        if not all(frozen):
-            with torch.enable_grad():
+        with torch.enable_grad():
+            if not all(frozen):
                 views = _Gather.apply(self, st, frozen, self.anchor, *views)
+            views = _as_dtensors(st, views)
         self.placed[st.unit] = views
         _place(st, views)
         for grads in self.pending.pop(st.unit, []):

@@ -180,17 +180,23 @@ class _ForwardHooks:
 
     # -- saved tensors
     def _pack(self, t):
-        if t.numel() and t.device.type == "cpu" and not t.is_sparse:
-            key = self.pack_map.get(t.untyped_storage().data_ptr())
+        local, spec = t, None
+        if _is_dtensor(t):
+            # A tensor-parallel parameter's DTensor: its local tensor is the forward view.
+            local, spec = t._local_tensor, (t.device_mesh, t.placements, t.shape, t.stride())
+        elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return t  # another tensor subclass: no storage of its own to look up
+        if local.numel() and local.device.type == "cpu" and not local.is_sparse:
+            key = self.pack_map.get(local.untyped_storage().data_ptr())
             if key is not None:
-                return ("shardline", self.step_id, key, tuple(t.shape), t.stride(),
-                        t.storage_offset(), t.data_ptr())
+                return ("shardline", self.step_id, key, tuple(local.shape), local.stride(),
+                        local.storage_offset(), local.data_ptr(), spec)
         return t
 
     def _unpack(self, packed):
         if not (isinstance(packed, tuple) and packed and packed[0] == "shardline"):
             return packed
-        _, step, (unit, index), shape, stride, offset, address = packed
+        _, step, (unit, index), shape, stride, offset, address, spec = packed
         if step != self.step_id:
             raise RuntimeError("fully_shard: a backward through a graph of an earlier step")
         views = self.views.get(unit)
@@ -201,7 +207,7 @@ class _ForwardHooks:
         t = views[index].as_strided(shape, stride, offset)
         self.saved_unpacked += 1
         self.saved_moved += t.data_ptr() != address
-        return t
+        return t if spec is None else _wrap_local(t, spec)
 
 
 class _BackwardHooks:
@@ -514,6 +520,20 @@ def _lazy_root(st):
 
 
 _states = weakref.WeakSet()  # every fully_shard call's _UnitState
+
+
+def _is_dtensor(t):
+    tensor = getattr(torch.distributed, "tensor", None)
+    return tensor is not None and isinstance(t, tensor.DTensor)
+
+
+def _wrap_local(local, spec):
+    """The DTensor of `spec` (mesh, placements, shape, stride) over `local`, for autograd's
+    saved tensors (no gradient)."""
+    from torch.distributed.tensor import DTensor
+    with torch.no_grad():
+        return DTensor.from_local(local, spec[0], spec[1], run_check=False, shape=spec[2],
+                                  stride=spec[3])
 
 
 def _init_outermost(st):

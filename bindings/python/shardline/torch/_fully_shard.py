@@ -48,7 +48,7 @@ import shardline
 
 from ._fsdp_api import _DTYPE_NAMES, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_init import _mesh_config, _reshard_size
-from ._fsdp_param_group import _collect_parameters, _owner, _UnitState
+from ._fsdp_param_group import _as_dtensors, _collect_parameters, _owner, _UnitState
 from ._fsdp_state import _post_forward, _pre_forward, _states
 from ._state_dict import (SavePretrainedFullWeights, _before_state_dict, _load_full_tensors,
                           _to_dtensors)
@@ -247,7 +247,7 @@ class FSDPModule:
                 raise RuntimeError("unshard(): inside a step (between the root's forward and "
                                    "the end of its backward)")
             st.full = root.gather_full(st)
-            for v, slots in zip(st.full, st.slots):
+            for v, slots in zip(_as_dtensors(st, st.full), st.slots):
                 for mod, name in slots:
                     mod._parameters[name] = v
         return _UnshardHandle() if async_op else None

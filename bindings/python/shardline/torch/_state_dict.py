@@ -40,12 +40,54 @@ def _load_full_tensors(module, state_dict, prefix, *args):
     for owner, i, name in _entries(st):
         if owner.root is None or owner.full is not None:
             continue  # the parameters are whole (before the first forward, or unshard()'ed)
-        value = state_dict.get(prefix + name)
-        if _is_dtensor(value):
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = _slice_of(owner, i, state_dict[prefix + name])
+
+
+def _slice_of(st, i, value, scalars=True):
+    """`value` for parameter i of st as this rank's slice of the flat shard, where it is a form
+    of the whole parameter: a DTensor (made whole one tensor at a time), a tensor of the
+    parameter's original shape, or, for a tensor-parallel parameter, a tensor of its global
+    shape or its tp DTensor. Anything else is returned as it is (1-D slices: the sharded form
+    without torch.distributed). scalars=False keeps 0-dim tensors (an optimizer's step)."""
+    spec = st.dtensors[i]
+    if _is_dtensor(value):
+        if spec is not None and value.device_mesh == spec[0] and \
+                tuple(value.placements) == spec[1]:
+            value = value.to_local()
+        else:
             value = value.full_tensor()
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == owner.shapes[i]:
-            t, n = owner.tensor_offsets[i], owner.slices[i][1]
-            state_dict[prefix + name] = value.reshape(-1)[t:t + n]
+    if not isinstance(value, torch.Tensor) or (value.dim() == 0 and not scalars):
+        return value
+    if spec is not None and tuple(value.shape) == spec[2]:
+        value = _tp_chunk(value, spec)
+    if tuple(value.shape) == st.shapes[i]:
+        t, n = st.tensor_offsets[i], st.slices[i][1]
+        return value.reshape(-1)[t:t + n]
+    return value
+
+
+def _tp_chunk(full, spec):
+    """This rank's tensor-parallel part of the global tensor `full` (Shard(d): torch.chunk on d,
+    as DTensor splits; Replicate: all of it)."""
+    mesh, placements = spec[0], spec[1]
+    placement = placements[0]
+    if placement.is_shard():
+        chunks = torch.chunk(full, mesh.size(0), dim=placement.dim)
+        return chunks[mesh.get_local_rank(0)]
+    return full
+
+
+def _dtensor_of(st, i, full, mesh):
+    """The sharded state-dict DTensor of parameter i from its whole (local) tensor `full`: on
+    the shard mesh (_sharded), or for a tensor-parallel parameter its tp DTensor, replicated
+    over the shard group."""
+    spec = st.dtensors[i]
+    if spec is None:
+        return _sharded(full, mesh)
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(full.clone(), spec[0], spec[1], run_check=False, shape=spec[2],
+                              stride=spec[3])
 
 
 def _is_dtensor(value):
@@ -128,7 +170,7 @@ def _to_dtensors(module, state_dict, prefix, local_metadata):
         made = {}
         for i, name in names:
             if i not in made:  # a tie inside the unit: one DTensor under both names
-                made[i] = _sharded(full[i], _device_mesh(owner))
+                made[i] = _dtensor_of(owner, i, full[i], _device_mesh(owner))
             state_dict[prefix + name] = made[i]
         del full
 
@@ -156,7 +198,8 @@ def full_state_dict(module, *, rank0_only=False, cpu_offload=False):
             keep = units[0]._shardline_state.mesh[0].rank == 0
         if not keep:
             return {}
-        return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+        return {k: (v.full_tensor() if _is_dtensor(v) else v.detach().clone())
+                if isinstance(v, torch.Tensor) else v
                 for k, v in module.state_dict().items()}
     finally:
         for m in units:
@@ -251,7 +294,7 @@ def _optimizer_to_dtensors(optimizer, state_dict):
                 shard[offset:offset + length] = states[pid][name]
             full = st.root.gather_full(st, shard)
             for pid, i in entries:
-                states[pid][name] = _sharded(full[i], mesh)
+                states[pid][name] = _dtensor_of(st, i, full[i], mesh)
             del full
     return state_dict
 
@@ -271,12 +314,9 @@ def _optimizer_from_dtensors(optimizer, state_dict):
         i = _index(st, p)
         state = dict(states[pid])
         for name, value in state.items():
-            if _is_dtensor(value):
-                value = value.full_tensor()
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == st.shapes[i] \
-                    and value.dim() > 0:
-                t, n = st.tensor_offsets[i], st.slices[i][1]
-                state[name] = value.reshape(-1)[t:t + n].clone()
+            local = _slice_of(st, i, value, scalars=False)
+            if local is not value:
+                state[name] = local.clone()
         states[pid] = state
     return state_dict
 
