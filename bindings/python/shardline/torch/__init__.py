@@ -26,6 +26,11 @@ another world size (see _checkpoint.py and docs/checkpoints.md), `export_safeten
 from ._backend import BACKEND_NAME, BackendShardline, ProcessGroupShardline, register
 from ._checkpoint import CheckpointSave, load_checkpoint, save_checkpoint
 from ._clip_grad import clip_grad_norm_
+from ._fsdp1 import (BackwardPrefetch, CPUOffload, CustomPolicy, FullStateDictConfig,
+                     FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
+                     ShardedStateDictConfig, ShardingStrategy, StateDictType, always_wrap_policy,
+                     lambda_auto_wrap_policy, size_based_auto_wrap_policy,
+                     transformer_auto_wrap_policy)
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_init import get_default_world
 from ._fully_shard import FSDPModule, fully_shard, original_shape
@@ -34,11 +39,15 @@ from ._state_dict import full_state_dict
 from ._weights import export_safetensors, import_safetensors, sync_module_states
 
 __all__ = [
-    "BACKEND_NAME", "BackendShardline", "CheckpointSave", "CPUOffloadPolicy", "FSDPModule",
-    "MixedPrecisionPolicy", "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler",
-    "clip_grad_norm_", "export_safetensors", "full_state_dict", "fully_shard",
-    "get_default_world", "import_safetensors", "load_checkpoint", "original_shape", "register",
-    "save_checkpoint", "sync_module_states",
+    "BACKEND_NAME", "BackendShardline", "BackwardPrefetch", "CheckpointSave", "CPUOffload",
+    "CPUOffloadPolicy", "CustomPolicy", "FSDPModule", "FullStateDictConfig",
+    "FullyShardedDataParallel", "MixedPrecision", "MixedPrecisionPolicy", "ModuleWrapPolicy",
+    "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler", "ShardedStateDictConfig",
+    "ShardingStrategy", "StateDictType", "always_wrap_policy", "clip_grad_norm_",
+    "export_safetensors", "full_state_dict", "fully_shard", "get_default_world",
+    "import_safetensors", "lambda_auto_wrap_policy", "load_checkpoint", "original_shape",
+    "register", "save_checkpoint", "size_based_auto_wrap_policy", "sync_module_states",
+    "transformer_auto_wrap_policy",
 ]
 
 register()

@@ -35,6 +35,8 @@ class _UnitState:
         self.root = None  # the _Root, once initialised
         self.prefix = ""  # the module's name in the root module, with a trailing dot
         self.device_mesh = None  # the torch DeviceMesh fully_shard was given, if any
+        self.ignored_modules = set()  # ids of modules whose parameters stay outside the unit
+        self.limit_all_gathers = False  # FullyShardedDataParallel's rate limiter (its root's)
         self.unit = None  # the scheduler's unit id
         self.slices = []  # per parameter (shard_offset, length), after initialisation
         self.tensor_offsets = []  # per parameter, the flat index of its first element here
@@ -67,6 +69,8 @@ def _collect_parameters(state, module):
     def visit(mod, prefix, top):
         if not top and isinstance(mod, FSDPModule):
             return  # its own unit
+        if id(mod) in state.ignored_modules:
+            return  # FullyShardedDataParallel's ignored_modules: left as they are
         for name, p in mod._parameters.items():
             if p is None:
                 continue

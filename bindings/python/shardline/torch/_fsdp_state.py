@@ -474,6 +474,9 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
                 p.data = master[offset:offset + length]
                 p.grad = None
         self.replicas = world.size // s.shard_size
+        if self.root_state.limit_all_gathers:
+            # FSDP1's rate limiter: two gathered units, or the minimum the units need.
+            s.set_budget(0, max(2, s.minimum_budget_units))
         _roots.add(self)
 
     # -- the explicit prefetch lists, once the first step recorded the order

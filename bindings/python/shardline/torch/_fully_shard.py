@@ -109,18 +109,31 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
     if type(reshard_after_forward) is not bool:
         reshard_after_forward = _reshard_size(int(reshard_after_forward), mesh_config)
 
+    device_mesh = None if mesh is None or isinstance(mesh, shardline.Communicator) else mesh
+    return _shard(module, mesh_config, reshard_after_forward, mp_policy, offload_policy,
+                  device_mesh)
+
+
+def _shard(module, mesh_config, reshard_after_forward, mp_policy, offload_policy, device_mesh,
+           ignored_modules=(), class_name=None):
+    """fully_shard once its arguments are checked (and FullyShardedDataParallel's way in):
+    `module` becomes a unit over mesh_config ((world, strategy, shard_size), _mesh_config);
+    device_mesh: the torch DeviceMesh it came from, if any; parameters under ignored_modules
+    stay outside every unit. class_name: the module's new class's name (default
+    FSDP<class>, as FSDP2 names it)."""
     state = _UnitState(module, mesh_config, reshard_after_forward, mp_policy, offload_policy)
-    if not (mesh is None or isinstance(mesh, shardline.Communicator)):
-        state.device_mesh = mesh  # a DeviceMesh (_mesh_config checked it)
+    state.device_mesh = device_mesh
+    state.ignored_modules = set(map(id, ignored_modules))
     _collect_parameters(state, module)
     cls = type(module)
-    new_cls = _CLASS_CACHE.get(cls)
+    name = class_name or f"FSDP{cls.__name__}"
+    new_cls = _CLASS_CACHE.get((cls, name))
     if new_cls is None:
         # A Hugging Face model's save_pretrained writes the full weights (_state_dict.py).
         hf = callable(getattr(cls, "save_pretrained", None)) and hasattr(cls, "config_class")
         bases = (FSDPModule, SavePretrainedFullWeights, cls) if hf else (FSDPModule, cls)
-        new_cls = type(f"FSDP{cls.__name__}", bases, {})
-        _CLASS_CACHE[cls] = new_cls
+        new_cls = type(name, bases, {})
+        _CLASS_CACHE[(cls, name)] = new_cls
     module.__class__ = new_cls
     module._shardline_state = state
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)

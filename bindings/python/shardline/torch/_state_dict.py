@@ -37,9 +37,15 @@ def _load_full_tensors(module, state_dict, prefix, *args):
     tensor at a time (full_tensor(): collective over its mesh). Other entries (1-D slices: the
     sharded form without torch.distributed) are kept."""
     st = module._shardline_state
+    _before_state_dict(module, prefix, False)  # under torch.distributed: sharded from now on
     for owner, i, name in _entries(st):
+        if prefix + name not in state_dict:
+            continue
         if owner.root is None or owner.full is not None:
-            continue  # the parameters are whole (before the first forward, or unshard()'ed)
+            # The parameters are whole (before the first forward, or unshard()'ed).
+            if _is_dtensor(state_dict[prefix + name]):
+                state_dict[prefix + name] = state_dict[prefix + name].full_tensor()
+            continue
         if prefix + name in state_dict:
             state_dict[prefix + name] = _slice_of(owner, i, state_dict[prefix + name])
 
