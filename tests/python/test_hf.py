@@ -14,6 +14,8 @@ Per case, on every rank:
   sharded model gives the tokens of an unsharded copy of its weights;
 - `save_pretrained` of the sharded model writes the full weights: `from_pretrained` of that
   directory equals the full state dict bit for bit (tied names included).
+Cases marked fsdp1 wrap the model FSDP1's way instead: shardline's FullyShardedDataParallel with
+transformer_auto_wrap_policy on the model's block class.
 Hugging Face's own gradient checkpointing (reentrant and not) checkpoints a layer's `forward`
 below fully_shard's hooks: without the adapter's backward-use parameters it fails.
 """
@@ -34,6 +36,7 @@ CI_CASES = [
     "llama:bf16:nonreentrant:eval,generate,save_pretrained",
     "bert:fp32:none:clip,eval",
     "bert:bf16:nonreentrant:accum",
+    "gpt2:fp32:nonreentrant:fsdp1,accum,eval,generate",
 ]
 
 # BERT (a masked LM) does not generate.
@@ -42,7 +45,9 @@ LONG_CASES = [f"{model}:{dtype}:{ckpt}:{extras}"
               for dtype in ("fp32", "bf16")
               for ckpt in ("none", "reentrant", "nonreentrant")
               for extras in ("accum,eval" + (",generate" if model != "bert" else ""),
-                             "nosync,clip,output_dtype,save_pretrained")]
+                             "nosync,clip,output_dtype,save_pretrained")] + [
+    f"{model}:{dtype}:nonreentrant:fsdp1,nosync,clip,eval"
+    for model in ("gpt2", "llama", "bert") for dtype in ("fp32", "bf16")]
 
 
 def run_cases(launch, tmp_path, nprocs, cases):

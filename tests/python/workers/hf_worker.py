@@ -17,13 +17,16 @@ CASE is MODEL:DTYPE:CHECKPOINTING[:EXTRA,...]
                    its ModelOutput type), save_pretrained (the trained sharded model's
                    save_pretrained, then from_pretrained of that directory on every rank: equal
                    to the full state dict bit for bit; and the parameter count that
-                   shardline.torch.original_shape gives equals the unsharded model's)
+                   shardline.torch.original_shape gives equals the unsharded model's), fsdp1
+                   (shardline's FullyShardedDataParallel with transformer_auto_wrap_policy on
+                   the block class in place of fully_shard)
 
 fully_shard is applied the FSDP2 way: each transformer block, then the root. Each rank trains on
 its rows of the global batch; the reference trains on all of them. Every rank writes
 OUT_DIR/rank<r>.json: per case the three runs' losses, and per parameter of the full state dict
 the largest absolute difference from FSDP2's and the relative error against the reference.
 """
+import functools
 import json
 import math
 import os
@@ -98,7 +101,14 @@ def train(kind, dtype, ckpt, extras, way, rank, size):
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
     bf16 = dtype == "bf16"
-    if way == "shardline":
+    if way == "shardline" and "fsdp1" in extras:
+        # FSDP1's way: the wrapper with transformer_auto_wrap_policy on the model's block class
+        policy = functools.partial(slt.transformer_auto_wrap_policy,
+                                   transformer_layer_cls={type(blocks[0])})
+        mp = slt.MixedPrecision(param_dtype=torch.bfloat16 if bf16 else None,
+                                reduce_dtype=torch.float32 if bf16 else None)
+        model = slt.FullyShardedDataParallel(model, auto_wrap_policy=policy, mixed_precision=mp)
+    elif way == "shardline":
         mp = slt.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                       reduce_dtype=torch.float32 if bf16 else None)
         root_mp = mp
@@ -168,6 +178,8 @@ def train(kind, dtype, ckpt, extras, way, rank, size):
 
 
 def full_weights(model, way):
+    if isinstance(model, slt.FullyShardedDataParallel):
+        return model.state_dict()  # FULL_STATE_DICT, FSDP1's default
     if way == "shardline":
         return slt.full_state_dict(model)
     if way == "fsdp2":
