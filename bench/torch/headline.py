@@ -16,6 +16,8 @@ processes (bench/torch/worker.py; ranks under shardline.launch):
     fsdp2        torch's fully_shard over gloo
     fsdp2-sl     torch's fully_shard over the "shardline" c10d backend
     shardline    shardline.torch.fully_shard (shardline's scheduler and collectives)
+    shardline-fsdp1  shardline.torch.FullyShardedDataParallel, wrapped FSDP1's way
+                 (transformer_auto_wrap_policy on the blocks): the same scheduler
 
 A step's time is the slowest rank's; a run's figure is the median of its timed steps; a round's
 ratios divide figures of the same round; the table shows the median over rounds of both. Every
@@ -45,6 +47,8 @@ CONFIGS = {  # name: (worker args, ranks or 0 for one process, description)
     "fsdp2-sl": (["--impl", "fsdp2", "--backend", "shardline"], None,
                  "FSDP2 + shardline backend"),
     "shardline": (["--impl", "shardline"], None, "shardline.torch.fully_shard"),
+    "shardline-fsdp1": (["--impl", "shardline-fsdp1"], None,
+                        "shardline.torch.FullyShardedDataParallel (FSDP1's wrapper)"),
 }
 
 FULL = {"vocab": 8192, "dim": 512, "layers": 8, "heads": 8, "seq": 256, "batch": 4}
@@ -145,6 +149,8 @@ RATIOS = [  # (label, numerator, denominator, target or None)
     ("fully_shard / FSDP2+gloo", "shardline", "fsdp2", 0.95),
     ("fully_shard / DDP+gloo", "shardline", "ddp", 1.02),
     ("FSDP2+shardline / FSDP2+gloo", "fsdp2-sl", "fsdp2", 0.97),
+    ("FSDP1 wrapper / fully_shard", "shardline-fsdp1", "shardline", None),
+    ("FSDP1 wrapper / FSDP2+gloo", "shardline-fsdp1", "fsdp2", None),
     ("FSDP2+gloo / DDP+gloo", "fsdp2", "ddp", None),
     ("single 1 thread / DDP+gloo", "single-1t", "ddp", None),
 ]

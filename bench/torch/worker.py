@@ -77,7 +77,8 @@ def allocator_peak(trace_path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--impl", choices=["shardline", "fsdp2", "ddp", "single"], required=True)
+    p.add_argument("--impl", choices=["shardline", "shardline-fsdp1", "fsdp2", "ddp", "single"],
+                   required=True)
     p.add_argument("--backend", default="gloo", help="torch.distributed backend (fsdp2, ddp)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--dim", type=int, default=512)
@@ -114,6 +115,15 @@ def main():
         for block in model.blocks:
             slt.fully_shard(block)
         slt.fully_shard(model)
+        world_comm = slt.get_default_world()
+    elif args.impl == "shardline-fsdp1":
+        # FSDP1's way: the wrapper, one unit per block by transformer_auto_wrap_policy.
+        import functools
+
+        import shardline.torch as slt
+        policy = functools.partial(slt.transformer_auto_wrap_policy,
+                                   transformer_layer_cls={type(model.blocks[0])})
+        model = slt.FullyShardedDataParallel(model, auto_wrap_policy=policy)
         world_comm = slt.get_default_world()
     elif args.impl == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -164,7 +174,7 @@ def main():
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         losses.append(mean_over_ranks(loss.item()))
-        if args.impl == "shardline":
+        if args.impl.startswith("shardline"):
             m = model.shardline_scheduler.metrics()
             sched.append({"exposed_communication": m.exposed_communication,
                           "communication_time": m.communication_time,

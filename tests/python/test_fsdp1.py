@@ -11,7 +11,8 @@ scheduler's budget is two units, or the minimum the units need (shard-grad-op an
 every unit), and the peak of units in flight stays within it; without, no budget. One case also
 runs summon_full_params (writeback and not), FULL_STATE_DICT with rank0_only,
 SHARDED_STATE_DICT into a fresh model and the optimizer's state through optim_state_dict /
-optim_state_dict_to_load.
+optim_state_dict_to_load, from flat parameters (use_orig_params=False, the default) into the
+original ones and back.
 """
 import json
 
@@ -20,7 +21,7 @@ import pytest
 pytest.importorskip("torch")
 
 CASES = ["base:roundtrip", "shard_grad_op:offload,post", "no_shard:noprefetch,forward",
-         "nolimit:orig", "sync:ignored", "size:nosync", "lambda:clip", "module:ac",
+         "nolimit:orig,roundtrip", "sync:ignored", "size:nosync", "lambda:clip", "module:ac",
          "ac:shard_grad_op"]
 
 
@@ -43,6 +44,13 @@ def check(case, got, rank):
     assert got["units"] == units and got["wrappers"] == units, (where, got)
     assert got["repr"].startswith("FullyShardedDataParallel(\n  (_fsdp_wrapped_module): Net("), \
         got["repr"]
+    # use_orig_params=False: the optimizer steps one flat parameter per unit (and the ignored
+    # head's two); True: the 22 original ones.
+    if "orig" in options:
+        assert got["optimizer_params"] == 22 and got["flat_names"] == 0, (where, got)
+    else:
+        assert got["flat_names"] == units, (where, got)
+        assert got["optimizer_params"] == units + (2 if "ignored" in options else 0), (where, got)
     kept = options & {"shard_grad_op", "no_shard"}
     assert got["gathers"][1:] == [1 if kept else 2] * (units - 1), (where, got["gathers"])
     if "ac" in options:

@@ -11,7 +11,8 @@ arguments and what the training does:
     post | noprefetch | forward            backward_prefetch BACKWARD_POST / None,
                                            forward_prefetch=True
     nolimit                                limit_all_gathers=False
-    orig                                   use_orig_params=True
+    orig                                   use_orig_params=True (default False: one flat
+                                           parameter per unit is what the optimizer steps)
     sync                                   sync_module_states=True, every rank initialised with
                                            its own seed (the reference uses rank 0's)
     ignored                                ignored_modules=[the head] (replicated, not reduced:
@@ -23,6 +24,7 @@ arguments and what the training does:
     clip                                   model.clip_grad_norm_(0.5)
     ac                                     apply_activation_checkpointing(checkpoint_wrapper) on
                                            the blocks' wrappers: no extra gathers
+    roundtrip                              the state-dict checks (round_trips)
 Every case trains 3 SGD steps (momentum) on this rank's rows of the global batches and the plain model on
 all of them in the same process. OUT_DIR/rank<r>.json per case: both runs' losses, per weight of
 the FULL_STATE_DICT the relative error, the scheduler's gathers per unit and peak in-flight
@@ -163,8 +165,9 @@ def train(model, options, rank, size, sharded):
     return opt, losses
 
 
-def round_trips(model, opt, rank):
-    """summon_full_params (writeback and not), SHARDED_STATE_DICT into a fresh copy, and the
+def round_trips(model, opt, rank, options):
+    """summon_full_params (writeback and not), SHARDED_STATE_DICT into a fresh copy with the
+    other use_orig_params (flat parameters one way, the originals the other), and the
     optimizer's state through optim_state_dict / optim_state_dict_to_load: the largest
     differences (0 means exact)."""
     out = {}
@@ -187,7 +190,7 @@ def round_trips(model, opt, rank):
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sharded = model.state_dict()
         osd = FSDP.optim_state_dict(model, opt)
-    other = build({"orig"}, rank)
+    other = build(set() if "orig" in options else {"orig"}, rank)
     other_opt = torch.optim.SGD(other.parameters(), lr=0.05, momentum=0.9)
     with FSDP.state_dict_type(other, StateDictType.SHARDED_STATE_DICT):
         other.load_state_dict(sharded)
@@ -228,11 +231,13 @@ def run_case(case, rank, size):
         "budget_units": metrics.budget_units,
         "minimum_budget_units": root.scheduler.minimum_budget_units,
         "wrappers": sum(isinstance(m, FSDP) for m in model.modules()),
+        "optimizer_params": sum(len(g["params"]) for g in opt.param_groups),
+        "flat_names": sum(n.endswith("_flat_param") for n, _ in model.named_parameters()),
         "repr": repr(model),
         "checkpointed": sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
     }
     if "roundtrip" in options:
-        result["round_trips"] = round_trips(model, opt, rank)
+        result["round_trips"] = round_trips(model, opt, rank, options)
     return result
 
 

@@ -9,7 +9,7 @@ shardline's scheduler.
 
 Each module the auto-wrap policy picks is wrapped (bottom-up) in its own FullyShardedDataParallel,
 which makes the module one unit (fully_shard on it); the outermost wrapper's module takes the
-rest and is the root, initialised at construction as FSDP1 shards there. The wrapper holds the
+rest and is the root. The wrapper holds the
 module as `_fsdp_wrapped_module` (printing shows the wrapped structure); parameter names and
 state-dict keys leave that component out, as FSDP1's do. The enums, configs and wrap policies are
 torch's own (torch.distributed.fsdp), so code that imports them from torch passes them here too.
@@ -68,8 +68,9 @@ class FullyShardedDataParallel(nn.Module):
     first. limit_all_gathers (default True): the scheduler's budget at two gathered units, or
     the minimum the units need where that is more. backward_prefetch / forward_prefetch: the
     scheduler prefetches one unit ahead in both directions whatever they say.
-    use_orig_params: the original parameters (this rank's slices, by name) are what
-    parameters() gives, for both values.
+    use_orig_params: False (the default) gives one flat parameter per unit (FSDP1's
+    FlatParameter: the unit's master shard, the root sharded at construction); True the
+    original parameters, this rank's slices, by name.
     """
 
     def __init__(self, module, process_group=None, sharding_strategy=None, cpu_offload=None,
@@ -138,6 +139,8 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         # Read by the root's scheduler when it is made (_Root.initialize: the budget).
         module._shardline_state.limit_all_gathers = limit_all_gathers
+        if not use_orig_params:
+            _make_flat_parameters(self)
 
     @classmethod
     def _wrap(cls, module, config, ignored):
@@ -178,9 +181,30 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self._fsdp_wrapped_module(*args, **kwargs)
 
-    def named_parameters(self, *args, **kwargs):
-        for name, p in super().named_parameters(*args, **kwargs):
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """As FSDP1's: without `_fsdp_wrapped_module.` in the names; with
+        use_orig_params=False, one flat parameter per unit (`<wrapper>._flat_param`) in place
+        of the parameters it holds."""
+        flat = {}  # id of a parameter a flat parameter holds -> (name, that flat parameter)
+        for name, m in self.named_modules(prefix=prefix):
+            if isinstance(m, FullyShardedDataParallel):
+                st = m._fsdp_wrapped_module._shardline_state
+                if st.flat_param is not None:
+                    for p in st.params:
+                        flat[id(p)] = (_clean(f"{name}.{_WRAPPED}._flat_param" if name
+                                              else f"{_WRAPPED}._flat_param"), st.flat_param)
+        given = set()
+        for name, p in super().named_parameters(prefix=prefix, recurse=recurse,
+                                                 remove_duplicate=remove_duplicate):
+            if id(p) in flat:
+                name, p = flat[id(p)]
+                if id(p) in given:
+                    continue
+                given.add(id(p))
             yield _clean(name), p
+
+    def _original_parameters(self):
+        return [p for _, p in nn.Module.named_parameters(self)]
 
     def named_buffers(self, *args, **kwargs):
         for name, b in super().named_buffers(*args, **kwargs):
@@ -201,7 +225,7 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """The global norm of every gradient under this wrapper, as shardline.torch.clip_grad_norm_
         (clips in place; returns the norm)."""
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+        return clip_grad_norm_(self._original_parameters(), max_norm, norm_type)
 
     @staticmethod
     @contextlib.contextmanager
@@ -257,8 +281,10 @@ class FullyShardedDataParallel(nn.Module):
         them), in the form of the model's state_dict_type: FULL_STATE_DICT whole tensors
         (rank0_only: on rank 0 only), SHARDED_STATE_DICT DTensors. Collective."""
         osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+        osd = _unflatten(model, optim, osd)
         names = _optimizer_names(model, optim)
         full = model._fsdp_state_dict_type == StateDictType.FULL_STATE_DICT
+        names = osd.pop("_names", names)
         state = {}
         for pid, values in osd["state"].items():
             state[names[pid]] = {k: v.full_tensor() if full and _is_dtensor(v) else v
@@ -277,28 +303,151 @@ class FullyShardedDataParallel(nn.Module):
         dict optim.load_state_dict takes (keyed by the optimizer's parameter order; the
         optimizer's hook cuts each tensor to this rank's slice). load_directly=True loads it
         too."""
-        names = _optimizer_names(model, optim)
-        ids = {name: pid for pid, name in names.items()}
-        osd = {"state": {ids[name]: dict(values)
-                         for name, values in optim_state_dict["state"].items()},
-               "param_groups": [{**g, "params": [ids[name] for name in g["params"]]}
-                                for g in optim_state_dict["param_groups"]]}
+        if _flat_units(optim):
+            osd = _flatten(model, optim, optim_state_dict)
+        else:
+            names = _optimizer_names(model, optim)
+            ids = {name: pid for pid, name in names.items()}
+            osd = {"state": {ids[name]: dict(values)
+                             for name, values in optim_state_dict["state"].items()},
+                   "param_groups": _groups_in_order(optim, optim_state_dict)}
         if load_directly:
             optim.load_state_dict(osd)
         return osd
 
 
-def _optimizer_names(model, optim):
-    """{index in the optimizer's state dict: the parameter's name in `model`}."""
+def _optimizer_names(model, optim, params=None):
+    """{index in the optimizer's state dict: the parameter's name in `model`} (params: the
+    parameters in that numbering, by default the optimizer's)."""
     by_id = {}
     for name, p in model.named_parameters():
         by_id.setdefault(id(p), name)
-    params = [p for g in optim.param_groups for p in g["params"]]
+    for name, p in nn.Module.named_parameters(model):  # the originals a flat one holds
+        by_id.setdefault(id(p), _clean(name))
+    if params is None:
+        params = [p for g in optim.param_groups for p in g["params"]]
     missing = [i for i, p in enumerate(params) if id(p) not in by_id]
     if missing:
         raise ValueError(f"FullyShardedDataParallel: the optimizer's parameters {missing} are "
                          "not parameters of the model")
     return {i: by_id[id(p)] for i, p in enumerate(params)}
+
+
+def _make_flat_parameters(wrapper):
+    """use_orig_params=False: the root is initialised now (FSDP1 shards at construction) and
+    each unit's master shard becomes one parameter, FSDP1's FlatParameter, sharing its memory
+    with the unit's parameters (their slices are views of it)."""
+    from ._fsdp_state import _lazy_root
+    try:
+        root = _lazy_root(wrapper._fsdp_wrapped_module._shardline_state)
+    except RuntimeError as e:
+        raise NotImplementedError(
+            "FullyShardedDataParallel(use_orig_params=False) shards at construction, so a "
+            "wrapper made before it (nested by hand) cannot join its units: wrap submodules "
+            "through auto_wrap_policy, or pass use_orig_params=True") from e
+    for st in root.units:
+        st.flat_param = nn.Parameter(root.scheduler.master_shard(st.unit),
+                                     requires_grad=any(p.requires_grad for p in st.params))
+
+
+def _flat_units(optim):
+    """{id(flat parameter): its unit's state} for the optimizer's flat parameters."""
+    from ._fsdp_state import _roots
+    flat = {id(st.flat_param): st for root in list(_roots) for st in root.units
+            if st.flat_param is not None}
+    return {id(p): flat[id(p)] for g in optim.param_groups for p in g["params"]
+            if id(p) in flat}
+
+
+def _unflatten(model, optim, osd):
+    """An optimizer state dict over flat parameters as one over the parameters they hold:
+    each element-wise state cut into the parameters' slices (then made DTensors), the scalars
+    (AdamW's step) repeated; param_groups list those parameters. Unchanged without flat
+    parameters."""
+    units = _flat_units(optim)
+    if not units:
+        return osd
+    from ._state_dict import _states_to_dtensors
+    flat_params = [p for g in optim.param_groups for p in g["params"]]
+    originals, states, expand = [], {}, {}
+    for pid, flat in enumerate(flat_params):
+        st = units.get(id(flat))
+        if st is None:
+            expand[pid] = [len(originals)]
+            originals.append(flat)
+            if pid in osd["state"]:
+                states[expand[pid][0]] = dict(osd["state"][pid])
+            continue
+        expand[pid] = []
+        for p, (offset, length) in zip(st.params, st.slices):
+            k = len(originals)
+            expand[pid].append(k)
+            originals.append(p)
+            if pid in osd["state"]:
+                states[k] = {name: v[offset:offset + length].clone()
+                             if isinstance(v, torch.Tensor) and v.dim() == 1
+                             and v.numel() == flat.numel() else v
+                             for name, v in osd["state"][pid].items()}
+    _states_to_dtensors(originals, states)
+    groups = [{**g, "params": [k for pid in g["params"] for k in expand[pid]]}
+              for g in osd["param_groups"]]
+    names = _optimizer_names(model, optim, originals)
+    out = {"state": {k: v for k, v in states.items()}, "param_groups": groups}
+    # Keyed by index over `originals`; optim_state_dict names them with this mapping.
+    out["_names"] = names
+    return out
+
+
+def _flatten(model, optim, named_osd):
+    """The inverse of _unflatten for loading: states keyed by the held parameters' names
+    (DTensors or whole tensors) into one state per flat parameter, in the optimizer's
+    numbering."""
+    from ._state_dict import _slice_of
+    units = _flat_units(optim)
+    flat_params = [p for g in optim.param_groups for p in g["params"]]
+    name_of = {}
+    for name, p in nn.Module.named_parameters(model):
+        name_of.setdefault(id(p), _clean(name))
+    state = {}
+    for pid, flat in enumerate(flat_params):
+        st = units.get(id(flat))
+        if st is None:
+            if name_of[id(flat)] in named_osd["state"]:
+                state[pid] = dict(named_osd["state"][name_of[id(flat)]])
+            continue
+        held = [named_osd["state"].get(name_of[id(p)]) for p in st.params]
+        present = [h for h in held if h is not None]
+        if not present:
+            continue
+        out = {}
+        for key, value in present[0].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                buf = torch.zeros(flat.numel(), dtype=value.dtype)
+                for i, h in enumerate(held):
+                    if h is not None:
+                        offset, length = st.slices[i]
+                        buf[offset:offset + length] = _slice_of(st, i, h[key], scalars=False)
+                out[key] = buf
+            else:
+                out[key] = value  # a scalar (AdamW's step): the same for every held one
+        state[pid] = out
+    return {"state": state, "param_groups": _groups_in_order(optim, named_osd)}
+
+
+def _groups_in_order(optim, named_osd):
+    """The named state dict's param_groups (their hyperparameters) with the optimizer's own
+    parameter order: load_state_dict pairs the saved ids with the optimizer's parameters by
+    position."""
+    if len(named_osd["param_groups"]) != len(optim.param_groups):
+        raise ValueError(f"FullyShardedDataParallel: the state dict has "
+                         f"{len(named_osd['param_groups'])} param groups, the optimizer "
+                         f"{len(optim.param_groups)}")
+    groups, pid = [], 0
+    for saved, group in zip(named_osd["param_groups"], optim.param_groups):
+        n = len(group["params"])
+        groups.append({**saved, "params": list(range(pid, pid + n))})
+        pid += n
+    return groups
 
 
 def _mesh_of(strategy, process_group, device_mesh):

@@ -37,6 +37,10 @@ class _UnitState:
         self.device_mesh = None  # the torch DeviceMesh fully_shard was given, if any
         self.ignored_modules = set()  # ids of modules whose parameters stay outside the unit
         self.limit_all_gathers = False  # FullyShardedDataParallel's rate limiter (its root's)
+        # FullyShardedDataParallel(use_orig_params=False): the unit's master shard as one
+        # parameter (FSDP1's FlatParameter), which the optimizer steps on; its .grad is the
+        # sharded gradient.
+        self.flat_param = None
         self.unit = None  # the scheduler's unit id
         self.slices = []  # per parameter (shard_offset, length), after initialisation
         self.tensor_offsets = []  # per parameter, the flat index of its first element here

@@ -56,14 +56,20 @@ class _ForwardHooks:
         for unit in self.units:
             self.write_back(unit)  # the forward reshards what unshard() left unsharded
         s = self.scheduler
-        params = [(st, p, sl) for st in self.states for p, sl in zip(st.params, st.slices)
-                  if p.requires_grad]
+        # A unit whose optimizer holds its flat parameter (FullyShardedDataParallel with
+        # use_orig_params=False) is zeroed whole when that parameter's .grad was dropped.
+        flat = [u for u in self.units if u.flat_param is not None]
+        flat_none = [u for u in flat if u.flat_param.grad is None]
+        params = [(st, p, sl) for st in self.states if st.flat_param is None
+                  for p, sl in zip(st.params, st.slices) if p.requires_grad]
         # An optimizer's zero_grad(set_to_none=True) dropped the .grad views: the sharded
         # gradient starts from zero again.
         none = [(st, p, sl) for st, p, sl in params if p.grad is None]
-        if none and len(none) == len(params):
+        if (none or flat_none) and len(none) == len(params) and len(flat_none) == len(flat):
             s.zero_grad()
         else:
+            for u in flat_none:
+                s.shard_grad(u.unit).zero_()
             for st, p, (offset, length) in none:
                 s.shard_grad(st.unit)[offset:offset + length].zero_()
         syncs = {st.requires_gradient_sync for st in self.states}
@@ -289,6 +295,10 @@ class _BackwardHooks:
             s = self.scheduler
             for st in self.units:
                 grad = s.shard_grad(st.unit)
+                flat = st.flat_param
+                if flat is not None and flat.requires_grad and (
+                        flat.grad is None or flat.grad.data_ptr() != grad.data_ptr()):
+                    flat.grad = grad
                 for p, (offset, length) in zip(st.params, st.slices):
                     if p.requires_grad:
                         g = grad[offset:offset + length]

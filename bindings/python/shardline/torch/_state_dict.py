@@ -276,9 +276,16 @@ def _optimizer_to_dtensors(optimizer, state_dict):
     (this rank's slice) becomes the parameter's DTensor in its original shape. Per unit and
     state name, the states are placed in a buffer shaped like the master shard and gathered
     whole once (collective over the world: every rank calls state_dict())."""
-    states = state_dict["state"]
+    _states_to_dtensors(_optimizer_params(optimizer), state_dict["state"])
+    return state_dict
+
+
+def _states_to_dtensors(params, states):
+    """In place: states[k] (a dict of optimizer states) of parameter params[k], for each
+    fully_shard'ed one, with its 1-D states as DTensors in the original shape (the
+    optimizer's state_dict() post-hook, and FullyShardedDataParallel's optim_state_dict)."""
     per_unit = {}
-    for pid, p in enumerate(_optimizer_params(optimizer)):
+    for pid, p in enumerate(params):
         st = _owner_of(p)
         if st is None or st.root is None or st.full is not None or pid not in states:
             continue
@@ -302,7 +309,6 @@ def _optimizer_to_dtensors(optimizer, state_dict):
             for pid, i in entries:
                 states[pid][name] = _dtensor_of(st, i, full[i], mesh)
             del full
-    return state_dict
 
 
 def _optimizer_from_dtensors(optimizer, state_dict):
