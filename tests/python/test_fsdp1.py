@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 
 CASES = ["base:roundtrip", "shard_grad_op:offload,post", "no_shard:noprefetch,forward",
          "nolimit:orig,roundtrip", "sync:ignored", "size:nosync", "lambda:clip", "module:ac",
-         "ac:shard_grad_op"]
+         "ac:shard_grad_op", "meta:orig"]
 
 
 def run(launch, tmp_path, nprocs, cases):
@@ -51,7 +51,7 @@ def check(case, got, rank):
     else:
         assert got["flat_names"] == units, (where, got)
         assert got["optimizer_params"] == units + (2 if "ignored" in options else 0), (where, got)
-    kept = options & {"shard_grad_op", "no_shard"}
+    kept = options & {"shard_grad_op", "no_shard", "zero2"}
     assert got["gathers"][1:] == [1 if kept else 2] * (units - 1), (where, got["gathers"])
     if "ac" in options:
         assert got["checkpointed"] == 3, (where, got)
@@ -76,7 +76,8 @@ def test_fsdp1_argument_matrix(launch, tmp_path):
 
 @pytest.mark.long
 def test_fsdp1_hybrid_at_four_ranks(launch, tmp_path):
-    cases = ["hybrid:roundtrip", "hybrid2:hybrid,offload,nosync", "base4:clip,ac"]
+    cases = ["hybrid:roundtrip", "hybrid2:hybrid,offload,nosync", "base4:clip,ac",
+             "zero2:nosync", "pgpair:hybrid,clip", "zero2b:zero2,pgpair,orig"]
     ranks = run(launch, tmp_path, 4, cases)
     for rank, got in enumerate(ranks):
         for case in cases:

@@ -15,6 +15,10 @@ arguments and what the training does:
                                            parameter per unit is what the optimizer steps)
     sync                                   sync_module_states=True, every rank initialised with
                                            its own seed (the reference uses rank 0's)
+    zero2 | pgpair                         _HYBRID_SHARD_ZERO2; hybrid over process_group=
+                                           (intra-node group, inter-node group)
+    meta                                   the model built on the meta device, param_init_fn
+                                           initialising each module (the same values as built)
     ignored                                ignored_modules=[the head] (replicated, not reduced:
                                            its gradient is averaged by hand, as FSDP1 users do)
     size | lambda | module                 the auto-wrap policy (default transformer_auto_wrap_
@@ -89,7 +93,11 @@ def policy_of(options):
 
 def build(options, rank):
     torch.manual_seed(100 + rank if "sync" in options else 0)
-    model = Net()
+    if "meta" in options:
+        with torch.device("meta"):
+            model = Net()
+    else:
+        model = Net()
     kwargs = dict(auto_wrap_policy=policy_of(options), use_orig_params="orig" in options,
                   sync_module_states="sync" in options,
                   limit_all_gathers="nolimit" not in options,
@@ -101,11 +109,24 @@ def build(options, rank):
         kwargs["sharding_strategy"] = ShardingStrategy.SHARD_GRAD_OP
     if "no_shard" in options:
         kwargs["sharding_strategy"] = ShardingStrategy.NO_SHARD
-    if "hybrid" in options:
+    if "hybrid" in options or "zero2" in options:
         from torch.distributed.device_mesh import init_device_mesh
         size = dist.get_world_size()
-        kwargs["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
-        kwargs["device_mesh"] = init_device_mesh("cpu", (2, size // 2))
+        kwargs["sharding_strategy"] = (ShardingStrategy._HYBRID_SHARD_ZERO2 if "zero2" in options
+                                       else ShardingStrategy.HYBRID_SHARD)
+        if "pgpair" in options:  # (intra-node group, inter-node group), as FSDP1 takes them
+            shard = size // 2
+            intra = [dist.new_group(list(range(r * shard, (r + 1) * shard))) for r in range(2)]
+            inter = [dist.new_group(list(range(k, size, shard))) for k in range(shard)]
+            rank_ = dist.get_rank()
+            kwargs["process_group"] = (intra[rank_ // shard], inter[rank_ % shard])
+        else:
+            kwargs["device_mesh"] = init_device_mesh("cpu", (2, size // 2))
+    if "meta" in options:
+        def init(module):  # only this module's own tensors, as FSDP1 asks
+            module.to_empty(device="cpu", recurse=False)
+            module.reset_parameters()
+        kwargs["param_init_fn"] = init
     if "offload" in options:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
     if "ignored" in options:
