@@ -7,8 +7,10 @@ batches (fp32 within 1e-5 relative; the bfloat16 snippet's losses within bfloat1
 gloo here, except with CPU offload) to the printed digits, its weights within 1e-6. CI runs
 torch's FSDP1 beside the bfloat16 script; the long tier beside the
 others."""
+import contextlib
+import io
 import pathlib
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -43,16 +45,27 @@ def run_script(launch, tmp_path, script, *flags):
     return result, torch.load(out / "0.pt")
 
 
+def run_single(script, out):
+    """The script with --single in this process (torch is imported already): its stdout."""
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [str(SEEDS / script), "--single", "--out", str(out)]
+    sys.path.insert(0, str(SEEDS))
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(SEEDS / script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    return printed.getvalue()
+
+
 def check(launch, tmp_path, script, with_torch):
     sharded, weights = run_script(launch, tmp_path, script)
-    single = subprocess.run([sys.executable, str(SEEDS / script), "--single", "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=120,
-                            cwd=SEEDS)
-    assert single.returncode == 0, single.stdout + single.stderr
+    single = run_single(script, tmp_path)
     reference = torch.load(tmp_path / "single.pt")
     tolerance = 1e-2 if "mixed_precision" in script else 1e-5
-    got, want = losses(sharded.output), losses(single.stdout)
-    assert len(got) == len(want) == 4, (sharded.output, single.stdout)
+    got, want = losses(sharded.output), losses(single)
+    assert len(got) == len(want) == 4, (sharded.output, single)
     for g, w in zip(got, want):
         assert abs(g - w) <= tolerance * w, (got, want)
     assert sorted(weights) == sorted(reference), (sorted(weights), sorted(reference))

@@ -96,6 +96,6 @@ def report(args, rank, world, losses, model):
     if args.out and rank == 0:
         torch.save({k: v.detach().float() for k, v in weights.items()},
                    os.path.join(args.out, "single.pt" if args.single else f"{rank}.pt"))
-    if dist.is_initialized():
+    if not args.single and dist.is_initialized():
         # Ends gloo's threads before the interpreter does (else a rank may abort at exit).
         dist.destroy_process_group()
