@@ -45,9 +45,9 @@ def check(case, got, rank):
     assert got["repr"].startswith("FullyShardedDataParallel(\n  (_fsdp_wrapped_module): Net("), \
         got["repr"]
     # use_orig_params=False: the optimizer steps one flat parameter per unit (and the ignored
-    # head's two); True: the 22 original ones.
+    # head's two); True: the 24 original ones.
     if "orig" in options:
-        assert got["optimizer_params"] == 22 and got["flat_names"] == 0, (where, got)
+        assert got["optimizer_params"] == 24 and got["flat_names"] == 0, (where, got)
     else:
         assert got["flat_names"] == units, (where, got)
         assert got["optimizer_params"] == units + (2 if "ignored" in options else 0), (where, got)

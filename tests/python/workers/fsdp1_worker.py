@@ -4,7 +4,7 @@ constructor arguments, run by test_fsdp1.py under shardline.launch (gloo process
     fsdp1_worker.py OUT_DIR CASE [CASE ...]
 
 CASE is OPTION[:OPTION,...] (the first also names the case); the options are the wrapper's
-arguments and what the training does:
+arguments and what the training does (the model is fully_shard_worker.py's):
     shard_grad_op | no_shard | hybrid      sharding_strategy (default FULL_SHARD; hybrid: a 2-D
                                            mesh (replicate 2, shard N/2))
     offload                                cpu_offload=CPUOffload(offload_params=True)
@@ -43,41 +43,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 import shardline.torch as slt
+from fully_shard_worker import D_IN, D_OUT, Block, Net
 from shardline.torch import (BackwardPrefetch, CPUOffload, FullStateDictConfig,
                              FullyShardedDataParallel as FSDP, ModuleWrapPolicy,
                              ShardingStrategy, StateDictType)
 
-D_IN, D, H, D_OUT = 11, 13, 29, 5
 GLOBAL_BATCH, STEPS = 8, 3
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, H)
-        self.fc2 = nn.Linear(H, D)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(D_IN, D)
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-        self.head = nn.Linear(D, D_OUT)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 def policy_of(options):
