@@ -31,7 +31,9 @@ from torch.distributed.fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, _Policy
 from ._clip_grad import clip_grad_norm_
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_init import _group, get_default_world
+from ._fsdp_param_group import _is_dtensor, _place
 from ._fully_shard import FSDPModule, _shard
+from ._state_dict import _optimizer_params
 from ._weights import sync_module_states as _sync_module_states
 
 __all__ = ["BackwardPrefetch", "CPUOffload", "CustomPolicy", "FullStateDictConfig",
@@ -325,7 +327,7 @@ def _optimizer_names(model, optim, params=None):
     for name, p in nn.Module.named_parameters(model):  # the originals a flat one holds
         by_id.setdefault(id(p), _clean(name))
     if params is None:
-        params = [p for g in optim.param_groups for p in g["params"]]
+        params = _optimizer_params(optim)
     missing = [i for i, p in enumerate(params) if id(p) not in by_id]
     if missing:
         raise ValueError(f"FullyShardedDataParallel: the optimizer's parameters {missing} are "
@@ -355,8 +357,7 @@ def _flat_units(optim):
     from ._fsdp_state import _roots
     flat = {id(st.flat_param): st for root in list(_roots) for st in root.units
             if st.flat_param is not None}
-    return {id(p): flat[id(p)] for g in optim.param_groups for p in g["params"]
-            if id(p) in flat}
+    return {id(p): flat[id(p)] for p in _optimizer_params(optim) if id(p) in flat}
 
 
 def _unflatten(model, optim, osd):
@@ -368,7 +369,7 @@ def _unflatten(model, optim, osd):
     if not units:
         return osd
     from ._state_dict import _states_to_dtensors
-    flat_params = [p for g in optim.param_groups for p in g["params"]]
+    flat_params = _optimizer_params(optim)
     originals, states, expand = [], {}, {}
     for pid, flat in enumerate(flat_params):
         st = units.get(id(flat))
@@ -404,7 +405,7 @@ def _flatten(model, optim, named_osd):
     numbering."""
     from ._state_dict import _slice_of
     units = _flat_units(optim)
-    flat_params = [p for g in optim.param_groups for p in g["params"]]
+    flat_params = _optimizer_params(optim)
     name_of = {}
     for name, p in nn.Module.named_parameters(model):
         name_of.setdefault(id(p), _clean(name))
@@ -534,9 +535,7 @@ def _units_under(module, recurse):
 def _drop_full(st):
     """Ends an unshard() without writing back: the module holds its shards again."""
     st.full = None
-    for p, slots in zip(st.params, st.slots):
-        for mod, name in slots:
-            mod._parameters[name] = p
+    _place(st, st.params)
 
 
 def _before_full_state_dict(module, prefix, keep_vars):
@@ -579,11 +578,6 @@ def _clean_state_dict_keys(module, state_dict, prefix, local_metadata):
         for u in units:
             u._shardline_state.in_full_state_dict = False
             u.reshard()
-
-
-def _is_dtensor(value):
-    tensor = getattr(torch.distributed, "tensor", None)
-    return tensor is not None and isinstance(value, tensor.DTensor)
 
 
 def _add_wrapped_prefix(module, state_dict, prefix, *args):

@@ -120,12 +120,9 @@ def _take_local_tensors(state):
     """Tensor parallel underneath: a DTensor parameter (torch's parallelize_module, on the tp
     mesh) becomes a plain parameter of its local tensor, which the unit's flat layout holds; its
     spec is kept (state.dtensors) so that compute sees the DTensor again (_as_dtensors)."""
-    tensor = getattr(torch.distributed, "tensor", None)
     state.dtensors = [None] * len(state.params)
-    if tensor is None:
-        return
     for i, p in enumerate(state.params):
-        if not isinstance(p, tensor.DTensor):
+        if not _is_dtensor(p):
             continue
         if p.device_mesh.ndim != 1:
             raise NotImplementedError(
@@ -144,11 +141,14 @@ def _as_dtensors(st, views):
     (differentiable: the gradient of the DTensor reaches the view)."""
     if not any(st.dtensors):
         return views
+    return [v if spec is None else _from_local(v, spec) for v, spec in zip(views, st.dtensors)]
+
+
+def _from_local(local, spec):
+    """The DTensor of spec (mesh, placements, global shape, stride) over its local tensor."""
     from torch.distributed.tensor import DTensor
-    return [v if spec is None else
-            DTensor.from_local(v, spec[0], spec[1], run_check=False, shape=spec[2],
-                               stride=spec[3])
-            for v, spec in zip(views, st.dtensors)]
+    return DTensor.from_local(local, spec[0], spec[1], run_check=False, shape=spec[2],
+                              stride=spec[3])
 
 
 # ---- Autograd functions -----------------------------------------------------------------------
@@ -214,6 +214,11 @@ def _map_tensors(fn, obj):
             dict.__setitem__(new, k, _map_tensors(fn, v))
         return new
     return obj
+
+
+def _is_dtensor(value):
+    tensor = getattr(torch.distributed, "tensor", None)
+    return tensor is not None and isinstance(value, tensor.DTensor)
 
 
 def _place(st, tensors):

@@ -15,7 +15,8 @@ import shardline
 
 from . import _fsdp_init
 from ._fsdp_api import _DTYPE_NAMES, CPUOffloadPolicy
-from ._fsdp_param_group import _InputBoundary, _map_tensors, _tensors, _UnitUses
+from ._fsdp_param_group import (_from_local, _InputBoundary, _is_dtensor, _map_tensors,
+                                _tensors, _UnitUses)
 
 _roots = weakref.WeakSet()  # every initialised _Root
 
@@ -535,18 +536,10 @@ def _lazy_root(st):
 _states = weakref.WeakSet()  # every fully_shard call's _UnitState
 
 
-def _is_dtensor(t):
-    tensor = getattr(torch.distributed, "tensor", None)
-    return tensor is not None and isinstance(t, tensor.DTensor)
-
-
 def _wrap_local(local, spec):
-    """The DTensor of `spec` (mesh, placements, shape, stride) over `local`, for autograd's
-    saved tensors (no gradient)."""
-    from torch.distributed.tensor import DTensor
+    """The DTensor of `spec` over `local`, for autograd's saved tensors (no gradient)."""
     with torch.no_grad():
-        return DTensor.from_local(local, spec[0], spec[1], run_check=False, shape=spec[2],
-                                  stride=spec[3])
+        return _from_local(local, spec)
 
 
 def _init_outermost(st):

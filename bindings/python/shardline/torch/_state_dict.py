@@ -18,6 +18,8 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._fsdp_param_group import _from_local, _is_dtensor, _owner
+
 __all__ = ["full_state_dict"]
 
 
@@ -46,8 +48,7 @@ def _load_full_tensors(module, state_dict, prefix, *args):
             if _is_dtensor(state_dict[prefix + name]):
                 state_dict[prefix + name] = state_dict[prefix + name].full_tensor()
             continue
-        if prefix + name in state_dict:
-            state_dict[prefix + name] = _slice_of(owner, i, state_dict[prefix + name])
+        state_dict[prefix + name] = _slice_of(owner, i, state_dict[prefix + name])
 
 
 def _slice_of(st, i, value, scalars=True):
@@ -89,16 +90,7 @@ def _dtensor_of(st, i, full, mesh):
     the shard mesh (_sharded), or for a tensor-parallel parameter its tp DTensor, replicated
     over the shard group."""
     spec = st.dtensors[i]
-    if spec is None:
-        return _sharded(full, mesh)
-    from torch.distributed.tensor import DTensor
-    return DTensor.from_local(full.clone(), spec[0], spec[1], run_check=False, shape=spec[2],
-                              stride=spec[3])
-
-
-def _is_dtensor(value):
-    tensor = getattr(torch.distributed, "tensor", None)
-    return tensor is not None and isinstance(value, tensor.DTensor)
+    return _sharded(full, mesh) if spec is None else _from_local(full.clone(), spec)
 
 
 def _device_mesh(st):
@@ -247,7 +239,7 @@ def _on_optimizer_step(optimizer, args, kwargs):
     if optimizer in _hooked:
         return
     _hooked.add(optimizer)
-    owners = {_owner_of(p) for g in optimizer.param_groups for p in g["params"]} - {None}
+    owners = {_owner(p) for g in optimizer.param_groups for p in g["params"]} - {None}
     if not owners:
         return
     from ._fsdp_state import _init_outermost
@@ -256,10 +248,6 @@ def _on_optimizer_step(optimizer, args, kwargs):
             _init_outermost(st)
     optimizer.register_state_dict_post_hook(_optimizer_to_dtensors)
     optimizer.register_load_state_dict_pre_hook(_optimizer_from_dtensors)
-
-
-def _owner_of(p):
-    return getattr(p, "_shardline_unit", None)
 
 
 def _index(st, p):
@@ -286,7 +274,7 @@ def _states_to_dtensors(params, states):
     optimizer's state_dict() post-hook, and FullyShardedDataParallel's optim_state_dict)."""
     per_unit = {}
     for pid, p in enumerate(params):
-        st = _owner_of(p)
+        st = _owner(p)
         if st is None or st.root is None or st.full is not None or pid not in states:
             continue
         mesh = _device_mesh(st)
@@ -320,7 +308,7 @@ def _optimizer_from_dtensors(optimizer, state_dict):
     # set_optimizer_state_dict) in its param_groups' order with the optimizer's parameters.
     keys = [k for g in state_dict["param_groups"] for k in g["params"]]
     for pid, p in zip(keys, _optimizer_params(optimizer)):
-        st = _owner_of(p)
+        st = _owner(p)
         if st is None or st.root is None or st.full is not None or pid not in states:
             continue
         i = _index(st, p)
