@@ -425,6 +425,13 @@ class FlightRecorderTest(unittest.TestCase):
         # nobody, so nobody is named.
         for r in range(2):
             self.write_dump("h", r, 2, [(3, ar, "running", "", None)])
+        # "j": rank 0 is stopped (no dump) after its part of all_reduce #3; ranks 1 and 3 got
+        # through #3 and wait in #4 on rank 2, whose record (from before the others delivered;
+        # not yet rescheduled) still names them: the waits go round, and only rank 0 is
+        # unaccounted for.
+        self.write_dump("j", 1, 4, [(3, ar, "done", "", None), (4, ag, "running", "", [2])])
+        self.write_dump("j", 2, 4, [(3, ar, "running", "", [1, 3]), (4, ag, "queued", "", None)])
+        self.write_dump("j", 3, 4, [(3, ar, "done", "", None), (4, ag, "running", "", [2])])
         # "p": the collectives are fine; rank 1's receive from rank 0 failed at its deadline
         # after its send went out.
         def p2p(seq, kind, call, state, waiting=None):
@@ -456,6 +463,8 @@ class FlightRecorderTest(unittest.TestCase):
             "waits on nobody)",
             "[i] rank 2 is behind: it last completed reduce_scatter #50 (unit u50), ranks 0-1 wait "
             "in all_gather #51 (unit u51)",
+            "[j] rank 0 is behind: it left no dump, rank 2 waits in all_reduce #3, ranks 1, 3 in "
+            "all_gather #4 (no dump from rank 0)",
             "[p] nothing pending: all 2 ranks completed up to #0",
             "[p]   point-to-point: rank 1 failed in recv #1: recv(count=4, f32, from=0, tag=9), "
             "waiting on rank 0",
@@ -464,7 +473,7 @@ class FlightRecorderTest(unittest.TestCase):
         code, stdout, stderr = self.flight("--json")
         culprits = {f["communicator"]: f["culprits"] for f in json.loads(stdout)}
         self.assertEqual(culprits, {"a": [2], "b": [], "c": [], "d/x": [1], "e": [3], "f": [1],
-                                    "g": [3], "h": [], "i": [2], "p": []})
+                                    "g": [3], "h": [], "i": [2], "j": [0], "p": []})
 
     def test_bad_input(self):
         code, _, stderr = self.flight()
