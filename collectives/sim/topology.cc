@@ -353,6 +353,35 @@ CollectiveCost Corrected(CollectiveCost c, const AlgorithmModel& model) {
   return c;
 }
 
+// An object of TFLOP/s per dtype ({"bf16": 989.4, "f32": 67}) into `out` (FLOP/s, by DType).
+absl::Status ParsePerDType(const Topology& t, Fields& parent, absl::string_view key,
+                           std::array<double, kAllDTypes.size()>& out) {
+  const JsonValue* v = parent.Find(key);
+  SL_ASSIGN_OR_RETURN(Fields f, Fields::Of(t, *v, parent.Path(key)));
+  for (const JsonValue::Member& m : v->members()) {
+    const std::string path = f.Path(m.first);
+    absl::StatusOr<DType> dtype = ParseDType(m.first);
+    if (!dtype.ok()) return FieldError(t, path, "is not a dtype (bf16, f16, f32, ...)");
+    f.Find(m.first);
+    SL_ASSIGN_OR_RETURN(const double value, f.NumberOf(m.second, path));
+    if (!(value > 0) || std::isinf(value)) {
+      return FieldError(t, path, absl::StrCat("must be positive and finite, got ", value));
+    }
+    out[static_cast<int>(*dtype)] = value * kTera;
+  }
+  return f.Finish();
+}
+
+// {"bf16": 989.4, ...}: the dtypes with a figure, in TFLOP/s.
+std::string PerDTypeJson(const std::array<double, kAllDTypes.size()>& flops) {
+  std::vector<std::string> items;
+  for (const DType dtype : kAllDTypes) {
+    const double v = flops[static_cast<int>(dtype)];
+    if (v > 0) items.push_back(absl::StrCat("\"", DTypeName(dtype), "\": ", JsonNumber(v / kTera)));
+  }
+  return absl::StrCat("{", absl::StrJoin(items, ", "), "}");
+}
+
 }  // namespace
 
 double LinkModel::Efficiency(double m) const {
@@ -419,10 +448,27 @@ absl::Status ValidateTopology(const Topology& t) {
     return FieldError(t, "nodes", "times devices_per_node must be at most 2^30");
   }
   if (t.device_memory_bytes == 0) return FieldError(t, "device_memory_GiB", "must be positive");
-  if (!(t.compute_flops_per_s > 0) || std::isinf(t.compute_flops_per_s)) {
+  bool any_compute = false;
+  for (const DType dtype : kAllDTypes) {
+    const double own = t.compute_flops_by_dtype[static_cast<int>(dtype)];
+    if (!(own >= 0) || std::isinf(own)) {
+      return FieldError(t, absl::StrCat("compute_TFLOPs.", DTypeName(dtype)),
+                        absl::StrCat("must be positive and finite, got ", own / kTera));
+    }
+    any_compute = any_compute || own > 0;
+  }
+  if (!(t.compute_flops_per_s >= 0) || std::isinf(t.compute_flops_per_s) ||
+      (!any_compute && t.compute_flops_per_s == 0)) {
     return FieldError(
         t, "compute_TFLOPs",
         absl::StrCat("must be positive and finite, got ", t.compute_flops_per_s / kTera));
+  }
+  for (const DType dtype : kAllDTypes) {
+    const double peak = t.PeakFlopsPerS(dtype);
+    if (!(peak >= 0) || std::isinf(peak)) {
+      return FieldError(t, absl::StrCat("peak_TFLOPs.", DTypeName(dtype)),
+                        absl::StrCat("must be finite and not negative, got ", peak / kTera));
+    }
   }
   SL_RETURN_IF_ERROR(ValidateLink(t, t.intra_node, "intra_node", "bandwidth_GBps"));
   // A one-node topology may still describe its NICs (nics_per_node > 0): then they must be
@@ -503,8 +549,17 @@ absl::StatusOr<Topology> ParseTopology(absl::string_view json) {
     return FieldError(t, "device_memory_GiB", absl::StrCat("must be positive, got ", gib));
   }
   t.device_memory_bytes = static_cast<uint64_t>(std::llround(gib * kGiB));
-  SL_ASSIGN_OR_RETURN(const double tflops, top.Number("compute_TFLOPs"));
-  t.compute_flops_per_s = tflops * kTera;
+  SL_ASSIGN_OR_RETURN(const JsonValue* compute, top.Required("compute_TFLOPs"));
+  if (compute->kind() == JsonValue::Kind::kObject) {
+    SL_RETURN_IF_ERROR(ParsePerDType(t, top, "compute_TFLOPs", t.compute_flops_by_dtype));
+  } else {
+    SL_ASSIGN_OR_RETURN(const double tflops, top.NumberOf(*compute, "compute_TFLOPs"));
+    t.compute_flops_per_s = tflops * kTera;
+  }
+  if (top.Find("peak_TFLOPs") != nullptr) {
+    SL_RETURN_IF_ERROR(ParsePerDType(t, top, "peak_TFLOPs", t.peak_flops_per_s));
+  }
+  SL_ASSIGN_OR_RETURN(t.peak_source, top.String("peak_source", /*required=*/false));
 
   SL_ASSIGN_OR_RETURN(const JsonValue* intra, top.Required("intra_node"));
   SL_ASSIGN_OR_RETURN(Fields in, Fields::Of(t, *intra, "intra_node"));
@@ -589,8 +644,16 @@ std::string TopologyToJson(const Topology& t) {
       "{\n  \"name\": ", JsonQuote(t.name), ",\n  \"description\": ", JsonQuote(t.description),
       ",\n  \"nodes\": ", t.nodes, ",\n  \"devices_per_node\": ", t.devices_per_node,
       ",\n  \"device_memory_GiB\": ", JsonNumber(static_cast<double>(t.device_memory_bytes) / kGiB),
-      ",\n  \"compute_TFLOPs\": ", JsonNumber(t.compute_flops_per_s / kTera),
-      ",\n  \"intra_node\": ", link(t.intra_node, "", "bandwidth_GBps"));
+      ",\n  \"compute_TFLOPs\": ",
+      t.compute_flops_per_s > 0 ? JsonNumber(t.compute_flops_per_s / kTera)
+                                : PerDTypeJson(t.compute_flops_by_dtype));
+  if (PerDTypeJson(t.peak_flops_per_s) != "{}") {
+    absl::StrAppend(&out, ",\n  \"peak_TFLOPs\": ", PerDTypeJson(t.peak_flops_per_s));
+  }
+  if (!t.peak_source.empty()) {
+    absl::StrAppend(&out, ",\n  \"peak_source\": ", JsonQuote(t.peak_source));
+  }
+  absl::StrAppend(&out, ",\n  \"intra_node\": ", link(t.intra_node, "", "bandwidth_GBps"));
   if (t.nodes > 1 || t.nics_per_node > 0) {
     absl::StrAppend(&out, ",\n  \"inter_node\": ",
                     link(t.inter_node, absl::StrCat("\"nics_per_node\": ", t.nics_per_node, ", "),
@@ -692,9 +755,11 @@ absl::StatusOr<CollectiveCost> EstimateCollective(const Topology& t, CollectiveK
   return *best;
 }
 
-absl::Duration ComputeDuration(const Topology& t, double flops) {
+absl::Duration ComputeDuration(const Topology& t, double flops, DType dtype) {
   if (!(flops > 0)) return absl::ZeroDuration();
-  return absl::Seconds(flops / t.compute_flops_per_s);
+  const double rate = t.ComputeFlopsPerS(dtype);
+  if (!(rate > 0)) return absl::InfiniteDuration();
+  return absl::Seconds(flops / rate);
 }
 
 }  // namespace shardline

@@ -56,18 +56,26 @@
 // With a Topology, the ring inside one node is exactly the flat model of SimOptions (latency,
 // bandwidth) in sim_communicator.h, with alpha = latency and B = bandwidth.
 //
-// Compute: an op of F FLOPs takes F / compute_flops_per_s (ComputeDuration).
+// Compute: an op of F FLOPs in dtype d takes F / ComputeFlopsPerS(d) (ComputeDuration): the
+// throughput a device achieves, one figure for every dtype ("compute_TFLOPs": c) or one per dtype
+// ("compute_TFLOPs": {"bf16": c, "f32": c'}; a dtype without one cannot be simulated). Apart
+// from it, "peak_TFLOPs" holds the hardware's peak per dtype, from the
+// datasheet that "peak_source" cites; MFU is measured against it (scheduler/tune/sweep.h), never
+// against the achieved figure.
 //
 // JSON (ParseTopology / TopologyToJson; docs/tuning.md has the schema with an example):
 //   {"name": ..., "description": ..., "nodes": N, "devices_per_node": D,
 //    "device_memory_GiB": g, "compute_TFLOPs": c,
+//    "peak_TFLOPs": {"bf16": p, "f16": p, "f32": p, ...}, "peak_source": "...",
 //    "intra_node": {"bandwidth_GBps": b, "latency_us": a,
 //                   "efficiency": [{"bytes": m, "efficiency": e}, ...]},
 //    "inter_node": {"nics_per_node": k, "nic_bandwidth_GBps": b, "latency_us": a,
 //                   "efficiency": [...]},
 //    "collectives": {"all_reduce": {"ring": {}, "tree": {"bandwidth_factor": f,
 //                                                        "latency_us": l}}, ...},
-//    "host_link_GBps": h, "host_cores": c, "memory_ops": {...}}   (the last three optional)
+//    "host_link_GBps": h, "host_cores": c, "memory_ops": {...}}
+// (peak_TFLOPs, peak_source, collectives and the last three optional; peak_TFLOPs keys are
+// dtype names, runtime/dtype.h)
 // GBps is 10^9 bytes/s, TFLOPs 10^12 FLOP/s, GiB 2^30 bytes. inter_node is required when
 // nodes > 1. Unknown members are errors (a typo must not silently fall back to a default).
 
@@ -146,7 +154,14 @@ struct Topology {
   int nodes = 1;
   int devices_per_node = 1;
   uint64_t device_memory_bytes = 0;  // > 0
-  double compute_flops_per_s = 0;    // achieved, per device, > 0
+  // Achieved per device: compute_flops_per_s for every dtype, or where compute_flops_by_dtype
+  // (indexed by DType) holds a figure, that one. One of them > 0.
+  double compute_flops_per_s = 0;
+  std::array<double, kAllDTypes.size()> compute_flops_by_dtype{};
+  // The hardware's dense peak per device for matrix products in each dtype (indexed by DType;
+  // 0: not stated), and where it comes from. What MFU is measured against.
+  std::array<double, kAllDTypes.size()> peak_flops_per_s{};
+  std::string peak_source;
   LinkModel intra_node;
   int nics_per_node = 0;  // >= 1 when nodes > 1
   LinkModel inter_node;   // bandwidth per NIC; used only when nodes > 1
@@ -168,6 +183,13 @@ struct Topology {
   std::array<std::vector<AlgorithmModel>, kNumCollectiveKinds> collectives;
 
   int devices() const { return nodes * devices_per_node; }
+  // What a device achieves computing in `dtype`; 0 where the topology does not say.
+  double ComputeFlopsPerS(DType dtype) const {
+    const double own = compute_flops_by_dtype[static_cast<int>(dtype)];
+    return own > 0 ? own : compute_flops_per_s;
+  }
+  // The peak for `dtype`; 0 where the topology does not state it.
+  double PeakFlopsPerS(DType dtype) const { return peak_flops_per_s[static_cast<int>(dtype)]; }
   // A device's share of its node's NICs: nic bandwidth * nics_per_node / devices_per_node.
   double rail_bandwidth_bytes_per_s() const;
   // The algorithms listed for `kind`; none for messages (kSend, kRecv: one ring step each).
@@ -233,8 +255,10 @@ absl::StatusOr<CollectiveCost> EstimateCollectiveWith(const Topology& topology,
                                                       CollectiveKind kind, size_t count,
                                                       DType dtype, const GroupShape& shape);
 
-// How long a compute op of `flops` FLOPs takes on one device: flops / compute_flops_per_s.
-absl::Duration ComputeDuration(const Topology& topology, double flops);
+// How long a compute op of `flops` FLOPs in `dtype` takes on one device:
+// flops / ComputeFlopsPerS(dtype); InfiniteDuration where the topology states no throughput for
+// the dtype (the simulation refuses such a configuration first).
+absl::Duration ComputeDuration(const Topology& topology, double flops, DType dtype);
 
 }  // namespace shardline
 

@@ -29,8 +29,9 @@ constexpr char kSweepUsage[] =
     "  --topology NAME|FILE      a shipped topology (dgx-h100, h100-128-nodes, dgx-a100,\n"
     "                            this-machine) or a topology JSON file\n"
     "  --world N                 ranks (default: every device of the topology)\n"
-    "  --peak-TFLOPs X           per-device peak for MFU (default: the topology's achieved\n"
-    "                            compute_TFLOPs, so MFU = compute time / step time)\n"
+    "  --peak-TFLOPs X           per-device peak that MFU and HFU are measured against\n"
+    "                            (default: the topology's peak_TFLOPs for each row's param\n"
+    "                            dtype; without one they are n/a)\n"
     "dimensions (comma-separated lists):\n"
     "  --strategies LIST         full, hybrid, shard_grad_op, no_shard (default: all)\n"
     "  --shard-sizes LIST        hybrid shard-group sizes (default: devices per node and twice\n"
@@ -42,7 +43,8 @@ constexpr char kSweepUsage[] =
     "  --budget-GiB LIST         byte caps in GiB, 0 = none (default 0)\n"
     "  --param-dtypes LIST       f32, bf16, f16, model (default model)\n"
     "  --reduce-dtypes LIST      f32, bf16, f16, model (default model)\n"
-    "  --checkpointing LIST      off, on (default off,on)\n"
+    "  --checkpointing LIST      off, full (or on), op (selective per op, torchtitan's `op`),\n"
+    "                            layer:K (every K-th layer checkpointed) (default off,full)\n"
     "  --micro-batches LIST      micro-batches per optimizer step (default 1; each of the model's\n"
     "                            --micro-batch sequences)\n"
     "  --accumulation LIST       no_sync, sync: reduce on the last micro-batch only, or on every\n"
@@ -83,7 +85,7 @@ absl::StatusOr<SweepFlags> ParseSweepFlags(int argc, char** argv) {
   f.space.strategies = {ShardingStrategy::kFullShard, ShardingStrategy::kHybridShard,
                         ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard};
   f.space.forward_prefetch = {1, 2};
-  f.space.activation_checkpointing = {false, true};
+  f.space.activation_checkpointing = {{}, {.mode = CheckpointMode::kFull}};
   for (int i = 2; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
@@ -241,11 +243,12 @@ absl::StatusOr<SweepFlags> ParseSweepFlags(int argc, char** argv) {
     } else if (arg == "--checkpointing") {
       SL_ASSIGN_OR_RETURN(
           f.space.activation_checkpointing,
-          ParseList<bool>(arg, value, [&](absl::string_view s) -> absl::StatusOr<bool> {
-            if (s == "on") return true;
-            if (s == "off") return false;
-            return Bad(arg, s, "is not on or off");
-          }));
+          ParseList<ActivationCheckpointing>(
+              arg, value, [&](absl::string_view s) -> absl::StatusOr<ActivationCheckpointing> {
+                absl::StatusOr<ActivationCheckpointing> c = ParseActivationCheckpointing(s);
+                if (!c.ok()) return Bad(arg, s, "is not off, full (on), op or layer:K (K >= 1)");
+                return c;
+              }));
     } else if (arg == "--host-lead") {
       if (value == "one_use") {
         f.space.host_lead = HostLead::kOneUse;

@@ -135,8 +135,20 @@ absl::Status Sweep(int argc, char** argv) {
   std::printf("# %d fit %s GiB of device memory, %zu do not, %d refused by the scheduler\n", fits,
               GiB(cluster->device_memory_bytes()).c_str(), result.rows.size() - failed - fits,
               failed);
-  std::printf("# MFU against %.1f TFLOP/s per device%s\n", result.peak_flops_per_s / 1e12,
-              f.peak_tflops > 0 ? "" : " (the topology's achieved throughput: --peak-TFLOPs)");
+  const std::string dtype(DTypeName(model.precision.param_dtype));
+  if (result.peak_flops_per_s > 0) {
+    std::printf(
+        "# MFU: model FLOPs per second over the peak, %.1f TFLOP/s per device (%s); HFU counts "
+        "the recomputation too; busy: compute time / step time\n",
+        result.peak_flops_per_s / 1e12,
+        f.peak_tflops > 0 ? "--peak-TFLOPs"
+                          : absl::StrCat("the topology's ", dtype, " peak_TFLOPs").c_str());
+  } else {
+    std::printf(
+        "# MFU and HFU: n/a (the topology states no peak_TFLOPs for %s; give --peak-TFLOPs); "
+        "busy: compute time / step time\n",
+        dtype.c_str());
+  }
 
   // The best rows: those that fit first, by tokens/s.
   std::vector<int> order;
@@ -149,15 +161,20 @@ absl::Status Sweep(int argc, char** argv) {
     if (x.fits != y.fits) return x.fits;
     return x.tokens_per_s_per_device > y.tokens_per_s_per_device;
   });
-  std::printf("%5s  %-52s %9s %10s %6s %9s %9s %9s %9s %5s\n", "row", "configuration", "step_ms",
-              "tok/s/dev", "MFU", "exposed", "intra_GB", "inter_GB", "peak_GiB", "fits");
+  std::printf("%5s  %-52s %9s %10s %6s %6s %6s %9s %9s %9s %9s %5s\n", "row", "configuration",
+              "step_ms", "tok/s/dev", "MFU", "HFU", "busy", "exposed", "intra_GB", "inter_GB",
+              "peak_GiB", "fits");
+  auto of_peak = [](const SweepRow& row, double v) {
+    return row.peak_flops_per_s > 0 ? absl::StrFormat("%.3f", v) : std::string("n/a");
+  };
   for (size_t k = 0; k < order.size() && k < static_cast<size_t>(f.top); ++k) {
     const SweepRow& row = result.rows[order[k]];
     const SimulationReport& r = row.report;
-    std::printf("%5d  %-52s %9.2f %10.1f %6.3f %9.2f %9.3f %9.3f %9s %5s\n", order[k],
+    std::printf("%5d  %-52s %9.2f %10.1f %6s %6s %6.3f %9.2f %9.3f %9.3f %9s %5s\n", order[k],
                 DescribeConfig(row.config).c_str(),
                 absl::ToDoubleMilliseconds(r.step_time.value_or(absl::ZeroDuration())),
-                r.tokens_per_s_per_device, row.mfu,
+                r.tokens_per_s_per_device, of_peak(row, row.mfu).c_str(),
+                of_peak(row, row.hfu).c_str(), row.compute_busy,
                 absl::ToDoubleMilliseconds(r.exposed_communication.value_or(absl::ZeroDuration())),
                 r.intra_node_bytes_per_device / 1e9, r.inter_node_bytes_per_device / 1e9,
                 GiB(r.memory.total_peak).c_str(), r.fits ? "yes" : "NO");
@@ -167,11 +184,12 @@ absl::Status Sweep(int argc, char** argv) {
   } else {
     const SweepRow& best = result.rows[result.best];
     std::printf(
-        "# recommended: row %d, %s: %.2f ms per step, %.1f tokens/s per device, MFU %.3f, "
-        "peak %s GiB\n",
+        "# recommended: row %d, %s: %.2f ms per step, %.1f tokens/s per device, MFU %s, "
+        "compute busy %.3f, peak %s GiB\n",
         result.best, DescribeConfig(best.config).c_str(),
         absl::ToDoubleMilliseconds(*best.report.step_time), best.report.tokens_per_s_per_device,
-        best.mfu, GiB(best.report.memory.total_peak).c_str());
+        of_peak(best, best.mfu).c_str(), best.compute_busy,
+        GiB(best.report.memory.total_peak).c_str());
   }
   if (!f.json.empty()) {
     SL_RETURN_IF_ERROR(WriteFile(f.json, SweepToJson(result, model, *cluster)));

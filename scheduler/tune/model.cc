@@ -196,6 +196,15 @@ absl::Status ModelDescription::Validate() const {
                                                      ", but there are ", units.size()));
     }
     used[u] = true;
+    const UnitUse& use = forward[k];
+    if (use.selective && (use.selective_activation_bytes > use.activation_bytes ||
+                          use.selective_recompute_flops > use.forward_flops)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": forward use ", k, " keeps more with selective checkpointing (",
+          use.selective_activation_bytes, " bytes) than without (", use.activation_bytes,
+          "), or recomputes more (", use.selective_recompute_flops, " FLOPs) than its forward (",
+          use.forward_flops, ")"));
+    }
   }
   for (size_t u = 0; u < units.size(); ++u) {
     if (!used[u]) {
@@ -272,7 +281,8 @@ absl::StatusOr<ModelDescription> ParseModelJson(absl::string_view json) {
     const std::string at = absl::StrCat("forward[", k, "]");
     SL_RETURN_IF_ERROR(CheckMembers(v, at,
                                     {"unit", "forward_flops", "backward_flops", "activation_bytes",
-                                     "checkpointed_activation_bytes"}));
+                                     "checkpointed_activation_bytes", "selective_activation_bytes",
+                                     "selective_recompute_flops"}));
     UnitUse use;
     SL_ASSIGN_OR_RETURN(const JsonValue* unit,
                         Member(v, at, "unit", JsonValue::Kind::kString, true));
@@ -284,6 +294,17 @@ absl::StatusOr<ModelDescription> ParseModelJson(absl::string_view json) {
     SL_RETURN_IF_ERROR(ReadCount(v, at, "activation_bytes", false, &use.activation_bytes));
     SL_RETURN_IF_ERROR(ReadCount(v, at, "checkpointed_activation_bytes", false,
                                  &use.checkpointed_activation_bytes));
+    const bool kept = v.Find("selective_activation_bytes") != nullptr;
+    if (kept != (v.Find("selective_recompute_flops") != nullptr)) {
+      return Bad(at, "selective_activation_bytes and selective_recompute_flops go together");
+    }
+    if (kept) {
+      use.selective = true;
+      SL_RETURN_IF_ERROR(
+          ReadCount(v, at, "selective_activation_bytes", false, &use.selective_activation_bytes));
+      SL_RETURN_IF_ERROR(
+          ReadCount(v, at, "selective_recompute_flops", false, &use.selective_recompute_flops));
+    }
     m.forward.push_back(use);
   }
   SL_RETURN_IF_ERROR(m.Validate());
@@ -319,7 +340,12 @@ std::string ModelToJson(const ModelDescription& m) {
         &out, k == 0 ? "\n" : ",\n", "    {\"unit\": ", JsonQuote(m.units[use.unit].name),
         ", \"forward_flops\": ", use.forward_flops, ", \"backward_flops\": ", use.backward_flops,
         ", \"activation_bytes\": ", use.activation_bytes,
-        ", \"checkpointed_activation_bytes\": ", use.checkpointed_activation_bytes, "}");
+        ", \"checkpointed_activation_bytes\": ", use.checkpointed_activation_bytes);
+    if (use.selective) {
+      absl::StrAppend(&out, ", \"selective_activation_bytes\": ", use.selective_activation_bytes,
+                      ", \"selective_recompute_flops\": ", use.selective_recompute_flops);
+    }
+    absl::StrAppend(&out, "}");
   }
   absl::StrAppend(&out, "\n  ]\n}\n");
   return out;
@@ -368,8 +394,11 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
     for (TensorSpec& n : NormTensors(c, "norm")) embed.tensors.push_back(std::move(n));
   }
   m.units.push_back(std::move(embed));
-  m.forward.push_back(
-      {.unit = 0, .activation_bytes = p * h * t, .checkpointed_activation_bytes = p * h * t});
+  m.forward.push_back({.unit = 0,
+                       .activation_bytes = p * h * t,
+                       .checkpointed_activation_bytes = p * h * t,
+                       .selective = true,
+                       .selective_activation_bytes = p * h * t});
 
   // Layers.
   const uint64_t dropout_mask = c.dropout ? h : 0;
@@ -377,6 +406,27 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
   attention += c.fused_attention ? 4 * a : a * s * (p + (c.dropout ? 1 + p : 0));
   const uint64_t mlp = p * (2 * h + (c.gated_ffn ? 3 : 2) * f) + dropout_mask;
   const uint64_t layer_activations = (attention + mlp) * t;
+  // Selective op checkpointing (model.h): what a block saves per token and recomputes.
+  struct Matmul {
+    uint64_t out, flops;  // output elements and FLOPs per token
+  };
+  std::vector<Matmul> matmuls = {
+      {h, 2 * h * h}, {kvd, 2 * h * kvd}, {kvd, 2 * h * kvd}, {h, 2 * h * h}, {f, 2 * h * f}};
+  if (c.gated_ffn) matmuls.push_back({f, 2 * h * f});
+  matmuls.push_back({h, 2 * f * h});
+  uint64_t sac_kept = p * h, sac_recompute = 0;
+  for (size_t i = 0; i < matmuls.size(); ++i) {
+    if (!c.biases && i % 2 == 0) {  // the 1st, 3rd, ... mm is saved (an addmm never is)
+      sac_kept += p * matmuls[i].out;
+    } else {
+      sac_recompute += matmuls[i].flops;
+    }
+  }
+  if (c.fused_attention) {
+    sac_kept += p * h + 4 * a;
+  } else {
+    sac_recompute += 4 * s * h;
+  }
   for (int l = 0; l < c.layers; ++l) {
     UnitDescription layer{.name = absl::StrCat("layer", l)};
     std::vector<TensorSpec>& ts = layer.tensors;
@@ -398,7 +448,10 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
                          .forward_flops = fwd,
                          .backward_flops = 2 * fwd,
                          .activation_bytes = layer_activations,
-                         .checkpointed_activation_bytes = p * h * t});
+                         .checkpointed_activation_bytes = p * h * t,
+                         .selective = true,
+                         .selective_activation_bytes = sac_kept * t,
+                         .selective_recompute_flops = sac_recompute * t});
   }
 
   // Head: final norm and output projection (or the embedding again, tied).
@@ -407,7 +460,9 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
   UnitUse head{.forward_flops = head_fwd,
                .backward_flops = 2 * head_fwd,
                .activation_bytes = head_act,
-               .checkpointed_activation_bytes = head_act};
+               .checkpointed_activation_bytes = head_act,
+               .selective = true,
+               .selective_activation_bytes = head_act};
   if (c.tied_embeddings) {
     head.unit = 0;
   } else {

@@ -34,6 +34,18 @@
 //   With activation checkpointing a layer keeps only its input (p*h per token) and recomputes
 //   the rest in its backward (one extra forward's FLOPs; its activations live during its own
 //   backward only).
+//   Selective op checkpointing follows torchtitan's `op` policy as its published Llama 3 runs
+//   used it (torchtitan/parallelisms/parallelize_llama.py, commit 9dec370 of 2024-12-26,
+//   `_save_list` and `_custom_policy`): inside a checkpointed block the outputs of aten.mm, of
+//   the fused attention kernels (and of reduce-scatters) are saved, except every second mm
+//   (the 2nd, 4th, ... of the block's forward), and everything else is recomputed. A layer's
+//   matmuls run in the order wq, wk, wv, wo, w1, (w3,) w2, so it saves wq, wv, w1 and w2's
+//   outputs when gated (wq, wv and w1 otherwise) and recomputes wk, wo and w3 (wk, wo and w2).
+//   Linear layers with biases run aten.addmm, which the list does not name: a layer with
+//   biases saves none of them and recomputes them all. Fused attention saves its output (p*h)
+//   and log-sum-exp (4*a bytes); unfused attention (bmm, softmax) is recomputed,
+//   4*t*s*h FLOPs. Bytes per token kept: p*h (the block's input) + the saved outputs.
+//   The embedding and the head are not checkpointed (torchtitan wraps the blocks only).
 //   The head keeps its norm's input and output and the logits in f32 for the loss
 //   (2p*h + 4*V per token); the embedding its output (p*h per token).
 //
@@ -83,6 +95,14 @@ struct UnitUse {
   // presets' embedding and head) is not checkpointed.
   uint64_t activation_bytes = 0;
   uint64_t checkpointed_activation_bytes = 0;
+  // Selective per-op checkpointing (Checkpointing::kOp, simulate.h): the bytes the use keeps
+  // from its forward to its backward and the FLOPs its backward recomputes (it too holds
+  // activation_bytes during its own backward). Only where `selective` is set: a JSON model gives
+  // both members or neither, and op checkpointing refuses a model whose recomputing uses lack
+  // them.
+  bool selective = false;
+  uint64_t selective_activation_bytes = 0;
+  uint64_t selective_recompute_flops = 0;
 };
 
 struct ModelDescription {

@@ -11,7 +11,9 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "runtime/caching_pool.h"
 #include "runtime/status.h"
 #include "scheduler/tune/internal/simulate_backend.h"
@@ -67,16 +69,55 @@ absl::Status CheckConfig(const ModelDescription& model, const SimulationConfig& 
                c.backward_prefetch_depth, ")");
   }
   if (c.micro_batches < 1) return bad("micro_batches must be at least 1, got ", c.micro_batches);
+  if (c.activation_checkpointing.mode == CheckpointMode::kLayer &&
+      c.activation_checkpointing.every < 1) {
+    return bad("layer checkpointing needs every >= 1, got ", c.activation_checkpointing.every);
+  }
   if (c.root_unit < -1 || c.root_unit >= static_cast<int>(model.units.size())) {
     return bad("root_unit ", c.root_unit, " is not -1 or a unit (", model.units.size(), " units)");
   }
   return absl::OkStatus();
 }
 
-// Whether the use's backward recomputes its forward: checkpointing is on and the use keeps less
-// with it than without (model.h).
-bool Recomputes(const SimulationConfig& c, const UnitUse& use) {
-  return c.activation_checkpointing && use.checkpointed_activation_bytes < use.activation_bytes;
+// What a use keeps from its forward to its backward, and what its backward recomputes.
+struct UsePlan {
+  uint64_t kept = 0;
+  uint64_t recompute_flops = 0;
+  bool recomputes = false;  // then it holds activation_bytes during its own backward
+};
+
+// The plan of each use of the forward under the config's checkpointing (simulate.h).
+absl::StatusOr<std::vector<UsePlan>> PlanCheckpointing(const ModelDescription& model,
+                                                       const SimulationConfig& c) {
+  std::vector<UsePlan> plan;
+  int layer = 0;  // the uses checkpointing applies to, counted from 1
+  for (size_t k = 0; k < model.forward.size(); ++k) {
+    const UnitUse& use = model.forward[k];
+    UsePlan p{.kept = use.activation_bytes};
+    const bool applies = use.checkpointed_activation_bytes < use.activation_bytes;
+    layer += applies ? 1 : 0;
+    const CheckpointMode mode = c.activation_checkpointing.mode;
+    const bool full =
+        mode == CheckpointMode::kFull ||
+        (mode == CheckpointMode::kLayer && layer % c.activation_checkpointing.every == 0);
+    if (applies && full) {
+      p = {.kept = use.checkpointed_activation_bytes,
+           .recompute_flops = use.forward_flops,
+           .recomputes = true};
+    } else if (applies && mode == CheckpointMode::kOp) {
+      if (!use.selective) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "simulation config: op checkpointing needs the model's selective figures, and forward "
+            "use ",
+            k, " (unit '", model.units[use.unit].name, "') has none"));
+      }
+      p = {.kept = use.selective_activation_bytes,
+           .recompute_flops = use.selective_recompute_flops,
+           .recomputes = use.selective_activation_bytes < use.activation_bytes};
+    }
+    plan.push_back(p);
+  }
+  return plan;
 }
 
 // Appends the rank's issue-log entries made since the last call to its current step's log.
@@ -98,7 +139,7 @@ absl::Status WaitForCompute(Backend& backend, std::vector<Rank>& ranks, const Si
 }
 
 absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDescription& model,
-                     const SimulationConfig& c) {
+                     const SimulationConfig& c, const std::vector<UsePlan>& plan) {
   for (Rank& r : ranks) r.logs.emplace_back();
   for (size_t k = 0; k < model.forward.size(); ++k) {
     const UnitUse& use = model.forward[k];
@@ -106,9 +147,7 @@ absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDesc
     for (Rank& r : ranks) {
       SL_RETURN_IF_ERROR(r.scheduler->PreForward(use.unit));
       TakeIssues(r);
-      const uint64_t kept =
-          Recomputes(c, use) ? use.checkpointed_activation_bytes : use.activation_bytes;
-      SL_ASSIGN_OR_RETURN(r.activations_held[k], r.activations->Allocate(kept));
+      SL_ASSIGN_OR_RETURN(r.activations_held[k], r.activations->Allocate(plan[k].kept));
       SL_RETURN_IF_ERROR(backend.Compute(*r.compute, absl::StrCat("f ", name), use.forward_flops));
       r.logs.back().push_back(absl::StrCat("f ", name));
       SL_RETURN_IF_ERROR(r.scheduler->PostForward(use.unit));
@@ -122,15 +161,15 @@ absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDesc
     for (Rank& r : ranks) {
       SL_RETURN_IF_ERROR(r.scheduler->PreBackward(use.unit));
       TakeIssues(r);
-      // Checkpointing: the use's forward is recomputed, its activations live during its
-      // backward. The memory is the framework's and the compute ops never touch it, so it is
-      // released on the host at once (issue order, as the framework's own caching allocator
-      // reuses it stream-ordered).
+      // Checkpointing: what the use did not keep is recomputed, and lives beside what it kept
+      // during its backward (activation_bytes in all). The memory is the framework's and the
+      // compute ops never touch it, so it is released on the host at once (issue order, as the
+      // framework's own caching allocator reuses it stream-ordered).
       Buffer recomputed;
-      uint64_t flops = use.backward_flops;
-      if (Recomputes(c, use)) {
-        SL_ASSIGN_OR_RETURN(recomputed, r.activations->Allocate(use.activation_bytes));
-        flops += use.forward_flops;
+      const uint64_t flops = use.backward_flops + plan[k].recompute_flops;
+      if (plan[k].recomputes) {
+        SL_ASSIGN_OR_RETURN(recomputed,
+                            r.activations->Allocate(use.activation_bytes - plan[k].kept));
       }
       SL_RETURN_IF_ERROR(backend.Compute(*r.compute, absl::StrCat("b ", name), flops));
       r.logs.back().push_back(absl::StrCat("b ", name));
@@ -169,6 +208,7 @@ std::vector<SimLinkTraffic> Traffic(const std::vector<std::shared_ptr<Communicat
 absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& model,
                                      const SimulationConfig& c, const SimCluster* cluster) {
   SL_RETURN_IF_ERROR(CheckConfig(model, c));
+  SL_ASSIGN_OR_RETURN(const std::vector<UsePlan> plan, PlanCheckpointing(model, c));
   bool representative = false;
   if (c.ranks != RankMode::kAll && cluster != nullptr) {
     const bool symmetric = cluster->RanksSymmetric(c.world_size, MeshShardSize(c));
@@ -296,7 +336,7 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
       if (c.micro_batches > 1 && c.accumulation == GradientAccumulation::kNoSync) {
         for (Rank& r : ranks) r.scheduler->SetRequiresGradientSync(mb == c.micro_batches - 1);
       }
-      SL_RETURN_IF_ERROR(RunStep(backend, ranks, model, c));
+      SL_RETURN_IF_ERROR(RunStep(backend, ranks, model, c, plan));
       if (sums == nullptr) continue;
       for (size_t i = 0; i < ranks.size(); ++i) {
         SL_ASSIGN_OR_RETURN(StepMetrics m, ranks[i].scheduler->LastStepMetrics(backend.Deadline()));
@@ -347,13 +387,16 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
                  traffic_after[d].inter_node_bytes - before.inter_node_bytes);
   }
   report.cluster = cluster != nullptr ? cluster->Describe() : "local backend (host memory)";
-  for (const UnitUse& use : model.forward) {
-    report.step_flops +=
-        use.forward_flops + use.backward_flops + (Recomputes(c, use) ? use.forward_flops : 0);
+  for (size_t k = 0; k < model.forward.size(); ++k) {
+    report.model_flops += model.forward[k].forward_flops + model.forward[k].backward_flops;
+    report.step_flops += plan[k].recompute_flops;
   }
-  report.step_flops *= static_cast<uint64_t>(c.micro_batches);
+  report.model_flops *= static_cast<uint64_t>(c.micro_batches);
+  report.step_flops =
+      report.step_flops * static_cast<uint64_t>(c.micro_batches) + report.model_flops;
   if (cluster != nullptr) {
-    report.compute_time = cluster->ComputeDuration(report.step_flops);
+    report.compute_time = cluster->ComputeDuration(
+        report.step_flops, c.param_dtype.value_or(model.precision.param_dtype));
   }
   for (int i = 0; i < simulated; ++i) {
     Rank& r = ranks[i];
@@ -411,6 +454,33 @@ absl::string_view HostLeadName(HostLead lead) {
   return "?";
 }
 
+std::string ActivationCheckpointingName(ActivationCheckpointing checkpointing) {
+  switch (checkpointing.mode) {
+    case CheckpointMode::kOff:
+      return "off";
+    case CheckpointMode::kFull:
+      return "full";
+    case CheckpointMode::kOp:
+      return "op";
+    case CheckpointMode::kLayer:
+      return absl::StrCat("layer:", checkpointing.every);
+  }
+  return "?";
+}
+
+absl::StatusOr<ActivationCheckpointing> ParseActivationCheckpointing(absl::string_view text) {
+  const absl::string_view original = text;
+  if (text == "off") return ActivationCheckpointing{};
+  if (text == "full" || text == "on") return ActivationCheckpointing{.mode = CheckpointMode::kFull};
+  if (text == "op") return ActivationCheckpointing{.mode = CheckpointMode::kOp};
+  int every = 0;
+  if (absl::ConsumePrefix(&text, "layer:") && absl::SimpleAtoi(text, &every) && every >= 1) {
+    return ActivationCheckpointing{.mode = CheckpointMode::kLayer, .every = every};
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", original, "' is not off, full (or on), op or layer:K with K >= 1"));
+}
+
 absl::string_view GradientAccumulationName(GradientAccumulation accumulation) {
   switch (accumulation) {
     case GradientAccumulation::kNoSync:
@@ -436,6 +506,13 @@ absl::string_view RankModeName(RankMode mode) {
 absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
                                           const SimulationConfig& config,
                                           const SimCluster& cluster) {
+  // The matrix products run in the param dtype (the model's, or the config's override).
+  const DType compute_dtype = config.param_dtype.value_or(model.precision.param_dtype);
+  if (!(cluster.compute_flops_per_s(compute_dtype) > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "simulation config: ", cluster.Describe(), " states no compute throughput for ",
+        DTypeName(compute_dtype), " (the topology's compute_TFLOPs)"));
+  }
   VirtualTimelineOptions options = cluster.TimelineOptions();
   options.run_ops = false;
   if (config.cpu_offload) {
@@ -450,7 +527,7 @@ absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
   }
   SL_ASSIGN_OR_RETURN(std::unique_ptr<VirtualTimeline> timeline, VirtualTimeline::Create(options));
   std::unique_ptr<Backend> backend =
-      tune_internal::CreateVirtualBackend(cluster, std::move(timeline));
+      tune_internal::CreateVirtualBackend(cluster, std::move(timeline), compute_dtype);
   return Run(*backend, model, config, &cluster);
 }
 

@@ -100,11 +100,15 @@ class SimCluster {
   // consecutive ranks (ProcessMesh), every rank sits where every other does: all shard groups
   // have one placement, all replicate groups another. Only then may one rank stand for all.
   virtual bool RanksSymmetric(int world_size, int shard_size) const = 0;
-  // The compute throughput each device achieves (FLOP/s).
-  virtual double compute_flops_per_s() const = 0;
-  // How long a use's compute of `flops` takes (flops / compute_flops_per_s()).
-  virtual absl::Duration ComputeDuration(uint64_t flops) const {
-    return absl::Seconds(static_cast<double>(flops) / compute_flops_per_s());
+  // The compute throughput each device achieves in `dtype` (FLOP/s); 0: the cluster cannot
+  // compute in it (a topology whose compute_TFLOPs names other dtypes).
+  virtual double compute_flops_per_s(DType dtype) const = 0;
+  // The hardware's peak for matrix products in `dtype` (FLOP/s per device), what MFU is measured
+  // against; 0 where it is not known (the flat cluster; a topology without "peak_TFLOPs").
+  virtual double peak_flops_per_s(DType /*dtype*/) const { return 0; }
+  // How long a use's compute of `flops` in `dtype` takes (flops / compute_flops_per_s(dtype)).
+  virtual absl::Duration ComputeDuration(uint64_t flops, DType dtype) const {
+    return absl::Seconds(static_cast<double>(flops) / compute_flops_per_s(dtype));
   }
   // Memory per device; 0: unlimited.
   virtual uint64_t device_memory_bytes() const = 0;
@@ -142,8 +146,8 @@ absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions
 // so a ProcessMesh's shard group of k consecutive ranks sits inside one node when k divides
 // devices_per_node and its replicate group spans the nodes; collectives take the topology's
 // cost for their group's placement, with link contention (sim_communicator.h); a use's compute
-// takes ComputeDuration(topology, flops); device memory is the topology's. CreateWorld fails
-// with InvalidArgument for a world larger than the topology's devices.
+// takes ComputeDuration(topology, flops, the param dtype); device memory is the topology's.
+// CreateWorld fails with InvalidArgument for a world larger than the topology's devices.
 // InvalidArgument for a null or invalid topology.
 absl::StatusOr<std::unique_ptr<SimCluster>> CreateTopologyCluster(
     std::shared_ptr<const Topology> topology);
@@ -181,6 +185,27 @@ enum class GradientAccumulation : uint8_t {
 // "no_sync", "sync".
 absl::string_view GradientAccumulationName(GradientAccumulation accumulation);
 
+// Activation checkpointing (model.h says what each use keeps and recomputes). The uses it
+// applies to are those that keep less with full checkpointing than without
+// (checkpointed_activation_bytes < activation_bytes: the presets' layers):
+//   kOff    every use keeps activation_bytes
+//   kFull   each of them keeps checkpointed_activation_bytes and recomputes its forward
+//   kOp     selective per op (torchtitan's `op`): each keeps selective_activation_bytes and
+//           recomputes selective_recompute_flops (a model without those figures is refused)
+//   kLayer  selective per layer (torchtitan's numeric option): the `every`-th of them, the
+//           2*every-th, ... are checkpointed fully, the others keep everything
+// A use that recomputes holds its activation_bytes during its own backward.
+enum class CheckpointMode : uint8_t { kOff, kFull, kOp, kLayer };
+struct ActivationCheckpointing {
+  CheckpointMode mode = CheckpointMode::kOff;
+  int every = 0;  // kLayer: >= 1
+  bool operator==(const ActivationCheckpointing&) const = default;
+};
+// "off", "full", "op", "layer:K".
+std::string ActivationCheckpointingName(ActivationCheckpointing checkpointing);
+// The names above, and "on" for full; InvalidArgument naming the text otherwise.
+absl::StatusOr<ActivationCheckpointing> ParseActivationCheckpointing(absl::string_view text);
+
 struct SimulationConfig {
   int world_size = 8;
   RankMode ranks = RankMode::kAll;
@@ -200,7 +225,7 @@ struct SimulationConfig {
   // root (root_unit) kept unsharded as in FSDP2.
   std::optional<bool> reshard_after_forward;
   int root_unit = 0;  // -1: no root
-  bool activation_checkpointing = false;
+  ActivationCheckpointing activation_checkpointing;
   // Micro-batches per optimizer step (>= 1): the step runs the forward and backward of the
   // model's micro-batch this many times, each ending with FinishBackward; `accumulation` decides
   // which of them reduce.
@@ -247,9 +272,10 @@ struct SimulationReport {
   std::optional<absl::Duration> communication_time;     // rank 0's collectives' busy time
   absl::Duration compute_time;  // the compute ops' declared durations, per rank
   uint64_t step_flops = 0;      // per rank: forward + backward (+ recomputation)
+  uint64_t model_flops = 0;  // per rank: forward + backward (MFU's numerator; HFU's is step_flops)
   // With micro_batches > 1: step_time, exposed_communication and communication_time are sums
   // over the micro-batches (each from its first PreForward to the end of its FinishBackward's
-  // waits; the next one starts after), compute_time and step_flops cover all of them.
+  // waits; the next one starts after), compute_time, step_flops and model_flops cover all of them.
   // Tokens per second per device (micro_batches x tokens_per_micro_batch / step_time); 0
   // without either.
   double tokens_per_s_per_device = 0;

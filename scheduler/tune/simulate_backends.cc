@@ -21,8 +21,9 @@ namespace {
 
 class VirtualBackend final : public Backend {
  public:
-  VirtualBackend(const SimCluster& cluster, std::unique_ptr<VirtualTimeline> timeline)
-      : cluster_(cluster), timeline_(std::move(timeline)) {}
+  VirtualBackend(const SimCluster& cluster, std::unique_ptr<VirtualTimeline> timeline,
+                 DType compute_dtype)
+      : cluster_(cluster), timeline_(std::move(timeline)), compute_dtype_(compute_dtype) {}
 
   absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) override {
     return cluster_.CreateWorld(*timeline_, size);
@@ -64,7 +65,7 @@ class VirtualBackend final : public Backend {
     return stream.Submit({.name = std::move(name),
                           .kind = StreamOpKind::kCompute,
                           .flops = flops,
-                          .duration = cluster_.ComputeDuration(flops),
+                          .duration = cluster_.ComputeDuration(flops, compute_dtype_),
                           .run = [] { return absl::OkStatus(); }});
   }
   absl::Status Drain(std::vector<Rank>&) override { return timeline_->RunUntilIdle(); }
@@ -79,6 +80,7 @@ class VirtualBackend final : public Backend {
 
   const SimCluster& cluster_;
   std::unique_ptr<VirtualTimeline> timeline_;
+  DType compute_dtype_;
 };
 
 class HostBackend final : public Backend {
@@ -136,8 +138,9 @@ void SubAllocator::DeallocateRaw(void* data, size_t /*bytes*/) {
 }
 
 std::unique_ptr<Backend> CreateVirtualBackend(const SimCluster& cluster,
-                                              std::unique_ptr<VirtualTimeline> timeline) {
-  return std::make_unique<VirtualBackend>(cluster, std::move(timeline));
+                                              std::unique_ptr<VirtualTimeline> timeline,
+                                              DType compute_dtype) {
+  return std::make_unique<VirtualBackend>(cluster, std::move(timeline), compute_dtype);
 }
 
 std::unique_ptr<Backend> CreateHostBackend() { return std::make_unique<HostBackend>(); }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "runtime/status.h"
 #include "scheduler/tune/simulate.h"
 
@@ -42,7 +43,7 @@ class FlatCluster final : public SimCluster {
   }
   // Every group of a size costs the same wherever it is.
   bool RanksSymmetric(int, int) const override { return true; }
-  double compute_flops_per_s() const override { return options_.compute_flops_per_s; }
+  double compute_flops_per_s(DType) const override { return options_.compute_flops_per_s; }
   uint64_t device_memory_bytes() const override { return options_.device_memory_bytes; }
   double host_link_bytes_per_s() const override { return options_.host_link_bytes_per_s; }
 
@@ -56,8 +57,17 @@ class TopologyCluster final : public SimCluster {
       : topology_(std::move(topology)) {}
   std::string Describe() const override {
     const Topology& t = *topology_;
-    return absl::StrFormat("topology %s: %d x %d devices, %g TFLOP/s, %g GiB", t.name, t.nodes,
-                           t.devices_per_node, t.compute_flops_per_s / 1e12,
+    std::string compute = absl::StrFormat("%g TFLOP/s", t.compute_flops_per_s / 1e12);
+    if (!(t.compute_flops_per_s > 0)) {
+      std::vector<std::string> per_dtype;
+      for (const DType dtype : kAllDTypes) {
+        const double v = t.compute_flops_by_dtype[static_cast<int>(dtype)];
+        if (v > 0) per_dtype.push_back(absl::StrFormat("%s %g", DTypeName(dtype), v / 1e12));
+      }
+      compute = absl::StrCat(absl::StrJoin(per_dtype, ", "), " TFLOP/s");
+    }
+    return absl::StrFormat("topology %s: %d x %d devices, %s, %g GiB", t.name, t.nodes,
+                           t.devices_per_node, compute,
                            static_cast<double>(t.device_memory_bytes) / (1ull << 30));
   }
   absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> CreateWorld(
@@ -81,9 +91,12 @@ class TopologyCluster final : public SimCluster {
     if (shard_size < 1 || world_size % shard_size != 0) return false;
     return d % shard_size == 0 || shard_size % d == 0;
   }
-  double compute_flops_per_s() const override { return topology_->compute_flops_per_s; }
-  absl::Duration ComputeDuration(uint64_t flops) const override {
-    return shardline::ComputeDuration(*topology_, static_cast<double>(flops));
+  double compute_flops_per_s(DType dtype) const override {
+    return topology_->ComputeFlopsPerS(dtype);
+  }
+  double peak_flops_per_s(DType dtype) const override { return topology_->PeakFlopsPerS(dtype); }
+  absl::Duration ComputeDuration(uint64_t flops, DType dtype) const override {
+    return shardline::ComputeDuration(*topology_, static_cast<double>(flops), dtype);
   }
   uint64_t device_memory_bytes() const override { return topology_->device_memory_bytes; }
   std::shared_ptr<const Topology> topology() const override { return topology_; }

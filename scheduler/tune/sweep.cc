@@ -56,6 +56,14 @@ std::vector<Field> RowFields(const SweepRow& row, int index) {
   auto number = [&](std::string name, double v) {
     f.push_back({std::move(name), JsonNumber(v), JsonNumber(v)});
   };
+  // A figure that needs the peak: null (CSV: empty) where none is known.
+  auto of_peak = [&](std::string name, double v) {
+    if (row.peak_flops_per_s > 0) {
+      number(std::move(name), v);
+    } else {
+      f.push_back({std::move(name), "null", ""});
+    }
+  };
   auto text = [&](std::string name, const std::string& v) {
     f.push_back({std::move(name), JsonQuote(v), CsvQuote(v)});
   };
@@ -76,7 +84,7 @@ std::vector<Field> RowFields(const SweepRow& row, int index) {
   integer("budget_bytes", static_cast<int64_t>(c.budget_bytes));
   text("param_dtype", DTypeOr(c.param_dtype));
   text("reduce_dtype", DTypeOr(c.reduce_dtype));
-  boolean("activation_checkpointing", c.activation_checkpointing);
+  text("activation_checkpointing", ActivationCheckpointingName(c.activation_checkpointing));
   integer("micro_batches", c.micro_batches);
   text("accumulation", std::string(GradientAccumulationName(c.accumulation)));
   boolean("cpu_offload", c.cpu_offload);
@@ -89,7 +97,10 @@ std::vector<Field> RowFields(const SweepRow& row, int index) {
   number("exposed_communication_s", Seconds(r.exposed_communication));
   number("communication_time_s", Seconds(r.communication_time));
   number("tokens_per_s_per_device", r.tokens_per_s_per_device);
-  number("mfu", row.mfu);
+  of_peak("peak_TFLOPs", row.peak_flops_per_s / 1e12);
+  of_peak("mfu", row.mfu);
+  of_peak("hfu", row.hfu);
+  number("compute_busy", row.compute_busy);
   number("ring_sent_bytes_per_rank", r.ring_sent_bytes_per_rank);
   number("intra_node_bytes_per_device", r.intra_node_bytes_per_device);
   number("inter_node_bytes_per_device", r.inter_node_bytes_per_device);
@@ -168,7 +179,7 @@ absl::StatusOr<std::vector<SimulationConfig>> ExpandSweep(const SweepSpace& s) {
             for (const uint64_t bb : s.budget_bytes) {
               for (const std::optional<DType>& pd : s.param_dtypes) {
                 for (const std::optional<DType>& rd : s.reduce_dtypes) {
-                  for (const bool ckpt : s.activation_checkpointing) {
+                  for (const ActivationCheckpointing& ckpt : s.activation_checkpointing) {
                     for (const int mb : s.micro_batches) {
                       // With one micro-batch the accumulation mode does nothing: one value.
                       std::vector<GradientAccumulation> modes = s.accumulation;
@@ -218,8 +229,12 @@ absl::StatusOr<SweepResult> RunSweep(const ModelDescription& model,
   }
   SL_RETURN_IF_ERROR(model.Validate());
   SweepResult result;
-  result.peak_flops_per_s =
-      options.peak_flops_per_s > 0 ? options.peak_flops_per_s : cluster.compute_flops_per_s();
+  auto peak_of = [&](const std::optional<DType>& param_dtype) {
+    return options.peak_flops_per_s > 0
+               ? options.peak_flops_per_s
+               : cluster.peak_flops_per_s(param_dtype.value_or(model.precision.param_dtype));
+  };
+  result.peak_flops_per_s = peak_of(std::nullopt);
   result.rows.resize(configs.size());
   const absl::Time start = absl::Now();
   std::atomic<size_t> next{0};
@@ -233,9 +248,14 @@ absl::StatusOr<SweepResult> RunSweep(const ModelDescription& model,
       if (r.ok()) {
         row.report = *std::move(r);
         row.report.event_logs.clear();  // not part of the table; large for big models
+        row.peak_flops_per_s = peak_of(row.config.param_dtype);
         if (row.report.step_time.has_value() && *row.report.step_time > absl::ZeroDuration()) {
-          row.mfu = static_cast<double>(row.report.step_flops) /
-                    absl::ToDoubleSeconds(*row.report.step_time) / result.peak_flops_per_s;
+          const double step_s = absl::ToDoubleSeconds(*row.report.step_time);
+          if (row.peak_flops_per_s > 0) {
+            row.mfu = static_cast<double>(row.report.model_flops) / step_s / row.peak_flops_per_s;
+            row.hfu = static_cast<double>(row.report.step_flops) / step_s / row.peak_flops_per_s;
+          }
+          row.compute_busy = absl::ToDoubleSeconds(row.report.compute_time) / step_s;
         }
       } else {
         row.status = r.status();
@@ -275,7 +295,15 @@ std::string DescribeConfig(const SimulationConfig& c) {
   absl::StrAppend(&s, " fp=", c.forward_prefetch, " bp=", BackwardPrefetchName(c.backward_prefetch),
                   ":", c.backward_prefetch_depth, " bu=", c.budget_units, " bb=", c.budget_bytes,
                   " p=", DTypeOr(c.param_dtype), " r=", DTypeOr(c.reduce_dtype));
-  if (c.activation_checkpointing) absl::StrAppend(&s, " ckpt");
+  switch (c.activation_checkpointing.mode) {
+    case CheckpointMode::kOff:
+      break;
+    case CheckpointMode::kFull:
+      absl::StrAppend(&s, " ckpt");
+      break;
+    default:
+      absl::StrAppend(&s, " ckpt=", ActivationCheckpointingName(c.activation_checkpointing));
+  }
   if (c.micro_batches > 1) {
     absl::StrAppend(&s, " mb=", c.micro_batches, ":", GradientAccumulationName(c.accumulation));
   }
@@ -291,8 +319,8 @@ std::string SweepToJson(const SweepResult& result, const ModelDescription& model
       "{\n  \"model\": ", JsonQuote(model.name), ",\n  \"parameters\": ", model.ParameterCount(),
       ",\n  \"cluster\": ", JsonQuote(cluster.Describe()),
       ",\n  \"world_size\": ", result.rows.empty() ? 0 : result.rows[0].config.world_size,
-      ",\n  \"device_memory_bytes\": ", cluster.device_memory_bytes(),
-      ",\n  \"peak_TFLOPs\": ", JsonNumber(result.peak_flops_per_s / 1e12),
+      ",\n  \"device_memory_bytes\": ", cluster.device_memory_bytes(), ",\n  \"peak_TFLOPs\": ",
+      result.peak_flops_per_s > 0 ? JsonNumber(result.peak_flops_per_s / 1e12) : "null",
       ",\n  \"not_modelled\": [", absl::StrJoin(not_modelled, ", "),
       "],\n  \"best\": ", result.best, ",\n  \"seconds\": ", JsonNumber(result.seconds),
       ",\n  \"rows\": [");

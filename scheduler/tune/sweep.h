@@ -40,8 +40,7 @@ namespace shardline {
 
 // What the simulated step leaves out (every output says so).
 inline constexpr const char* kNotModelled[] = {
-    "the optimizer step (its compute; with CPU offload, on the host)",
-    "selective activation checkpointing (only none or every use)"};
+    "the optimizer step (its compute; with CPU offload, on the host)"};
 
 struct SweepSpace {
   int world_size = 8;
@@ -56,7 +55,7 @@ struct SweepSpace {
   // nullopt: the model's own dtype.
   std::vector<std::optional<DType>> param_dtypes = {std::nullopt};
   std::vector<std::optional<DType>> reduce_dtypes = {std::nullopt};
-  std::vector<bool> activation_checkpointing = {false};
+  std::vector<ActivationCheckpointing> activation_checkpointing = {{}};
   std::vector<int> micro_batches = {1};
   std::vector<GradientAccumulation> accumulation = {GradientAccumulation::kNoSync};
   std::vector<bool> cpu_offload = {false};
@@ -72,20 +71,31 @@ struct SweepRow {
   SimulationConfig config;
   absl::Status status;  // the simulation's error: the other fields are then unset
   SimulationReport report;
-  // Model FLOPs per second per device over the peak (SweepOptions::peak_flops_per_s).
+  // Against the hardware's peak for the row's param dtype (SweepOptions::peak_flops_per_s, else
+  // the cluster's; 0 where neither states one, and then mfu and hfu are 0 too):
+  //   mfu  model FLOPs per second per device over the peak (recomputation not counted), as
+  //        PaLM (Chowdhery et al. 2022, appendix B), Megatron-LM and torchtitan define it
+  //   hfu  the same with the recomputation counted (hardware FLOPs utilisation)
+  // compute_busy: compute time over step time, the share of the step the compute stream works
+  // (1 - compute_busy is what communication and waits add); it needs no peak.
+  double peak_flops_per_s = 0;
   double mfu = 0;
+  double hfu = 0;
+  double compute_busy = 0;
 };
 
 struct SweepResult {
   std::vector<SweepRow> rows;
   int best = -1;
+  // The peak for the model's own param dtype (SweepRow::peak_flops_per_s; 0: not known).
   double peak_flops_per_s = 0;
   double seconds = 0;  // wall-clock time of the sweep
 };
 
 struct SweepOptions {
   int threads = 1;  // configurations simulated at once
-  // For MFU; 0: the cluster's achieved throughput (then MFU is compute time / step time).
+  // The peak MFU and HFU are measured against, for every row; 0: the cluster's peak for each
+  // row's param dtype (SimCluster::peak_flops_per_s).
   double peak_flops_per_s = 0;
   // Called after each configuration (from the thread that ran it, serialised): done, total.
   std::function<void(int, int)> progress;
@@ -106,11 +116,13 @@ std::string DescribeConfig(const SimulationConfig& config);
 // "backward_prefetch", "backward_prefetch_depth", "budget_units", "budget_bytes", "param_dtype",
 // "reduce_dtype", "activation_checkpointing", "micro_batches", "accumulation", "cpu_offload", "ok",
 // "error", "ranks_simulated", "representative", "step_time_s", "compute_time_s",
-// "exposed_communication_s", "communication_time_s", "tokens_per_s_per_device", "mfu",
+// "exposed_communication_s", "communication_time_s", "tokens_per_s_per_device", "peak_TFLOPs",
+// "mfu", "hfu", "compute_busy",
 // "ring_sent_bytes_per_rank", "intra_node_bytes_per_device", "inter_node_bytes_per_device",
 // "budget_overshoots", "memory": {"master_shards", "sharded_grads", "optimizer_state",
 // "unsharded_params_peak", "grad_buffers_peak", "activations_peak", "total_peak", "host_peak"},
-// "fits"}]}. dtypes "model" where the model's own is used. CSV: one header line and a line per row
+// "fits"}]}. dtypes "model" where the model's own is used; peak_TFLOPs, mfu and hfu null (CSV:
+// empty) where no peak is known. CSV: one header line and a line per row
 // with the same fields (memory flattened to mem_<name>_bytes), errors quoted.
 std::string SweepToJson(const SweepResult& result, const ModelDescription& model,
                         const SimCluster& cluster);

@@ -56,7 +56,38 @@ TEST(TopologyTest, ParsesTheFieldsInSiUnits) {
   EXPECT_EQ(t.rail_bandwidth_bytes_per_s(), 25e9);
   EXPECT_DOUBLE_EQ(t.inter_node.latency_s, 10e-6);
   EXPECT_EQ(t.collectives, DefaultCollectiveAlgorithms());
-  EXPECT_EQ(ComputeDuration(t, 3e12), absl::Milliseconds(30));
+  EXPECT_EQ(ComputeDuration(t, 3e12, DType::kBF16), absl::Milliseconds(30));
+  EXPECT_EQ(ComputeDuration(t, 3e12, DType::kF32), absl::Milliseconds(30)) << "one figure for all";
+}
+
+TEST(TopologyTest, PeaksAreKeptPerDTypeApartFromTheAchievedThroughput) {
+  EXPECT_EQ(Base().PeakFlopsPerS(DType::kBF16), 0) << "not stated";
+  const std::string json = absl::StrReplaceAll(
+      kBase, {{R"("compute_TFLOPs": 100,)",
+               R"("compute_TFLOPs": 100, "peak_TFLOPs": {"bfloat16": 312.5, "f32": 19.5},
+                  "peak_source": "a datasheet",)"}});
+  absl::StatusOr<Topology> t = ParseTopology(json);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->compute_flops_per_s, 100e12);
+  EXPECT_EQ(t->PeakFlopsPerS(DType::kBF16), 312.5e12);
+  EXPECT_EQ(t->PeakFlopsPerS(DType::kF32), 19.5e12);
+  EXPECT_EQ(t->PeakFlopsPerS(DType::kF16), 0);
+  EXPECT_EQ(t->peak_source, "a datasheet");
+  // compute_TFLOPs per dtype: a dtype it does not name cannot compute.
+  const std::string per_dtype = absl::StrReplaceAll(
+      json, {{R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": {"bf16": 150, "f32": 9.75},)"}});
+  absl::StatusOr<Topology> p = ParseTopology(per_dtype);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(ComputeDuration(*p, 3e12, DType::kBF16), absl::Milliseconds(20));
+  EXPECT_EQ(ComputeDuration(*p, 9.75e12, DType::kF32), absl::Seconds(1));
+  EXPECT_EQ(p->ComputeFlopsPerS(DType::kF16), 0);
+  EXPECT_EQ(ComputeDuration(*p, 1, DType::kF16), absl::InfiniteDuration());
+  absl::StatusOr<Topology> p_again = ParseTopology(TopologyToJson(*p));
+  ASSERT_TRUE(p_again.ok()) << p_again.status();
+  EXPECT_EQ(*p_again, *p);
+  absl::StatusOr<Topology> again = ParseTopology(TopologyToJson(*t));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *t);
 }
 
 TEST(TopologyTest, ValidationErrorsNameTheField) {
@@ -120,6 +151,22 @@ TEST(TopologyTest, ValidationErrorsNameTheField) {
        "field 'host_cores' must be a number, got string"},
       {R"("nodes": 4,)", R"("nodes": 4, "host_lockstep": 1,)",
        "field 'host_lockstep' must be true or false, got integer"},
+      {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": 100, "peak_TFLOPs": {"bf18": 1},)",
+       "field 'peak_TFLOPs.bf18' is not a dtype"},
+      {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": 100, "peak_TFLOPs": {"bf16": 0},)",
+       "field 'peak_TFLOPs.bf16' must be positive and finite, got 0"},
+      {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": 100, "peak_TFLOPs": {"f32": "67"},)",
+       "field 'peak_TFLOPs.f32' must be a number, got string"},
+      {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": 100, "peak_TFLOPs": 989,)",
+       "field 'peak_TFLOPs' must be an object, got integer"},
+      {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": {"f32": -3},)",
+       "field 'compute_TFLOPs.f32' must be positive and finite, got -3"},
+      {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": {},)",
+       "field 'compute_TFLOPs' must be positive and finite, got 0"},
+      {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": "fast",)",
+       "field 'compute_TFLOPs' must be a number, got string"},
+      {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": 100, "peak_source": 1,)",
+       "field 'peak_source' must be a string, got integer"},
   };
   for (const Case& c : cases) {
     const std::string json = absl::StrReplaceAll(kBase, {{c.from, c.to}});
@@ -192,6 +239,14 @@ TEST(TopologyTest, ShippedExamplesLoad) {
     absl::StatusOr<Topology> t = LoadTopology(std::string(SHARDLINE_TOPOLOGIES_DIR) + "/" + file);
     ASSERT_TRUE(t.ok()) << file << ": " << t.status();
     EXPECT_FALSE(t->description.empty()) << file;
+    // The GPU topologies state their datasheet's peaks and cite it; the achieved throughput
+    // lies below the peak of the dtype the presets compute in.
+    if (absl::string_view(file) != "this-machine.json") {
+      EXPECT_GT(t->PeakFlopsPerS(DType::kBF16), t->ComputeFlopsPerS(DType::kBF16)) << file;
+      EXPECT_GT(t->PeakFlopsPerS(DType::kF32), t->ComputeFlopsPerS(DType::kF32)) << file;
+      EXPECT_GT(t->PeakFlopsPerS(DType::kF32), 0) << file;
+      EXPECT_THAT(t->peak_source, HasSubstr("datasheet")) << file;
+    }
   }
   absl::StatusOr<Topology> cluster =
       LoadTopology(std::string(SHARDLINE_TOPOLOGIES_DIR) + "/h100-128-nodes.json");

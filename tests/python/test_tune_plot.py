@@ -46,7 +46,7 @@ def row(index, strategy, shard_size, fp, step, peak, fits, ok=True):
         "index": index, "strategy": strategy, "shard_size": shard_size, "forward_prefetch": fp,
         "backward_prefetch": "before_grad", "backward_prefetch_depth": 1, "budget_units": 0,
         "budget_bytes": 0, "param_dtype": "model", "reduce_dtype": "model",
-        "activation_checkpointing": False, "ok": ok, "error": "" if ok else "refused",
+        "activation_checkpointing": "off", "ok": ok, "error": "" if ok else "refused",
         "ranks_simulated": 1, "representative": True, "step_time_s": step,
         "tokens_per_s_per_device": 1000.0 / step if ok else 0, "mfu": 0.3,
         "exposed_communication_s": 0.01,

@@ -92,9 +92,11 @@ class Backend {
 };
 
 // The backend of Simulate: the ranks on `timeline` (virtual streams, the cluster's sim
-// communicators, phantom memory). `cluster` must outlive it.
+// communicators, phantom memory), computing in `compute_dtype` at the cluster's throughput for
+// it. `cluster` must outlive it.
 std::unique_ptr<Backend> CreateVirtualBackend(const SimCluster& cluster,
-                                              std::unique_ptr<VirtualTimeline> timeline);
+                                              std::unique_ptr<VirtualTimeline> timeline,
+                                              DType compute_dtype);
 // The backend of RunOnHostBackend: local communicators, host streams, host memory.
 std::unique_ptr<Backend> CreateHostBackend();
 

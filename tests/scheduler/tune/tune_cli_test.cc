@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "runtime/json.h"
 #include "scheduler/tune/simulate.h"
@@ -149,7 +150,10 @@ TEST(TuneCliTest, SweepRowsEqualSimulateAndCsvEqualsJson) {
     c.budget_units = static_cast<int>(Member(row, "budget_units").integer());
     if (Member(row, "reduce_dtype").string() == "bf16") c.reduce_dtype = DType::kBF16;
     ASSERT_EQ(Member(row, "param_dtype").string(), "model");
-    c.activation_checkpointing = Member(row, "activation_checkpointing").boolean();
+    absl::StatusOr<ActivationCheckpointing> ckpt =
+        ParseActivationCheckpointing(Member(row, "activation_checkpointing").string());
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    c.activation_checkpointing = *ckpt;
 
     absl::StatusOr<SimulationReport> r = Simulate(*model, c, **cluster);
     ASSERT_EQ(Member(row, "ok").boolean(), r.ok()) << what << ": " << r.status();
@@ -172,9 +176,23 @@ TEST(TuneCliTest, SweepRowsEqualSimulateAndCsvEqualsJson) {
               absl::ToDoubleSeconds(*r->communication_time))
         << what;
     EXPECT_EQ(Member(row, "tokens_per_s_per_device").number(), r->tokens_per_s_per_device) << what;
-    const double mfu =
-        static_cast<double>(r->step_flops) / absl::ToDoubleSeconds(*r->step_time) / 20e12;
-    EXPECT_DOUBLE_EQ(Member(row, "mfu").number(), mfu) << what;
+    // MFU against --peak-TFLOPs without the recomputation, HFU with it.
+    const double step_s = absl::ToDoubleSeconds(*r->step_time);
+    EXPECT_EQ(Member(row, "peak_TFLOPs").number(), 20) << what;
+    EXPECT_DOUBLE_EQ(Member(row, "mfu").number(),
+                     static_cast<double>(r->model_flops) / step_s / 20e12)
+        << what;
+    EXPECT_DOUBLE_EQ(Member(row, "hfu").number(),
+                     static_cast<double>(r->step_flops) / step_s / 20e12)
+        << what;
+    EXPECT_DOUBLE_EQ(Member(row, "compute_busy").number(),
+                     absl::ToDoubleSeconds(r->compute_time) / step_s)
+        << what;
+    if (c.activation_checkpointing.mode == CheckpointMode::kFull) {
+      EXPECT_LT(Member(row, "mfu").number(), Member(row, "hfu").number()) << what;
+    } else {
+      EXPECT_EQ(Member(row, "mfu").number(), Member(row, "hfu").number()) << what;
+    }
     EXPECT_EQ(Member(row, "ring_sent_bytes_per_rank").number(), r->ring_sent_bytes_per_rank)
         << what;
     EXPECT_EQ(Member(row, "intra_node_bytes_per_device").number(), r->intra_node_bytes_per_device)
@@ -255,6 +273,9 @@ TEST(TuneCliTest, SweepRowsEqualSimulateAndCsvEqualsJson) {
         case JsonValue::Kind::kInteger:
           EXPECT_EQ(cells[k], absl::StrCat(v->integer())) << name << " row " << i;
           break;
+        case JsonValue::Kind::kNull:
+          EXPECT_EQ(cells[k], "") << name << " row " << i;
+          break;
         default: {
           double d = 0;
           ASSERT_TRUE(absl::SimpleAtod(cells[k], &d)) << cells[k];
@@ -283,6 +304,61 @@ TEST(TuneCliTest, SweepRowsEqualSimulateAndCsvEqualsJson) {
   std::filesystem::remove_all(dir);
 }
 
+// MFU, HFU and busy without --peak-TFLOPs: each row against the topology's datasheet peak for
+// its own param dtype; n/a (null) where the topology states none for it.
+TEST(TuneCliTest, MfuIsAgainstTheTopologysPeakForEachRowsDType) {
+  const std::string dir = TempDir();
+  const std::string topology = absl::StrReplaceAll(
+      kTopology, {{R"("compute_TFLOPs": 13.7,)",
+                   R"("compute_TFLOPs": 13.7, "peak_TFLOPs": {"bf16": 41.3, "f32": 9.7},)"}});
+  ASSERT_NE(topology, kTopology);
+  Write(dir + "/topology.json", topology);
+  Write(dir + "/model.json", ModelJson());
+  const ToolRun run = RunTool(absl::StrCat(
+      "sweep --model-json ", dir, "/model.json --topology ", dir, "/topology.json --world 8 ",
+      "--strategies full --forward-prefetch 1 --checkpointing off,on --param-dtypes model,f32,f16 ",
+      "--jobs 2 --no-progress --json ", dir, "/out.json"));
+  ASSERT_EQ(run.status, 0) << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "41.3 TFLOP/s per device (the topology's bf16 "))
+      << run.output;
+  absl::StatusOr<JsonValue> table = ParseJson(Read(dir + "/out.json"));
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(Member(*table, "peak_TFLOPs").number(), 41.3);
+  const std::vector<JsonValue>& rows = Member(*table, "rows").items();
+  ASSERT_EQ(rows.size(), 6u);
+  int unknown = 0;
+  for (const JsonValue& row : rows) {
+    const std::string dtype = Member(row, "param_dtype").string();
+    const std::string what =
+        absl::StrCat(dtype, " ", Member(row, "activation_checkpointing").string());
+    ASSERT_TRUE(Member(row, "ok").boolean()) << what << Member(row, "error").string();
+    const double step_s = Member(row, "step_time_s").number();
+    EXPECT_DOUBLE_EQ(Member(row, "compute_busy").number(),
+                     Member(row, "compute_time_s").number() / step_s)
+        << what;
+    if (dtype == "f16") {  // the topology states no f16 peak
+      EXPECT_EQ(Member(row, "peak_TFLOPs").kind(), JsonValue::Kind::kNull) << what;
+      EXPECT_EQ(Member(row, "mfu").kind(), JsonValue::Kind::kNull) << what;
+      EXPECT_EQ(Member(row, "hfu").kind(), JsonValue::Kind::kNull) << what;
+      ++unknown;
+      continue;
+    }
+    const double peak = dtype == "f32" ? 9.7e12 : 41.3e12;
+    EXPECT_DOUBLE_EQ(Member(row, "peak_TFLOPs").number() * 1e12, peak) << what;
+    // The model's FLOPs per micro-batch: the six uses' forward and backward, written out.
+    double model_flops = 1e9 + 2e9;
+    for (int u = 0; u < 5; ++u) model_flops += (2000000001.0 + 4000000003.0) * (u + 1);
+    EXPECT_NEAR(Member(row, "mfu").number(), model_flops / step_s / peak, 1e-12) << what;
+    if (Member(row, "activation_checkpointing").string() == "full") {
+      EXPECT_GT(Member(row, "hfu").number(), Member(row, "mfu").number()) << what;
+    } else {
+      EXPECT_EQ(Member(row, "hfu").number(), Member(row, "mfu").number()) << what;
+    }
+  }
+  EXPECT_EQ(unknown, 2);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(TuneCliTest, PresetWithOverridesOnAShippedTopology) {
   const ToolRun run = RunTool(
       "sweep --model llama3-8b --layers 2 --seq-len 1024 --topology dgx-h100 --strategies "
@@ -291,6 +367,8 @@ TEST(TuneCliTest, PresetWithOverridesOnAShippedTopology) {
   EXPECT_TRUE(absl::StrContains(run.output, "llama3-8b (modified)")) << run.output;
   EXPECT_TRUE(absl::StrContains(run.output, "] 2/2 configurations")) << run.output;
   EXPECT_TRUE(absl::StrContains(run.output, "topology dgx-h100: 1 x 8 devices")) << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "over the peak, 989.4 TFLOP/s per device"))
+      << run.output;
   EXPECT_TRUE(absl::StrContains(run.output, "2 of 2 configurations with one representative rank"))
       << run.output;
   EXPECT_TRUE(absl::StrContains(run.output, "# recommended: row ")) << run.output;
@@ -313,7 +391,8 @@ TEST(TuneCliTest, BadFlagsAreClearErrors) {
       {base + "--forward-prefetch 1,,2", "has an empty item"},
       {base + "--forward-prefetch -1", "'-1' is not a non-negative integer"},
       {base + "--reduce-dtypes bf16,int8", "'int8' is not a floating dtype"},
-      {base + "--checkpointing maybe", "'maybe' is not on or off"},
+      {base + "--checkpointing maybe", "'maybe' is not off, full (on), op or layer:K"},
+      {base + "--checkpointing layer:0", "'layer:0' is not off, full (on), op or layer:K"},
       {base + "--world 16", "--world 16: topology 'dgx-h100' has only 8 devices"},
       {base + "--world", "--world needs a value"},
       {base + "--ranks some", "'some' is not auto, all or representative"},

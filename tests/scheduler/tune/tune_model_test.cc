@@ -113,6 +113,39 @@ TEST(TuneModelTest, LlamaLayerActivationsTermByTerm) {
   EXPECT_EQ(m.forward[5].activation_bytes, (attention + ffn) * t);
 }
 
+// torchtitan's `op` policy (model.h): of wq, wk, wv, wo, w1, w3, w2 the 1st, 3rd, 5th and 7th
+// mm outputs are saved with the flash attention's output and log-sum-exp and the block's input;
+// wk, wo and w3 are recomputed.
+TEST(TuneModelTest, LlamaSelectiveOpCheckpointingTermByTerm) {
+  const ModelDescription m = MustModel(Llama3_8B({.seq_len = 8192, .micro_batch = 2}));
+  const uint64_t h = 4096, f = 14336, kvd = 8 * 128, a = 32, p = 2, t = 2 * 8192;
+  const UnitUse& layer = m.forward[7];
+  ASSERT_TRUE(layer.selective);
+  // Input, wq, wv, attention output, log-sum-exp, w1, w2.
+  EXPECT_EQ(layer.selective_activation_bytes,
+            (p * h + p * h + p * kvd + p * h + 4 * a + p * f + p * h) * t);
+  EXPECT_EQ(layer.selective_recompute_flops, 2 * (h * kvd + h * h + h * f) * t);
+  // Between full checkpointing and none, and a fraction of the forward recomputed.
+  EXPECT_GT(layer.selective_activation_bytes, layer.checkpointed_activation_bytes);
+  EXPECT_LT(layer.selective_activation_bytes, layer.activation_bytes);
+  EXPECT_LT(layer.selective_recompute_flops, layer.forward_flops / 3);
+  // The embedding and the head are not checkpointed.
+  EXPECT_EQ(m.forward.front().selective_activation_bytes, m.forward.front().activation_bytes);
+  EXPECT_EQ(m.forward.back().selective_activation_bytes, m.forward.back().activation_bytes);
+  EXPECT_EQ(m.forward.back().selective_recompute_flops, 0u);
+}
+
+// GPT's linear layers have biases (aten.addmm, not on torchtitan's list): none is saved, every
+// matmul is recomputed, and its unfused attention too.
+TEST(TuneModelTest, GptSelectiveOpCheckpointingSavesNoLinear) {
+  const ModelDescription m = MustModel(Gpt3_175B({.seq_len = 2048, .micro_batch = 1}));
+  const uint64_t h = 12288, p = 2, t = 2048, s = 2048;
+  const UnitUse& layer = m.forward[1];
+  EXPECT_EQ(layer.selective_activation_bytes, p * h * t);
+  EXPECT_EQ(layer.selective_recompute_flops, layer.forward_flops);
+  EXPECT_EQ(layer.selective_recompute_flops, (2 * 12 * h * h + 4 * s * h) * t);
+}
+
 TEST(TuneModelTest, PresetErrorsNameTheDimension) {
   TransformerConfig c = Llama3_8B();
   c.heads = 33;
@@ -153,6 +186,9 @@ void ExpectSameModel(const ModelDescription& a, const ModelDescription& b) {
     EXPECT_EQ(a.forward[k].activation_bytes, b.forward[k].activation_bytes);
     EXPECT_EQ(a.forward[k].checkpointed_activation_bytes,
               b.forward[k].checkpointed_activation_bytes);
+    EXPECT_EQ(a.forward[k].selective, b.forward[k].selective);
+    EXPECT_EQ(a.forward[k].selective_activation_bytes, b.forward[k].selective_activation_bytes);
+    EXPECT_EQ(a.forward[k].selective_recompute_flops, b.forward[k].selective_recompute_flops);
   }
 }
 
@@ -240,6 +276,13 @@ TEST(TuneModelTest, MalformedJsonNamesTheProblem) {
        "param_dtype is i32"},
       {R"({"name": "m", "units": [)" + unit + R"(], "forward": [{"unit": "a", "flops": 1}]})",
        "unknown member \"flops\""},
+      {R"({"name": "m", "units": [)" + unit +
+           R"(], "forward": [{"unit": "a", "selective_activation_bytes": 1}]})",
+       "selective_activation_bytes and selective_recompute_flops go together"},
+      {R"({"name": "m", "units": [)" + unit +
+           R"(], "forward": [{"unit": "a", "forward_flops": 10, "activation_bytes": 4, )" +
+           R"("selective_activation_bytes": 5, "selective_recompute_flops": 1}]})",
+       "keeps more with selective checkpointing (5 bytes) than without (4)"},
   };
   for (const Case& c : cases) {
     absl::StatusOr<ModelDescription> m = ParseModelJson(c.json);

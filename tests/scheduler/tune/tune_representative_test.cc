@@ -157,7 +157,7 @@ TEST(TuneRepresentativeTest, OneRankGivesTheFiguresOfEveryRankAt64) {
         .forward_prefetch = 2,
         .backward_prefetch_depth = 2,
         .budget_units = 2,
-        .activation_checkpointing = true,
+        .activation_checkpointing = {.mode = CheckpointMode::kFull},
         .host_lead = HostLead::kWholeStep}},
       {"shard-grad-op, bf16 reductions",
        {.world_size = 64,
@@ -240,7 +240,8 @@ TEST(TuneRepresentativeTest, TopologyClusterCountsBothLinkLevels) {
   EXPECT_GT(r->intra_node_bytes_per_device, 0);
   EXPECT_GT(r->inter_node_bytes_per_device, 0);
   // Compute: FLOPs / the topology's achieved throughput.
-  EXPECT_EQ(r->compute_time, ComputeDuration(*TestTopology(), static_cast<double>(r->step_flops)));
+  EXPECT_EQ(r->compute_time, ComputeDuration(*TestTopology(), static_cast<double>(r->step_flops),
+                                             m.precision.param_dtype));
   // One node, full shard: nothing over the network.
   absl::StatusOr<SimulationReport> one_node =
       Simulate(m, {.world_size = 8, .ranks = RankMode::kRepresentative}, **cluster);

@@ -317,34 +317,59 @@ TEST(TuneSimulateTest, IssueOrderIsTheDocumentedOne) {
 }
 
 TEST(TuneSimulateTest, ActivationOptimizerAndComputeFigures) {
-  const ModelDescription m = TestModel(5, /*tied=*/true, /*uniform=*/false);
+  ModelDescription m = TestModel(5, /*tied=*/true, /*uniform=*/false);
+  // Selective figures of odd sizes for the uses checkpointing applies to.
+  for (UnitUse& u : m.forward) {
+    if (u.checkpointed_activation_bytes < u.activation_bytes) {
+      u.selective = true;
+      u.selective_activation_bytes = (u.activation_bytes + 2 * u.checkpointed_activation_bytes) / 3;
+      u.selective_recompute_flops = u.forward_flops / 3 + 7;
+    }
+  }
   const int n = 4;
-  for (bool checkpointing : {false, true}) {
-    const SimulationReport r =
-        MustSimulate(m, {.world_size = n, .activation_checkpointing = checkpointing});
-    // Without checkpointing every use's activations are alive at the end of the forward. With
-    // it, at use k's backward: the checkpoints of uses 0..k and use k's full activations.
-    uint64_t expected = 0;
-    if (!checkpointing) {
-      for (const UnitUse& u : m.forward) expected += u.activation_bytes;
-    } else {
-      // The tied use keeps as much either way: it is not recomputed.
-      uint64_t held = 0;
-      for (const UnitUse& u : m.forward) held += u.checkpointed_activation_bytes;
-      for (size_t k = m.forward.size(); k-- > 0;) {
-        const UnitUse& u = m.forward[k];
-        const bool recomputes = u.checkpointed_activation_bytes < u.activation_bytes;
-        expected = std::max(expected, held + (recomputes ? u.activation_bytes : 0));
-        held -= u.checkpointed_activation_bytes;
-      }
-    }
-    EXPECT_EQ(r.memory.activations_peak, expected) << "checkpointing " << checkpointing;
-    uint64_t flops = 0;
+  const std::vector<ActivationCheckpointing> modes = {{},
+                                                      {.mode = CheckpointMode::kFull},
+                                                      {.mode = CheckpointMode::kOp},
+                                                      {.mode = CheckpointMode::kLayer, .every = 2}};
+  for (const ActivationCheckpointing& mode : modes) {
+    const std::string what = ActivationCheckpointingName(mode);
+    const SimulationReport r = MustSimulate(m, {.world_size = n, .activation_checkpointing = mode});
+    // The plan by hand (simulate.h): what each use keeps and recomputes. The tied use keeps as
+    // much either way: checkpointing does not apply to it.
+    std::vector<uint64_t> kept, recompute;
+    int layer = 0;
     for (const UnitUse& u : m.forward) {
-      const bool recomputes = checkpointing && u.checkpointed_activation_bytes < u.activation_bytes;
-      flops += u.forward_flops + u.backward_flops + (recomputes ? u.forward_flops : 0);
+      const bool applies = u.checkpointed_activation_bytes < u.activation_bytes;
+      layer += applies ? 1 : 0;
+      uint64_t k = u.activation_bytes, f = 0;
+      if (applies && (mode.mode == CheckpointMode::kFull ||
+                      (mode.mode == CheckpointMode::kLayer && layer % 2 == 0))) {
+        k = u.checkpointed_activation_bytes;
+        f = u.forward_flops;
+      } else if (applies && mode.mode == CheckpointMode::kOp) {
+        k = u.selective_activation_bytes;
+        f = u.selective_recompute_flops;
+      }
+      kept.push_back(k);
+      recompute.push_back(f);
     }
-    EXPECT_EQ(r.step_flops, flops);
+    // At use k's backward: what uses 0..k kept, and what use k recomputed beside it.
+    uint64_t held = 0, expected = 0;
+    for (const uint64_t k : kept) held += k;
+    for (size_t k = m.forward.size(); k-- > 0;) {
+      expected = std::max(expected, held + (m.forward[k].activation_bytes - kept[k]));
+      held -= kept[k];
+    }
+    EXPECT_EQ(r.memory.activations_peak, expected) << what;
+    uint64_t flops = 0, model_flops = 0;
+    for (size_t k = 0; k < m.forward.size(); ++k) {
+      const UnitUse& u = m.forward[k];
+      flops += u.forward_flops + u.backward_flops + recompute[k];
+      model_flops += u.forward_flops + u.backward_flops;
+    }
+    EXPECT_EQ(r.step_flops, flops) << what;
+    EXPECT_EQ(r.model_flops, model_flops) << what;
+    if (mode.mode != CheckpointMode::kOff) EXPECT_GT(flops, model_flops) << what;
     // (Durations have quarter-nanosecond resolution.)
     EXPECT_NEAR(absl::ToDoubleSeconds(r.compute_time), flops / 50e12, 1e-9);
     // The step is at least its compute; with prefetch most communication hides behind it.
@@ -428,7 +453,8 @@ TEST(TuneSimulateTest, Llama3_8BOnEightRanks) {
        .device_memory_bytes = 80ull << 30});
   ASSERT_TRUE(cluster.ok());
   absl::StatusOr<SimulationReport> r =
-      Simulate(*m, {.world_size = 8, .activation_checkpointing = true}, **cluster);
+      Simulate(*m, {.world_size = 8, .activation_checkpointing = {.mode = CheckpointMode::kFull}},
+               **cluster);
   ASSERT_TRUE(r.ok()) << r.status();
   // Master shards f32, sharded gradients f32, AdamW's two f32 states: 16 bytes per parameter,
   // over 8 ranks (plus padding, less than a few KiB).
