@@ -353,9 +353,10 @@ CollectiveCost Corrected(CollectiveCost c, const AlgorithmModel& model) {
   return c;
 }
 
-// An object of TFLOP/s per dtype ({"bf16": 989.4, "f32": 67}) into `out` (FLOP/s, by DType).
+// An object of positive numbers per dtype ({"bf16": 989.4, "f32": 67}) into `out` (indexed by
+// DType), each times `scale` (kTera: TFLOP/s to FLOP/s).
 absl::Status ParsePerDType(const Topology& t, Fields& parent, absl::string_view key,
-                           std::array<double, kAllDTypes.size()>& out) {
+                           std::array<double, kAllDTypes.size()>& out, double scale) {
   const JsonValue* v = parent.Find(key);
   SL_ASSIGN_OR_RETURN(Fields f, Fields::Of(t, *v, parent.Path(key)));
   for (const JsonValue::Member& m : v->members()) {
@@ -367,17 +368,17 @@ absl::Status ParsePerDType(const Topology& t, Fields& parent, absl::string_view 
     if (!(value > 0) || std::isinf(value)) {
       return FieldError(t, path, absl::StrCat("must be positive and finite, got ", value));
     }
-    out[static_cast<int>(*dtype)] = value * kTera;
+    out[static_cast<int>(*dtype)] = value * scale;
   }
   return f.Finish();
 }
 
-// {"bf16": 989.4, ...}: the dtypes with a figure, in TFLOP/s.
-std::string PerDTypeJson(const std::array<double, kAllDTypes.size()>& flops) {
+// {"bf16": 989.4, ...}: the dtypes with a figure, each divided by `scale`.
+std::string PerDTypeJson(const std::array<double, kAllDTypes.size()>& values, double scale) {
   std::vector<std::string> items;
   for (const DType dtype : kAllDTypes) {
-    const double v = flops[static_cast<int>(dtype)];
-    if (v > 0) items.push_back(absl::StrCat("\"", DTypeName(dtype), "\": ", JsonNumber(v / kTera)));
+    const double v = values[static_cast<int>(dtype)];
+    if (v > 0) items.push_back(absl::StrCat("\"", DTypeName(dtype), "\": ", JsonNumber(v / scale)));
   }
   return absl::StrCat("{", absl::StrJoin(items, ", "), "}");
 }
@@ -470,6 +471,36 @@ absl::Status ValidateTopology(const Topology& t) {
                         absl::StrCat("must be finite and not negative, got ", peak / kTera));
     }
   }
+  for (const DType dtype : kAllDTypes) {
+    const int d = static_cast<int>(dtype);
+    const double matmul = t.compute_efficiency.matmul[d];
+    const std::string name(DTypeName(dtype));
+    if (!(matmul >= 0 && matmul <= 1)) {
+      return FieldError(t, "compute_efficiency.matmul." + name,
+                        absl::StrCat("must be in (0, 1], got ", matmul));
+    }
+    if (matmul > 0 && !(t.peak_flops_per_s[d] > 0)) {
+      return FieldError(t, "compute_efficiency.matmul." + name,
+                        "needs peak_TFLOPs for the dtype (a fraction of the peak)");
+    }
+    const auto& curve = t.compute_efficiency.attention[d];
+    for (size_t i = 0; i < curve.size(); ++i) {
+      const std::string at =
+          absl::StrCat("compute_efficiency.attention_TFLOPs.", name, "[", i, "]");
+      if (!(curve[i].seq_len >= 1) || std::isinf(curve[i].seq_len)) {
+        return FieldError(t, at + ".seq_len",
+                          absl::StrCat("must be at least 1 and finite, got ", curve[i].seq_len));
+      }
+      if (i > 0 && !(curve[i].seq_len > curve[i - 1].seq_len)) {
+        return FieldError(t, at + ".seq_len", "must be larger than the previous point's");
+      }
+      if (!(curve[i].flops_per_s > 0) || std::isinf(curve[i].flops_per_s)) {
+        return FieldError(
+            t, at + ".TFLOPs",
+            absl::StrCat("must be positive and finite, got ", curve[i].flops_per_s / kTera));
+      }
+    }
+  }
   SL_RETURN_IF_ERROR(ValidateLink(t, t.intra_node, "intra_node", "bandwidth_GBps"));
   // A one-node topology may still describe its NICs (nics_per_node > 0): then they must be
   // valid too.
@@ -551,15 +582,48 @@ absl::StatusOr<Topology> ParseTopology(absl::string_view json) {
   t.device_memory_bytes = static_cast<uint64_t>(std::llround(gib * kGiB));
   SL_ASSIGN_OR_RETURN(const JsonValue* compute, top.Required("compute_TFLOPs"));
   if (compute->kind() == JsonValue::Kind::kObject) {
-    SL_RETURN_IF_ERROR(ParsePerDType(t, top, "compute_TFLOPs", t.compute_flops_by_dtype));
+    SL_RETURN_IF_ERROR(ParsePerDType(t, top, "compute_TFLOPs", t.compute_flops_by_dtype, kTera));
   } else {
     SL_ASSIGN_OR_RETURN(const double tflops, top.NumberOf(*compute, "compute_TFLOPs"));
     t.compute_flops_per_s = tflops * kTera;
   }
   if (top.Find("peak_TFLOPs") != nullptr) {
-    SL_RETURN_IF_ERROR(ParsePerDType(t, top, "peak_TFLOPs", t.peak_flops_per_s));
+    SL_RETURN_IF_ERROR(ParsePerDType(t, top, "peak_TFLOPs", t.peak_flops_per_s, kTera));
   }
   SL_ASSIGN_OR_RETURN(t.peak_source, top.String("peak_source", /*required=*/false));
+  if (const JsonValue* eff = top.Find("compute_efficiency"); eff != nullptr) {
+    SL_ASSIGN_OR_RETURN(Fields f, Fields::Of(t, *eff, "compute_efficiency"));
+    ComputeEfficiency& e = t.compute_efficiency;
+    if (f.Find("matmul") != nullptr) {
+      SL_RETURN_IF_ERROR(ParsePerDType(t, f, "matmul", e.matmul, 1));
+    }
+    if (const JsonValue* a = f.Find("attention_TFLOPs"); a != nullptr) {
+      SL_ASSIGN_OR_RETURN(Fields per, Fields::Of(t, *a, f.Path("attention_TFLOPs")));
+      for (const JsonValue::Member& m : a->members()) {
+        const std::string path = per.Path(m.first);
+        absl::StatusOr<DType> dtype = ParseDType(m.first);
+        if (!dtype.ok()) return FieldError(t, path, "is not a dtype (bf16, f16, f32, ...)");
+        per.Find(m.first);
+        if (m.second.kind() != JsonValue::Kind::kArray) {
+          return FieldError(t, path,
+                            absl::StrCat("must be an array, got ", JsonKindName(m.second.kind())));
+        }
+        for (size_t i = 0; i < m.second.items().size(); ++i) {
+          SL_ASSIGN_OR_RETURN(Fields point,
+                              Fields::Of(t, m.second.items()[i], absl::StrCat(path, "[", i, "]")));
+          ComputeEfficiency::AttentionPoint p;
+          SL_ASSIGN_OR_RETURN(p.seq_len, point.Number("seq_len"));
+          SL_ASSIGN_OR_RETURN(const double tflops, point.Number("TFLOPs"));
+          p.flops_per_s = tflops * kTera;
+          SL_RETURN_IF_ERROR(point.Finish());
+          e.attention[static_cast<int>(*dtype)].push_back(p);
+        }
+      }
+      SL_RETURN_IF_ERROR(per.Finish());
+    }
+    SL_ASSIGN_OR_RETURN(e.source, f.String("source", /*required=*/true));
+    SL_RETURN_IF_ERROR(f.Finish());
+  }
 
   SL_ASSIGN_OR_RETURN(const JsonValue* intra, top.Required("intra_node"));
   SL_ASSIGN_OR_RETURN(Fields in, Fields::Of(t, *intra, "intra_node"));
@@ -646,12 +710,30 @@ std::string TopologyToJson(const Topology& t) {
       ",\n  \"device_memory_GiB\": ", JsonNumber(static_cast<double>(t.device_memory_bytes) / kGiB),
       ",\n  \"compute_TFLOPs\": ",
       t.compute_flops_per_s > 0 ? JsonNumber(t.compute_flops_per_s / kTera)
-                                : PerDTypeJson(t.compute_flops_by_dtype));
-  if (PerDTypeJson(t.peak_flops_per_s) != "{}") {
-    absl::StrAppend(&out, ",\n  \"peak_TFLOPs\": ", PerDTypeJson(t.peak_flops_per_s));
+                                : PerDTypeJson(t.compute_flops_by_dtype, kTera));
+  if (PerDTypeJson(t.peak_flops_per_s, kTera) != "{}") {
+    absl::StrAppend(&out, ",\n  \"peak_TFLOPs\": ", PerDTypeJson(t.peak_flops_per_s, kTera));
   }
   if (!t.peak_source.empty()) {
     absl::StrAppend(&out, ",\n  \"peak_source\": ", JsonQuote(t.peak_source));
+  }
+  const ComputeEfficiency& e = t.compute_efficiency;
+  if (e != ComputeEfficiency{}) {
+    std::vector<std::string> curves;
+    for (const DType dtype : kAllDTypes) {
+      const auto& curve = e.attention[static_cast<int>(dtype)];
+      if (curve.empty()) continue;
+      std::vector<std::string> points;
+      for (const ComputeEfficiency::AttentionPoint& p : curve) {
+        points.push_back(absl::StrCat("{\"seq_len\": ", JsonNumber(p.seq_len),
+                                      ", \"TFLOPs\": ", JsonNumber(p.flops_per_s / kTera), "}"));
+      }
+      curves.push_back(
+          absl::StrCat("\"", DTypeName(dtype), "\": [", absl::StrJoin(points, ", "), "]"));
+    }
+    absl::StrAppend(&out, ",\n  \"compute_efficiency\": {\"matmul\": ", PerDTypeJson(e.matmul, 1),
+                    ",\n    \"attention_TFLOPs\": {", absl::StrJoin(curves, ", "),
+                    "},\n    \"source\": ", JsonQuote(e.source), "}");
   }
   absl::StrAppend(&out, ",\n  \"intra_node\": ", link(t.intra_node, "", "bandwidth_GBps"));
   if (t.nodes > 1 || t.nics_per_node > 0) {
@@ -753,6 +835,45 @@ absl::StatusOr<CollectiveCost> EstimateCollective(const Topology& t, CollectiveK
     return absl::InternalError(absl::StrCat(Where(t), ": no algorithm for ", CollectiveName(kind)));
   }
   return *best;
+}
+
+double ComputeEfficiency::AttentionFlopsPerS(DType dtype, double seq_len) const {
+  const std::vector<AttentionPoint>& curve = attention[static_cast<int>(dtype)];
+  if (curve.empty()) return 0;
+  if (seq_len <= curve.front().seq_len) return curve.front().flops_per_s;
+  if (seq_len >= curve.back().seq_len) return curve.back().flops_per_s;
+  size_t i = 1;
+  while (curve[i].seq_len < seq_len) ++i;
+  const double x0 = std::log2(curve[i - 1].seq_len), x1 = std::log2(curve[i].seq_len);
+  const double w = (std::log2(seq_len) - x0) / (x1 - x0);
+  return curve[i - 1].flops_per_s + w * (curve[i].flops_per_s - curve[i - 1].flops_per_s);
+}
+
+absl::Duration ComputeDuration(const Topology& t, const ComputeWork& work, DType dtype) {
+  const int d = static_cast<int>(dtype);
+  const ComputeEfficiency& e = t.compute_efficiency;
+  double other = work.other_flops, seconds = 0;
+  if (e.matmul[d] > 0 && t.peak_flops_per_s[d] > 0) {
+    seconds += work.matmul_flops / (t.peak_flops_per_s[d] * e.matmul[d]);
+  } else {
+    other += work.matmul_flops;
+  }
+  const double attention_rate = e.AttentionFlopsPerS(dtype, work.attention_seq_len);
+  if (attention_rate > 0) {
+    const double kernel = work.attention_flops / (work.causal ? 2 : 1) * (work.backward ? 2.5 : 1);
+    seconds += kernel / attention_rate;
+  } else {
+    other += work.attention_flops * (work.backward ? 2 : 1);  // the model's count
+  }
+  if (e.matmul[d] > 0 || !e.attention[d].empty()) {
+    seconds += work.elementwise_bytes / t.memory_ops.fill_bytes_per_s;
+  }
+  if (other > 0) {
+    const double rate = t.ComputeFlopsPerS(dtype);
+    if (!(rate > 0)) return absl::InfiniteDuration();
+    seconds += other / rate;
+  }
+  return absl::Seconds(seconds);
 }
 
 absl::Duration ComputeDuration(const Topology& t, double flops, DType dtype) {

@@ -56,17 +56,32 @@
 // With a Topology, the ring inside one node is exactly the flat model of SimOptions (latency,
 // bandwidth) in sim_communicator.h, with alpha = latency and B = bandwidth.
 //
-// Compute: an op of F FLOPs in dtype d takes F / ComputeFlopsPerS(d) (ComputeDuration): the
-// throughput a device achieves, one figure for every dtype ("compute_TFLOPs": c) or one per dtype
-// ("compute_TFLOPs": {"bf16": c, "f32": c'}; a dtype without one cannot be simulated). Apart
-// from it, "peak_TFLOPs" holds the hardware's peak per dtype, from the
+// Compute (ComputeDuration): an op's work (ComputeWork) in dtype d. By default its FLOPs take
+// FLOPs / ComputeFlopsPerS(d): the throughput a device achieves, one figure for every dtype
+// ("compute_TFLOPs": c) or one per dtype ("compute_TFLOPs": {"bf16": c, "f32": c'}; a dtype
+// without one cannot be simulated). "peak_TFLOPs" holds the hardware's peak per dtype, from the
 // datasheet that "peak_source" cites; MFU is measured against it (scheduler/tune/sweep.h), never
-// against the achieved figure.
+// against the achieved figure. Where the topology has a "compute_efficiency" (each figure from a
+// published measurement its "source" cites, none fitted to what is predicted) an op takes, for
+// the dtypes it names,
+//   matmul_flops / (peak(d) * matmul(d))                    matrix products
+//   + attention / attention_TFLOPs(d, s)                     attention's core: a FlashAttention
+//        kernel's work, attention_flops / 2 when causal, and 2.5 times that in the backward,
+//        at the throughput measured for its forward and backward together at sequence length s
+//        (piecewise linear in log2(s) through the points, flat beyond them)
+//   + elementwise_bytes / memory_ops.fill_GBps               memory-bound ops (norms, activation
+//        functions, residual adds) at the rate the memory ops move bytes
+//   + other_flops / ComputeFlopsPerS(d)
+// and without it (or for a dtype it does not name) everything but the elementwise bytes at
+// ComputeFlopsPerS(d).
 //
 // JSON (ParseTopology / TopologyToJson; docs/tuning.md has the schema with an example):
 //   {"name": ..., "description": ..., "nodes": N, "devices_per_node": D,
 //    "device_memory_GiB": g, "compute_TFLOPs": c,
 //    "peak_TFLOPs": {"bf16": p, "f16": p, "f32": p, ...}, "peak_source": "...",
+//    "compute_efficiency": {"matmul": {"bf16": e, ...},
+//                           "attention_TFLOPs": {"bf16": [{"seq_len": s, "TFLOPs": a}, ...]},
+//                           "source": "..."},
 //    "intra_node": {"bandwidth_GBps": b, "latency_us": a,
 //                   "efficiency": [{"bytes": m, "efficiency": e}, ...]},
 //    "inter_node": {"nics_per_node": k, "nic_bandwidth_GBps": b, "latency_us": a,
@@ -74,8 +89,9 @@
 //    "collectives": {"all_reduce": {"ring": {}, "tree": {"bandwidth_factor": f,
 //                                                        "latency_us": l}}, ...},
 //    "host_link_GBps": h, "host_cores": c, "memory_ops": {...}}
-// (peak_TFLOPs, peak_source, collectives and the last three optional; peak_TFLOPs keys are
-// dtype names, runtime/dtype.h)
+// (peak_TFLOPs, peak_source, compute_efficiency, collectives and the last three optional; the
+// keys of the per-dtype objects are dtype names, runtime/dtype.h; compute_efficiency's matmul
+// needs peak_TFLOPs for its dtypes)
 // GBps is 10^9 bytes/s, TFLOPs 10^12 FLOP/s, GiB 2^30 bytes. inter_node is required when
 // nodes > 1. Unknown members are errors (a typo must not silently fall back to a default).
 
@@ -148,6 +164,38 @@ struct MemoryOpsModel {
   bool operator==(const MemoryOpsModel&) const = default;
 };
 
+// What the device achieves beside its peak, from published measurements (ComputeDuration).
+struct ComputeEfficiency {
+  // Fraction of peak_TFLOPs a matrix product achieves, per dtype (0: not stated).
+  std::array<double, kAllDTypes.size()> matmul{};
+  // FlashAttention's forward-and-backward throughput in its own FLOP count, per dtype: FLOP/s
+  // at increasing sequence lengths (empty: not stated).
+  struct AttentionPoint {
+    double seq_len = 0;
+    double flops_per_s = 0;
+    bool operator==(const AttentionPoint&) const = default;
+  };
+  std::array<std::vector<AttentionPoint>, kAllDTypes.size()> attention;
+  // The attention throughput at sequence length `seq_len` for `dtype` (0: not stated).
+  double AttentionFlopsPerS(DType dtype, double seq_len) const;
+  std::string source;
+  bool operator==(const ComputeEfficiency&) const = default;
+};
+
+// One compute op's work by kind (scheduler/tune/model.h gives it per use of a model).
+struct ComputeWork {
+  double matmul_flops = 0;
+  // Attention's core as the model counts it (the full s x s square, forward); `causal`: the
+  // kernel computes half of it; `backward`: the op is the backward kernel (twice the forward's
+  // FLOPs in the model's count where timed at compute_TFLOPs).
+  double attention_flops = 0;
+  bool causal = false;
+  bool backward = false;
+  double attention_seq_len = 0;  // the kernel's sequence length
+  double elementwise_bytes = 0;  // read and written by memory-bound ops
+  double other_flops = 0;        // FLOPs of no kind above
+};
+
 struct Topology {
   std::string name;
   std::string description;
@@ -162,6 +210,7 @@ struct Topology {
   // 0: not stated), and where it comes from. What MFU is measured against.
   std::array<double, kAllDTypes.size()> peak_flops_per_s{};
   std::string peak_source;
+  ComputeEfficiency compute_efficiency;
   LinkModel intra_node;
   int nics_per_node = 0;  // >= 1 when nodes > 1
   LinkModel inter_node;   // bandwidth per NIC; used only when nodes > 1
@@ -259,6 +308,8 @@ absl::StatusOr<CollectiveCost> EstimateCollectiveWith(const Topology& topology,
 // flops / ComputeFlopsPerS(dtype); InfiniteDuration where the topology states no throughput for
 // the dtype (the simulation refuses such a configuration first).
 absl::Duration ComputeDuration(const Topology& topology, double flops, DType dtype);
+// How long an op of `work` in `dtype` takes (the header comment's formula).
+absl::Duration ComputeDuration(const Topology& topology, const ComputeWork& work, DType dtype);
 
 }  // namespace shardline
 

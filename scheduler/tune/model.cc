@@ -71,6 +71,38 @@ absl::Status ReadCount(const JsonValue& obj, absl::string_view where, absl::stri
   return absl::OkStatus();
 }
 
+// A ComputeWork object: {"matmul_flops", "attention_flops", "causal", "attention_seq_len",
+// "elementwise_bytes"}, each optional.
+absl::Status ReadWork(const JsonValue& obj, absl::string_view where, absl::string_view key,
+                      ComputeWork* out) {
+  SL_ASSIGN_OR_RETURN(const JsonValue* v, Member(obj, where, key, JsonValue::Kind::kObject, true));
+  const std::string at = absl::StrCat(where, ".", key);
+  SL_RETURN_IF_ERROR(CheckMembers(
+      *v, at,
+      {"matmul_flops", "attention_flops", "causal", "attention_seq_len", "elementwise_bytes"}));
+  uint64_t matmul = 0, attention = 0, seq_len = 0, bytes = 0;
+  SL_RETURN_IF_ERROR(ReadCount(*v, at, "matmul_flops", false, &matmul));
+  SL_RETURN_IF_ERROR(ReadCount(*v, at, "attention_flops", false, &attention));
+  SL_RETURN_IF_ERROR(ReadCount(*v, at, "attention_seq_len", false, &seq_len));
+  SL_RETURN_IF_ERROR(ReadCount(*v, at, "elementwise_bytes", false, &bytes));
+  SL_ASSIGN_OR_RETURN(const JsonValue* causal,
+                      Member(*v, at, "causal", JsonValue::Kind::kBool, false));
+  *out = {.matmul_flops = static_cast<double>(matmul),
+          .attention_flops = static_cast<double>(attention),
+          .causal = causal != nullptr && causal->boolean(),
+          .attention_seq_len = static_cast<double>(seq_len),
+          .elementwise_bytes = static_cast<double>(bytes)};
+  return absl::OkStatus();
+}
+
+std::string WorkJson(const ComputeWork& w) {
+  return absl::StrCat("{\"matmul_flops\": ", static_cast<uint64_t>(w.matmul_flops),
+                      ", \"attention_flops\": ", static_cast<uint64_t>(w.attention_flops),
+                      ", \"causal\": ", w.causal ? "true" : "false",
+                      ", \"attention_seq_len\": ", static_cast<uint64_t>(w.attention_seq_len),
+                      ", \"elementwise_bytes\": ", static_cast<uint64_t>(w.elementwise_bytes), "}");
+}
+
 absl::Status ReadPrecision(const JsonValue& v, absl::string_view where, MixedPrecisionPolicy* out) {
   const std::string at = absl::StrCat(where, ".precision");
   SL_RETURN_IF_ERROR(CheckMembers(
@@ -205,6 +237,19 @@ absl::Status ModelDescription::Validate() const {
           "), or recomputes more (", use.selective_recompute_flops, " FLOPs) than its forward (",
           use.forward_flops, ")"));
     }
+    // The work adds up to the FLOPs it describes (to the last FLOP: the counts are integers).
+    auto flops_of = [](const ComputeWork& w) {
+      return static_cast<uint64_t>(w.matmul_flops) + static_cast<uint64_t>(w.attention_flops);
+    };
+    if (use.has_work && (flops_of(use.forward_work) != use.forward_flops ||
+                         (use.selective && flops_of(use.selective_recompute_work) !=
+                                               use.selective_recompute_flops))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": forward use ", k, ": the work's matmul and attention FLOPs (",
+          flops_of(use.forward_work), ", recomputed ", flops_of(use.selective_recompute_work),
+          ") must add up to forward_flops (", use.forward_flops,
+          ") and selective_recompute_flops (", use.selective_recompute_flops, ")"));
+    }
   }
   for (size_t u = 0; u < units.size(); ++u) {
     if (!used[u]) {
@@ -279,10 +324,11 @@ absl::StatusOr<ModelDescription> ParseModelJson(absl::string_view json) {
   for (size_t k = 0; k < forward->items().size(); ++k) {
     const JsonValue& v = forward->items()[k];
     const std::string at = absl::StrCat("forward[", k, "]");
-    SL_RETURN_IF_ERROR(CheckMembers(v, at,
-                                    {"unit", "forward_flops", "backward_flops", "activation_bytes",
-                                     "checkpointed_activation_bytes", "selective_activation_bytes",
-                                     "selective_recompute_flops"}));
+    SL_RETURN_IF_ERROR(
+        CheckMembers(v, at,
+                     {"unit", "forward_flops", "backward_flops", "activation_bytes",
+                      "checkpointed_activation_bytes", "selective_activation_bytes",
+                      "selective_recompute_flops", "forward_work", "selective_recompute_work"}));
     UnitUse use;
     SL_ASSIGN_OR_RETURN(const JsonValue* unit,
                         Member(v, at, "unit", JsonValue::Kind::kString, true));
@@ -304,6 +350,16 @@ absl::StatusOr<ModelDescription> ParseModelJson(absl::string_view json) {
           ReadCount(v, at, "selective_activation_bytes", false, &use.selective_activation_bytes));
       SL_RETURN_IF_ERROR(
           ReadCount(v, at, "selective_recompute_flops", false, &use.selective_recompute_flops));
+    }
+    if (v.Find("forward_work") != nullptr) {
+      use.has_work = true;
+      SL_RETURN_IF_ERROR(ReadWork(v, at, "forward_work", &use.forward_work));
+      if (use.selective) {
+        SL_RETURN_IF_ERROR(
+            ReadWork(v, at, "selective_recompute_work", &use.selective_recompute_work));
+      }
+    } else if (v.Find("selective_recompute_work") != nullptr) {
+      return Bad(at, "selective_recompute_work needs forward_work");
     }
     m.forward.push_back(use);
   }
@@ -344,6 +400,13 @@ std::string ModelToJson(const ModelDescription& m) {
     if (use.selective) {
       absl::StrAppend(&out, ", \"selective_activation_bytes\": ", use.selective_activation_bytes,
                       ", \"selective_recompute_flops\": ", use.selective_recompute_flops);
+    }
+    if (use.has_work) {
+      absl::StrAppend(&out, ",\n     \"forward_work\": ", WorkJson(use.forward_work));
+      if (use.selective) {
+        absl::StrAppend(
+            &out, ",\n     \"selective_recompute_work\": ", WorkJson(use.selective_recompute_work));
+      }
     }
     absl::StrAppend(&out, "}");
   }
@@ -394,11 +457,17 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
     for (TensorSpec& n : NormTensors(c, "norm")) embed.tensors.push_back(std::move(n));
   }
   m.units.push_back(std::move(embed));
+  // The lookup reads and writes its rows (with learned positions a second lookup, and an add
+  // reading two and writing one).
+  const double embed_bytes = static_cast<double>(p * (c.learned_positions > 0 ? 7 : 2) * h * t);
   m.forward.push_back({.unit = 0,
                        .activation_bytes = p * h * t,
                        .checkpointed_activation_bytes = p * h * t,
                        .selective = true,
-                       .selective_activation_bytes = p * h * t});
+                       .selective_activation_bytes = p * h * t,
+                       .has_work = true,
+                       .forward_work = {.elementwise_bytes = embed_bytes},
+                       .selective_recompute_work = {}});
 
   // Layers.
   const uint64_t dropout_mask = c.dropout ? h : 0;
@@ -422,11 +491,35 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
       sac_recompute += matmuls[i].flops;
     }
   }
+  const uint64_t sac_recompute_matmul = sac_recompute;
   if (c.fused_attention) {
     sac_kept += p * h + 4 * a;
   } else {
     sac_recompute += 4 * s * h;
   }
+  // The memory-bound ops of a layer's forward, elements read and written per token (model.h):
+  // two norms (h in, h out each), rotary embedding of Q and K (Llama; in and out), the FFN's
+  // activation (gated: two inputs of f, one output; else f in, f out), two residual adds (2h
+  // in, h out each), dropout on the attention and FFN outputs (h in, h out each), and unfused
+  // attention's softmax (a*s in and out).
+  const uint64_t elementwise = 4 * h + (c.learned_positions > 0 ? 0 : 2 * (h + kvd)) +
+                               (c.gated_ffn ? 3 : 2) * f + 6 * h + (c.dropout ? 4 * h : 0) +
+                               (c.fused_attention ? 0 : 2 * a * s);
+  const uint64_t layer_matmul = 2 * t * (2 * h * h + 2 * h * kvd + (c.gated_ffn ? 3 : 2) * h * f);
+  const uint64_t layer_attention = 4 * t * s * h;
+  const ComputeWork layer_work = {.matmul_flops = static_cast<double>(layer_matmul),
+                                  .attention_flops = static_cast<double>(layer_attention),
+                                  .causal = true,
+                                  .attention_seq_len = static_cast<double>(s),
+                                  .elementwise_bytes = static_cast<double>(p * elementwise * t)};
+  // Op checkpointing recomputes every memory-bound op (none is on the save list) and the mm
+  // outputs it did not save; the attention too where it is not the fused kernel.
+  const ComputeWork sac_work = {
+      .matmul_flops = static_cast<double>(sac_recompute_matmul * t),
+      .attention_flops = c.fused_attention ? 0.0 : layer_work.attention_flops,
+      .causal = true,
+      .attention_seq_len = static_cast<double>(s),
+      .elementwise_bytes = layer_work.elementwise_bytes};
   for (int l = 0; l < c.layers; ++l) {
     UnitDescription layer{.name = absl::StrCat("layer", l)};
     std::vector<TensorSpec>& ts = layer.tensors;
@@ -441,8 +534,7 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
     Linear(c, ts, "feed_forward.w1", H, F);
     if (c.gated_ffn) Linear(c, ts, "feed_forward.w3", H, F);
     Linear(c, ts, "feed_forward.w2", F, H);
-    const uint64_t matmul = 2 * h * h + 2 * h * kvd + (c.gated_ffn ? 3 : 2) * h * f;
-    const uint64_t fwd = 2 * t * matmul + 4 * t * s * h;
+    const uint64_t fwd = layer_matmul + layer_attention;
     m.units.push_back(std::move(layer));
     m.forward.push_back({.unit = static_cast<int>(m.units.size()) - 1,
                          .forward_flops = fwd,
@@ -451,7 +543,10 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
                          .checkpointed_activation_bytes = p * h * t,
                          .selective = true,
                          .selective_activation_bytes = sac_kept * t,
-                         .selective_recompute_flops = sac_recompute * t});
+                         .selective_recompute_flops = sac_recompute * t,
+                         .has_work = true,
+                         .forward_work = layer_work,
+                         .selective_recompute_work = sac_work});
   }
 
   // Head: final norm and output projection (or the embedding again, tied).
@@ -462,7 +557,12 @@ absl::StatusOr<ModelDescription> TransformerModel(const TransformerConfig& c) {
                .activation_bytes = head_act,
                .checkpointed_activation_bytes = head_act,
                .selective = true,
-               .selective_activation_bytes = head_act};
+               .selective_activation_bytes = head_act,
+               .has_work = true,
+               // The final norm (h in and out), and the loss's softmax over f32 logits.
+               .forward_work = {.matmul_flops = static_cast<double>(head_fwd),
+                                .elementwise_bytes = static_cast<double>((2 * p * h + 8 * V) * t)},
+               .selective_recompute_work = {}};
   if (c.tied_embeddings) {
     head.unit = 0;
   } else {

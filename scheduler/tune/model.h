@@ -64,6 +64,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "collectives/sim/topology.h"
 #include "runtime/flat_layout.h"
 #include "scheduler/mixed_precision.h"
 
@@ -103,6 +104,15 @@ struct UnitUse {
   bool selective = false;
   uint64_t selective_activation_bytes = 0;
   uint64_t selective_recompute_flops = 0;
+  // The work by kind (collectives/sim/topology.h's ComputeWork, what a topology's
+  // compute_efficiency times), where the model gives it (the presets do): the forward's, whose
+  // matmul and attention FLOPs add up to forward_flops, and what op checkpointing recomputes
+  // (adding up to selective_recompute_flops). The backward's work is twice the forward's matmul
+  // FLOPs and elementwise bytes and the attention's backward kernel. Without it, every FLOP is
+  // timed at the topology's compute_TFLOPs.
+  bool has_work = false;
+  ComputeWork forward_work;
+  ComputeWork selective_recompute_work;
 };
 
 struct ModelDescription {

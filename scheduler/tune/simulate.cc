@@ -79,16 +79,35 @@ absl::Status CheckConfig(const ModelDescription& model, const SimulationConfig& 
   return absl::OkStatus();
 }
 
-// What a use keeps from its forward to its backward, and what its backward recomputes.
+// What a use keeps from its forward to its backward, what its backward recomputes, and how
+// long its forward and backward compute take.
 struct UsePlan {
   uint64_t kept = 0;
   uint64_t recompute_flops = 0;
   bool recomputes = false;  // then it holds activation_bytes during its own backward
+  ComputeWork recompute_work;
+  absl::Duration forward, backward;
 };
 
-// The plan of each use of the forward under the config's checkpointing (simulate.h).
+// A use's work by kind, or all of its FLOPs as `other` where the model does not say (model.h).
+ComputeWork ForwardWork(const UnitUse& use) {
+  if (use.has_work) return use.forward_work;
+  return {.other_flops = static_cast<double>(use.forward_flops)};
+}
+ComputeWork BackwardWork(const UnitUse& use) {
+  if (!use.has_work) return {.other_flops = static_cast<double>(use.backward_flops)};
+  ComputeWork w = use.forward_work;
+  w.matmul_flops *= 2;
+  w.elementwise_bytes *= 2;
+  w.backward = true;
+  return w;
+}
+
+// The plan of each use of the forward under the config's checkpointing (simulate.h), with the
+// cluster's durations in `dtype` (zero without a cluster).
 absl::StatusOr<std::vector<UsePlan>> PlanCheckpointing(const ModelDescription& model,
-                                                       const SimulationConfig& c) {
+                                                       const SimulationConfig& c,
+                                                       const SimCluster* cluster, DType dtype) {
   std::vector<UsePlan> plan;
   int layer = 0;  // the uses checkpointing applies to, counted from 1
   for (size_t k = 0; k < model.forward.size(); ++k) {
@@ -103,7 +122,8 @@ absl::StatusOr<std::vector<UsePlan>> PlanCheckpointing(const ModelDescription& m
     if (applies && full) {
       p = {.kept = use.checkpointed_activation_bytes,
            .recompute_flops = use.forward_flops,
-           .recomputes = true};
+           .recomputes = true,
+           .recompute_work = ForwardWork(use)};
     } else if (applies && mode == CheckpointMode::kOp) {
       if (!use.selective) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -113,7 +133,17 @@ absl::StatusOr<std::vector<UsePlan>> PlanCheckpointing(const ModelDescription& m
       }
       p = {.kept = use.selective_activation_bytes,
            .recompute_flops = use.selective_recompute_flops,
-           .recomputes = use.selective_activation_bytes < use.activation_bytes};
+           .recomputes = use.selective_activation_bytes < use.activation_bytes,
+           .recompute_work = use.has_work ? use.selective_recompute_work
+                                          : ComputeWork{.other_flops = static_cast<double>(
+                                                            use.selective_recompute_flops)}};
+    }
+    if (cluster != nullptr) {
+      p.forward = cluster->ComputeDuration(ForwardWork(use), dtype);
+      p.backward = cluster->ComputeDuration(BackwardWork(use), dtype);
+      if (p.recompute_flops > 0 || p.recompute_work.elementwise_bytes > 0) {
+        p.backward += cluster->ComputeDuration(p.recompute_work, dtype);
+      }
     }
     plan.push_back(p);
   }
@@ -148,7 +178,8 @@ absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDesc
       SL_RETURN_IF_ERROR(r.scheduler->PreForward(use.unit));
       TakeIssues(r);
       SL_ASSIGN_OR_RETURN(r.activations_held[k], r.activations->Allocate(plan[k].kept));
-      SL_RETURN_IF_ERROR(backend.Compute(*r.compute, absl::StrCat("f ", name), use.forward_flops));
+      SL_RETURN_IF_ERROR(backend.Compute(*r.compute, absl::StrCat("f ", name), use.forward_flops,
+                                         plan[k].forward));
       r.logs.back().push_back(absl::StrCat("f ", name));
       SL_RETURN_IF_ERROR(r.scheduler->PostForward(use.unit));
       TakeIssues(r);
@@ -171,7 +202,8 @@ absl::Status RunStep(Backend& backend, std::vector<Rank>& ranks, const ModelDesc
         SL_ASSIGN_OR_RETURN(recomputed,
                             r.activations->Allocate(use.activation_bytes - plan[k].kept));
       }
-      SL_RETURN_IF_ERROR(backend.Compute(*r.compute, absl::StrCat("b ", name), flops));
+      SL_RETURN_IF_ERROR(
+          backend.Compute(*r.compute, absl::StrCat("b ", name), flops, plan[k].backward));
       r.logs.back().push_back(absl::StrCat("b ", name));
       SL_RETURN_IF_ERROR(r.scheduler->PostBackward(use.unit));
       TakeIssues(r);
@@ -208,7 +240,9 @@ std::vector<SimLinkTraffic> Traffic(const std::vector<std::shared_ptr<Communicat
 absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& model,
                                      const SimulationConfig& c, const SimCluster* cluster) {
   SL_RETURN_IF_ERROR(CheckConfig(model, c));
-  SL_ASSIGN_OR_RETURN(const std::vector<UsePlan> plan, PlanCheckpointing(model, c));
+  const DType compute_dtype = c.param_dtype.value_or(model.precision.param_dtype);
+  SL_ASSIGN_OR_RETURN(const std::vector<UsePlan> plan,
+                      PlanCheckpointing(model, c, cluster, compute_dtype));
   bool representative = false;
   if (c.ranks != RankMode::kAll && cluster != nullptr) {
     const bool symmetric = cluster->RanksSymmetric(c.world_size, MeshShardSize(c));
@@ -390,14 +424,11 @@ absl::StatusOr<SimulationReport> Run(Backend& backend, const ModelDescription& m
   for (size_t k = 0; k < model.forward.size(); ++k) {
     report.model_flops += model.forward[k].forward_flops + model.forward[k].backward_flops;
     report.step_flops += plan[k].recompute_flops;
+    report.compute_time += (plan[k].forward + plan[k].backward) * c.micro_batches;
   }
   report.model_flops *= static_cast<uint64_t>(c.micro_batches);
   report.step_flops =
       report.step_flops * static_cast<uint64_t>(c.micro_batches) + report.model_flops;
-  if (cluster != nullptr) {
-    report.compute_time = cluster->ComputeDuration(
-        report.step_flops, c.param_dtype.value_or(model.precision.param_dtype));
-  }
   for (int i = 0; i < simulated; ++i) {
     Rank& r = ranks[i];
     const StepMetrics& m = sums[i].last;
@@ -527,7 +558,7 @@ absl::StatusOr<SimulationReport> Simulate(const ModelDescription& model,
   }
   SL_ASSIGN_OR_RETURN(std::unique_ptr<VirtualTimeline> timeline, VirtualTimeline::Create(options));
   std::unique_ptr<Backend> backend =
-      tune_internal::CreateVirtualBackend(cluster, std::move(timeline), compute_dtype);
+      tune_internal::CreateVirtualBackend(cluster, std::move(timeline));
   return Run(*backend, model, config, &cluster);
 }
 

@@ -106,9 +106,12 @@ class SimCluster {
   // The hardware's peak for matrix products in `dtype` (FLOP/s per device), what MFU is measured
   // against; 0 where it is not known (the flat cluster; a topology without "peak_TFLOPs").
   virtual double peak_flops_per_s(DType /*dtype*/) const { return 0; }
-  // How long a use's compute of `flops` in `dtype` takes (flops / compute_flops_per_s(dtype)).
-  virtual absl::Duration ComputeDuration(uint64_t flops, DType dtype) const {
-    return absl::Seconds(static_cast<double>(flops) / compute_flops_per_s(dtype));
+  // How long a compute op of `work` in `dtype` takes: by default every FLOP at
+  // compute_flops_per_s(dtype), the memory-bound bytes free; a topology cluster times it with its
+  // topology (ComputeDuration in collectives/sim/topology.h).
+  virtual absl::Duration ComputeDuration(const ComputeWork& work, DType dtype) const {
+    return absl::Seconds((work.matmul_flops + work.attention_flops + work.other_flops) /
+                         compute_flops_per_s(dtype));
   }
   // Memory per device; 0: unlimited.
   virtual uint64_t device_memory_bytes() const = 0;
@@ -146,7 +149,7 @@ absl::StatusOr<std::unique_ptr<SimCluster>> CreateFlatCluster(FlatClusterOptions
 // so a ProcessMesh's shard group of k consecutive ranks sits inside one node when k divides
 // devices_per_node and its replicate group spans the nodes; collectives take the topology's
 // cost for their group's placement, with link contention (sim_communicator.h); a use's compute
-// takes ComputeDuration(topology, flops, the param dtype); device memory is the topology's.
+// takes ComputeDuration(topology, its work, the param dtype); device memory is the topology's.
 // CreateWorld fails with InvalidArgument for a world larger than the topology's devices.
 // InvalidArgument for a null or invalid topology.
 absl::StatusOr<std::unique_ptr<SimCluster>> CreateTopologyCluster(

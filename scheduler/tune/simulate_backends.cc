@@ -21,9 +21,8 @@ namespace {
 
 class VirtualBackend final : public Backend {
  public:
-  VirtualBackend(const SimCluster& cluster, std::unique_ptr<VirtualTimeline> timeline,
-                 DType compute_dtype)
-      : cluster_(cluster), timeline_(std::move(timeline)), compute_dtype_(compute_dtype) {}
+  VirtualBackend(const SimCluster& cluster, std::unique_ptr<VirtualTimeline> timeline)
+      : cluster_(cluster), timeline_(std::move(timeline)) {}
 
   absl::StatusOr<std::vector<std::shared_ptr<Communicator>>> World(int size) override {
     return cluster_.CreateWorld(*timeline_, size);
@@ -61,11 +60,12 @@ class VirtualBackend final : public Backend {
         VirtualSharing::Host(host),
         timeline_->options().host_cores / cluster_.RanksOnHost(world_size));
   }
-  absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
+  absl::Status Compute(Stream& stream, std::string name, uint64_t flops,
+                       absl::Duration duration) override {
     return stream.Submit({.name = std::move(name),
                           .kind = StreamOpKind::kCompute,
                           .flops = flops,
-                          .duration = cluster_.ComputeDuration(flops, compute_dtype_),
+                          .duration = duration,
                           .run = [] { return absl::OkStatus(); }});
   }
   absl::Status Drain(std::vector<Rank>&) override { return timeline_->RunUntilIdle(); }
@@ -80,7 +80,6 @@ class VirtualBackend final : public Backend {
 
   const SimCluster& cluster_;
   std::unique_ptr<VirtualTimeline> timeline_;
-  DType compute_dtype_;
 };
 
 class HostBackend final : public Backend {
@@ -104,7 +103,7 @@ class HostBackend final : public Backend {
   std::function<absl::StatusOr<std::unique_ptr<Stream>>(StreamOptions)> Factory(int) override {
     return nullptr;
   }
-  absl::Status Compute(Stream& stream, std::string name, uint64_t flops) override {
+  absl::Status Compute(Stream& stream, std::string name, uint64_t flops, absl::Duration) override {
     return stream.Submit(
         {.name = std::move(name), .kind = StreamOpKind::kCompute, .flops = flops, .run = [] {
            return absl::OkStatus();
@@ -138,9 +137,8 @@ void SubAllocator::DeallocateRaw(void* data, size_t /*bytes*/) {
 }
 
 std::unique_ptr<Backend> CreateVirtualBackend(const SimCluster& cluster,
-                                              std::unique_ptr<VirtualTimeline> timeline,
-                                              DType compute_dtype) {
-  return std::make_unique<VirtualBackend>(cluster, std::move(timeline), compute_dtype);
+                                              std::unique_ptr<VirtualTimeline> timeline) {
+  return std::make_unique<VirtualBackend>(cluster, std::move(timeline));
 }
 
 std::unique_ptr<Backend> CreateHostBackend() { return std::make_unique<HostBackend>(); }

@@ -95,8 +95,8 @@ class TopologyCluster final : public SimCluster {
     return topology_->ComputeFlopsPerS(dtype);
   }
   double peak_flops_per_s(DType dtype) const override { return topology_->PeakFlopsPerS(dtype); }
-  absl::Duration ComputeDuration(uint64_t flops, DType dtype) const override {
-    return shardline::ComputeDuration(*topology_, static_cast<double>(flops), dtype);
+  absl::Duration ComputeDuration(const ComputeWork& work, DType dtype) const override {
+    return shardline::ComputeDuration(*topology_, work, dtype);
   }
   uint64_t device_memory_bytes() const override { return topology_->device_memory_bytes; }
   std::shared_ptr<const Topology> topology() const override { return topology_; }

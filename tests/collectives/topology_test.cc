@@ -90,6 +90,43 @@ TEST(TopologyTest, PeaksAreKeptPerDTypeApartFromTheAchievedThroughput) {
   EXPECT_EQ(*again, *t);
 }
 
+// compute_efficiency: matmul at a fraction of the peak, attention at the FlashAttention curve
+// (log-interpolated in the sequence length; half the square when causal, 2.5 times in the
+// backward), memory-bound bytes at the fill rate, the rest at compute_TFLOPs.
+TEST(TopologyTest, ComputeEfficiencyTimesEachKindOfWork) {
+  const std::string json =
+      absl::StrReplaceAll(kBase, {{R"("compute_TFLOPs": 100,)",
+                                   R"("compute_TFLOPs": 100, "peak_TFLOPs": {"bf16": 400},
+                  "compute_efficiency": {"matmul": {"bf16": 0.75},
+                    "attention_TFLOPs": {"bf16": [{"seq_len": 1024, "TFLOPs": 150},
+                                                  {"seq_len": 4096, "TFLOPs": 250}]},
+                    "source": "measured somewhere"},
+                  "memory_ops": {"fill_GBps": 2000},)"}});
+  absl::StatusOr<Topology> t = ParseTopology(json);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const ComputeEfficiency& e = t->compute_efficiency;
+  EXPECT_EQ(e.AttentionFlopsPerS(DType::kBF16, 512), 150e12) << "flat below the first point";
+  EXPECT_EQ(e.AttentionFlopsPerS(DType::kBF16, 8192), 250e12) << "flat above the last";
+  EXPECT_DOUBLE_EQ(e.AttentionFlopsPerS(DType::kBF16, 2048), 200e12) << "half way in log2";
+  EXPECT_EQ(e.AttentionFlopsPerS(DType::kF32, 2048), 0);
+  const ComputeWork work = {.matmul_flops = 3e12,
+                            .attention_flops = 8e12,
+                            .causal = true,
+                            .attention_seq_len = 2048,
+                            .elementwise_bytes = 4e9,
+                            .other_flops = 5e12};
+  // 3e12 / 300e12 + 4e12 / 200e12 + 4e9 / 2000e9 + 5e12 / 100e12 = 10 + 20 + 2 + 50 ms.
+  EXPECT_NEAR(absl::ToDoubleMilliseconds(ComputeDuration(*t, work, DType::kBF16)), 82, 1e-9);
+  ComputeWork backward = work;
+  backward.backward = true;  // the attention kernel's work 2.5 times: 50 ms
+  EXPECT_NEAR(absl::ToDoubleMilliseconds(ComputeDuration(*t, backward, DType::kBF16)), 112, 1e-9);
+  // A dtype the efficiency does not name: every FLOP at compute_TFLOPs, the bytes free.
+  EXPECT_NEAR(absl::ToDoubleMilliseconds(ComputeDuration(*t, work, DType::kF32)), 160, 1e-9);
+  absl::StatusOr<Topology> again = ParseTopology(TopologyToJson(*t));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *t);
+}
+
 TEST(TopologyTest, ValidationErrorsNameTheField) {
   struct Case {
     std::string from, to;  // a replacement in kBase
@@ -159,6 +196,24 @@ TEST(TopologyTest, ValidationErrorsNameTheField) {
        "field 'peak_TFLOPs.f32' must be a number, got string"},
       {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": 100, "peak_TFLOPs": 989,)",
        "field 'peak_TFLOPs' must be an object, got integer"},
+      {R"("compute_TFLOPs": 100,)",
+       R"("compute_TFLOPs": 100, "compute_efficiency": {"matmul": {"bf16": 0.5}, "source": "s"},)",
+       "field 'compute_efficiency.matmul.bf16' needs peak_TFLOPs for the dtype"},
+      {R"("compute_TFLOPs": 100,)",
+       R"("compute_TFLOPs": 100, "peak_TFLOPs": {"bf16": 9},
+          "compute_efficiency": {"matmul": {"bf16": 1.5}, "source": "s"},)",
+       "field 'compute_efficiency.matmul.bf16' must be in (0, 1], got 1.5"},
+      {R"("compute_TFLOPs": 100,)",
+       R"("compute_TFLOPs": 100, "compute_efficiency": {"matmul": {}},)",
+       "field 'compute_efficiency.source' is missing"},
+      {R"("compute_TFLOPs": 100,)",
+       R"("compute_TFLOPs": 100, "compute_efficiency": {"source": "s", "attention_TFLOPs":
+          {"bf16": [{"seq_len": 2048, "TFLOPs": 1}, {"seq_len": 1024, "TFLOPs": 2}]}},)",
+       "field 'compute_efficiency.attention_TFLOPs.bf16[1].seq_len' must be larger"},
+      {R"("compute_TFLOPs": 100,)",
+       R"("compute_TFLOPs": 100, "compute_efficiency": {"source": "s", "attention_TFLOPs":
+          {"bf16": [{"seq_len": 2048, "TFLOPS": 1}]}},)",
+       "field 'compute_efficiency.attention_TFLOPs.bf16[0].TFLOPs' is missing"},
       {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": {"f32": -3},)",
        "field 'compute_TFLOPs.f32' must be positive and finite, got -3"},
       {R"("compute_TFLOPs": 100,)", R"("compute_TFLOPs": {},)",

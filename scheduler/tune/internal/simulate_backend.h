@@ -84,7 +84,10 @@ class Backend {
       int rank) = 0;
   // Representative mode (virtual time): one rank stands for the `world_size` ranks.
   virtual void UseRepresentative(int /*world_size*/) {}
-  virtual absl::Status Compute(Stream& stream, std::string name, uint64_t flops) = 0;
+  // A compute op of `flops` FLOPs that takes `duration` (virtual time; the host backend runs
+  // nothing).
+  virtual absl::Status Compute(Stream& stream, std::string name, uint64_t flops,
+                               absl::Duration duration) = 0;
   // Runs everything enqueued so far to completion.
   virtual absl::Status Drain(std::vector<Rank>& ranks) = 0;
   // For LastStepMetrics and the host's waits for its compute.
@@ -92,11 +95,9 @@ class Backend {
 };
 
 // The backend of Simulate: the ranks on `timeline` (virtual streams, the cluster's sim
-// communicators, phantom memory), computing in `compute_dtype` at the cluster's throughput for
-// it. `cluster` must outlive it.
+// communicators, phantom memory). `cluster` must outlive it.
 std::unique_ptr<Backend> CreateVirtualBackend(const SimCluster& cluster,
-                                              std::unique_ptr<VirtualTimeline> timeline,
-                                              DType compute_dtype);
+                                              std::unique_ptr<VirtualTimeline> timeline);
 // The backend of RunOnHostBackend: local communicators, host streams, host memory.
 std::unique_ptr<Backend> CreateHostBackend();
 

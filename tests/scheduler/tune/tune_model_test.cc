@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 #include "absl/strings/match.h"
 
@@ -135,6 +136,31 @@ TEST(TuneModelTest, LlamaSelectiveOpCheckpointingTermByTerm) {
   EXPECT_EQ(m.forward.back().selective_recompute_flops, 0u);
 }
 
+// The work by kind (model.h): matmul and attention FLOPs adding up to the forward's, and the
+// bytes of its memory-bound ops: two norms, rotary Q and K, SwiGLU, two residual adds.
+TEST(TuneModelTest, LlamaLayerWorkTermByTerm) {
+  const ModelDescription m = MustModel(Llama3_8B({.seq_len = 8192, .micro_batch = 2}));
+  const double h = 4096, f = 14336, kvd = 8 * 128, p = 2, t = 2 * 8192, s = 8192;
+  const UnitUse& layer = m.forward[3];
+  ASSERT_TRUE(layer.has_work);
+  const ComputeWork& w = layer.forward_work;
+  EXPECT_EQ(w.matmul_flops, 2 * t * (2 * h * h + 2 * h * kvd + 3 * h * f));
+  EXPECT_EQ(w.attention_flops, 4 * t * s * h);
+  EXPECT_TRUE(w.causal);
+  EXPECT_EQ(w.attention_seq_len, s);
+  EXPECT_EQ(w.elementwise_bytes, p * t * (2 * h + 2 * h + 2 * (h + kvd) + 3 * f + 3 * h + 3 * h));
+  EXPECT_EQ(static_cast<uint64_t>(w.matmul_flops + w.attention_flops), layer.forward_flops);
+  // Op checkpointing recomputes wk, wo and w3 and every memory-bound op, not the attention.
+  const ComputeWork& r = layer.selective_recompute_work;
+  EXPECT_EQ(r.matmul_flops, 2 * t * (h * kvd + h * h + h * f));
+  EXPECT_EQ(r.attention_flops, 0);
+  EXPECT_EQ(r.elementwise_bytes, w.elementwise_bytes);
+  // The head: its projection, the final norm and the f32 softmax over the vocabulary.
+  const ComputeWork& head = m.forward.back().forward_work;
+  EXPECT_EQ(head.matmul_flops, 2 * t * 128256 * h);
+  EXPECT_EQ(head.elementwise_bytes, (2 * p * h + 8 * 128256) * t);
+}
+
 // GPT's linear layers have biases (aten.addmm, not on torchtitan's list): none is saved, every
 // matmul is recomputed, and its unfused attention too.
 TEST(TuneModelTest, GptSelectiveOpCheckpointingSavesNoLinear) {
@@ -189,6 +215,16 @@ void ExpectSameModel(const ModelDescription& a, const ModelDescription& b) {
     EXPECT_EQ(a.forward[k].selective, b.forward[k].selective);
     EXPECT_EQ(a.forward[k].selective_activation_bytes, b.forward[k].selective_activation_bytes);
     EXPECT_EQ(a.forward[k].selective_recompute_flops, b.forward[k].selective_recompute_flops);
+    EXPECT_EQ(a.forward[k].has_work, b.forward[k].has_work);
+    for (const auto& [x, y] : {std::pair(a.forward[k].forward_work, b.forward[k].forward_work),
+                               std::pair(a.forward[k].selective_recompute_work,
+                                         b.forward[k].selective_recompute_work)}) {
+      EXPECT_EQ(x.matmul_flops, y.matmul_flops);
+      EXPECT_EQ(x.attention_flops, y.attention_flops);
+      EXPECT_EQ(x.causal, y.causal);
+      EXPECT_EQ(x.attention_seq_len, y.attention_seq_len);
+      EXPECT_EQ(x.elementwise_bytes, y.elementwise_bytes);
+    }
   }
 }
 
@@ -283,6 +319,15 @@ TEST(TuneModelTest, MalformedJsonNamesTheProblem) {
            R"(], "forward": [{"unit": "a", "forward_flops": 10, "activation_bytes": 4, )" +
            R"("selective_activation_bytes": 5, "selective_recompute_flops": 1}]})",
        "keeps more with selective checkpointing (5 bytes) than without (4)"},
+      {R"({"name": "m", "units": [)" + unit +
+           R"(], "forward": [{"unit": "a", "selective_recompute_work": {}}]})",
+       "selective_recompute_work needs forward_work"},
+      {R"({"name": "m", "units": [)" + unit +
+           R"(], "forward": [{"unit": "a", "forward_flops": 10, "forward_work": {"matmul_flops": 9}}]})",
+       "must add up to forward_flops (10)"},
+      {R"({"name": "m", "units": [)" + unit +
+           R"(], "forward": [{"unit": "a", "forward_work": {"matmul": 9}}]})",
+       "unknown member \"matmul\""},
   };
   for (const Case& c : cases) {
     absl::StatusOr<ModelDescription> m = ParseModelJson(c.json);

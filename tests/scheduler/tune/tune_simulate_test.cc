@@ -22,13 +22,16 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/sim/topology.h"
 #include "runtime/flat_layout.h"
+#include "scheduler/tune/model.h"
 
 namespace shardline {
 namespace {
@@ -304,6 +307,63 @@ TEST(TuneSimulateTest, IssueOrderOnVirtualTimeEqualsTheHostBackend) {
       }
     }
   }
+}
+
+// On a topology with a compute_efficiency, each use's compute is its work timed kind by kind
+// (collectives/sim/topology.h): the compute time is their sum, written out here, for no, full
+// and op checkpointing.
+TEST(TuneSimulateTest, ComputeTimeIsTheWorkTimedKindByKind) {
+  absl::StatusOr<Topology> topology = ParseTopology(R"({
+    "name": "efficiency", "nodes": 1, "devices_per_node": 4, "device_memory_GiB": 80,
+    "compute_TFLOPs": 10, "peak_TFLOPs": {"bf16": 100},
+    "compute_efficiency": {"matmul": {"bf16": 0.5},
+                           "attention_TFLOPs": {"bf16": [{"seq_len": 64, "TFLOPs": 25}]},
+                           "source": "round numbers"},
+    "intra_node": {"bandwidth_GBps": 100, "latency_us": 1},
+    "memory_ops": {"fill_GBps": 1000}})");
+  ASSERT_TRUE(topology.ok()) << topology.status();
+  absl::StatusOr<std::unique_ptr<SimCluster>> cluster =
+      CreateTopologyCluster(std::make_shared<const Topology>(*topology));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  TransformerConfig c = Llama3_8B({.seq_len = 1024, .micro_batch = 1});
+  c.layers = 3;
+  c.hidden = 512;
+  c.ffn = 1408;
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.vocab = 3001;
+  absl::StatusOr<ModelDescription> m = TransformerModel(c);
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto seconds = [](const ComputeWork& w, bool backward) {
+    const double k = backward ? 2 : 1;
+    return k * w.matmul_flops / 50e12 +
+           w.attention_flops / (w.causal ? 2 : 1) * (backward ? 2.5 : 1) / 25e12 +
+           k * w.elementwise_bytes / 1000e9;
+  };
+  for (const CheckpointMode mode :
+       {CheckpointMode::kOff, CheckpointMode::kFull, CheckpointMode::kOp}) {
+    absl::StatusOr<SimulationReport> r =
+        Simulate(*m, {.world_size = 4, .activation_checkpointing = {.mode = mode}}, **cluster);
+    ASSERT_TRUE(r.ok()) << r.status();
+    double expected = 0;
+    for (const UnitUse& u : m->forward) {
+      ASSERT_TRUE(u.has_work);
+      expected += seconds(u.forward_work, false) + seconds(u.forward_work, true);
+      const bool layer = u.checkpointed_activation_bytes < u.activation_bytes;
+      if (layer && mode == CheckpointMode::kFull) expected += seconds(u.forward_work, false);
+      if (layer && mode == CheckpointMode::kOp) {
+        expected += seconds(u.selective_recompute_work, false);
+      }
+    }
+    // (Each op's duration is rounded to a quarter nanosecond.)
+    EXPECT_NEAR(absl::ToDoubleSeconds(r->compute_time), expected, 1e-8) << static_cast<int>(mode);
+  }
+  // In f32, which the efficiency does not name: every FLOP at compute_TFLOPs, the bytes free.
+  absl::StatusOr<SimulationReport> f32 =
+      Simulate(*m, {.world_size = 4, .param_dtype = DType::kF32}, **cluster);
+  ASSERT_TRUE(f32.ok()) << f32.status();
+  EXPECT_NEAR(absl::ToDoubleSeconds(f32->compute_time),
+              static_cast<double>(m->ForwardFlops() + m->BackwardFlops()) / 10e12, 1e-8);
 }
 
 TEST(TuneSimulateTest, IssueOrderIsTheDocumentedOne) {
