@@ -10,7 +10,9 @@
 #      tools, pytest, numpy, torch from PyPI once per machine; build-pip/, beside build/: ccache
 #      serves the C++ layers stage 1 compiled, so only the module's own sources compile), pytest
 #      tests/python (test_safetensors.py also runs build/bin's checkpoint_fixture and
-#      shardline-checkpoint); tests marked `long` are left to scripts/run-long-tests.sh
+#      shardline-checkpoint); tests marked `long` are left to scripts/run-long-tests.sh.
+#      Meanwhile stages 4 and 5 build in the background at the lowest priority (log:
+#      build/sanitizer-prebuild.log), on the cores the Python tests leave idle
 #   4. build-asan/ (AddressSanitizer; UndefinedBehaviorSanitizer on the libraries; the libraries
 #      at -O1 -g1 as a unity build, the test code at -O0): ctest -L unit
 #   5. build-tsan/ (ThreadSanitizer, likewise): ctest -L threads (streams, pools, collectives, the
@@ -74,6 +76,7 @@ fi
 
 if want 3; then
   stage "3. Python: pip install . and pytest"
+  start_prebuild
   scripts/install-python.sh --module
   # tests/python/test_safetensors.py runs build/bin/checkpoint_fixture and shardline-checkpoint.
   [[ -x build/bin/checkpoint_fixture && -x build/bin/shardline-checkpoint ]] ||
@@ -89,21 +92,64 @@ if want 3; then
   fi
 fi
 
-sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL ENV
-  local dir=$1 sanitize=$2 label=$3 env=$4
+sanitized_build() {  # BUILD_DIR SANITIZERS LABEL
+  local dir=$1 sanitize=$2 label=$3
   mkdir -p "$dir"
   # Unity build of the libraries (CMakeLists.txt): half the compile time of a cold build.
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARDLINE_SANITIZE="$sanitize" \
     -DSHARDLINE_UNITY_BUILD=ON -DSHARDLINE_WITH_CUDA=OFF -DSHARDLINE_BUILD_BENCH=OFF -DSHARDLINE_BUILD_EXAMPLES=OFF \
-    >"$dir/configure.log" 2>&1 || { cat "$dir/configure.log"; exit 1; }
+    >"$dir/configure.log" 2>&1 || { cat "$dir/configure.log"; return 1; }
   # Build only the executables of the tests that carry the label (test name = target name).
   # Scripts (label "script") are not instrumented: they run in stage 1 only.
+  local targets
   mapfile -t targets < <(ctest --test-dir "$dir" -N -L "$label" -LE script |
                          sed -n 's/^ *Test *#[0-9]*: //p')
-  ((${#targets[@]})) || { echo "no tests labelled $label" >&2; exit 1; }
+  ((${#targets[@]})) || { echo "no tests labelled $label" >&2; return 1; }
   cmake --build "$dir" -j "$jobs" --target "${targets[@]}"
+}
+
+sanitized_tests() {  # BUILD_DIR SANITIZERS LABEL ENV
+  local dir=$1 sanitize=$2 label=$3 env=$4
+  sanitized_build "$dir" "$sanitize" "$label" || exit 1
   ctest_run "$env" "$dir" -L "$label" -LE script "${ctest_args[@]}"
 }
+
+# The Python stage leaves cores idle while its processes wait on one another (collectives,
+# deadlines of injected faults): the sanitizer stages' builds take them in the background, at
+# the lowest priority so that the tests keep the cores whenever they want them. Stages 4 and 5
+# then build what is left (nothing, or what the background build had not reached) and test.
+prebuild_pid=""
+stop_prebuild() {
+  if [[ -n $prebuild_pid ]]; then
+    kill -- "-$prebuild_pid" 2>/dev/null || kill "$prebuild_pid" 2>/dev/null || true
+    wait "$prebuild_pid" 2>/dev/null || true
+    prebuild_pid=""
+  fi
+}
+trap stop_prebuild EXIT
+start_prebuild() {
+  local builds=()
+  want 4 && builds+=("build-asan address,undefined unit")
+  want 5 && builds+=("build-tsan thread threads")
+  ((${#builds[@]})) || return 0
+  mkdir -p build
+  set -m  # its own process group, so that stop_prebuild ends the compilers too
+  (
+    for b in "${builds[@]}"; do
+      read -r dir sanitize label <<<"$b"
+      nice -n 19 bash -c "$(declare -f sanitized_build); jobs=$jobs; sanitized_build $dir $sanitize $label" ||
+        true  # a failure shows again, with its output, in its own stage
+    done
+  ) >build/sanitizer-prebuild.log 2>&1 &
+  prebuild_pid=$!
+  set +m
+}
+
+# The background build is finished (or is stopped) before the sanitizer stages build and test.
+if [[ -n $prebuild_pid ]]; then
+  wait "$prebuild_pid" || true
+  prebuild_pid=""
+fi
 
 if want 4; then
   stage "4. AddressSanitizer + UndefinedBehaviorSanitizer"
