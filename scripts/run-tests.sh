@@ -51,47 +51,6 @@ ctest_run() {
   exit 1
 }
 
-scripts/install-deps.sh
-
-if want 1; then
-  stage "1. build and unit tests"
-  scripts/build.sh build
-  ctest_run "" build -L unit "${ctest_args[@]}"
-  # The multi-process and multi-host tests spend most of their time waiting out the deadlines of
-  # the faults they inject, not on a core: three at a time take 52 s here against 91 s in a row.
-  ctest_run "" build -L 'multiprocess|multihost' --output-on-failure --no-tests=error -j 3
-fi
-
-if want 2; then
-  stage "2. install and consume the CMake package"
-  [[ -d build ]] || scripts/build.sh build
-  rm -rf build/install build/consumer
-  cmake --install build --prefix build/install >/dev/null
-  cmake -S tests/consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$root/build/install" \
-    >build/consumer-configure.log 2>&1 || { cat build/consumer-configure.log; exit 1; }
-  cmake --build build/consumer
-  build/consumer/shardline_consumer
-  build/consumer/shardline_c_consumer
-fi
-
-if want 3; then
-  stage "3. Python: pip install . and pytest"
-  start_prebuild
-  scripts/install-python.sh --module
-  # tests/python/test_safetensors.py runs build/bin/checkpoint_fixture and shardline-checkpoint.
-  [[ -x build/bin/checkpoint_fixture && -x build/bin/shardline-checkpoint ]] ||
-    scripts/build.sh build -- checkpoint_fixture shardline-checkpoint
-  # From tests/python, so that `import shardline` is the installed package.
-  if ! (cd tests/python && "$root/.venv/bin/python" -m pytest -q -rf -p no:cacheprovider -m "not long" . |
-        tee "$root/build-pytest.log"; exit "${PIPESTATUS[0]}"); then
-    echo
-    echo "To rerun a failing test alone:"
-    sed -n 's/^FAILED \([^ ]*\).*/  (cd tests\/python \&\& ..\/..\/.venv\/bin\/python -m pytest -q "\1")/p' \
-      "$root/build-pytest.log"
-    exit 1
-  fi
-fi
-
 sanitized_build() {  # BUILD_DIR SANITIZERS LABEL
   local dir=$1 sanitize=$2 label=$3
   mkdir -p "$dir"
@@ -144,6 +103,48 @@ start_prebuild() {
   prebuild_pid=$!
   set +m
 }
+
+scripts/install-deps.sh
+
+if want 1; then
+  stage "1. build and unit tests"
+  scripts/build.sh build
+  ctest_run "" build -L unit "${ctest_args[@]}"
+  # The multi-process and multi-host tests spend most of their time waiting out the deadlines of
+  # the faults they inject, not on a core: three at a time take 52 s here against 91 s in a row.
+  ctest_run "" build -L 'multiprocess|multihost' --output-on-failure --no-tests=error -j 3
+fi
+
+if want 2; then
+  stage "2. install and consume the CMake package"
+  [[ -d build ]] || scripts/build.sh build
+  rm -rf build/install build/consumer
+  cmake --install build --prefix build/install >/dev/null
+  cmake -S tests/consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$root/build/install" \
+    >build/consumer-configure.log 2>&1 || { cat build/consumer-configure.log; exit 1; }
+  cmake --build build/consumer
+  build/consumer/shardline_consumer
+  build/consumer/shardline_c_consumer
+fi
+
+if want 3; then
+  stage "3. Python: pip install . and pytest"
+  start_prebuild
+  scripts/install-python.sh --module
+  # tests/python/test_safetensors.py runs build/bin/checkpoint_fixture and shardline-checkpoint.
+  [[ -x build/bin/checkpoint_fixture && -x build/bin/shardline-checkpoint ]] ||
+    scripts/build.sh build -- checkpoint_fixture shardline-checkpoint
+  # From tests/python, so that `import shardline` is the installed package.
+  if ! (cd tests/python && "$root/.venv/bin/python" -m pytest -q -rf -p no:cacheprovider -m "not long" . |
+        tee "$root/build-pytest.log"; exit "${PIPESTATUS[0]}"); then
+    echo
+    echo "To rerun a failing test alone:"
+    sed -n 's/^FAILED \([^ ]*\).*/  (cd tests\/python \&\& ..\/..\/.venv\/bin\/python -m pytest -q "\1")/p' \
+      "$root/build-pytest.log"
+    exit 1
+  fi
+fi
+
 
 # The background build is finished (or is stopped) before the sanitizer stages build and test.
 if [[ -n $prebuild_pid ]]; then
