@@ -58,13 +58,27 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-std::string TempDir() {
-  std::string dir = absl::StrCat(::testing::TempDir(), "/flight_", getpid(), "_",
-                                 ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
+// A fresh directory of the running test's own under gtest's temporary directory, removed with
+// its dumps when the test is done.
+class TestDir {
+ public:
+  TestDir()
+      : path_(absl::StrCat(::testing::TempDir(), "/flight_", getpid(), "_",
+                           ::testing::UnitTest::GetInstance()->current_test_info()->name())) {
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TestDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TestDir(const TestDir&) = delete;
+  TestDir& operator=(const TestDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 TEST(FlightRecorderTest, RingKeepsTheLastCapacityRecordsOldestFirst) {
   FlightRecorder rec(4);
@@ -271,7 +285,8 @@ TEST(FlightRecorderCommunicatorTest, KnobSetsCapacityAndZeroTurnsItOff) {
   ASSERT_EQ(records.size(), 5u);
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(records[i].seq, 7 + i);
   EXPECT_TRUE((*off)[1]->FlightRecords().empty());
-  absl::StatusOr<std::string> dumped = (*off)[1]->DumpFlightRecord(TempDir(), "test");
+  const TestDir dir;
+  absl::StatusOr<std::string> dumped = (*off)[1]->DumpFlightRecord(dir.path(), "test");
   EXPECT_EQ(dumped.status().code(), absl::StatusCode::kFailedPrecondition) << dumped.status();
 }
 
@@ -323,7 +338,8 @@ TEST(FlightRecorderCommunicatorTest, RunningCollectiveNamesThePeersItWaitsOn) {
 }
 
 TEST(FlightRecorderCommunicatorTest, DeadlineRecordsTheMissingRankAndDumps) {
-  const std::string dir = TempDir();
+  const TestDir test_dir;
+  const std::string& dir = test_dir.path();
   SetKnob("SHARDLINE_FLIGHT_RECORDER_DIR", dir);
   const int n = 3;
   absl::StatusOr<Comms> comms =
@@ -365,7 +381,8 @@ TEST(FlightRecorderCommunicatorTest, DeadlineRecordsTheMissingRankAndDumps) {
 // Issue 27: the abort's dump was written while the collective it ended still ran, and nothing
 // wrote it again: the file said "running" for a collective that had failed.
 TEST(FlightRecorderCommunicatorTest, AbortWhileRunningLeavesADumpThatSaysFailed) {
-  const std::string dir = TempDir();
+  const TestDir test_dir;
+  const std::string& dir = test_dir.path();
   SetKnob("SHARDLINE_FLIGHT_RECORDER_DIR", dir);
   absl::StatusOr<Comms> comms =
       CreateLocalCommunicators(2, {.name = "aborted", .timeout = absl::Seconds(30)});
@@ -400,7 +417,8 @@ TEST(FlightRecorderCommunicatorTest, AbortWhileRunningLeavesADumpThatSaysFailed)
 // recorded: its deadline dumps said "running" for the collective that timed out, and so did the
 // dumps of the ranks that its abort notice reached while they waited.
 TEST(FlightRecorderCommunicatorTest, UcxDeadlineDumpsSayFailed) {
-  const std::string dir = TempDir();
+  const TestDir test_dir;
+  const std::string& dir = test_dir.path();
   SetKnob("SHARDLINE_FLIGHT_RECORDER_DIR", dir);
   const int n = 3;
   Comms comms = MakeUcxComms(n, absl::Seconds(30), /*store=*/nullptr, "ucxdeadline");
@@ -435,7 +453,8 @@ TEST(FlightRecorderCommunicatorTest, UcxDeadlineDumpsSayFailed) {
 }
 
 TEST(FlightRecorderCommunicatorTest, MismatchKeepsEachRanksOwnCall) {
-  const std::string dir = TempDir();
+  const TestDir test_dir;
+  const std::string& dir = test_dir.path();
   SetKnob("SHARDLINE_FLIGHT_RECORDER_DIR", dir);
   const int n = 3;
   absl::StatusOr<Comms> comms =
@@ -464,7 +483,8 @@ TEST(FlightRecorderCommunicatorTest, MismatchKeepsEachRanksOwnCall) {
 }
 
 TEST(FlightRecorderCommunicatorTest, Sigusr1DumpsEveryLiveCommunicator) {
-  const std::string dir = TempDir();
+  const TestDir test_dir;
+  const std::string& dir = test_dir.path();
   SetKnob("SHARDLINE_FLIGHT_RECORDER_DIR", dir);
   absl::StatusOr<Comms> comms =
       CreateLocalCommunicators(2, {.name = "sig", .timeout = absl::Seconds(30)});
