@@ -168,6 +168,14 @@ void* Checkpointer::StateData(int unit, size_t k) const {
   return nullptr;
 }
 
+bool Checkpointer::StateStable(int unit, size_t k) const {
+  if (k == 0) return false;  // the master shard changes with the next step
+  for (const CheckpointState& s : states_) {
+    if (s.unit == unit && --k == 0) return s.stable;
+  }
+  return false;
+}
+
 uint64_t Checkpointer::RegistrationFingerprint() const {
   uint64_t h = 0xcbf29ce484222325ULL;
   for (const CheckpointUnitContents& unit : Contents()) {

@@ -122,6 +122,10 @@ struct CheckpointState {
   std::string name;      // 1-128 characters of [A-Za-z0-9._-]; not "master"; unique per unit
   void* data = nullptr;  // may be null only for a shard of no elements
   DType dtype = DType::kF32;
+  // The framework keeps `data` unchanged until every save that includes it has finished (a copy
+  // it made for the save, say): SaveAsync writes it from `data` and leaves it out of the
+  // snapshot, so it is copied once, not twice.
+  bool stable = false;
 };
 
 // A state that is not shard-shaped and is the same on every rank (a step counter, a learning-rate
@@ -158,7 +162,8 @@ struct CheckpointSaveStats {
   bool background = false;  // SaveAsync (true) or Save (false)
   bool finished = false;    // false while a background save is pending
   // The host copy of this rank's shards that SaveAsync made (0 for Save and for a rank that
-  // writes nothing), and the memory held for it (kept for the next background save).
+  // writes nothing; stable states are not copied), and the memory held for it (kept for the
+  // next background save).
   uint64_t snapshot_bytes = 0;
   uint64_t snapshot_capacity_bytes = 0;
   // How long the call kept the caller: all of Save; for SaveAsync the wait for an earlier
@@ -237,6 +242,8 @@ class Checkpointer {
   std::vector<CheckpointUnitContents> Contents() const;
   // The data of state `k` of unit `u` in Contents() order.
   void* StateData(int unit, size_t k) const;
+  // Whether that state is stable (CheckpointState::stable; the master shard never is).
+  bool StateStable(int unit, size_t k) const;
   // Checks the units are sharded and host-resident, and waits for the compute (and, for a load,
   // gather) stream.
   absl::Status PrepareUnits(absl::string_view what, bool for_load, absl::Time deadline);

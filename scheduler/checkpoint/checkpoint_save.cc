@@ -76,7 +76,7 @@ absl::Status Checkpointer::WriteShardFile(const std::string& tmp,
   ForEachPieceOfShard(
       manifest, shard, [&](size_t u, size_t k, const CheckpointPiece& piece, size_t size) {
         if (!status.ok()) return;
-        const char* data = snapshot != nullptr
+        const char* data = snapshot != nullptr && !StateStable(static_cast<int>(u), k)
                                ? snapshot + piece.file_offset
                                : static_cast<const char*>(StateData(static_cast<int>(u), k)) +
                                      piece.shard_offset * size;
@@ -189,15 +189,20 @@ absl::Status Checkpointer::BeginSave(absl::string_view dir_arg, bool background,
     if (local.ok()) {
       const absl::Time start = absl::Now();
       char* out = snapshot_.get();
+      uint64_t copied = 0;
+      // Stable states are written from the framework's memory: their part of the snapshot is
+      // never touched (nor, untouched, given pages).
       ForEachPieceOfShard(
           manifest, shard, [&](size_t u, size_t k, const CheckpointPiece& piece, size_t size) {
+            if (StateStable(static_cast<int>(u), k)) return;
             std::memcpy(out + piece.file_offset,
                         static_cast<const char*>(StateData(static_cast<int>(u), k)) +
                             piece.shard_offset * size,
                         piece.bytes);
+            copied += piece.bytes;
           });
       job->snapshot = out;
-      job->snapshot_bytes = bytes;
+      job->snapshot_bytes = copied;
       job->snapshot_time = absl::Now() - start;
     }
   }

@@ -250,6 +250,9 @@ def test_background_steps_weights_and_sync_in_process(tmp_path):
     saved = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
              for n, p in model.named_parameters()}
     handle = slt.save_checkpoint(model, opt, tmp_path / "bg", background=True)
+    # The optimizer's state is copied once, into the save's own buffers, which the background
+    # write reads: the snapshot holds the f32 master shards alone.
+    assert handle.stats["snapshot_bytes"] == 4 * sum(p.numel() for p in model.parameters())
     model(torch.randn(4, 5)).sum().backward()  # training goes on meanwhile
     opt.step()
     opt.zero_grad()

@@ -104,7 +104,8 @@ void Create(PyCheckpointer* self, nb::object scheduler, uint64_t checksum_block_
   new (self) PyCheckpointer(std::move(scheduler), Unwrap(std::move(made)));
 }
 
-void AddState(PyCheckpointer& c, nb::handle unit_id, const std::string& name, nb::handle array) {
+void AddState(PyCheckpointer& c, nb::handle unit_id, const std::string& name, nb::handle array,
+              bool stable) {
   Scheduler& s = SchedulerOf(c.scheduler);
   // An int or anything with __index__ (a shardline.Unit).
   nb::object index = nb::steal(PyNumber_Index(unit_id.ptr()));
@@ -130,8 +131,8 @@ void AddState(PyCheckpointer& c, nb::handle unit_id, const std::string& name, nb
     ThrowInvalid(absl::StrCat(what, " has ", t.numel, " elements; the unit's shard has ", want,
                               " (unit.shard_elements, padding included)"));
   }
-  ThrowIfError(
-      c.checkpointer->AddState({.unit = unit, .name = name, .data = t.data, .dtype = t.dtype}));
+  ThrowIfError(c.checkpointer->AddState(
+      {.unit = unit, .name = name, .data = t.data, .dtype = t.dtype, .stable = stable}));
   c.owners.push_back(std::move(t.owner));
 }
 
@@ -243,12 +244,15 @@ void RegisterCheckpoint(nb::module_& m) {
            "Collective over the scheduler's world, after its units are registered. "
            "max_snapshot_bytes caps the host memory of save_async's snapshot (0: no cap).")
       .def("add_state", &AddState, nb::arg("unit"), nb::arg("name"), nb::arg("array"),
+           nb::arg("stable") = false,
            "Registers a shard-shaped state of `unit` (an id or a Unit): a writable, contiguous "
            "host array of unit.shard_elements elements laid out like its master shard (element "
            "i belongs to the tensor element of master element i), of any dtype shardline moves. "
            "The Checkpointer keeps it alive; a load writes into it. name: 1-128 characters of "
            "[A-Za-z0-9._-], not 'master', unique per unit. Same states in the same order on "
-           "every rank.")
+           "every rank. stable=True: the caller leaves the array unchanged until every save "
+           "that includes it has finished (a copy made for the save), so save_async writes it "
+           "from the array instead of copying it into its snapshot.")
       .def(
           "save",
           [](PyCheckpointer& c, nb::handle dir, std::optional<double> timeout_s) {

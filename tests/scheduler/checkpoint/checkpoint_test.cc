@@ -187,6 +187,7 @@ struct RunConfig {
   uint64_t max_snapshot_bytes = 0;
   bool replicated = false;  // registers kReplicated (rank 0 filled with version 0, others 0xAB)
   std::function<void(std::vector<CheckpointReplicatedState>&)> edit_replicated;
+  bool stable_states = false;  // registers the states with CheckpointState::stable
 };
 
 // The replicated states of the tests: a scalar step counter, a small f64 vector, odd-sized bytes
@@ -293,7 +294,8 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const RunConfig& setup,
       SL_RETURN_IF_ERROR(rank->ckpt->AddState({.unit = static_cast<int>(u),
                                                .name = def.name,
                                                .data = rank->states[u].back().data(),
-                                               .dtype = def.dtype}));
+                                               .dtype = def.dtype,
+                                               .stable = setup.stable_states}));
     }
   }
   if (setup.replicated) {
@@ -915,6 +917,48 @@ TEST_F(CheckpointTest, BackgroundSaveHoldsTheSnapshotWhileTrainingChangesTheShar
   }));
   LoadAndCheck({.world = 2}, dir, ref, "background save at 3, load at 2");
   LoadAndCheck({.world = 3}, dir, ref, "background save at 3, load at 3");
+}
+
+// Stable states (the framework's own copies for the save) stay out of the snapshot: SaveAsync
+// copies the master shards only, and writes the states from the framework's memory. The master
+// shards are overwritten while the writer is held back; the checkpoint still holds them as they
+// were, and the states as registered.
+TEST_F(CheckpointTest, BackgroundSaveWritesStableStatesWithoutCopyingThem) {
+  const std::string dir = Dir("stable");
+  const RunConfig setup{.world = 2, .host_compute = true, .stable_states = true};
+  ExpectAllOk(RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
+    GatedFileSystem gate;
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &gate));
+    SL_RETURN_IF_ERROR(rank->compute->Enqueue([&]() -> absl::Status {
+      FillShards(*rank, 1);
+      return absl::OkStatus();
+    }));
+    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    uint64_t master_bytes = 0;
+    const int shard = rank->sched->mesh().shard_rank();
+    for (size_t u = 0; u < rank->model.units.size(); ++u) {
+      const FlatLayout& layout = rank->sched->unit(u).layout();
+      for (const ShardSlice& s : layout.ShardSlices(shard)) {
+        master_bytes += s.length * DTypeSize(rank->StateDType(u, 0));
+      }
+    }
+    EXPECT_EQ(rank->ckpt->last_save_stats().snapshot_bytes, master_bytes) << "rank " << r;
+    EXPECT_LT(master_bytes, DataFileBytes(*rank)) << "the model has states besides the master";
+    for (size_t u = 0; u < rank->model.units.size(); ++u) {
+      std::memset(
+          rank->StateData(u, 0), 0x5A,
+          rank->sched->unit(u).layout().shard_elements() * DTypeSize(rank->StateDType(u, 0)));
+    }
+    gate.Open();
+    return rank->ckpt->WaitForSave(Deadline());
+  }));
+  Reference ref;
+  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+    ref = MakeReference(*rank, 1);
+    return absl::OkStatus();
+  }));
+  LoadAndCheck({.world = 2}, dir, ref, "stable states, background save at 2, load at 2");
 }
 
 // A second save waits for the first: while the first's writer is held back, a Save with a short

@@ -134,7 +134,8 @@ def _saving_checkpointer(root, optimizer, what, timeout):
                 value = (optimizer.state.get(p) or {}).get(key)
                 if value is not None:
                     buffer[offset:offset + length] = value.detach().reshape(-1)
-            ckpt.add_state(st.unit, name, buffer)
+            # The buffer is this save's own copy: a background save writes it from here.
+            ckpt.add_state(st.unit, name, buffer, stable=True)
         if optimizer is not None:
             present = torch.tensor([1 if optimizer.state.get(p) else 0 for p in st.params],
                                    dtype=torch.uint8)
