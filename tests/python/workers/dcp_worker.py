@@ -14,10 +14,13 @@ optimizer state dicts (get_*_state_dict(full_state_dict=True, cpu_offload=True))
 more step on the next batch, and the full weights after it. The loader checks every tensor of
 its full state dicts against them bit for bit, takes that step too, and writes (rank 0)
 CKPT_DIR.load.json: the largest differences and its loss. A shardline loader also checks the
-full forms (check_forms).
+full forms (check_forms). A shardline saver checks that its sharded state dicts hold at most one
+unit gathered whole at a time (one_unit_at_a_time).
 """
+import gc
 import json
 import sys
+import weakref
 from datetime import timedelta
 
 import torch
@@ -35,6 +38,28 @@ from fully_shard_worker import D_IN, D_OUT, make_model
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 GLOBAL_BATCH = 12  # rows, split evenly at 2, 3 and 4 ranks
+
+
+def one_unit_at_a_time():
+    """Wraps the adapter's gather of a whole unit (the root's gather_full, which the sharded state
+    dicts of the model and the optimizer take one unit at a time): each gather first checks that
+    the tensors of the one before are gone. Returns the count of gathers."""
+    from shardline.torch._fsdp_param_group import _UnitUses
+    original = _UnitUses.gather_full
+    earlier = []
+    count = [0]
+
+    def gather_full(self, st, shard=None):
+        gc.collect()
+        alive = sum(ref() is not None for ref in earlier)
+        assert alive == 0, f"gather {count[0]}: {alive} tensors of the unit before are alive"
+        full = original(self, st, shard)
+        earlier[:] = [weakref.ref(t) for t in full]
+        count[0] += 1
+        return full
+
+    _UnitUses.gather_full = gather_full
+    return count
 
 
 def build(impl, seed):
@@ -113,8 +138,10 @@ def main():
         model, opt = build(impl, seed=0)
         for n in range(2):
             step(model, opt, n, rank, size)
+        gathers = one_unit_at_a_time() if impl.startswith("shardline") else None
         state = {"model": get_model_state_dict(model),
                  "optim": get_optimizer_state_dict(model, opt)}
+        assert gathers is None or gathers[0] >= 2 * len(model.blocks), gathers
         dcp.save(state, checkpoint_id=ckpt)
         weights, optim = full_state(model, opt)
         loss = step(model, opt, 2, rank, size)
