@@ -477,6 +477,18 @@ class CheckpointTest : public ::testing::Test {
   }
 
   // Loads `dir` under `setup` (shards start as garbage) and checks every rank against `ref`.
+  // The values of every state at `version` (a fresh world-1 rank's reference: built from the
+  // hash, never read from the ranks).
+  Reference ReferenceAt(int version) {
+    Reference ref;
+    ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
+      SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
+      ref = MakeReference(*rank, version);
+      return absl::OkStatus();
+    }));
+    return ref;
+  }
+
   void LoadAndCheck(const RunConfig& setup, const std::string& dir, const Reference& ref,
                     absl::string_view label) {
     RunConfig s = setup;
@@ -909,12 +921,7 @@ TEST_F(CheckpointTest, BackgroundSaveHoldsTheSnapshotWhileTrainingChangesTheShar
     EXPECT_LE(stats[r].snapshot, stats[r].blocked);
   }
   // The reference is built independently from the hash, never read from the ranks.
-  Reference ref;
-  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
-    ref = MakeReference(*rank, 1);
-    return absl::OkStatus();
-  }));
+  const Reference ref = ReferenceAt(1);
   LoadAndCheck({.world = 2}, dir, ref, "background save at 3, load at 2");
   LoadAndCheck({.world = 3}, dir, ref, "background save at 3, load at 3");
 }
@@ -952,12 +959,7 @@ TEST_F(CheckpointTest, BackgroundSaveWritesStableStatesWithoutCopyingThem) {
     gate.Open();
     return rank->ckpt->WaitForSave(Deadline());
   }));
-  Reference ref;
-  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
-    ref = MakeReference(*rank, 1);
-    return absl::OkStatus();
-  }));
+  const Reference ref = ReferenceAt(1);
   LoadAndCheck({.world = 2}, dir, ref, "stable states, background save at 2, load at 2");
 }
 
@@ -1002,12 +1004,7 @@ TEST_F(CheckpointTest, SecondSaveWaitsForTheFirst) {
       }
     }
   }
-  Reference ref;
-  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
-    ref = MakeReference(*rank, 0);
-    return absl::OkStatus();
-  }));
+  const Reference ref = ReferenceAt(0);
   for (const std::string& dir : {first, second, third}) LoadAndCheck({.world = 3}, dir, ref, dir);
 }
 
@@ -1136,12 +1133,7 @@ TEST_F(CheckpointTest, HybridBackgroundSaveSnapshotsOnTheWritersOnly) {
     return rank->ckpt->WaitForSave(Deadline());
   }));
   EXPECT_EQ(snapshot, expected);
-  Reference ref;
-  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
-    ref = MakeReference(*rank, 0);
-    return absl::OkStatus();
-  }));
+  const Reference ref = ReferenceAt(0);
   LoadAndCheck({.world = 3}, dir, ref, "hybrid background save, load at 3");
 }
 
@@ -1154,12 +1146,7 @@ TEST_F(CheckpointTest, DestructionFinishesAPendingSave) {
     rank->ckpt.reset();
     return absl::OkStatus();
   }));
-  Reference ref;
-  ExpectAllOk(RunRanks(1, [&](int, std::shared_ptr<Communicator> comm) -> absl::Status {
-    SL_ASSIGN_OR_RETURN(auto rank, MakeRank({.world = 1}, comm, nullptr));
-    ref = MakeReference(*rank, 0);
-    return absl::OkStatus();
-  }));
+  const Reference ref = ReferenceAt(0);
   LoadAndCheck({.world = 1}, dir, ref, "saved by a destroyed checkpointer");
 }
 
