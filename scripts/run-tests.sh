@@ -13,10 +13,11 @@
 #      shardline-checkpoint); tests marked `long` are left to scripts/run-long-tests.sh.
 #      Meanwhile stages 4 and 5 build in the background at the lowest priority (log:
 #      build/sanitizer-prebuild.log), on the cores the Python tests leave idle
-#   4. build-asan/ (AddressSanitizer; UndefinedBehaviorSanitizer on the libraries; the libraries
-#      at -O1 -g1 as a unity build, the test code at -O0): ctest -L unit
-#   5. build-tsan/ (ThreadSanitizer, likewise): ctest -L threads (streams, pools, collectives, the
-#      store, the scheduler)
+#   4. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer on the libraries, at -O1 -g1 as
+#      a unity build; the test code uninstrumented, compiled as in build/, so ccache serves it from
+#      stage 1): ctest -L unit
+#   5. build-tsan/ (ThreadSanitizer on the libraries, likewise, and on the test code, at -O0):
+#      ctest -L threads (streams, pools, collectives, the store, the scheduler)
 #   6. clang-format of every tracked C++ file
 #   7. build-fuzz/ (clang, libFuzzer): the store's message decoder, fuzzed for 20 s
 # SHARDLINE_TEST_STAGES="1 2" runs a subset. A failure prints the command that reruns just the

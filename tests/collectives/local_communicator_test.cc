@@ -9,6 +9,7 @@
 #include "runtime/check.h"
 #include "runtime/stream.h"
 #include "tests/collectives/conformance.h"
+#include "tests/common/sanitizers.h"
 
 namespace shardline {
 namespace {
@@ -81,9 +82,9 @@ TEST(LocalCommunicatorTest, InvalidArgumentsEnqueueNothing) {
 // are never touched, since the allocation comes first) fails with ResourceExhausted on every
 // rank instead of terminating the process on std::bad_alloc.
 TEST(LocalCommunicatorTest, ScratchThatCannotBeAllocatedIsResourceExhaustedOnEveryRank) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  GTEST_SKIP() << "the sanitizers' allocators report a 2^57-byte request as an error";
-#endif
+  if (testing::UnderSanitizer()) {
+    GTEST_SKIP() << "the sanitizers' allocators report a 2^57-byte request as an error";
+  }
   const int n = 2;
   const size_t count = size_t{1} << 56;  // f32: a block of 2^57 bytes per rank
   const void* input = reinterpret_cast<const void*>(uintptr_t{1} << 40);

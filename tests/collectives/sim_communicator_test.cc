@@ -27,6 +27,7 @@
 #include "runtime/stream.h"
 #include "runtime/virtual_time.h"
 #include "tests/common/rank_threads.h"
+#include "tests/common/sanitizers.h"
 
 namespace shardline {
 namespace {
@@ -375,9 +376,9 @@ TEST(SimCommunicatorTest, Bf16ReductionsMatchTheLocalBackend) {
 // touched, the allocation comes first) fails with ResourceExhausted on every rank instead of
 // terminating the process on std::bad_alloc.
 TEST(SimCommunicatorTest, ScratchThatCannotBeAllocatedIsResourceExhaustedOnEveryRank) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  GTEST_SKIP() << "the sanitizers' allocators report a 2^57-byte request as an error";
-#endif
+  if (testing::UnderSanitizer()) {
+    GTEST_SKIP() << "the sanitizers' allocators report a 2^57-byte request as an error";
+  }
   Sim sim(2);
   const size_t count = size_t{1} << 55;  // f32
   const void* input = reinterpret_cast<const void*>(uintptr_t{1} << 40);

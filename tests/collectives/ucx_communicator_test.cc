@@ -41,6 +41,7 @@
 #include "tests/collectives/rank_comms.h"
 #include "tests/common/gate.h"
 #include "tests/common/rank_threads.h"
+#include "tests/common/sanitizers.h"
 #include "tests/common/scoped_env.h"
 
 namespace shardline {
@@ -922,11 +923,11 @@ TEST(UcxCommunicatorTest, PeersMapAnArenaAgainWhenItsFileGrows) {
 TEST(UcxCommunicatorTest, PeersMapEachOtherAgainAfterRunningOutOfDescriptors) {
   // Mapping a peer's region takes a descriptor (pidfd_getfd). While the process has none to
   // spare, large messages fall back to process_vm_readv; once it has, they are mapped again.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  // The limit is process-wide: the sanitizer runtimes' own threads need descriptors meanwhile
-  // (UBSan reported a broken stream object here). The normal build runs this test.
-  GTEST_SKIP() << "lowers RLIMIT_NOFILE for the whole process; not under sanitizers";
-#endif
+  if (testing::UnderSanitizer()) {
+    // The limit is process-wide: the sanitizer runtimes' own threads need descriptors meanwhile
+    // (UBSan reported a broken stream object here). The normal build runs this test.
+    GTEST_SKIP() << "lowers RLIMIT_NOFILE for the whole process; not under sanitizers";
+  }
   const int n = 2;
   const size_t count = 64 * 1024;  // 256 KiB per rank: the single-copy path
   Comms comms = MakeUcxComms(n);

@@ -20,7 +20,7 @@ namespace shardline {
 namespace {
 
 using ::shardline::testing::FillRandom;
-using ::shardline::testing::kIterationScale;
+using ::shardline::testing::IterationScale;
 using ::shardline::testing::RandomDType;
 using ::shardline::testing::RandomOptions;
 using ::shardline::testing::RandomSpecs;
@@ -205,7 +205,7 @@ void CheckShardGatherUnflatten(const FlatLayout& layout, std::mt19937_64& rng,
 
 TEST(FlatLayoutPropertyTest, RandomLayoutsMatchReferenceAndRoundTrip) {
   std::mt19937_64 rng(20240611);
-  const int iterations = 3000 / kIterationScale;
+  const int iterations = 3000 / IterationScale();
   for (int it = 0; it < iterations; ++it) {
     SCOPED_TRACE(::testing::Message() << "iteration " << it);
     const std::vector<TensorSpec> specs = RandomSpecs(rng, RandomTensorCount(rng));
@@ -422,7 +422,7 @@ TEST(FlatLayoutSerializeTest, MutatedAndGarbageInputNeverCrashes) {
   std::mt19937_64 rng(7);
   const std::string bytes = SampleLayout().Serialize();
   int accepted = 0;
-  const int iterations = 20000 / kIterationScale;
+  const int iterations = 20000 / IterationScale();
   for (int it = 0; it < iterations; ++it) {
     std::string mutated = bytes;
     const int flips = UniformInt(rng, 1, 4);
@@ -537,7 +537,7 @@ void StoreRandom(std::mt19937_64& rng, uint8_t* p, DType dtype) {
 TEST(FlatLayoutNormTest, ShardAndTensorSumsMatchAPlainLoop) {
   std::mt19937_64 rng(99);
   constexpr DType kFloats[] = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16};
-  const int iterations = 300 / kIterationScale;
+  const int iterations = 300 / IterationScale();
   for (int it = 0; it < iterations; ++it) {
     SCOPED_TRACE(::testing::Message() << "iteration " << it);
     const DType dtype = kFloats[UniformInt(rng, 0, 3)];

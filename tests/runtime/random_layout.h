@@ -16,21 +16,12 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/dtype.h"
 #include "runtime/flat_layout.h"
+#include "tests/common/sanitizers.h"
 
 namespace shardline::testing {
 
 // Sanitizer builds run the same properties over fewer layouts.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-inline constexpr int kIterationScale = 2;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-inline constexpr int kIterationScale = 2;
-#else
-inline constexpr int kIterationScale = 1;
-#endif
-#else
-inline constexpr int kIterationScale = 1;
-#endif
+inline int IterationScale() { return UnderSanitizer() ? 2 : 1; }
 
 inline int UniformInt(std::mt19937_64& rng, int lo, int hi) {
   return std::uniform_int_distribution<int>(lo, hi)(rng);

@@ -14,7 +14,7 @@ namespace shardline {
 namespace {
 
 using ::shardline::testing::FillRandom;
-using ::shardline::testing::kIterationScale;
+using ::shardline::testing::IterationScale;
 using ::shardline::testing::RandomDType;
 using ::shardline::testing::RandomOptions;
 using ::shardline::testing::RandomSpecs;
@@ -122,7 +122,7 @@ void CheckPlanShape(const ReshardPlan& plan, const FlatLayout& from, const FlatL
 
 TEST(ReshardPlanPropertyTest, RoundTripIsIdentityAndTouchesEachElementOnce) {
   std::mt19937_64 rng(31337);
-  const int iterations = 2000 / kIterationScale;
+  const int iterations = 2000 / IterationScale();
   for (int it = 0; it < iterations; ++it) {
     SCOPED_TRACE(::testing::Message() << "iteration " << it);
     const std::vector<TensorSpec> specs = RandomSpecs(rng, RandomTensorCount(rng));

@@ -54,6 +54,7 @@
 #include "runtime/status.h"
 #include "runtime/virtual_time.h"
 #include "scheduler/scheduler.h"
+#include "tests/common/sanitizers.h"
 #include "tests/common/status_and_hash.h"
 #include "tests/scheduler/virtual_world.h"
 
@@ -359,11 +360,7 @@ void RunConfig(const Config& c) {
 
 int Seeds() {
   if (const char* env = std::getenv("SHARDLINE_PROPERTY_SEEDS")) return std::atoi(env);
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  return 60;
-#else
-  return 300;
-#endif
+  return testing::UnderSanitizer() ? 60 : 300;
 }
 
 uint64_t FirstSeed() {

@@ -37,6 +37,7 @@
 #include "runtime/status.h"
 #include "tests/common/gate.h"
 #include "tests/common/rank_threads.h"
+#include "tests/common/sanitizers.h"
 #include "tests/common/status_and_hash.h"
 
 namespace shardline {
@@ -951,11 +952,7 @@ TEST(SchedulerOffloadTest, OffloadedShardsTrainLikeTheReference) {
 // collectives. One run in five swaps two units on one rank in its last step instead: every rank
 // must then fail with a peer error that stays (the next hook returns it).
 TEST(SchedulerPropertyTest, RandomRunsTrainExactlyWithinTheBudget) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  const int seeds = 12;
-#else
-  const int seeds = 40;
-#endif
+  const int seeds = testing::UnderSanitizer() ? 12 : 40;
   int swapped = 0;
   for (int i = 0; i < seeds; ++i) {
     const uint64_t seed = 1129 + i;

@@ -38,6 +38,7 @@
 #include "scheduler/checkpoint/safetensors.h"
 #include "scheduler/scheduler.h"
 #include "tests/common/local_ranks.h"
+#include "tests/common/sanitizers.h"
 #include "tests/common/status_and_hash.h"
 
 namespace shardline {
@@ -644,9 +645,9 @@ TEST_F(FullWeightsTest, ExportErrors) {
 // every rank must fail alike). In a death-test child (re-executed, so the limit and any
 // crash stay there), which exits 0 if every rank failed as expected.
 TEST_F(FullWeightsTest, UnitThatCannotBeGatheredIsResourceExhaustedOnEveryRank) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  GTEST_SKIP() << "limits the address space, which the sanitizers reserve in terabytes";
-#endif
+  if (testing::UnderSanitizer()) {
+    GTEST_SKIP() << "limits the address space, which the sanitizers reserve in terabytes";
+  }
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   const std::string path = Path("huge.safetensors");
   auto run = [&] {
