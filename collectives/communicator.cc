@@ -237,6 +237,12 @@ absl::StatusOr<std::string> Communicator::DumpFlightRecord(absl::string_view dir
   return path;
 }
 
+void Communicator::NameKey(uint64_t key, absl::string_view tag) {
+  if (key == 0 || tag.empty()) return;
+  std::lock_guard<std::mutex> lock(key_mu_);
+  if (key_tags_.size() < kMaxKeyTags) key_tags_.try_emplace(key, tag);
+}
+
 std::string Communicator::KeyName(uint64_t key) const {
   if (key == 0) return "no key";
   std::lock_guard<std::mutex> lock(key_mu_);
@@ -395,6 +401,18 @@ absl::Status Communicator::SkippedError(const Op& op, absl::string_view stream_n
       absl::StrCat(Describe(op), ": never ran: stream '", stream_name, "' ", what));
 }
 
+absl::Status Communicator::SkippedError(const Op& op, absl::string_view stream_name,
+                                        absl::string_view what, const absl::Status& cause) const {
+  absl::Status skipped = SkippedError(op, stream_name, absl::StrCat(what, ": ", cause.message()));
+  // A stream poisoned by a peer's error (a mismatch, a dead peer) dropped it: that peer's doing,
+  // reported as the peer error it is (its code, so a disagreement stays InvalidArgument).
+  if (absl::optional<absl::Cord> peers = cause.GetPayload(kPeerErrorPayload)) {
+    skipped = absl::Status(cause.code(), skipped.message());
+    skipped.SetPayload(kPeerErrorPayload, *std::move(peers));
+  }
+  return skipped;
+}
+
 absl::Status Communicator::Launch(Op op, Stream& stream) {
   // One block per collective, recycled: run and cancel share it (each closure then holds only a
   // shared pointer, which fits in its inline storage).
@@ -413,9 +431,8 @@ absl::Status Communicator::Launch(Op op, Stream& stream) {
   // The sequence number is spent: without this the peers would wait for this rank until their
   // deadlines. Only the stream calls it, while it is alive.
   run.cancel = [task](const absl::Status& poison) {
-    absl::Status skipped =
-        task->comm->SkippedError(task->op, task->stream->name(),
-                                 absl::StrCat("was poisoned before it ran: ", poison.message()));
+    absl::Status skipped = task->comm->SkippedError(task->op, task->stream->name(),
+                                                    "was poisoned before it ran", poison);
     task->comm->RecordEnded(task->op, skipped);
     task->comm->Abort(std::move(skipped));
   };
@@ -529,10 +546,7 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
                                          IsReduction(kind) ? reduce_op : ReduceOp::kSum,
                                          kind == CollectiveKind::kBroadcast ? root : 0,
                                          options.key};
-  if (options.key != 0 && !options.tag.empty()) {
-    std::lock_guard<std::mutex> lock(key_mu_);
-    if (key_tags_.size() < kMaxKeyTags) key_tags_.try_emplace(options.key, options.tag);
-  }
+  NameKey(options.key, options.tag);
   op.input = input;
   op.output = output;
   op.element_size = esize;
@@ -558,13 +572,7 @@ absl::StatusOr<std::shared_ptr<Event>> Communicator::EnqueueAndRecord(const Op& 
   absl::Status launched = Launch(op, stream);
   if (!launched.ok()) {
     // The sequence number is spent, so the peers would wait for this rank in vain: tell them.
-    absl::Status skipped =
-        SkippedError(op, stream.name(), absl::StrCat("did not accept it: ", launched.message()));
-    // A stream poisoned by a peer's error (a mismatch, a dead peer) refused it: that peer's doing.
-    if (absl::optional<absl::Cord> peers = launched.GetPayload(kPeerErrorPayload)) {
-      skipped.SetPayload(kPeerErrorPayload, *std::move(peers));
-    }
-    launched = std::move(skipped);
+    launched = SkippedError(op, stream.name(), "did not accept it", launched);
     RecordEnded(op, launched);
     Abort(launched);
     return launched;
@@ -574,9 +582,8 @@ absl::StatusOr<std::shared_ptr<Event>> Communicator::EnqueueAndRecord(const Op& 
     // The stream is poisoned: by the collective itself (which has aborted the communicator with
     // its error already), or before it ran (its cancel aborts). Either way nobody can order work
     // after it; make sure the peers hear of it, and report what poisoned the stream.
-    absl::Status skipped = SkippedError(
-        op, stream.name(),
-        absl::StrCat("could not record its completion event: ", done.status().message()));
+    absl::Status skipped =
+        SkippedError(op, stream.name(), "could not record its completion event", done.status());
     RecordEnded(op, skipped);
     Abort(std::move(skipped));
     return done.status();

@@ -348,6 +348,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // OK, or the error that aborted the communicator.
   absl::Status status() const;
 
+  // Names a CollectiveOptions::key in this rank's errors before any collective with it is
+  // issued here, as a collective's tag names its key once issued: a disagreement with a peer's
+  // collective for that key then reads "for 'block3'" instead of "for key 4" on whichever rank
+  // sees it first. A key keeps its first name; an empty tag or key 0 names nothing.
+  void NameKey(uint64_t key, absl::string_view tag);
+
   // The sequence number the next collective will get (starts at 0).
   uint64_t next_seq() const;
 
@@ -464,8 +470,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // "all_gather #12 on world (rank 0 of 4)": the prefix of every error about `op`.
   std::string Describe(const Op& op) const;
   std::string Describe(CollectiveKind kind, uint64_t seq) const;
-  // A CollectiveOptions::key as this rank knows it: "'block3'" (the tag of the first collective
-  // issued here with that key), else "key 4".
+  // A CollectiveOptions::key as this rank knows it: "'block3'" (NameKey's tag, or that of the
+  // first collective issued here with that key), else "key 4".
   std::string KeyName(uint64_t key) const;
   // DeadlineExceeded for `op`, naming the ranks that did not show up (and recording them as the
   // peers it waits on).
@@ -474,6 +480,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // <what>".
   absl::Status SkippedError(const Op& op, absl::string_view stream_name,
                             absl::string_view what) const;
+  // The same, for an op dropped because of `cause` ("<what>: <cause>"): a peer error (its
+  // payload) keeps its code and payload, so that it still reads as the peer's doing.
+  absl::Status SkippedError(const Op& op, absl::string_view stream_name, absl::string_view what,
+                            const absl::Status& cause) const;
 
  private:
   friend class Registration;

@@ -83,7 +83,9 @@
 // peer's disagreement (an error with the peer payload, IsPeerError), leaves the step
 // inconsistent across ranks: the hook that sees it returns it and every later hook returns that
 // same error, and the scheduler aborts its gather, reduce and replicate communicators with it,
-// so that peers blocked in their collectives fail at once. Destroying the scheduler is safe in any
+// so that peers blocked in their collectives fail at once (and the world communicator too until
+// this rank has read the order check, an all-gather on it at the end of the step that recorded
+// the forward order). Destroying the scheduler is safe in any
 // state, mid-step included: buffers go back to their pools after their readers' events; what is
 // still read after one SHARDLINE_TIMEOUT_S is leaked (warned, counted in the pools'
 // MemoryStats::leaked_*), never freed under a reader; on virtual time the drain drives the

@@ -22,6 +22,7 @@
 namespace shardline {
 
 using scheduler_internal::FormatBytes;
+using scheduler_internal::UnitKey;
 
 absl::string_view ShardingStrategyName(ShardingStrategy strategy) {
   switch (strategy) {
@@ -174,6 +175,30 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::shared_ptr<Com
 }
 
 Scheduler::~Scheduler() {
+  // Destroyed mid-step (the framework gave up on an error that no hook saw, say): the peers are
+  // owed the rest of this step's collectives, and the order check's all-gather if this is the
+  // step that records the order. Once this rank's own collectives are done (bounded by the
+  // world's timeout; a failed one returns at once), abort the communicators the peers would wait
+  // on, so that they fail now instead of at their deadline (as Fail() does when a hook sees an
+  // error). Communicators of one rank owe nobody anything.
+  std::vector<Communicator*> owed;
+  if (failed_.ok() && (phase_ != Phase::kIdle || record_pending_check_)) {
+    for (Communicator* comm : {gather_comm_.get(), reduce_comm_.get(), replicate_comm_.get()}) {
+      if (comm != nullptr && comm->size() > 1) owed.push_back(comm);
+    }
+    if ((!order_known_ || record_pending_check_) && mesh_.world()->size() > 1) {
+      owed.push_back(mesh_.world().get());
+    }
+  }
+  if (!owed.empty()) {
+    const absl::Time deadline = control_stream_->clock().Now() + mesh_.world()->timeout();
+    for (Stream* stream : {gather_stream_.get(), reduce_stream_.get(), all_reduce_stream_.get()}) {
+      if (stream != nullptr) stream->Synchronize(deadline).IgnoreError();
+    }
+    const absl::Status gone = absl::AbortedError(absl::StrCat(
+        "scheduler '", options_.name, "' was destroyed in the middle of step ", step_));
+    for (Communicator* comm : owed) comm->Abort(gone);
+  }
   // The order check's all-gather writes order_check_: let it finish (bounded by the world's
   // timeout; a failure was or will never be reported, the scheduler is going away).
   if (order_check_pending_) {
@@ -259,6 +284,12 @@ absl::StatusOr<int> Scheduler::RegisterUnit(UnitSpec spec) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": budget_units ", options_.budget_units, " is below ", minimum,
         " (the units kept unsharded after forward, those used more than once, plus one)"));
+  }
+  // The unit's name for its key, before any of its collectives is issued here: a peer whose
+  // collective for this unit disagrees with one of this rank's is then named by unit, whichever
+  // rank sees the disagreement first.
+  for (Communicator* comm : {gather_comm_.get(), reduce_comm_.get(), replicate_comm_.get()}) {
+    if (comm != nullptr) comm->NameKey(UnitKey(id), units_.back().name);
   }
   return id;
 }

@@ -65,9 +65,8 @@ absl::Status SimCommunicator::Launch(Op op, Stream& stream) {
   async.bytes = std::max(op.input_count, op.output_count) * op.element_size;
   // The sequence number is spent: without this the peers would wait for this rank in vain.
   async.cancel = [task](const absl::Status& poison) {
-    task->comm->Abort(
-        task->comm->SkippedError(task->op, task->stream_name,
-                                 absl::StrCat("was poisoned before it ran: ", poison.message())));
+    task->comm->Abort(task->comm->SkippedError(task->op, task->stream_name,
+                                               "was poisoned before it ran", poison));
   };
   async.describe = [task, point_to_point] {
     SimGroup& group = *task->comm->group_;

@@ -337,6 +337,29 @@ TYPED_TEST_P(CommunicatorConformanceTest, MismatchedKeysFailOnEveryRankNamingThe
   }
 }
 
+// Keys named ahead (Communicator::NameKey, as the scheduler names its units' keys when they are
+// registered) are named in a mismatch although no collective with them was issued before, on
+// whichever rank sees it first.
+TYPED_TEST_P(CommunicatorConformanceTest, KeysNamedAheadAreNamedInAMismatch) {
+  const int n = 2;
+  std::vector<absl::Status> results(n);
+  RunRanks(this->Make(n), [&](int r, Communicator& comm, Stream& stream) {
+    comm.NameKey(1, "unit1");
+    comm.NameKey(2, "unit2");
+    comm.NameKey(2, "renamed");  // a key keeps its first name
+    std::vector<float> in(5, 1.0f), out(5 * n, -1.0f);
+    results[r] =
+        WaitFor(comm.AllGather(in.data(), out.data(), 5, DType::kF32, stream, {.key = 1u + r}));
+  });
+  for (const absl::Status& status : results) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(),
+                                  "rank 0 called all_gather(count=5, f32) for 'unit1' but rank 1 "
+                                  "called all_gather(count=5, f32) for 'unit2'"))
+        << status;
+  }
+}
+
 // One rank's count is large (the ucx backend's zero-copy path), the others' small: nothing may
 // be written and nothing truncated into user memory.
 TYPED_TEST_P(CommunicatorConformanceTest, MismatchedSmallAndLargeCountsWriteNothing) {
@@ -788,12 +811,12 @@ REGISTER_TYPED_TEST_SUITE_P(
     CommunicatorConformanceTest, AllGather, ReduceScatter, AllReduce, BroadcastFromEveryRoot,
     AllToAll, SplitIntoReversedHalves, OddMegaElementBuffers,
     MismatchedCountsFailOnEveryRankNamingBoth, MismatchedKeysFailOnEveryRankNamingTheirTags,
-    MismatchedSmallAndLargeCountsWriteNothing, MismatchedDTypesAndKindsFail,
-    MissingRankIsADeadlineErrorNamingIt, AbortReachesPeersBlockedInACollective,
-    WorkHandleSynchronizesAnotherStream, CollectivesOnTwoStreamsRunInIssueOrder,
-    ThreadsIssueOnOneCommunicatorAtOnce, CollectiveDroppedByAPoisonedStreamFailsEveryRank,
-    DupRunsIndependentlyOfTheOriginal, PeerErrorsAreToldApartFromLocalOnes,
-    RandomFaultsFailEveryRankWithinTheDeadline);
+    KeysNamedAheadAreNamedInAMismatch, MismatchedSmallAndLargeCountsWriteNothing,
+    MismatchedDTypesAndKindsFail, MissingRankIsADeadlineErrorNamingIt,
+    AbortReachesPeersBlockedInACollective, WorkHandleSynchronizesAnotherStream,
+    CollectivesOnTwoStreamsRunInIssueOrder, ThreadsIssueOnOneCommunicatorAtOnce,
+    CollectiveDroppedByAPoisonedStreamFailsEveryRank, DupRunsIndependentlyOfTheOriginal,
+    PeerErrorsAreToldApartFromLocalOnes, RandomFaultsFailEveryRankWithinTheDeadline);
 
 }  // namespace shardline::testing
 

@@ -1106,6 +1106,52 @@ TEST(SchedulerErrorsTest, APeersDisagreementIsSticky) {
   }
 }
 
+// A scheduler destroyed in the middle of a step (the framework gave up on an error no hook saw)
+// owes its peers that step's collectives: it aborts its communicators, so that a peer fails at
+// once, naming it, instead of at its deadline. Rank 1 leaves during its first forward; rank 0
+// runs the whole step and the next one's first hook.
+TEST(SchedulerErrorsTest, ASchedulerDestroyedMidStepFailsItsPeersAtOnce) {
+  const absl::Duration timeout = absl::Seconds(20);
+  auto comms = CreateLocalCommunicators(2, {.timeout = timeout});
+  ASSERT_OK(comms.status());
+  absl::Status survivor;
+  RunRankThreads(2, [&](int r) {
+    auto run = [&]() -> absl::Status {
+      SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, CreateCallerStream());
+      SL_ASSIGN_OR_RETURN(std::unique_ptr<Scheduler> s,
+                          Scheduler::Create((*comms)[r], *compute, {}, Deadline()));
+      for (int u = 0; u < 3; ++u) {
+        SL_RETURN_IF_ERROR(s->RegisterUnit({.name = absl::StrCat("u", u),
+                                            .tensors = {{.name = "w", .shape = {37 + 5 * u}}}})
+                               .status());
+      }
+      if (r == 1) return s->PreForward(0);  // and the scheduler goes
+      for (int u : {0, 1, 2}) {
+        SL_RETURN_IF_ERROR(s->PreForward(u));
+        SL_RETURN_IF_ERROR(s->PostForward(u));
+      }
+      for (int u : {2, 1, 0}) {
+        SL_RETURN_IF_ERROR(s->PreBackward(u));
+        SL_RETURN_IF_ERROR(s->PostBackward(u));
+      }
+      SL_RETURN_IF_ERROR(s->FinishBackward());
+      return s->PreForward(0);
+    };
+    absl::Status status = run();
+    if (r == 0) {
+      survivor = status;
+    } else {
+      EXPECT_OK(status);
+    }
+  });
+  ASSERT_FALSE(survivor.ok());
+  EXPECT_FALSE(absl::IsDeadlineExceeded(survivor)) << "waited out the deadline: " << survivor;
+  EXPECT_TRUE(IsPeerError(survivor)) << survivor;
+  EXPECT_TRUE(absl::StrContains(survivor.message(),
+                                "scheduler 'fsdp' was destroyed in the middle of step 0"))
+      << survivor;
+}
+
 TEST(SchedulerErrorsTest, BadCallsNameTheUnit) {
   auto comms = CreateLocalCommunicators(1);
   ASSERT_TRUE(comms.ok());
