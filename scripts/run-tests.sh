@@ -7,10 +7,12 @@
 #      skipped, with the reason, where they cannot be created, e.g. without root)
 #   2. the installed CMake package, consumed by tests/consumer through find_package(shardline)
 #   3. Python: .venv/ and `pip install .` into it (scripts/install-python.sh --module: build
-#      tools, pytest, numpy, torch from PyPI once per machine; build-pip/, beside build/: ccache
-#      serves the C++ layers stage 1 compiled, so only the module's own sources compile), pytest
-#      tests/python (test_safetensors.py also runs build/bin's checkpoint_fixture and
-#      shardline-checkpoint); tests marked `long` are left to scripts/run-long-tests.sh.
+#      tools, pytest, numpy, torch from PyPI once per machine, installed in the background from
+#      the start at the lowest priority, log build/python-install.log; build-pip/, beside
+#      build/: ccache serves the C++ layers stage 1 compiled, so only the module's own sources
+#      compile), pytest tests/python (test_safetensors.py also runs build/bin's
+#      checkpoint_fixture and shardline-checkpoint); tests marked `long` are left to
+#      scripts/run-long-tests.sh.
 #      Meanwhile stages 4 and 5 build in the background at the lowest priority (log:
 #      build/sanitizer-prebuild.log), on the cores the Python tests leave idle
 #   4. build-asan/ (AddressSanitizer + UndefinedBehaviorSanitizer on the libraries, at -O1 -g1 as
@@ -86,7 +88,6 @@ stop_prebuild() {
     prebuild_pid=""
   fi
 }
-trap stop_prebuild EXIT
 start_prebuild() {
   local builds=()
   want 4 && builds+=("build-asan address,undefined unit")
@@ -105,7 +106,28 @@ start_prebuild() {
   set +m
 }
 
+# The Python stage's packages (torch and its CUDA libraries: gigabytes to unpack, a minute of
+# CPU) install in the background from the start, at the lowest priority: they take what stage 1
+# leaves idle (its multi-process tests mostly wait). Stage 3 waits for them. Never stopped
+# halfway (a half-installed torch would look installed to the next run): a run that fails
+# earlier waits for it on the way out.
+pyinstall_pid=""
+wait_pyinstall() {
+  if [[ -n $pyinstall_pid ]]; then
+    local pid=$pyinstall_pid
+    pyinstall_pid=""
+    wait "$pid"
+  fi
+}
+trap 'stop_prebuild; wait_pyinstall || true' EXIT
+
 scripts/install-deps.sh
+
+if want 3; then
+  mkdir -p build
+  nice -n 19 scripts/install-python.sh >build/python-install.log 2>&1 &
+  pyinstall_pid=$!
+fi
 
 if want 1; then
   stage "1. build and unit tests"
@@ -130,6 +152,7 @@ fi
 
 if want 3; then
   stage "3. Python: pip install . and pytest"
+  wait_pyinstall || { cat build/python-install.log; exit 1; }
   start_prebuild
   scripts/install-python.sh --module
   # tests/python/test_safetensors.py runs build/bin/checkpoint_fixture and shardline-checkpoint.
