@@ -59,9 +59,10 @@ if ((${#missing[@]} == 0)); then
   echo "install-python: everything is installed in $venv"
 else
   echo "install-python: installing ${missing[*]} into $venv (torch takes minutes the first time)"
-  # --no-compile: no bytecode for every file of torch and transformers (a quarter of the
-  # install's CPU); Python compiles what the tests import, once, when they first import it.
-  "$py" -m pip install -q --no-compile --disable-pip-version-check "${missing[@]}"
+  # Not --no-compile: it saves a quarter of the install's CPU, but where the environment sets
+  # PYTHONDONTWRITEBYTECODE every process then compiles torch from source at each import (the
+  # Python tests took 1.5 times as long).
+  "$py" -m pip install -q --disable-pip-version-check "${missing[@]}"
   echo "install-python: done"
 fi
 install_module
