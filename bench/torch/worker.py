@@ -77,7 +77,8 @@ def allocator_peak(trace_path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--impl", choices=["shardline", "shardline-fsdp1", "fsdp2", "ddp", "single"],
+    p.add_argument("--impl",
+                   choices=["shardline", "shardline-fsdp1", "fsdp2", "ddp", "single", "alone"],
                    required=True)
     p.add_argument("--backend", default="gloo", help="torch.distributed backend (fsdp2, ddp)")
     p.add_argument("--vocab", type=int, default=8192)
@@ -132,6 +133,12 @@ def main():
         fully_shard(model)
     elif args.impl == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+    elif args.impl == "alone":
+        # Compute alone: the model stays whole and local, the gradients are not reduced. The
+        # world only lines the ranks' steps up (the barrier before each, outside the timing) and
+        # averages the losses afterwards.
+        import shardline.torch as slt
+        world_comm = slt.get_default_world()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
     def mean_over_ranks(x):
