@@ -300,7 +300,9 @@ def summarize_dir(args):
 
 
 def report(runs, names, model, args, out_dir, loads, started):
-    reference = "single-1t" if "single-1t" in names else names[0]
+    # Compute alone's losses are its own after the first step: never the reference.
+    reference = ("single-1t" if "single-1t" in names
+                 else next((n for n in names if n != "alone"), names[0]))
     bad, worst = check_losses(runs, reference, args.loss_tol)
     med, ratios, md = table(runs, names, args.steps, args.warmup)
     print()
