@@ -1058,6 +1058,19 @@ TEST(SchedulerPropertyTest, RandomRunsTrainExactlyWithinTheBudget) {
   EXPECT_GT(swapped, 0);
 }
 
+// One step over units 0..n-1 in order: each unit's forward, then the backward in reverse.
+absl::Status RunStepOfUnits(Scheduler& s, int n) {
+  for (int u = 0; u < n; ++u) {
+    SL_RETURN_IF_ERROR(s.PreForward(u));
+    SL_RETURN_IF_ERROR(s.PostForward(u));
+  }
+  for (int u = n - 1; u >= 0; --u) {
+    SL_RETURN_IF_ERROR(s.PreBackward(u));
+    SL_RETURN_IF_ERROR(s.PostBackward(u));
+  }
+  return s.FinishBackward();
+}
+
 // A peer's disagreement (InvalidArgument with the peer payload) leaves the step inconsistent
 // across ranks: every later hook returns that same error (issue 27, case 4), also a hook that
 // issues no collective (here: PreForward of the root unit, kept gathered since its first use).
@@ -1078,15 +1091,7 @@ TEST(SchedulerErrorsTest, APeersDisagreementIsSticky) {
                                             .tensors = {{.name = "w", .shape = {100 + 50 * u}}}})
                                .status());
       }
-      for (int u : {0, 1, 2}) {
-        SL_RETURN_IF_ERROR(s->PreForward(u));
-        SL_RETURN_IF_ERROR(s->PostForward(u));
-      }
-      for (int u : {2, 1, 0}) {
-        SL_RETURN_IF_ERROR(s->PreBackward(u));
-        SL_RETURN_IF_ERROR(s->PostBackward(u));
-      }
-      SL_RETURN_IF_ERROR(s->FinishBackward());
+      SL_RETURN_IF_ERROR(RunStepOfUnits(*s, 3));
       // Step 1: the root u0 is gathered and kept; then rank 1 runs u2 where rank 0 runs u1.
       SL_RETURN_IF_ERROR(s->PreForward(0));
       SL_RETURN_IF_ERROR(s->PostForward(0));
@@ -1126,15 +1131,7 @@ TEST(SchedulerErrorsTest, ASchedulerDestroyedMidStepFailsItsPeersAtOnce) {
                                .status());
       }
       if (r == 1) return s->PreForward(0);  // and the scheduler goes
-      for (int u : {0, 1, 2}) {
-        SL_RETURN_IF_ERROR(s->PreForward(u));
-        SL_RETURN_IF_ERROR(s->PostForward(u));
-      }
-      for (int u : {2, 1, 0}) {
-        SL_RETURN_IF_ERROR(s->PreBackward(u));
-        SL_RETURN_IF_ERROR(s->PostBackward(u));
-      }
-      SL_RETURN_IF_ERROR(s->FinishBackward());
+      SL_RETURN_IF_ERROR(RunStepOfUnits(*s, 3));
       return s->PreForward(0);
     };
     absl::Status status = run();
