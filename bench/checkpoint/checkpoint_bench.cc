@@ -18,7 +18,9 @@
 //   async  two background saves in a row (SaveAsync, then WaitForSave): the time each blocked the
 //          caller (CheckpointSaveStats::blocked, the maximum over ranks) — the first allocates
 //          the snapshot buffer, the second reuses it — the copy's part of the second, and the
-//          background write of the second.
+//          background write of the second;
+//   export ExportSafetensors of the full weights (rank 0 writes; each unit gathered while the
+//          one before is written; fsynced, renamed into place), into a new file.
 // Prints one JSON object per round on stdout (bytes, seconds); bench/checkpoint/run.py runs it
 // interleaved with dd and reports ratios. Exit status 1 on any error or mismatch.
 //
@@ -51,6 +53,7 @@
 #include "runtime/status.h"
 #include "runtime/stream.h"
 #include "scheduler/checkpoint/checkpoint.h"
+#include "scheduler/checkpoint/full_weights.h"
 #include "scheduler/scheduler.h"
 
 namespace shardline {
@@ -176,11 +179,14 @@ absl::StatusOr<std::unique_ptr<Rank>> MakeRank(const Flags& f, std::shared_ptr<C
   const int64_t cols = 1021;
   for (int u = 0; u < f.units; ++u) {
     const int64_t rows = std::max<int64_t>(1, (unit_elements - 17) / cols);
-    SL_RETURN_IF_ERROR(rank->sched
-                           ->RegisterUnit({.name = absl::StrCat("block", u),
-                                           .tensors = {{.name = "weight", .shape = {rows, cols}},
-                                                       {.name = "bias", .shape = {17}}}})
-                           .status());
+    // Tensor names unique across units, as a full-weight file (the export) needs them.
+    SL_RETURN_IF_ERROR(
+        rank->sched
+            ->RegisterUnit(
+                {.name = absl::StrCat("block", u),
+                 .tensors = {{.name = absl::StrCat("block", u, ".weight"), .shape = {rows, cols}},
+                             {.name = absl::StrCat("block", u, ".bias"), .shape = {17}}}})
+            .status());
   }
   SL_ASSIGN_OR_RETURN(rank->ckpt, Checkpointer::Create(*rank->sched, {}, deadline));
   rank->states.resize(f.units);
@@ -353,6 +359,15 @@ absl::Status Run(const Flags& f) {
       }
     }
 
+    const fs::path exported = fs::path(f.dir) / absl::StrCat("export", round, ".safetensors");
+    t0 = Clock::now();
+    SL_RETURN_IF_ERROR(OnRanks(ranks, [&](int r) {
+      return ExportSafetensors(*ranks[r]->sched, exported.string(), {}, deadline);
+    }));
+    const double export_s = Seconds(t0, Clock::now());
+    const uint64_t export_bytes = fs::file_size(exported);
+    fs::remove(exported, ec);
+
     t0 = Clock::now();
     SL_RETURN_IF_ERROR(
         OnRanks(ranks, [&](int r) { return ranks[r]->ckpt->Save(dir.string(), deadline); }));
@@ -382,10 +397,11 @@ absl::Status Run(const Flags& f) {
         "{\"round\": %d, \"world\": %d, \"bytes\": %llu, \"file_bytes\": %llu, "
         "\"memcpy_s\": %.6f, \"memcpy_fresh_s\": %.6f, \"save_s\": %.6f, \"load_s\": %.6f, "
         "\"blocked_first_s\": %.6f, \"blocked_s\": %.6f, \"snapshot_s\": %.6f, \"background_s\": "
-        "%.6f}\n",
+        "%.6f, \"export_bytes\": %llu, \"export_s\": %.6f}\n",
         round, f.world, static_cast<unsigned long long>(bytes),
         static_cast<unsigned long long>(file_bytes), memcpy_s, memcpy_fresh_s, save_s, load_s,
-        blocked_s[0], blocked_s[1], snapshot_s, background_s);
+        blocked_s[0], blocked_s[1], snapshot_s, background_s,
+        static_cast<unsigned long long>(export_bytes), export_s);
     std::fflush(stdout);
   }
   return absl::OkStatus();

@@ -6,8 +6,8 @@
 Per round, interleaved: dd writes a file of the checkpoint's size (conv=fdatasync), dd drops it
 from the page cache (iflag=nocache count=0: posix_fadvise DONTNEED) and reads it back; then one
 round of checkpoint_bench (save with fsync, cache dropped, load, every element checked; two
-background saves: the time each blocked the caller against one memcpy of the shards; see its
-header). Medians over the rounds; ratios are checkpoint / dd. Prints a markdown table and, with
+background saves: the time each blocked the caller against one memcpy of the shards; the export
+of the full weights to one safetensors file by rank 0, against dd's write; see its header). Medians over the rounds; ratios are checkpoint / dd. Prints a markdown table and, with
 --json, writes every sample.
 """
 
@@ -62,7 +62,8 @@ def main():
         s = {"round": r, "bytes": size, "dd_bytes": count * block, "dd_write_s": dd_write,
              "dd_read_s": dd_read, **{k: ck[k] for k in ("save_s", "load_s", "memcpy_s")},
              "loadavg": os.getloadavg()[0]}
-        for k in ("blocked_s", "blocked_first_s", "snapshot_s", "background_s", "memcpy_fresh_s"):
+        for k in ("blocked_s", "blocked_first_s", "snapshot_s", "background_s", "memcpy_fresh_s",
+                  "export_s", "export_bytes"):
             s[k] = ck[k]
         samples.append(s)
         print(f"round {r}: save {size / ck['save_s'] / 1e6:.0f} MB/s, dd write "
@@ -88,6 +89,11 @@ def main():
           f"{save_ratio:.2f} |")
     print(f"| read (load, cache dropped) | {load / 1e6:.0f} MB/s | {ddr / 1e6:.0f} MB/s | "
           f"{load_ratio:.2f} |")
+    export = med(lambda s: s["export_bytes"] / s["export_s"])
+    export_ratio = med(lambda s: (s["export_bytes"] / s["export_s"])
+                       / (s["dd_bytes"] / s["dd_write_s"]))
+    print(f"| export (full weights, one writer, fsync) | {export / 1e6:.0f} MB/s | "
+          f"{ddw / 1e6:.0f} MB/s | {export_ratio:.2f} |")
     for label, key, ref, ref_label in (
             ("training blocked by a background save (snapshot buffer reused)", "blocked_s",
              "memcpy_s", "memcpy into written memory"),

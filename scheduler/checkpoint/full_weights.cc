@@ -226,49 +226,68 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
   absl::Status written;
   if (mesh.replicate_rank() == writer_row) {
     std::vector<char> staging;
-    for (int u = 0; u < scheduler.num_units(); ++u) {
+    // Issues unit u's all-gather into a buffer of its own. An error aborts the group's
+    // communicator, so that its other members, which wait in this gather, fail now (with this
+    // error) and not at the deadline.
+    auto issue = [&](int u, std::unique_ptr<char[]>& full, Work& work) -> absl::Status {
       const FlatParameter& unit = scheduler.unit(u);
-      const FlatLayout& layout = unit.layout();
-      const DType master = unit.policy().master_dtype;
-      const size_t size = DTypeSize(master);
-      // One unit at a time: freed at the end of the iteration, before the next is allocated.
-      const size_t bytes = std::max<size_t>(1, layout.total_bytes());
-      std::unique_ptr<char[]> full(new (std::nothrow) char[bytes]);
+      const size_t bytes = std::max<size_t>(1, unit.layout().total_bytes());
+      full.reset(new (std::nothrow) char[bytes]);
       if (full == nullptr) {
-        written = absl::ResourceExhaustedError(absl::StrCat(
+        absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
             "cannot allocate the ", bytes, " bytes of unit '", unit.name(), "' gathered whole"));
-        // The group's other members wait in this gather: aborting the call's own shard
-        // communicator fails them now (with this error), not at the deadline.
-        comms.shard->Abort(written);
-        break;
+        comms.shard->Abort(status);
+        return status;
       }
       CollectiveOptions gather_options;
       gather_options.timeout = std::max(deadline - absl::Now(), absl::Milliseconds(1));
       gather_options.tag = unit.name();
-      absl::StatusOr<Work> work =
-          comms.shard->AllGather(unit.master_shard().data, full.get(), layout.shard_bytes(),
+      absl::StatusOr<Work> issued =
+          comms.shard->AllGather(unit.master_shard().data, full.get(), unit.layout().shard_bytes(),
                                  DType::kU8, *comms.stream, gather_options);
-      absl::Status gathered = work.ok() ? work->Wait(deadline) : work.status();
-      if (!gathered.ok()) {
+      if (!issued.ok()) {
+        return Annotate(issued.status(), absl::StrCat("gathering unit '", unit.name(), "'"));
+      }
+      work = *std::move(issued);
+      return absl::OkStatus();
+    };
+    // The next unit's gather runs on the communication stream while the writer appends this
+    // one: two units' buffers at a time, each freed once written.
+    std::unique_ptr<char[]> full, next_full;
+    Work work, next_work;
+    absl::Status failed = scheduler.num_units() > 0 ? issue(0, full, work) : absl::OkStatus();
+    for (int u = 0; u < scheduler.num_units() && failed.ok(); ++u) {
+      const FlatParameter& unit = scheduler.unit(u);
+      if (absl::Status gathered = work.Wait(deadline); !gathered.ok()) {
         // The communicator is aborted for the whole group: every member stops here. Where a
         // peer aborted it (it could not allocate this unit, say), its reason is the error.
         const absl::Status cause = comms.shard->status();
-        written = Annotate(cause.ok() ? gathered : cause,
-                           absl::StrCat("gathering unit '", unit.name(), "'"));
+        failed = Annotate(cause.ok() ? gathered : cause,
+                          absl::StrCat("gathering unit '", unit.name(), "'"));
         break;
       }
-      if (writer == nullptr || !written.ok()) continue;
-      for (const FlatTensor& t : layout.tensors()) {
-        if (t.is_tie() || t.numel == 0) continue;
-        written = AppendCast(*writer, full.get() + t.offset * size, master, units[u].dtype, t.numel,
-                             options.cast_chunk_bytes, &staging);
-        if (!written.ok()) {
-          written = Annotate(written,
-                             absl::StrCat("unit '", unit.name(), "' tensor '", t.spec.name, "'"));
-          break;
+      if (u + 1 < scheduler.num_units()) failed = issue(u + 1, next_full, next_work);
+      if (writer != nullptr && written.ok() && failed.ok()) {
+        const FlatLayout& layout = unit.layout();
+        const DType master = unit.policy().master_dtype;
+        const size_t size = DTypeSize(master);
+        for (const FlatTensor& t : layout.tensors()) {
+          if (t.is_tie() || t.numel == 0) continue;
+          written = AppendCast(*writer, full.get() + t.offset * size, master, units[u].dtype,
+                               t.numel, options.cast_chunk_bytes, &staging);
+          if (!written.ok()) {
+            written = Annotate(written,
+                               absl::StrCat("unit '", unit.name(), "' tensor '", t.spec.name, "'"));
+            break;
+          }
         }
       }
+      full = std::move(next_full);
+      work = std::move(next_work);
     }
+    // A failed gather stops every member of the group; a failed write only the writer's writes
+    // (it keeps gathering with the others).
+    if (!failed.ok()) written = failed;
     if (writer != nullptr && written.ok()) written = writer->Finish();
   }
   return AgreeOnOutcome(*comms.world, *comms.stream, Annotate(written, what), what, 0, "", "", 0,

@@ -28,9 +28,10 @@
 // caller's entries.
 //
 // Export: the ranks of the writer's replicate group all-gather one unit's master shard at a time
-// (over a Dup of the shard group); the writer casts (if asked) and appends the unit's tensors and
-// frees the unit's buffer before the next. Memory beyond the shards, per rank of that group: the
-// largest unit's unsharded master buffer, plus cast_chunk_bytes on the writer when casting. The
+// (over a Dup of the shard group), the next unit's gather running while the writer casts (if
+// asked) and appends this unit's tensors; a unit's buffer is freed once written. Memory beyond
+// the shards, per rank of that group: the unsharded master buffers of two consecutive units,
+// plus cast_chunk_bytes on the writer when casting. The
 // file is written through SafetensorsWriter: "<path>.tmp-<16 hex digits>", fsynced, renamed to
 // `path` (AlreadyExists if `path` exists: an export never replaces a file), parent directory
 // fsynced. A failed or killed export leaves no `path`, perhaps the temporary file.
