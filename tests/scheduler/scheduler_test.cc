@@ -1114,39 +1114,47 @@ TEST(SchedulerErrorsTest, APeersDisagreementIsSticky) {
 // A scheduler destroyed in the middle of a step (the framework gave up on an error no hook saw)
 // owes its peers that step's collectives: it aborts its communicators, so that a peer fails at
 // once, naming it, instead of at its deadline. Rank 1 leaves during its first forward; rank 0
-// runs the whole step and the next one's first hook.
+// runs the whole step and the next one's first hook. With a caller compute stream (the hooks
+// block on the gathers) and with a host one (nothing blocks until the order check).
 TEST(SchedulerErrorsTest, ASchedulerDestroyedMidStepFailsItsPeersAtOnce) {
-  const absl::Duration timeout = absl::Seconds(20);
-  auto comms = CreateLocalCommunicators(2, {.timeout = timeout});
-  ASSERT_OK(comms.status());
-  absl::Status survivor;
-  RunRankThreads(2, [&](int r) {
-    auto run = [&]() -> absl::Status {
-      SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, CreateCallerStream());
-      SL_ASSIGN_OR_RETURN(std::unique_ptr<Scheduler> s,
-                          Scheduler::Create((*comms)[r], *compute, {}, Deadline()));
-      for (int u = 0; u < 3; ++u) {
-        SL_RETURN_IF_ERROR(s->RegisterUnit({.name = absl::StrCat("u", u),
-                                            .tensors = {{.name = "w", .shape = {37 + 5 * u}}}})
-                               .status());
+  for (const bool host_compute : {false, true}) {
+    SCOPED_TRACE(host_compute ? "host compute stream" : "caller compute stream");
+    auto comms = CreateLocalCommunicators(2, {.timeout = absl::Seconds(20)});
+    ASSERT_OK(comms.status());
+    absl::Status survivor;
+    RunRankThreads(2, [&](int r) {
+      auto run = [&]() -> absl::Status {
+        SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute,
+                            host_compute ? CreateHostStream({}) : CreateCallerStream());
+        absl::Status status = [&]() -> absl::Status {
+          SL_ASSIGN_OR_RETURN(std::unique_ptr<Scheduler> s,
+                              Scheduler::Create((*comms)[r], *compute, {}, Deadline()));
+          for (int u = 0; u < 3; ++u) {
+            SL_RETURN_IF_ERROR(s->RegisterUnit({.name = absl::StrCat("u", u),
+                                                .tensors = {{.name = "w", .shape = {37 + 5 * u}}}})
+                                   .status());
+          }
+          if (r == 1) return s->PreForward(0);  // and the scheduler goes
+          SL_RETURN_IF_ERROR(RunStepOfUnits(*s, 3));
+          return s->PreForward(0);
+        }();
+        compute->Synchronize(Deadline()).IgnoreError();
+        return status;
+      };
+      absl::Status status = run();
+      if (r == 0) {
+        survivor = status;
+      } else {
+        EXPECT_OK(status);
       }
-      if (r == 1) return s->PreForward(0);  // and the scheduler goes
-      SL_RETURN_IF_ERROR(RunStepOfUnits(*s, 3));
-      return s->PreForward(0);
-    };
-    absl::Status status = run();
-    if (r == 0) {
-      survivor = status;
-    } else {
-      EXPECT_OK(status);
-    }
-  });
-  ASSERT_FALSE(survivor.ok());
-  EXPECT_FALSE(absl::IsDeadlineExceeded(survivor)) << "waited out the deadline: " << survivor;
-  EXPECT_TRUE(IsPeerError(survivor)) << survivor;
-  EXPECT_TRUE(absl::StrContains(survivor.message(),
-                                "scheduler 'fsdp' was destroyed in the middle of step 0"))
-      << survivor;
+    });
+    ASSERT_FALSE(survivor.ok());
+    EXPECT_FALSE(absl::IsDeadlineExceeded(survivor)) << "waited out the deadline: " << survivor;
+    EXPECT_TRUE(IsPeerError(survivor)) << survivor;
+    EXPECT_TRUE(absl::StrContains(survivor.message(),
+                                  "scheduler 'fsdp' was destroyed in the middle of step 0"))
+        << survivor;
+  }
 }
 
 TEST(SchedulerErrorsTest, BadCallsNameTheUnit) {
