@@ -136,6 +136,17 @@ absl::StatusOr<std::vector<EfficiencyPoint>> ParseEfficiency(const Topology& t, 
   return points;
 }
 
+// A link's figures: `bandwidth_key` in GB/s, "latency_us" and the optional "efficiency" curve.
+absl::Status ParseLink(const Topology& t, Fields& f, absl::string_view bandwidth_key,
+                       LinkModel& link) {
+  SL_ASSIGN_OR_RETURN(const double bandwidth, f.Number(bandwidth_key));
+  link.bandwidth_bytes_per_s = bandwidth * kGB;
+  SL_ASSIGN_OR_RETURN(const double latency, f.Number("latency_us"));
+  link.latency_s = latency * kUs;
+  SL_ASSIGN_OR_RETURN(link.efficiency, ParseEfficiency(t, f, "efficiency"));
+  return absl::OkStatus();
+}
+
 absl::Status ParseCollectives(Topology& t, const JsonValue& v) {
   SL_ASSIGN_OR_RETURN(Fields kinds, Fields::Of(t, v, "collectives"));
   for (const CollectiveKind kind : kKinds) {
@@ -268,11 +279,7 @@ absl::StatusOr<Topology> ParseTopology(absl::string_view json) {
 
   SL_ASSIGN_OR_RETURN(const JsonValue* intra, top.Required("intra_node"));
   SL_ASSIGN_OR_RETURN(Fields in, Fields::Of(t, *intra, "intra_node"));
-  SL_ASSIGN_OR_RETURN(const double in_bw, in.Number("bandwidth_GBps"));
-  t.intra_node.bandwidth_bytes_per_s = in_bw * kGB;
-  SL_ASSIGN_OR_RETURN(const double in_lat, in.Number("latency_us"));
-  t.intra_node.latency_s = in_lat * kUs;
-  SL_ASSIGN_OR_RETURN(t.intra_node.efficiency, ParseEfficiency(t, in, "efficiency"));
+  SL_RETURN_IF_ERROR(ParseLink(t, in, "bandwidth_GBps", t.intra_node));
   SL_RETURN_IF_ERROR(in.Finish());
 
   const JsonValue* inter = top.Find("inter_node");
@@ -280,11 +287,7 @@ absl::StatusOr<Topology> ParseTopology(absl::string_view json) {
   if (inter != nullptr) {
     SL_ASSIGN_OR_RETURN(Fields net, Fields::Of(t, *inter, "inter_node"));
     SL_ASSIGN_OR_RETURN(t.nics_per_node, net.Int("nics_per_node"));
-    SL_ASSIGN_OR_RETURN(const double bw, net.Number("nic_bandwidth_GBps"));
-    t.inter_node.bandwidth_bytes_per_s = bw * kGB;
-    SL_ASSIGN_OR_RETURN(const double lat, net.Number("latency_us"));
-    t.inter_node.latency_s = lat * kUs;
-    SL_ASSIGN_OR_RETURN(t.inter_node.efficiency, ParseEfficiency(t, net, "efficiency"));
+    SL_RETURN_IF_ERROR(ParseLink(t, net, "nic_bandwidth_GBps", t.inter_node));
     SL_RETURN_IF_ERROR(net.Finish());
   }
   if (const JsonValue* coll = top.Find("collectives"); coll != nullptr) {

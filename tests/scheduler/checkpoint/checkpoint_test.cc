@@ -875,6 +875,16 @@ absl::Status TrainingStep(Rank& rank, int version) {
   return absl::OkStatus();
 }
 
+// Step 1's shards, written on the (host) compute stream, then a background save of them into
+// `dir`: the snapshot is taken after the fill, in the compute stream's order.
+absl::Status StartBackgroundSaveOfStep1(Rank& rank, const std::string& dir) {
+  SL_RETURN_IF_ERROR(rank.compute->Enqueue([&rank]() -> absl::Status {
+    FillShards(rank, 1);
+    return absl::OkStatus();
+  }));
+  return rank.ckpt->SaveAsync(dir, Deadline());
+}
+
 // At world 3, with an asynchronous compute stream: the step before the save is still queued
 // when SaveAsync is called (the snapshot must wait for it); three more steps change every state
 // and run collectives on the scheduler's communicator while the background writer is held back
@@ -887,11 +897,7 @@ TEST_F(CheckpointTest, BackgroundSaveHoldsTheSnapshotWhileTrainingChangesTheShar
   ExpectAllOk(RunRanks(3, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
     GatedFileSystem gate;
     SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &gate));
-    SL_RETURN_IF_ERROR(rank->compute->Enqueue([&]() -> absl::Status {
-      FillShards(*rank, 1);
-      return absl::OkStatus();
-    }));
-    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    SL_RETURN_IF_ERROR(StartBackgroundSaveOfStep1(*rank, dir));
     EXPECT_TRUE(rank->ckpt->save_pending());
     const CheckpointSaveStats during = rank->ckpt->last_save_stats();
     EXPECT_TRUE(during.background);
@@ -936,11 +942,7 @@ TEST_F(CheckpointTest, BackgroundSaveWritesStableStatesWithoutCopyingThem) {
   ExpectAllOk(RunRanks(2, [&](int r, std::shared_ptr<Communicator> comm) -> absl::Status {
     GatedFileSystem gate;
     SL_ASSIGN_OR_RETURN(auto rank, MakeRank(setup, comm, &gate));
-    SL_RETURN_IF_ERROR(rank->compute->Enqueue([&]() -> absl::Status {
-      FillShards(*rank, 1);
-      return absl::OkStatus();
-    }));
-    SL_RETURN_IF_ERROR(rank->ckpt->SaveAsync(dir, Deadline()));
+    SL_RETURN_IF_ERROR(StartBackgroundSaveOfStep1(*rank, dir));
     uint64_t master_bytes = 0;
     const int shard = rank->sched->mesh().shard_rank();
     for (size_t u = 0; u < rank->model.units.size(); ++u) {
