@@ -69,13 +69,9 @@ absl::Status Scheduler::Fail(absl::Status status) {
   for (Communicator* comm : {gather_comm_.get(), reduce_comm_.get(), replicate_comm_.get()}) {
     if (comm != nullptr) comm->Abort(failed_);
   }
-  // Until this rank has read the order check of the step that recorded the order, a peer may be
-  // blocked in that all-gather on the world communicator (or be about to issue it), which this
-  // rank will now never join: abort the world too, or the peer's next hook would wait out the
-  // deadline. (An order given in the options is never checked.)
-  if (!order_known_ || record_pending_check_ || order_check_pending_) {
-    mesh_.world()->Abort(failed_);
-  }
+  // A peer may wait in the order check, which this rank will now never join: abort the world
+  // too, or the peer's next hook would wait out the deadline.
+  if (OrderCheckUnread()) mesh_.world()->Abort(failed_);
   return failed_;
 }
 

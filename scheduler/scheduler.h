@@ -438,6 +438,12 @@ class Scheduler {
   // Keeps `status` (every later hook returns it) and aborts the scheduler's communicators with
   // it, so that peers blocked in their collectives fail at once. Returns it.
   absl::Status Fail(absl::Status status);
+  // Until this rank has read the order check of the step that records the forward order (an
+  // all-gather on the world communicator), a peer may be blocked in it or about to issue it.
+  // false when the order was given in the options (never checked).
+  bool OrderCheckUnread() const {
+    return !order_known_ || record_pending_check_ || order_check_pending_;
+  }
   // A peer's error during a step, with whether this rank kept to the known forward order.
   absl::Status WithOrderNote(absl::Status status) const;
   absl::Status BeginStep();

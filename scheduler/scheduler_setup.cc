@@ -186,7 +186,7 @@ Scheduler::~Scheduler() {
     for (Communicator* comm : {gather_comm_.get(), reduce_comm_.get(), replicate_comm_.get()}) {
       if (comm != nullptr && comm->size() > 1) owed.push_back(comm);
     }
-    if ((!order_known_ || record_pending_check_) && mesh_.world()->size() > 1) {
+    if (OrderCheckUnread() && mesh_.world()->size() > 1) {
       owed.push_back(mesh_.world().get());
     }
   }
