@@ -57,4 +57,9 @@ absl::StatusOr<bool> PrefixStore::DoDelete(absl::string_view key) {
 
 absl::StatusOr<int64_t> PrefixStore::DoNumKeys() { return base_->NumKeys(); }
 
+absl::Status PrefixStore::DoAppendOnClose(absl::string_view log, absl::string_view entry,
+                                          absl::Time deadline) {
+  return base_->AppendOnClose(Prefixed(log), entry, deadline);
+}
+
 }  // namespace shardline

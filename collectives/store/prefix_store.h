@@ -37,6 +37,8 @@ class PrefixStore final : public Store {
   absl::StatusOr<bool> DoCheck(absl::Span<const std::string> keys) override;
   absl::StatusOr<bool> DoDelete(absl::string_view key) override;
   absl::StatusOr<int64_t> DoNumKeys() override;
+  absl::Status DoAppendOnClose(absl::string_view log, absl::string_view entry,
+                               absl::Time deadline) override;
 
  private:
   std::string Prefixed(absl::string_view key) const;

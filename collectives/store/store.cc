@@ -72,6 +72,18 @@ absl::StatusOr<bool> Store::Delete(absl::string_view key) {
 
 absl::StatusOr<int64_t> Store::NumKeys() { return DoNumKeys(); }
 
+absl::Status Store::AppendOnClose(absl::string_view log, absl::string_view entry,
+                                  absl::Time deadline) {
+  SL_RETURN_IF_ERROR(CheckKey(log));
+  return DoAppendOnClose(log, entry, deadline);
+}
+
+absl::Status Store::DoAppendOnClose(absl::string_view log, absl::string_view, absl::Time) {
+  return absl::UnimplementedError(absl::StrCat(
+      "AppendOnClose to log ", PrintableKey(log),
+      ": this store has no connection whose closing would mark a client gone (use a TcpStore)"));
+}
+
 std::string PrintableKey(absl::string_view key) {
   constexpr size_t kMaxChars = 120;
   std::string escaped = absl::CHexEscape(key);

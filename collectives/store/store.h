@@ -70,6 +70,15 @@ class Store {
   // The number of keys in the store (for a PrefixStore: in the underlying store).
   absl::StatusOr<int64_t> NumKeys();
 
+  // Logs: a log is the keys "<log>/1", "<log>/2", ... set in order, each once (appended with
+  // CompareSet on the first missing index, so an append is atomic and leaves no hole).
+  // AppendOnClose registers `entry` to be appended to `log` when this client goes away: its
+  // process dies (the connection to a remote store closes) or the store object is destroyed.
+  // It is how the elastic protocol (collectives/elastic/) learns that a process is gone without
+  // waiting for a deadline. Unimplemented for stores without a connection to lose (MemoryStore);
+  // a PrefixStore prefixes the log key.
+  absl::Status AppendOnClose(absl::string_view log, absl::string_view entry, absl::Time deadline);
+
  protected:
   // Implementations override these. The public wrappers above have already checked that every
   // key is non-empty, so implementations may assume it.
@@ -83,6 +92,8 @@ class Store {
   virtual absl::StatusOr<bool> DoCheck(absl::Span<const std::string> keys) = 0;
   virtual absl::StatusOr<bool> DoDelete(absl::string_view key) = 0;
   virtual absl::StatusOr<int64_t> DoNumKeys() = 0;
+  virtual absl::Status DoAppendOnClose(absl::string_view log, absl::string_view entry,
+                                       absl::Time deadline);
 };
 
 // A key made printable for error messages and logs: C-escaped, cut to 120 characters.

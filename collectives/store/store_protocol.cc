@@ -5,7 +5,7 @@
 namespace shardline::store_protocol {
 namespace {
 
-constexpr uint16_t kMaxOp = static_cast<uint16_t>(Op::kNumKeys);
+constexpr uint16_t kMaxOp = static_cast<uint16_t>(Op::kAppendOnClose);
 constexpr uint32_t kMaxStatusCode = static_cast<uint32_t>(absl::StatusCode::kUnauthenticated);
 
 bool KnownOp(uint16_t opcode) { return opcode >= 1 && opcode <= kMaxOp; }
@@ -182,6 +182,8 @@ std::string OpName(uint16_t opcode) {
       return "DELETE";
     case static_cast<uint16_t>(Op::kNumKeys):
       return "NUM_KEYS";
+    case static_cast<uint16_t>(Op::kAppendOnClose):
+      return "APPEND_ON_CLOSE";
     default:
       return absl::StrCat("UNKNOWN(", opcode, ")");
   }
@@ -223,6 +225,10 @@ std::string EncodeRequest(const Request& r) {
       PutBytes(&p, r.key);
       break;
     case Op::kNumKeys:
+      break;
+    case Op::kAppendOnClose:
+      PutBytes(&p, r.key);
+      PutBytes(&p, r.value);
       break;
   }
   return Frame(r.op, /*response=*/false, r.id, p);
@@ -332,6 +338,10 @@ absl::StatusOr<Request> DecodeRequest(const FrameHeader& header, absl::string_vi
       SL_PROTO_TRY(in.Key("key", &r.key));
       break;
     case Op::kNumKeys:
+      break;
+    case Op::kAppendOnClose:
+      SL_PROTO_TRY(in.Key("log key", &r.key));
+      SL_PROTO_TRY(in.Bytes("entry", &r.value));
       break;
   }
   if ((r.op == Op::kGet || r.op == Op::kWait) && r.timeout_ms < -1) {

@@ -22,6 +22,10 @@
 //   CHECK        keys
 //   DELETE       bytes key
 //   NUM_KEYS     (empty)
+//   APPEND_ON_CLOSE  bytes log key, bytes entry   — when this connection closes (the client
+//                process died, or closed it), the server appends `entry` to the log `log key`
+//                (the first missing key of "<log key>/1", "<log key>/2", ...); a connection
+//                holding one is never closed for being idle
 // Responses: u32 status code (absl::StatusCode), bytes message, then only if the code is OK:
 //   GET, COMPARE_SET: bytes value · ADD, NUM_KEYS: i64 · CHECK, DELETE: u8 0/1 · others: none.
 //
@@ -64,6 +68,7 @@ enum class Op : uint16_t {
   kCheck = 7,
   kDelete = 8,
   kNumKeys = 9,
+  kAppendOnClose = 10,
 };
 
 // "GET", "COMPARE_SET", ... ("UNKNOWN(<n>)" for anything else).
@@ -82,9 +87,9 @@ struct FrameHeader {
 struct Request {
   Op op = Op::kHello;
   uint32_t id = 0;
-  std::string key;                // SET GET ADD COMPARE_SET DELETE
+  std::string key;                // SET GET ADD COMPARE_SET DELETE APPEND_ON_CLOSE
   std::vector<std::string> keys;  // WAIT CHECK
-  std::string value;              // SET
+  std::string value;              // SET APPEND_ON_CLOSE (the entry)
   std::string expected;           // COMPARE_SET
   std::string desired;            // COMPARE_SET
   int64_t delta = 0;              // ADD

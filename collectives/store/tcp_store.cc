@@ -125,6 +125,18 @@ class TcpStore::Client {
     return response;
   }
 
+  // Sends `request` on a new connection that is then held, unused, until this client is
+  // destroyed (APPEND_ON_CLOSE: its closing is the message).
+  absl::StatusOr<proto::Response> CallAndHold(proto::Request request, absl::Time deadline) {
+    auto connection = std::make_unique<Connection>(this, "opened to be held until the end");
+    absl::StatusOr<proto::Response> response = connection->Call(std::move(request), deadline);
+    if (response.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      held_.push_back(std::move(connection));
+    }
+    return response;
+  }
+
  private:
   // One socket with its own io_context, used by one call at a time (the pool hands it out).
   class Connection {
@@ -260,6 +272,7 @@ class TcpStore::Client {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Connection>> idle_;  // guarded by mu_
+  std::vector<std::unique_ptr<Connection>> held_;  // guarded by mu_; CallAndHold's
   int opened_ = 0;                                 // guarded by mu_; idle and in use
 };
 
@@ -539,6 +552,16 @@ absl::StatusOr<int64_t> TcpStore::DoNumKeys() {
                       client_->Call(std::move(request), absl::Now() + client_->options().timeout));
   SL_RETURN_IF_ERROR(ResponseStatus(response, client_->where()));
   return response.number;
+}
+
+absl::Status TcpStore::DoAppendOnClose(absl::string_view log, absl::string_view entry,
+                                       absl::Time deadline) {
+  proto::Request request;
+  request.op = proto::Op::kAppendOnClose;
+  request.key = std::string(log);
+  request.value = std::string(entry);
+  SL_ASSIGN_OR_RETURN(proto::Response response, client_->CallAndHold(std::move(request), deadline));
+  return ResponseStatus(response, client_->where());
 }
 
 }  // namespace shardline

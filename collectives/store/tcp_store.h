@@ -195,6 +195,9 @@ class TcpStore final : public Store {
   absl::StatusOr<bool> DoCheck(absl::Span<const std::string> keys) override;
   absl::StatusOr<bool> DoDelete(absl::string_view key) override;
   absl::StatusOr<int64_t> DoNumKeys() override;
+  // Opens a connection of its own for it, held until this store is destroyed.
+  absl::Status DoAppendOnClose(absl::string_view log, absl::string_view entry,
+                               absl::Time deadline) override;
 
  private:
   TcpStore(std::unique_ptr<TcpStoreServer> server, std::unique_ptr<Client> client);

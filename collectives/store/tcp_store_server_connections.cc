@@ -51,7 +51,10 @@ void TcpStoreServer::Impl::OnTimer(const std::shared_ptr<Conn>& conn) {
   // A parked Get/Wait is a client legitimately waiting, however long; bytes that arrived but
   // whose handler has not run yet are traffic too.
   boost::system::error_code ec;
-  if (conn->parked_id != 0 || conn->socket.available(ec) > 0) Touch(conn);
+  // A connection that appends on close is held open on purpose: its closing is the message.
+  if (conn->parked_id != 0 || !conn->appends_on_close.empty() || conn->socket.available(ec) > 0) {
+    Touch(conn);
+  }
   const absl::Duration quiet =
       absl::FromChrono(std::chrono::steady_clock::now() - conn->last_activity);
   if (quiet < idle_timeout_) return ArmTimer(conn, idle_timeout_ - quiet);
@@ -255,6 +258,11 @@ void TcpStoreServer::Impl::Close(const std::shared_ptr<Conn>& conn) {
   conn->out.clear();
   ReleaseBuffer(conn);
   if (conn->parked_id != 0) Unpark(conn->parked_id, std::nullopt);
+  // Not at shutdown: the server going away is not the client going away.
+  if (!shutting_down_) {
+    for (const auto& [log, entry] : conn->appends_on_close) AppendToLog(log, entry);
+  }
+  conn->appends_on_close.clear();
   conns_.erase(conn);
   UpdateStats([&](Stats& s) { s.open_connections = static_cast<int64_t>(conns_.size()); });
 }

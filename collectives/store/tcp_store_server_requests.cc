@@ -59,6 +59,17 @@ void TcpStoreServer::Impl::Handle(const std::shared_ptr<Conn>& conn, proto::Requ
     return;
   }
   if (request.op == Op::kHello) return Drop(conn, "sent a second HELLO");
+  if (request.op == Op::kAppendOnClose) {
+    SL_LOG(TRACE, STORE) << "store server: " << conn->Describe() << " appends "
+                         << PrintableKey(request.value) << " to " << PrintableKey(request.key)
+                         << " when it closes";
+    conn->appends_on_close.emplace_back(std::move(request.key), std::move(request.value));
+    proto::Response response;
+    response.op = request.op;
+    response.id = request.id;
+    Send(conn, response);
+    return;
+  }
 
   const bool parks = (request.op == Op::kGet && table_.Find(request.key) == nullptr) ||
                      (request.op == Op::kWait && !table_.ContainsAll(request.keys));
@@ -136,8 +147,22 @@ proto::Response TcpStoreServer::Impl::Answer(const proto::Request& request) {
     case Op::kNumKeys:
       response.number = table_.size();
       break;
+    case Op::kAppendOnClose:  // handled by Handle: it changes the connection, not the table
+      break;
   }
   return response;
+}
+
+void TcpStoreServer::Impl::AppendToLog(const std::string& log, const std::string& entry) {
+  int64_t& next = log_next_[log];
+  if (next < 1) next = 1;
+  std::string key = absl::StrCat(log, "/", next);
+  while (table_.Find(key) != nullptr) key = absl::StrCat(log, "/", ++next);
+  SL_LOG(INFO, STORE) << "store server: appending " << PrintableKey(entry) << " to "
+                      << PrintableKey(key) << " (its client's connection closed)";
+  table_.Set(key, entry);
+  ++next;
+  KeyChanged(key);
 }
 
 void TcpStoreServer::Impl::Park(const std::shared_ptr<Conn>& conn, proto::Request request) {

@@ -82,6 +82,12 @@ std::vector<Request> SampleRequests() {
   r.op = Op::kNumKeys;
   r.id = 0xffffffffu;
   requests.push_back(r);
+  r = Request();
+  r.op = Op::kAppendOnClose;
+  r.id = 9;
+  r.key = "elastic/log";
+  r.value = std::string("lost 1 0 \0\xff", 13);
+  requests.push_back(r);
   return requests;
 }
 

@@ -1131,6 +1131,49 @@ TEST(TcpStoreTest, IdleAndStalledConnectionsAreClosedButAParkedWaitIsNot) {
   EXPECT_TRUE(answer->status().ok()) << answer->status();
 }
 
+// The liveness signal of elastic jobs: an entry registered with AppendOnClose lands in its log
+// when the client goes away (here: the store object is destroyed, as at a process's death the
+// kernel closes its sockets), after the entries other clients appended themselves, and a held
+// connection is not closed for being idle.
+TEST(TcpStoreTest, AppendOnCloseAppendsWhenTheClientGoesAwayAndNotBefore) {
+  constexpr absl::Duration kIdle = absl::Milliseconds(200);
+  TcpStoreServerOptions server_options = ServerOptions();
+  server_options.idle_timeout = kIdle;
+  auto server = StartServer(server_options);
+  ASSERT_NE(server, nullptr);
+  auto observer = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(observer.ok()) << observer.status();
+  auto leaving = TcpStore::Connect(ClientOptions(server->port()), Bound());
+  ASSERT_TRUE(leaving.ok()) << leaving.status();
+  ASSERT_TRUE((*leaving)->AppendOnClose("log", "lost 7", Bound()).ok());
+  PrefixStore prefixed("job", **leaving);
+  ASSERT_TRUE(prefixed.AppendOnClose("log", "lost 7 (prefixed)", Bound()).ok());
+  // An entry a live client appends itself takes index 1.
+  absl::StatusOr<std::string> first = (*observer)->CompareSet("log/1", "", "arrive 3");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(*first, "arrive 3");
+  // Three idle timeouts later the held connection is still open: nothing was appended.
+  absl::StatusOr<std::string> early = (*observer)->Get("log/2", absl::Now() + 3 * kIdle);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(early.status())) << early.status();
+  leaving->reset();
+  absl::StatusOr<std::string> appended = (*observer)->Get("log/2", Bound());
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  EXPECT_EQ(*appended, "lost 7");
+  absl::StatusOr<std::string> in_prefix = (*observer)->Get("job/log/1", Bound());
+  ASSERT_TRUE(in_prefix.ok()) << in_prefix.status();
+  EXPECT_EQ(*in_prefix, "lost 7 (prefixed)");
+  absl::StatusOr<bool> third = (*observer)->Check({"log/3"});
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_FALSE(*third);
+}
+
+TEST(StoreTest, AppendOnCloseNeedsAConnection) {
+  MemoryStore store;
+  absl::Status status = store.AppendOnClose("log", "lost", Bound());
+  EXPECT_TRUE(absl::IsUnimplemented(status)) << status;
+  EXPECT_THAT(status.message(), ::testing::HasSubstr("'log'"));
+}
+
 TEST(TcpStoreTest, ClientReopensAConnectionTheServerClosedWhileIdle) {
   TcpStoreServerOptions server_options = ServerOptions();
   server_options.idle_timeout = absl::Milliseconds(100);

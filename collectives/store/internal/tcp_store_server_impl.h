@@ -120,6 +120,8 @@ class TcpStoreServer::Impl {
     bool close_after_write = false;
     bool closed = false;
     uint64_t parked_id = 0;  // 0: none
+    // APPEND_ON_CLOSE requests: (log key, entry), appended when the connection closes.
+    std::vector<std::pair<std::string, std::string>> appends_on_close;
     int64_t rank = -1;
     std::string name;
   };
@@ -162,6 +164,9 @@ class TcpStoreServer::Impl {
   void CloseAll();
 
   void Park(const std::shared_ptr<Conn>& conn, store_protocol::Request request);
+  // Sets the first missing key of "<log>/1", "<log>/2", ... to `entry` (the append of
+  // elastic logs; clients append the same way, with COMPARE_SET).
+  void AppendToLog(const std::string& log, const std::string& entry);
   void KeyChanged(const std::string& key);
   void Unpark(uint64_t id, std::optional<absl::Status> timeout_error);
   store_protocol::Response Answer(const store_protocol::Request& request);
@@ -198,6 +203,8 @@ class TcpStoreServer::Impl {
   std::set<std::shared_ptr<Conn>> conns_;
   std::map<uint64_t, Parked> parked_;
   std::unordered_multimap<std::string, uint64_t> watchers_;
+  // AppendToLog: where each log's scan for its first missing index starts.
+  std::unordered_map<std::string, int64_t> log_next_;
   uint64_t next_parked_id_ = 1;
   int64_t buffered_bytes_ = 0;
   // Where refused payloads are read to and forgotten (one I/O thread: one buffer serves all).
