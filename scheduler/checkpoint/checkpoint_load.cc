@@ -15,7 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "runtime/reshard_plan.h"
 #include "runtime/status.h"
-#include "scheduler/checkpoint/crc32c.h"
+#include "runtime/crc32c.h"
 #include "scheduler/checkpoint/internal/checkpoint_internal.h"
 
 namespace shardline {

@@ -17,7 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "runtime/status.h"
 #include "scheduler/checkpoint/agree.h"
-#include "scheduler/checkpoint/crc32c.h"
+#include "runtime/crc32c.h"
 #include "scheduler/checkpoint/internal/checkpoint_internal.h"
 
 #ifndef SHARDLINE_LIBRARY_VERSION

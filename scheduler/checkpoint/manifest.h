@@ -12,7 +12,7 @@
 // dtype — tensor elements only, never padding. Data file `shard-SSSSS-of-NNNNN.bin` holds the
 // pieces of shard SSSSS back to back, in the order units → states → slices, with no header.
 // Each piece is checksummed in blocks of `checksum_block_bytes` counted from the piece's first
-// byte (the last block may be shorter): CRC-32C (scheduler/checkpoint/crc32c.h), written as 8
+// byte (the last block may be shorter): CRC-32C (runtime/crc32c.h), written as 8
 // lower-case hex digits. A reader that needs part of a piece reads and verifies the blocks
 // covering that part, never the whole piece.
 //

@@ -30,7 +30,7 @@
 #include "absl/strings/str_join.h"
 #include "runtime/dtype.h"
 #include "runtime/status.h"
-#include "scheduler/checkpoint/crc32c.h"
+#include "runtime/crc32c.h"
 #include "scheduler/checkpoint/file_system.h"
 #include "scheduler/checkpoint/full_weights.h"
 #include "scheduler/checkpoint/manifest.h"

@@ -49,7 +49,7 @@
 #include "runtime/check.h"
 #include "runtime/config.h"
 #include "runtime/status.h"
-#include "scheduler/checkpoint/crc32c.h"
+#include "runtime/crc32c.h"
 #include "scheduler/checkpoint/file_system.h"
 #include "scheduler/checkpoint/manifest.h"
 #include "scheduler/scheduler.h"

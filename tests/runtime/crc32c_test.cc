@@ -2,7 +2,7 @@
 // on x86-64) and the portable table-driven one, each against a bit-at-a-time reference, at
 // lengths around the interleaved loop's 24 KiB rounds, unaligned starts and arbitrary splits.
 
-#include "scheduler/checkpoint/crc32c.h"
+#include "runtime/crc32c.h"
 
 #include <gtest/gtest.h>
 

@@ -6,7 +6,7 @@
 //  - elsewhere, table-driven "slicing by 8": table[k][b] is the CRC of byte b followed by k zero
 //    bytes, so eight table lookups advance the CRC over eight input bytes (~1.5 GB/s per core).
 
-#include "scheduler/checkpoint/crc32c.h"
+#include "runtime/crc32c.h"
 
 #include <array>
 #include <cstring>

@@ -1,0 +1,170 @@
+// File: collectives/elastic/elastic_group.h
+// -----------------------------------------------------------------------------
+// One rank of an elastic hybrid-sharded job: the rounds of the protocol of elastic_log.h over the
+// job's store, and the communicators of each round (the rank's shard group and, over the round's
+// member replicas, its replicate group). A replica group that loses a rank drops out of the
+// replicate dimension at the next round; the other replicas redo the step without it and train
+// on; a restarted group joins again at a round boundary and is fed the state by a live replica.
+//
+//   SL_ASSIGN_OR_RETURN(auto group, ElasticGroup::Join({.store = store, .replicas = 2,
+//                                                       .shard_size = 2, .replica = r,
+//                                                       .shard = s, .incarnation = i}, deadline));
+//   while (group->committed_steps() < steps) {
+//     SL_ASSIGN_OR_RETURN(ElasticGroup::Round round, group->BeginRound(deadline));
+//     if (round.rebuilt) rebuild the scheduler over round.shard and round.replicate;
+//     if (!round.joiners.empty()) SL_RETURN_IF_ERROR(group->TransferState(state, deadline));
+//     absl::Status step = run step round.step (gradients zeroed first);
+//     SL_ASSIGN_OR_RETURN(bool committed, group->EndRound(step, deadline));
+//     if (committed) optimizer step;     // otherwise the next round redoes round.step
+//   }
+//
+// The store must outlive every training process: host it in the launcher or a process of its
+// own (shardline-launch --max-restarts does), never in a training rank. Every wait of the
+// protocol is bounded: a rank that is neither there nor reported lost is waited for until
+// nothing new has appeared in the log for `timeout`, after which the waiting rank writes a
+// timeout entry that decides the round for everyone.
+//
+// Thread safety: one thread calls a group's methods.
+
+#ifndef SHARDLINE_COLLECTIVES_ELASTIC_ELASTIC_GROUP_H_
+#define SHARDLINE_COLLECTIVES_ELASTIC_ELASTIC_GROUP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "collectives/bootstrap.h"
+#include "collectives/communicator.h"
+#include "collectives/elastic/elastic_log.h"
+#include "collectives/store/store.h"
+
+namespace shardline {
+
+struct ElasticOptions {
+  // The job's store, shared by every process and hosted outside the training ranks.
+  std::shared_ptr<Store> store;
+  int replicas = 1;    // replica groups at full strength
+  int shard_size = 1;  // ranks per replica group
+  int replica = 0;     // this rank's replica group
+  int shard = 0;       // and its index within it
+  // 0 at launch; each restart of the replica group's processes adds one (shardline-launch sets
+  // SHARDLINE_RESTART_COUNT).
+  int incarnation = 0;
+  std::string backend = "ucx";
+  Device device = Device::Host();
+  std::string name = "elastic";
+  // Bound on the rounds' communicators, and how long a wait of the protocol lasts with nothing new
+  // in the log before this rank declares a timeout. Zero: SHARDLINE_TIMEOUT_S.
+  absl::Duration timeout = absl::ZeroDuration();
+  // Registers `lost r s i` with the store (Store::AppendOnClose), so that this process's death is
+  // known at once. Off for in-process tests over a MemoryStore, which call ReportLost instead.
+  bool watch_liveness = true;
+  // Makes the rounds' communicators. Null: CreateCommunicator.
+  std::function<absl::StatusOr<std::shared_ptr<Communicator>>(const CommunicatorOptions&)>
+      communicator_factory;
+};
+
+// One contiguous piece of a rank's training state (a master shard, an optimizer moment, the step
+// counter), in host memory: what TransferState moves to a joining replica.
+struct StatePiece {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// What a recovery cost, as seen by one surviving rank.
+struct ElasticRecovery {
+  int64_t failed_round = 0;
+  int64_t step = 0;         // the step that was redone
+  std::string what_failed;  // the abort reason of the round ("rank (1, 0) voted fail", ...)
+  // From the start of the failed round's step (EndRound's caller measured nothing before) to
+  // the moment this rank read the abort: how long the failure took to become a decision.
+  absl::Duration detect;
+  // From reading the abort to the next round's communicators being ready.
+  absl::Duration resume;
+  std::vector<int> replicas_after;  // the next round's members
+};
+
+class ElasticGroup {
+ public:
+  struct Round {
+    int64_t round = 0;
+    int64_t step = 0;                         // the step to train (committed rounds so far)
+    std::vector<int> replicas;                // the member replica groups, ascending
+    std::vector<int> joiners;                 // those that join now (TransferState before training)
+    bool joining = false;                     // this rank's replica is one of them
+    bool rebuilt = false;                     // new communicators: build the scheduler anew
+    std::shared_ptr<Communicator> shard;      // this replica group (size shard_size)
+    std::shared_ptr<Communicator> replicate;  // shard index `shard` of every member replica
+  };
+
+  // Registers this rank's liveness with the store. InvalidArgument for bad options (naming the
+  // field); the store's error if the registration fails.
+  static absl::StatusOr<std::unique_ptr<ElasticGroup>> Join(ElasticOptions options,
+                                                            absl::Time deadline);
+  ~ElasticGroup();
+
+  // Arrives at the next round and waits for its quorum; builds the round's communicators when
+  // the last round's cannot serve (the returned `rebuilt`). A round whose communicators cannot be
+  // built (a member died meanwhile) is voted down and the next one is tried. Errors: Aborted if
+  // this rank's replica is not in the quorum (a rank of it was lost, or it came too late: the
+  // process should exit, or be restarted to join with a new incarnation); DataLoss if no member
+  // holds the state (every replica that did was lost); DeadlineExceeded at `deadline`.
+  absl::StatusOr<Round> BeginRound(absl::Time deadline);
+
+  // Votes for the round's commit (ok iff `step` is OK) and waits for the outcome: true if every
+  // member rank voted ok (the optimizer may step), false if the round aborted (recovery() says
+  // why; the next round redoes the step). The round's communicators are dropped on an abort.
+  absl::StatusOr<bool> EndRound(const absl::Status& step, absl::Time deadline);
+
+  // In a round with joiners: the first member replica that is not joining (the donor) sends each
+  // piece to every joiner of its shard index, point to point over the round's replicate group,
+  // one piece at a time, each followed by its CRC-32C; a joiner receives in place and checks it
+  // (DataLoss naming the piece on a mismatch). Every rank of a joining round calls it with the
+  // same list of piece sizes (InvalidArgument if the sizes differ from the donor's); ranks that
+  // neither send nor receive return at once.
+  absl::Status TransferState(absl::Span<const StatePiece> pieces, absl::Time deadline);
+
+  // In-process tests: appends `lost` for this rank, as the store's server does when the process
+  // dies.
+  absl::Status ReportLost();
+
+  int64_t committed_steps() const { return log_.committed_steps(); }
+  const elastic::ElasticLog& log() const { return log_; }
+  const std::vector<ElasticRecovery>& recoveries() const { return recoveries_; }
+  const ElasticOptions& options() const { return options_; }
+
+ private:
+  explicit ElasticGroup(ElasticOptions options);
+
+  // Appends `entry` to the log (compare-and-set on the first index this rank has not read).
+  absl::Status Append(const elastic::Entry& entry);
+  // Reads the log's next entry and applies it: true; false if none appeared before `until`.
+  absl::StatusOr<bool> ReadNext(absl::Time until);
+  // Reads until `decided` holds. While nothing new appears for options_.timeout the rank appends
+  // `on_timeout` (once). DeadlineExceeded at `deadline`.
+  absl::Status ReadUntil(const std::function<bool()>& decided, const elastic::Entry& on_timeout,
+                         absl::Time deadline);
+  absl::Status BuildCommunicators(const elastic::Quorum& quorum, absl::Time deadline);
+
+  ElasticOptions options_;
+  std::string log_key_;
+  elastic::ElasticLog log_;
+  int64_t read_ = 0;  // entries of the log read so far
+  Round current_;
+  bool in_round_ = false;
+  absl::Time step_started_;
+  std::vector<ElasticRecovery> recoveries_;
+  bool recovering_ = false;
+  absl::Time abort_read_;
+};
+
+}  // namespace shardline
+
+#endif  // SHARDLINE_COLLECTIVES_ELASTIC_ELASTIC_GROUP_H_
