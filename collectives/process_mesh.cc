@@ -30,6 +30,23 @@ absl::StatusOr<ProcessMesh> ProcessMesh::Create(std::shared_ptr<Communicator> wo
   return mesh;
 }
 
+absl::StatusOr<ProcessMesh> ProcessMesh::FromGroups(std::shared_ptr<Communicator> shard,
+                                                    std::shared_ptr<Communicator> replicate,
+                                                    std::shared_ptr<Communicator> world) {
+  if (shard == nullptr || replicate == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("ProcessMesh::FromGroups: the ",
+                                                   shard == nullptr ? "shard" : "replicate",
+                                                   " group is null"));
+  }
+  ProcessMesh mesh;
+  mesh.shard_size_ = shard->size();
+  mesh.replicate_size_ = replicate->size();
+  mesh.world_ = world != nullptr ? std::move(world) : shard;
+  mesh.shard_ = std::move(shard);
+  mesh.replicate_ = std::move(replicate);
+  return mesh;
+}
+
 std::string ProcessMesh::ToString() const {
   return absl::StrCat(replicate_size_, " x ", shard_size_, " (replicate x shard)");
 }

@@ -32,6 +32,13 @@ class ProcessMesh {
   static absl::StatusOr<ProcessMesh> Create(std::shared_ptr<Communicator> world, int shard_size,
                                             absl::Time deadline);
 
+  // A mesh of groups made elsewhere (an elastic job makes them per round): `shard` and
+  // `replicate` must hold this rank (InvalidArgument if either is null); `world` carries what
+  // spans the mesh (the scheduler's order check); null: `shard`. Collective over nothing.
+  static absl::StatusOr<ProcessMesh> FromGroups(std::shared_ptr<Communicator> shard,
+                                                std::shared_ptr<Communicator> replicate,
+                                                std::shared_ptr<Communicator> world = nullptr);
+
   int replicate_size() const { return replicate_size_; }
   int shard_size() const { return shard_size_; }
   // This rank's column in its shard group and row in its replicate group.

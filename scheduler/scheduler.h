@@ -267,6 +267,14 @@ class Scheduler {
                                                            Stream& compute,
                                                            SchedulerOptions options,
                                                            absl::Time deadline);
+  // As above over a mesh made elsewhere (ProcessMesh::FromGroups; the rounds of an elastic job,
+  // collectives/elastic/elastic_group.h): collective over its shard group. The mesh's world
+  // carries the order check. options.shard_size is ignored; InvalidArgument if the mesh does not
+  // fit options.strategy (hybrid shard fits any mesh, full shard and shard-grad-op one replica,
+  // no-shard a shard group of one).
+  static absl::StatusOr<std::unique_ptr<Scheduler>> Create(ProcessMesh mesh, Stream& compute,
+                                                           SchedulerOptions options,
+                                                           absl::Time deadline);
   // Returns every buffer to its pool after the events that guard it; waits (bounded by the
   // streams' timeouts) for the scheduler's streams to drain. Safe mid-step (see "Errors").
   ~Scheduler();

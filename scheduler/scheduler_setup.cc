@@ -99,7 +99,31 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::shared_ptr<Com
   }
   absl::StatusOr<ProcessMesh> mesh = ProcessMesh::Create(world, shard_size, deadline);
   if (!mesh.ok()) return Annotate(mesh.status(), what);
-  std::unique_ptr<Scheduler> s(new Scheduler(*std::move(mesh), compute, std::move(options)));
+  return Create(*std::move(mesh), compute, std::move(options), deadline);
+}
+
+absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(ProcessMesh mesh, Stream& compute,
+                                                             SchedulerOptions options,
+                                                             absl::Time deadline) {
+  const std::string what = absl::StrCat("scheduler '", options.name, "'");
+  if (mesh.shard() == nullptr || mesh.world() == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": the mesh has no shard group"));
+  }
+  if (options.forward_prefetch < 0 || options.backward_prefetch_depth < 0 ||
+      options.budget_units < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": prefetch depths and budget_units must be >= 0"));
+  }
+  const bool one_replica = mesh.replicate_size() == 1;
+  const bool fits = options.strategy == ShardingStrategy::kHybridShard ||
+                    (one_replica && options.strategy != ShardingStrategy::kNoShard) ||
+                    (options.strategy == ShardingStrategy::kNoShard && mesh.shard_size() == 1);
+  if (!fits) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": the mesh ", mesh.ToString(), " does not fit the sharding strategy"));
+  }
+  const std::shared_ptr<Communicator> world = mesh.world();
+  std::unique_ptr<Scheduler> s(new Scheduler(std::move(mesh), compute, std::move(options)));
   const SchedulerOptions& o = s->options_;
 
   s->gather_comm_ = s->mesh_.shard();

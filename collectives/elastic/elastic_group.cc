@@ -171,8 +171,15 @@ absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline
                                  Entry::Timeout(round, Phase::kQuorum, o.replica, o.shard),
                                  deadline));
     const Quorum& quorum = *log_.quorum(round);
+    const bool lost = log_.lost(o.replica, o.shard, o.incarnation);
+    if (!quorum.IsMember(o.replica, o.incarnation) && !ever_member_ && !lost) {
+      // A new process whose group was not complete when the round was decided (its ranks
+      // arrived in different rounds, or after the members): it arrives at the next one.
+      SL_LOG(INFO, COLL) << what << ": not in round " << round << " (replicas "
+                         << Members(quorum.replicas()) << "); arriving at the next round";
+      continue;
+    }
     if (!quorum.IsMember(o.replica, o.incarnation)) {
-      const bool lost = log_.lost(o.replica, o.shard, o.incarnation);
       return absl::AbortedError(absl::StrCat(
           what, ": not in the quorum of round ", round, " (members: replicas ",
           Members(quorum.replicas()), "; ", quorum.reason, ")",
@@ -184,6 +191,7 @@ absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline
           what, ": round ", round, " has no replica that holds the training state (members ",
           Members(quorum.replicas()), " are all joining): every replica that held it was lost"));
     }
+    ever_member_ = true;
     current_.round = round;
     current_.step = quorum.step;
     current_.replicas = quorum.replicas();
@@ -224,7 +232,7 @@ absl::StatusOr<bool> ElasticGroup::EndRound(const absl::Status& step, absl::Time
   in_round_ = false;
   const int64_t round = current_.round;
   if (!step.ok()) {
-    SL_LOG(INFO, COLL) << "elastic group '" << o.name << "': round " << round
+    SL_LOG(WARN, COLL) << "elastic group '" << o.name << "': round " << round
                        << " failed on this rank: " << step;
   }
   SL_RETURN_IF_ERROR(Append(Entry::Vote(round, o.replica, o.shard, o.incarnation, step.ok())));
@@ -232,6 +240,7 @@ absl::StatusOr<bool> ElasticGroup::EndRound(const absl::Status& step, absl::Time
                                Entry::Timeout(round, Phase::kCommit, o.replica, o.shard),
                                deadline));
   const bool committed = *log_.outcome(round);
+  consecutive_aborts_ = committed ? 0 : consecutive_aborts_ + 1;
   if (!committed) {
     ElasticRecovery recovery;
     recovery.failed_round = round;
@@ -246,6 +255,12 @@ absl::StatusOr<bool> ElasticGroup::EndRound(const absl::Status& step, absl::Time
     current_.replicate = nullptr;
     SL_LOG(WARN, COLL) << "elastic group '" << o.name << "': round " << round << " (step "
                        << current_.step << ") aborted: " << recoveries_.back().what_failed;
+  }
+  if (consecutive_aborts_ >= o.max_consecutive_aborts) {
+    return absl::AbortedError(absl::StrCat(
+        "elastic group '", o.name, "': step ", current_.step, " aborted in ", consecutive_aborts_,
+        " rounds in a row (max_consecutive_aborts); the last: ", recoveries_.back().what_failed,
+        step.ok() ? "" : absl::StrCat("; this rank's error: ", step.ToString())));
   }
   return committed;
 }

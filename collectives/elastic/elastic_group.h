@@ -11,7 +11,8 @@
 //                                                       .shard = s, .incarnation = i}, deadline));
 //   while (group->committed_steps() < steps) {
 //     SL_ASSIGN_OR_RETURN(ElasticGroup::Round round, group->BeginRound(deadline));
-//     if (round.rebuilt) rebuild the scheduler over round.shard and round.replicate;
+//     if (round.rebuilt) rebuild the scheduler over round.shard and round.replicate, on new
+//                        streams (an aborted round poisons every stream that waited on it);
 //     if (!round.joiners.empty()) SL_RETURN_IF_ERROR(group->TransferState(state, deadline));
 //     absl::Status step = run step round.step (gradients zeroed first);
 //     SL_ASSIGN_OR_RETURN(bool committed, group->EndRound(step, deadline));
@@ -66,6 +67,9 @@ struct ElasticOptions {
   // Registers `lost r s i` with the store (Store::AppendOnClose), so that this process's death is
   // known at once. Off for in-process tests over a MemoryStore, which call ReportLost instead.
   bool watch_liveness = true;
+  // EndRound fails (Aborted) after this many aborted rounds in a row: a step that cannot succeed
+  // (the same error on every try) ends the job instead of looping.
+  int max_consecutive_aborts = 8;
   // Makes the rounds' communicators. Null: CreateCommunicator.
   std::function<absl::StatusOr<std::shared_ptr<Communicator>>(const CommunicatorOptions&)>
       communicator_factory;
@@ -112,9 +116,11 @@ class ElasticGroup {
 
   // Arrives at the next round and waits for its quorum; builds the round's communicators when
   // the last round's cannot serve (the returned `rebuilt`). A round whose communicators cannot be
-  // built (a member died meanwhile) is voted down and the next one is tried. Errors: Aborted if
-  // this rank's replica is not in the quorum (a rank of it was lost, or it came too late: the
-  // process should exit, or be restarted to join with a new incarnation); DataLoss if no member
+  // built (a member died meanwhile) is voted down and the next one is tried; so is a round decided
+  // before every rank of this process's (new) replica group arrived: it arrives at the next one.
+  // Errors: Aborted if this rank's replica, a member before, is not in the quorum (a rank of it
+  // was lost: the process should exit, or be restarted to join with a new incarnation); DataLoss
+  // if no member
   // holds the state (every replica that did was lost); DeadlineExceeded at `deadline`.
   absl::StatusOr<Round> BeginRound(absl::Time deadline);
 
@@ -162,6 +168,8 @@ class ElasticGroup {
   absl::Time step_started_;
   std::vector<ElasticRecovery> recoveries_;
   bool recovering_ = false;
+  int consecutive_aborts_ = 0;
+  bool ever_member_ = false;  // once in a quorum, a rank left out of one is out for good
   absl::Time abort_read_;
 };
 
