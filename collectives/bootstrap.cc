@@ -39,6 +39,11 @@ SL_PARAM(std::string, StoreListenAddr, "STORE_LISTEN_ADDR", "",
          "is reachable where the job was told it is, and nowhere else); 0.0.0.0 or :: listens on "
          "every interface (behind NAT, say).");
 
+SL_PARAM(bool, AgentStore, "AGENT_STORE", false,
+         "The store at MASTER_ADDR:MASTER_PORT is hosted outside the training ranks (by the "
+         "launcher: shardline-launch --max-restarts sets it), so rank 0 connects to it instead "
+         "of hosting one.");
+
 // Where each launcher puts the rank.
 std::string RankVariable(absl::string_view launcher) {
   if (launcher == "torchrun") return "RANK";
@@ -405,9 +410,10 @@ absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options) {
   store_options.timeout = timeout;
   SL_ASSIGN_OR_RETURN(std::string listen_addr, ParamStoreListenAddr().Get());
   store_options.listen_host = listen_addr;  // empty: MASTER_ADDR
+  SL_ASSIGN_OR_RETURN(const bool agent_store, ParamAgentStore().Get());
   absl::StatusOr<std::unique_ptr<TcpStore>> store =
-      TcpStore::Create(store_options, /*is_server=*/info.rank == 0, deadline);
-  if (info.rank == 0 && absl::IsFailedPrecondition(store.status())) {
+      TcpStore::Create(store_options, /*is_server=*/info.rank == 0 && !agent_store, deadline);
+  if (info.rank == 0 && !agent_store && absl::IsFailedPrecondition(store.status())) {
     // The port is taken. If by this job's store (its host named itself there), another process
     // got rank 0 as well: say that rather than blame the port.
     absl::StatusOr<std::unique_ptr<TcpStore>> other =

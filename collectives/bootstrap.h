@@ -85,7 +85,9 @@ struct ProcessGroup {
 // same rank fail at once (FailedPrecondition naming the rank and both processes), and so do the
 // ranks waiting for the rank nobody holds. Rank 0's store listens on the address MASTER_ADDR
 // names (SHARDLINE_STORE_LISTEN_ADDR overrides it), with a WARN if that is a loopback address
-// while ranks run on other hosts.
+// while ranks run on other hosts. With
+// SHARDLINE_AGENT_STORE=1 the store is hosted outside the ranks (by the launcher, for elastic
+// jobs) and rank 0 connects to it like every other rank.
 absl::StatusOr<ProcessGroup> InitProcessGroup(const InitOptions& options = {});
 
 // Creates this rank's communicator of `backend` over `store` (which all `size` ranks share and

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "collectives/store/tcp_store.h"
 #include "runtime/config.h"
 #include "runtime/crc32c.h"
 #include "runtime/logging.h"
@@ -30,6 +31,48 @@ std::string Members(const std::vector<int>& replicas) {
 }
 
 }  // namespace
+
+SL_PARAM(int64_t, ShardSize, "SHARD_SIZE", 0,
+         "Ranks per replica group of an elastic job (ElasticOptionsFromEnvironment); 0: "
+         "LOCAL_WORLD_SIZE, one group per host.",
+         InRange<int64_t>(0, 1 << 20));
+SL_PARAM(int64_t, RestartCount, "RESTART_COUNT", 0,
+         "How many times shardline-launch --max-restarts restarted this process's replica group: "
+         "its incarnation in an elastic job.",
+         InRange<int64_t>(0, 1 << 20));
+
+absl::StatusOr<ElasticOptions> ElasticOptionsFromEnvironment(absl::Time deadline) {
+  SL_ASSIGN_OR_RETURN(LaunchInfo launch, ReadLaunchEnvironment());
+  SL_ASSIGN_OR_RETURN(int64_t shard_size, ParamShardSize().Get());
+  SL_ASSIGN_OR_RETURN(int64_t restarts, ParamRestartCount().Get());
+  if (shard_size <= 0) shard_size = launch.local_world_size;
+  if (shard_size < 1 || launch.world_size % shard_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("SHARDLINE_SHARD_SIZE (or LOCAL_WORLD_SIZE) ",
+                                                   shard_size, " does not divide the world size ",
+                                                   launch.world_size, " into replica groups"));
+  }
+  if (restarts < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SHARDLINE_RESTART_COUNT ", restarts, " is negative"));
+  }
+  SL_ASSIGN_OR_RETURN(absl::Duration timeout, DefaultTimeout());
+  TcpStoreOptions store;
+  store.host = launch.master_addr;
+  store.port = launch.master_port;
+  store.rank = launch.rank;
+  store.timeout = timeout;
+  store.client_name = absl::StrCat("elastic rank ", launch.rank, " incarnation ", restarts);
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> client, TcpStore::Connect(store, deadline));
+  ElasticOptions options;
+  options.store = std::move(client);
+  options.shard_size = static_cast<int>(shard_size);
+  options.replicas = launch.world_size / options.shard_size;
+  options.replica = launch.rank / options.shard_size;
+  options.shard = launch.rank % options.shard_size;
+  options.incarnation = static_cast<int>(restarts);
+  options.timeout = timeout;
+  return options;
+}
 
 ElasticGroup::ElasticGroup(ElasticOptions options)
     : options_(std::move(options)),
@@ -88,6 +131,8 @@ absl::StatusOr<bool> ElasticGroup::ReadNext(absl::Time until) {
   if (absl::IsDeadlineExceeded(entry.status()) && absl::Now() >= until) return false;
   if (!entry.ok()) return entry.status();
   ++read_;
+  SL_LOG(TRACE, COLL) << "elastic group '" << options_.name << "': log entry " << read_ << ": "
+                      << *entry;
   const int64_t unparsed = log_.unparsed_entries();
   log_.ApplyText(*entry);
   if (log_.unparsed_entries() != unparsed) {
@@ -120,6 +165,15 @@ absl::Status ElasticGroup::ReadUntil(const std::function<bool()>& decided, const
     timed_out = true;
   }
   return absl::OkStatus();
+}
+
+absl::Status ElasticGroup::JobLost(const std::string& what) const {
+  const Quorum* quorum = log_.quorum(log_.round());
+  return absl::DataLossError(
+      absl::StrCat(what, ": round ", log_.round(),
+                   " has no replica that holds the training state (members: replicas ",
+                   Members(quorum != nullptr ? quorum->replicas() : std::vector<int>{}),
+                   ", none of them trained before): every replica that held it was lost"));
 }
 
 absl::Status ElasticGroup::BuildCommunicators(const Quorum& quorum, absl::Time deadline) {
@@ -165,11 +219,13 @@ absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline
       SL_ASSIGN_OR_RETURN(bool read, ReadNext(deadline));
       if (!read) break;
     }
+    if (log_.job_lost()) return JobLost(what);
     const int64_t round = log_.phase() == Phase::kQuorum ? log_.round() : log_.round() + 1;
     SL_RETURN_IF_ERROR(Append(Entry::Arrive(round, o.replica, o.shard, o.incarnation)));
-    SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.quorum(round) != nullptr; },
+    SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.quorum(round) != nullptr || log_.job_lost(); },
                                  Entry::Timeout(round, Phase::kQuorum, o.replica, o.shard),
                                  deadline));
+    if (log_.job_lost()) return JobLost(what);
     const Quorum& quorum = *log_.quorum(round);
     const bool lost = log_.lost(o.replica, o.shard, o.incarnation);
     if (!quorum.IsMember(o.replica, o.incarnation) && !ever_member_ && !lost) {
@@ -185,11 +241,6 @@ absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline
           Members(quorum.replicas()), "; ", quorum.reason, ")",
           lost ? "; this rank was reported lost" : "",
           ": leave, and restart the replica group with a new incarnation to join again"));
-    }
-    if (quorum.joiners.size() == quorum.members.size()) {
-      return absl::DataLossError(absl::StrCat(
-          what, ": round ", round, " has no replica that holds the training state (members ",
-          Members(quorum.replicas()), " are all joining): every replica that held it was lost"));
     }
     ever_member_ = true;
     current_.round = round;
@@ -236,9 +287,12 @@ absl::StatusOr<bool> ElasticGroup::EndRound(const absl::Status& step, absl::Time
                        << " failed on this rank: " << step;
   }
   SL_RETURN_IF_ERROR(Append(Entry::Vote(round, o.replica, o.shard, o.incarnation, step.ok())));
-  SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.outcome(round).has_value(); },
+  SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.outcome(round).has_value() || log_.job_lost(); },
                                Entry::Timeout(round, Phase::kCommit, o.replica, o.shard),
                                deadline));
+  if (!log_.outcome(round).has_value()) {
+    return JobLost(absl::StrCat("elastic group '", o.name, "'"));
+  }
   const bool committed = *log_.outcome(round);
   consecutive_aborts_ = committed ? 0 : consecutive_aborts_ + 1;
   if (!committed) {

@@ -75,6 +75,14 @@ struct ElasticOptions {
       communicator_factory;
 };
 
+// The options of a process started by shardline-launch --max-restarts (or any launcher that sets
+// the same variables): rank and world from the launcher's environment (bootstrap.h), the replica
+// group size from SHARDLINE_SHARD_SIZE (0 or unset: LOCAL_WORLD_SIZE, one group per host), the
+// incarnation from SHARDLINE_RESTART_COUNT, and a client of the store at MASTER_ADDR:MASTER_PORT
+// (hosted outside the ranks; connecting waits until `deadline`). Rank r is shard r % S of replica
+// r / S. InvalidArgument naming the variable if the shard size does not divide the world.
+absl::StatusOr<ElasticOptions> ElasticOptionsFromEnvironment(absl::Time deadline);
+
 // One contiguous piece of a rank's training state (a master shard, an optimizer moment, the step
 // counter), in host memory: what TransferState moves to a joining replica.
 struct StatePiece {
@@ -158,6 +166,8 @@ class ElasticGroup {
   absl::Status ReadUntil(const std::function<bool()>& decided, const elastic::Entry& on_timeout,
                          absl::Time deadline);
   absl::Status BuildCommunicators(const elastic::Quorum& quorum, absl::Time deadline);
+  // DataLoss: no replica that holds the state is left (ElasticLog::job_lost).
+  absl::Status JobLost(const std::string& what) const;
 
   ElasticOptions options_;
   std::string log_key_;

@@ -157,6 +157,7 @@ void ElasticLog::ApplyText(absl::string_view text) {
 
 void ElasticLog::Apply(const Entry& entry) {
   ++entries_;
+  if (job_lost_) return;
   const bool in_range = entry.replica < replicas_ && entry.shard < shard_size_;
   if (!in_range) {
     ++unparsed_;
@@ -244,6 +245,7 @@ void ElasticLog::MaybeDecideQuorum(const std::string& timeout_reason) {
   // At round 0 every replica starts from the same initial state: none joins.
   if (round_ == 0) quorum.joiners.clear();
   quorum.rebuild = round_ == 0 || last_aborted_ || quorum.members != last_members_;
+  job_lost_ = quorum.joiners.size() == quorum.members.size();
   quorums_[round_] = std::move(quorum);
   arrived_.erase(arrived_.begin(), arrived_.upper_bound(round_));
   phase_ = Phase::kCommit;

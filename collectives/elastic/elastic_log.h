@@ -31,8 +31,10 @@
 //   lost     `lost r s i` says the process of rank (r, s), incarnation i, is gone. The store's
 //            server appends it when that process's connection closes (Store::AppendOnClose).
 //
-// Entries of earlier rounds, arrivals for a round whose quorum is decided, and entries of
-// non-members are ignored; so are entries that do not parse (counted, for a warning).
+// A quorum without a member that holds the state (every replica that trained was lost) ends the
+// job: job_lost(), and nothing after it is decided. Entries of earlier rounds, arrivals for a
+// round whose quorum is decided, and entries of non-members are ignored; so are entries that do
+// not parse (counted, for a warning).
 
 #ifndef SHARDLINE_COLLECTIVES_ELASTIC_ELASTIC_LOG_H_
 #define SHARDLINE_COLLECTIVES_ELASTIC_ELASTIC_LOG_H_
@@ -114,6 +116,9 @@ class ElasticLog {
   // Why `round` aborted ("rank (1, 0) voted fail", "rank (1, 0) incarnation 0 was lost", ...).
   std::string abort_reason(int64_t round) const;
   int64_t committed_steps() const { return committed_; }
+  // Whether the job cannot go on: a quorum was decided with no member that holds the state
+  // (every replica that trained was lost). Final: the log decides nothing after it.
+  bool job_lost() const { return job_lost_; }
   // Whether rank (replica, shard) of `incarnation` was reported lost.
   bool lost(int replica, int shard, int incarnation) const;
   int64_t entries() const { return entries_; }
@@ -132,6 +137,7 @@ class ElasticLog {
   int64_t round_ = 0;
   Phase phase_ = Phase::kQuorum;
   int64_t committed_ = 0;
+  bool job_lost_ = false;
   int64_t entries_ = 0;
   int64_t unparsed_ = 0;
   // Expected in the open quorum: replica -> incarnation.

@@ -177,6 +177,10 @@ TEST(ElasticLogTest, LosingEveryReplicaLeavesAQuorumWithoutMembers) {
   log.Apply(Entry::Lost(1, 0, 0));
   ASSERT_NE(log.quorum(1), nullptr);
   EXPECT_TRUE(log.quorum(1)->members.empty());
+  EXPECT_TRUE(log.job_lost());
+  // Final: a late arrival decides nothing.
+  log.Apply(Entry::Arrive(2, 0, 0, 1));
+  EXPECT_EQ(log.quorum(2), nullptr);
 }
 
 // Entries of ranks racing each other land in some order; whatever the order, every reader of

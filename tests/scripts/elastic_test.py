@@ -3,6 +3,7 @@
 `multiprocess`).
 
     elastic_test.py <shardline-store> <elastic_mp> [--trials N] [--first-seed S]
+                    [--launch <shardline-launch>]
 
 Each trial starts a store in a process of its own (shardline-store) and 4 ranks of
 tests/scheduler/multiprocess/elastic_mp.cc: 2 replica groups x 2 shard ranks, 12 steps. A seeded
@@ -18,6 +19,9 @@ or after the commit before its optimizer step. Then:
     rejoined;
   * the survivors detect and recover within SHARDLINE_TIMEOUT_S + 5 s (the recovery they print;
     a rank that dies after the commit usually costs no redo at all).
+Then a whole-job failure (a rank of each replica dies: the survivors report that no replica holds
+the state, exit 4, within the timeout + 5 s), and with --launch one trial through
+shardline-launch --max-restarts 1, which hosts the store and restarts the dead group.
 Every process runs in its own session and is killed if the trial overruns.
 """
 
@@ -177,6 +181,68 @@ class Trial:
                 self.store.wait()
 
 
+def whole_job_failure():
+    """One rank of each replica dies in the same step: no replica holds the state any more, and
+    the two survivors say so (exit 4) within the timeout + 5 s instead of hanging."""
+    trial = Trial(0)
+    try:
+        t0 = time.monotonic()
+        trial.store = subprocess.Popen([STORE, "--host", "127.0.0.1", "--port", "0"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       start_new_session=True)
+        port = re.search(r":(\d+)$", trial.store.stdout.readline().decode().strip()).group(1)
+        trial.env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                         SHARDLINE_STORE_TOKEN=secrets.token_hex(8),
+                         SHARDLINE_TIMEOUT_S=str(TIMEOUT_S), SHARDLINE_UCX_SPIN_US="0")
+        victims = {(0, 0), (1, 1)}
+        for replica in range(2):
+            for shard in range(2):
+                extra = ["--kill", "3:backward"] if (replica, shard) in victims else []
+                trial.start_rank(replica, shard, 0, extra)
+        deadline = time.monotonic() + TRIAL_BUDGET_S
+        codes = {key[:2]: trial.wait(key, deadline) for key in list(trial.procs)}
+        took = time.monotonic() - t0
+        everything = "\n".join(f"--- rank {k}:\n{v}" for k, v in sorted(trial.outputs.items()))
+        for key, code in codes.items():
+            want = -signal.SIGKILL if key in victims else 4
+            assert code == want, f"whole-job failure: rank {key} exited {code}\n{everything}"
+        for key in ((0, 1), (1, 0)):
+            assert "holds the training state" in trial.outputs[(*key, 0)], everything
+        assert took < TIMEOUT_S + 5, f"whole-job failure took {took:.1f} s"
+        print(f"ok whole-job failure: both survivors report it ({took:.1f} s)", flush=True)
+    finally:
+        trial.cleanup()
+
+
+def through_launcher(launch):
+    """shardline-launch --max-restarts 1 hosts the store, restarts the replica group of a rank
+    that dies, and the job succeeds with the restarted group's state bit-identical."""
+    env = dict(os.environ, SHARDLINE_TIMEOUT_S=str(TIMEOUT_S), SHARDLINE_UCX_SPIN_US="0")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, launch, "-n", "4", "--max-restarts", "1", "--shard-size", "2",
+         "--grace", "5", "--", PROGRAM, "--steps", str(STEPS), "--kill", "3:backward",
+         "--kill-rank", "1", "--await-joiners-at", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TRIAL_BUDGET_S)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"the launcher trial overran:\n{out.decode(errors='replace')}")
+    out = out.decode(errors="replace")
+    assert proc.returncode == 0, f"launcher exited {proc.returncode}:\n{out}"
+    assert "restarting replica group 0" in out, out
+    assert out.count("CHECK ok") == 2 and out.count("CHECK joined") == 2, out
+    digests = re.findall(r"^DIGEST replica (\d) shard (\d) (\w+)$", out, re.M)
+    by_shard = {}
+    for _, shard, digest in digests:
+        by_shard.setdefault(shard, set()).add(digest)
+    assert len(digests) == 4 and all(len(d) == 1 for d in by_shard.values()), out
+    print(f"ok launcher: a replica group restarted and rejoined "
+          f"({time.monotonic() - t0:.1f} s)", flush=True)
+
+
 def main(argv):
     global STORE, PROGRAM
     STORE, PROGRAM = argv[1], argv[2]
@@ -194,6 +260,9 @@ def main(argv):
         finally:
             trial.cleanup()
         print(f"ok {trial.describe()} ({time.monotonic() - t0:.1f} s)", flush=True)
+    whole_job_failure()
+    if "--launch" in argv:
+        through_launcher(argv[argv.index("--launch") + 1])
     detect.sort()
     resume.sort()
     print(f"{trials} trials in {time.monotonic() - start:.1f} s; survivors' recovery: detect "

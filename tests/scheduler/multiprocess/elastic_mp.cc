@@ -9,9 +9,13 @@
 // state so that the driver can compare replicas bit for bit.
 //
 //   elastic_mp --replicas 2 --shard-size 2 --replica R --shard S [--incarnation I] [--steps 20]
-//              [--kill STEP:forward|backward|reduce|optimizer] [--await-joiners-at STEP]
+//              [--kill STEP:forward|backward|reduce|optimizer [--kill-rank RANK]]
+//              [--await-joiners-at STEP]
 //   environment: MASTER_ADDR, MASTER_PORT (a store outside the ranks: shardline-store),
 //                SHARDLINE_STORE_TOKEN, SHARDLINE_TIMEOUT_S
+//   shardline-launch -n 4 --max-restarts 1 --shard-size 2 -- elastic_mp [--steps ...] [--kill
+//              STEP:PHASE --kill-rank RANK]: identity from the launcher's environment; the kill
+//              applies to the first incarnation only
 //
 // Output lines: "STEP k replicas a,b", "RECOVERY round R step K detect_ms D resume_ms M: why",
 // "DIGEST replica r shard s crc", "CHECK ok max_error E" (then exit 0). Exit 3: this rank was
@@ -56,10 +60,11 @@ constexpr float kMomentum = 0.9f;
 struct Args {
   int replicas = 2;
   int shard_size = 2;
-  int replica = 0;
+  int replica = -1;  // -1: from the environment (shardline-launch --max-restarts)
   int shard = 0;
   int incarnation = 0;
   int steps = 20;
+  int kill_rank = -1;  // with --kill: only this rank (replica * shard_size + shard) dies
   int kill_step = -1;
   std::string kill_phase;
   int await_joiners_at = -1;
@@ -101,24 +106,40 @@ class Worker {
   absl::Status Run() {
     const absl::Time deadline = absl::Now() + absl::Seconds(240);
     SL_ASSIGN_OR_RETURN(absl::Duration timeout, DefaultTimeout());
-    TcpStoreOptions store_options;
-    store_options.host = getenv("MASTER_ADDR") != nullptr ? getenv("MASTER_ADDR") : "127.0.0.1";
-    const char* port = getenv("MASTER_PORT");
-    if (port == nullptr || !absl::SimpleAtoi(port, &store_options.port)) {
-      return absl::InvalidArgumentError("MASTER_PORT is not set to the store's port");
+    ElasticOptions options;
+    if (args_.replica < 0) {
+      // Started by shardline-launch --max-restarts: everything from the environment.
+      SL_ASSIGN_OR_RETURN(options, ElasticOptionsFromEnvironment(deadline));
+      args_.replicas = options.replicas;
+      args_.shard_size = options.shard_size;
+      args_.replica = options.replica;
+      args_.shard = options.shard;
+      args_.incarnation = options.incarnation;
+    } else {
+      TcpStoreOptions store_options;
+      store_options.host = getenv("MASTER_ADDR") != nullptr ? getenv("MASTER_ADDR") : "127.0.0.1";
+      const char* port = getenv("MASTER_PORT");
+      if (port == nullptr || !absl::SimpleAtoi(port, &store_options.port)) {
+        return absl::InvalidArgumentError("MASTER_PORT is not set to the store's port");
+      }
+      store_options.rank = args_.replica * args_.shard_size + args_.shard;
+      store_options.client_name = absl::StrCat("elastic_mp (", args_.replica, ", ", args_.shard,
+                                               ") incarnation ", args_.incarnation);
+      SL_ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> tcp,
+                          TcpStore::Connect(store_options, deadline));
+      options = ElasticOptions{.store = std::move(tcp),
+                               .replicas = args_.replicas,
+                               .shard_size = args_.shard_size,
+                               .replica = args_.replica,
+                               .shard = args_.shard,
+                               .incarnation = args_.incarnation,
+                               .timeout = timeout};
     }
-    store_options.rank = args_.replica * args_.shard_size + args_.shard;
-    store_options.client_name = absl::StrCat("elastic_mp (", args_.replica, ", ", args_.shard,
-                                             ") incarnation ", args_.incarnation);
-    SL_ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> tcp, TcpStore::Connect(store_options, deadline));
-    store_ = std::move(tcp);
-    ElasticOptions options{.store = store_,
-                           .replicas = args_.replicas,
-                           .shard_size = args_.shard_size,
-                           .replica = args_.replica,
-                           .shard = args_.shard,
-                           .incarnation = args_.incarnation,
-                           .timeout = timeout};
+    store_ = options.store;
+    const int rank = args_.replica * args_.shard_size + args_.shard;
+    if (args_.kill_rank >= 0 && (args_.kill_rank != rank || args_.incarnation != 0)) {
+      args_.kill_step = -1;  // the kill is another rank's (or this group's first life's)
+    }
     SL_ASSIGN_OR_RETURN(group_, ElasticGroup::Join(options, deadline));
     SL_RETURN_IF_ERROR(InitState());
     while (group_->committed_steps() < args_.steps) {
@@ -276,6 +297,12 @@ class Worker {
   // arrives, so the new group joins in it).
   absl::Status AwaitJoiners(absl::Time deadline) {
     const int64_t round = group_->log().round();
+    if (args_.incarnation > 0) return absl::OkStatus();  // a joiner itself
+    if (const elastic::Quorum* last = group_->log().quorum(round - 1)) {
+      for (const auto& [replica, incarnation] : last->members) {
+        if (incarnation > 0) return absl::OkStatus();  // a restarted group is back already
+      }
+    }
     std::map<int, int> arrived;  // replica -> ranks of incarnation > 0 seen
     for (int64_t i = 1;; ++i) {
       SL_ASSIGN_OR_RETURN(std::string text, store_->Get(absl::StrCat("elastic/log/", i), deadline));
@@ -376,6 +403,8 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
       SL_RETURN_IF_ERROR(number(&args.incarnation));
     } else if (flag == "--steps") {
       SL_RETURN_IF_ERROR(number(&args.steps));
+    } else if (flag == "--kill-rank") {
+      SL_RETURN_IF_ERROR(number(&args.kill_rank));
     } else if (flag == "--await-joiners-at") {
       SL_RETURN_IF_ERROR(number(&args.await_joiners_at));
     } else if (flag == "--kill") {
