@@ -231,6 +231,7 @@ std::string Json(const RecoveryEstimate& e) {
       ", \"nodes\": ", e.nodes, ", \"step_s\": ", JsonNumber(s.step_s),
       ", \"state_bytes\": ", JsonNumber(s.state_bytes),
       ", \"link_bytes_per_s\": ", JsonNumber(s.link_bytes_per_s),
+      ", \"peak_bytes\": ", JsonNumber(s.peak_bytes), ", \"fits\": ", s.fits ? "true" : "false",
       ", \"gpu_mtbf_hours\": ", JsonNumber(e.gpu_mtbf_hours),
       ", \"job_mtbf_hours\": ", JsonNumber(e.job_mtbf_hours),
       ", \"failures_per_day\": ", JsonNumber(e.failures_per_day),
@@ -340,15 +341,18 @@ absl::Status Failures(int argc, char** argv) {
 
   // A restart costs the same whatever N (N decides the work lost, below).
   std::printf(
-      "| GPUs | R x k | step s | failures/day | job MTBF h | elastic resume s | to next commit s "
+      "| GPUs | R x k | peak GiB | step s | failures/day | job MTBF h | elastic resume s | to next "
+      "commit s "
       "| rejoin s | checkpoint restart s | of which load s | elastic faster |\n"
-      "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+      "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
   for (const RecoveryEstimate& e : estimates) {
     const CheckpointRestartCost& c = e.checkpoint.front();
-    std::printf("| %d | %d x %d | %.3f | %.2f | %.1f | %.3f | %.3f | %.1f | %.1f | %.1f | %s |\n",
-                e.scenario.gpus, e.replicas, e.scenario.shard_size, e.scenario.step_s,
-                e.failures_per_day, e.job_mtbf_hours, e.elastic.resume_s, e.elastic.next_commit_s,
-                e.elastic.rejoin_s, c.restart_s, c.load_s, e.elastic_resumes_faster ? "yes" : "NO");
+    std::printf(
+        "| %d | %d x %d | %.1f%s | %.3f | %.2f | %.1f | %.3f | %.3f | %.1f | %.1f | %.1f | %s |\n",
+        e.scenario.gpus, e.replicas, e.scenario.shard_size, e.scenario.peak_bytes / (1ull << 30),
+        e.scenario.fits ? "" : " (does not fit)", e.scenario.step_s, e.failures_per_day,
+        e.job_mtbf_hours, e.elastic.resume_s, e.elastic.next_commit_s, e.elastic.rejoin_s,
+        c.restart_s, c.load_s, e.elastic_resumes_faster ? "yes" : "NO");
   }
   std::string lost_heads, lost_rules;
   for (const int n : f.every) {

@@ -232,6 +232,8 @@ absl::StatusOr<RecoveryScenario> SimulatedScenario(const ModelDescription& model
   s.link_bytes_per_s = topology->nodes > 1 ? topology->rail_bandwidth_bytes_per_s()
                                            : topology->intra_node.bandwidth_bytes_per_s;
   s.host_link_bytes_per_s = topology->host_link_bytes_per_s;
+  s.peak_bytes = static_cast<double>(report.memory.total_peak);
+  s.fits = report.fits;
   return s;
 }
 

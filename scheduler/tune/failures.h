@@ -137,6 +137,10 @@ struct RecoveryScenario {
   double link_bytes_per_s = 0;        // a rank to its donor (the topology's rail share)
   double host_link_bytes_per_s = 0;   // a rank's device-to-host copy (async snapshots); 0: none
   std::vector<int> checkpoint_every;  // the N to compare (each >= 1)
+  // From the simulation (SimulatedScenario): the step's peak memory per device, and whether it
+  // fits the device's memory; not used by the model.
+  double peak_bytes = 0;
+  bool fits = true;
 };
 
 struct CheckpointRestartCost {
