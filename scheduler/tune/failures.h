@@ -40,7 +40,9 @@
 //   lost_s = resume_s + step_s / 2 + (relaunch_s + init_s) / R + resume_base_s + transfer_s.
 //   Every step is a round of the protocol: 2n appends (arrive, vote) and, with each rank reading
 //   the log entry by entry (the protocol as built), 2n^2 reads, all served by the store's one
-//   server: protocol_s = (2n + 2n^2) / store_ops_per_s per step. Two variants that are not built
+//   server: protocol_s = (2n + 2n^2) / store_ops_per_s per step, a lower bound (the retries of
+//   contending compare-and-sets and the catch-up checks are not counted; the reads and appends are
+//   exactly ElasticGroup's, tune_failures_protocol_test). Two variants that are not built
 //   show what would scale: StoreReads::kBatched, one read per rank per phase (4n operations per
 //   step), and kLeaders, one rank per replica group in the log (4R operations per step).
 //
