@@ -2,6 +2,7 @@
 //
 //   shardline-tune sweep --model llama3-8b --topology h100-128-nodes --world 1024 [options]
 //   shardline-tune calibrate [options] -o topology.json perf.json...   (shardline-tune-calibrate)
+//   shardline-tune failures --model llama3-8b --topology h100-128-nodes [options]
 //
 // sweep simulates every configuration of a grid (scheduler/tune/sweep.h) of the real scheduler
 // on a simulated cluster (a topology: a shipped name or a JSON file), prints the best ones and
@@ -9,8 +10,8 @@
 // configuration's simulated timeline as a Chrome trace (runtime/trace.h, the form the scheduler
 // writes). `shardline-tune sweep --help` lists the options; docs/tuning.md walks through a run.
 // Exit status: 0, or 2 with a message naming what was wrong. The subcommands are in
-// shardline_tune_{flags,sweep,validate}.cc (internal/shardline_tune.h); this file holds the
-// entry point and the file helpers they share.
+// shardline_tune_{flags,sweep,validate,failures}.cc (internal/shardline_tune.h); this file holds
+// the entry point and the file helpers they share.
 
 #include <cstdio>
 #include <cstdlib>
@@ -35,7 +36,9 @@ constexpr char kUsage[] =
     "       shardline-tune calibrate [options] -o topology.json perf.json...\n"
     "                            (shardline-tune calibrate --help)\n"
     "       shardline-tune validate --topology NAME|FILE [options] overlap.json...\n"
-    "                            (shardline-tune validate --help)\n";
+    "                            (shardline-tune validate --help)\n"
+    "       shardline-tune failures (--model PRESET | --model-json FILE) --topology NAME|FILE\n"
+    "                            [options]   (shardline-tune failures --help)\n";
 
 }  // namespace
 
@@ -93,6 +96,8 @@ int main(int argc, char** argv) {
     status = shardline::tune_cli::Sweep(argc, argv);
   } else if (command == "validate") {
     status = shardline::tune_cli::Validate(argc, argv);
+  } else if (command == "failures") {
+    status = shardline::tune_cli::Failures(argc, argv);
   } else if (command == "calibrate") {
     status = shardline::TuneCalibrateMain(argc - 1, argv + 1, "shardline-tune calibrate");
   } else if (command == "-h" || command == "--help") {
@@ -100,7 +105,7 @@ int main(int argc, char** argv) {
     return 0;
   } else {
     std::fprintf(stderr, "shardline-tune: %s\n%s",
-                 command.empty() ? "no subcommand (sweep, calibrate or validate)"
+                 command.empty() ? "no subcommand (sweep, calibrate, validate or failures)"
                                  : absl::StrCat("unknown subcommand '", command, "'").c_str(),
                  shardline::kUsage);
     return 2;

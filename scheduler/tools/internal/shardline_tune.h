@@ -3,7 +3,8 @@
 // Private to shardline-tune (scheduler/tools/shardline_tune*.cc): its subcommands and what they
 // share. shardline_tune.cc is the entry point and the file helpers, shardline_tune_flags.cc
 // parses sweep's flags, shardline_tune_sweep.cc runs a sweep, shardline_tune_validate.cc
-// validates the simulator against overlap_bench runs.
+// validates the simulator against overlap_bench runs, shardline_tune_failures.cc runs the failure
+// model.
 
 #ifndef SHARDLINE_SCHEDULER_TOOLS_INTERNAL_SHARDLINE_TUNE_H_
 #define SHARDLINE_SCHEDULER_TOOLS_INTERNAL_SHARDLINE_TUNE_H_
@@ -35,9 +36,10 @@ struct SweepFlags {
 // Parses argv[2...] (argv[1] is "sweep"); --help prints the usage and exits 0.
 absl::StatusOr<SweepFlags> ParseSweepFlags(int argc, char** argv);
 
-// The subcommands: argv[1] is "sweep" or "validate", the flags follow.
+// The subcommands: argv[1] is "sweep", "validate" or "failures", the flags follow.
 absl::Status Sweep(int argc, char** argv);
 absl::Status Validate(int argc, char** argv);
+absl::Status Failures(int argc, char** argv);
 
 // The whole file; NotFound naming `what` and the path if it cannot be read.
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what);

@@ -6,6 +6,8 @@
 //     fits, errors), every CSV row equals its JSON row, the recommendation is the best fitting
 //     row computed here, and the Chrome trace of it holds rank 0's compute and gathers;
 //   * a preset with shape overrides on a shipped topology name;
+//   * failures: every JSON row equals EstimateRecovery over SimulatedScenario run directly with
+//     the same options (scheduler/tune/failures.h), shapes with one replica group skipped;
 //   * bad flags exit with status 2 and a message naming what was wrong.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -24,6 +26,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "runtime/json.h"
+#include "scheduler/tune/failures.h"
 #include "scheduler/tune/simulate.h"
 #include "tests/common/run_tool.h"
 
@@ -374,8 +377,98 @@ TEST(TuneCliTest, PresetWithOverridesOnAShippedTopology) {
   EXPECT_TRUE(absl::StrContains(run.output, "# recommended: row ")) << run.output;
 }
 
+TEST(TuneCliTest, FailuresRowsEqualTheModelRunDirectly) {
+  const std::string dir = TempDir();
+  Write(dir + "/topology.json", R"({
+    "name": "cli-fail-4x4", "nodes": 4, "devices_per_node": 4, "device_memory_GiB": 80,
+    "compute_TFLOPs": 100, "host_link_GBps": 20,
+    "intra_node": {"bandwidth_GBps": 200, "latency_us": 1},
+    "inter_node": {"nics_per_node": 2, "nic_bandwidth_GBps": 25, "latency_us": 5}})");
+  const ToolRun run = RunTool(absl::StrCat(
+      "failures --model llama3-8b --layers 2 --seq-len 512 --topology ", dir,
+      "/topology.json --gpus 8,16 --shard-sizes 4,8 --checkpoint-every 10,300 ",
+      "--gpu-mtbf-hours 5000 --detect-s 0.3 --hang-fraction 0.1 --timeout-s 120 ",
+      "--relaunch-s 40 --init-s 10 --storage-GBps-per-node 3 --async-checkpoint ",
+      "--resume-s 0.05 --store-ops-per-s 15000 --store-reads batched --crc-GBps 9 --json ", dir,
+      "/failures.json"));
+  ASSERT_EQ(run.status, 0) << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output, "per-GPU MTBF 5000 h (--gpu-mtbf-hours)"))
+      << run.output;
+  EXPECT_TRUE(absl::StrContains(run.output,
+                                "skipped (elastic HSDP needs >= 2 replica groups of "
+                                "whole shard groups): 8 GPUs in groups of 8"))
+      << run.output;
+  absl::StatusOr<JsonValue> table = ParseJson(Read(dir + "/failures.json"));
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(Member(*table, "topology").string(), "cli-fail-4x4");
+  const std::vector<JsonValue>& rows = Member(*table, "rows").items();
+  ASSERT_EQ(rows.size(), 3u);
+
+  absl::StatusOr<Topology> topology = LoadTopology(dir + "/topology.json");
+  ASSERT_TRUE(topology.ok()) << topology.status();
+  absl::StatusOr<std::unique_ptr<SimCluster>> cluster =
+      CreateTopologyCluster(std::make_shared<const Topology>(*topology));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  TransformerConfig config = Llama3_8B({.seq_len = 512});
+  config.layers = 2;
+  absl::StatusOr<ModelDescription> model = TransformerModel(config);
+  ASSERT_TRUE(model.ok()) << model.status();
+  RecoveryOptions options{.gpu_mtbf_hours = 5000,
+                          .detect_s = 0.3,
+                          .hang_fraction = 0.1,
+                          .timeout_s = 120,
+                          .relaunch_s = 40,
+                          .init_s = 10,
+                          .storage_bytes_per_s_per_node = 3e9,
+                          .async_checkpoint = true,
+                          .resume_base_s = 0.05,
+                          .store_ops_per_s = 15000,
+                          .store_reads = StoreReads::kBatched,
+                          .crc_bytes_per_s = 9e9};
+  const std::pair<int, int> shapes[] = {{8, 4}, {16, 4}, {16, 8}};
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const JsonValue& row = rows[i];
+    const auto [gpus, k] = shapes[i];
+    absl::StatusOr<RecoveryScenario> s =
+        SimulatedScenario(*model, **cluster, {.gpus = gpus, .shard_size = k});
+    ASSERT_TRUE(s.ok()) << s.status();
+    s->checkpoint_every = {10, 300};
+    absl::StatusOr<RecoveryEstimate> e = EstimateRecovery(*s, options);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ(Member(row, "gpus").integer(), gpus);
+    EXPECT_EQ(Member(row, "shard_size").integer(), k);
+    EXPECT_EQ(Member(row, "replicas").integer(), gpus / k);
+    EXPECT_EQ(Member(row, "step_s").number(), s->step_s);
+    EXPECT_EQ(Member(row, "state_bytes").number(), s->state_bytes);
+    EXPECT_EQ(Member(row, "failures_per_day").number(), e->failures_per_day);
+    EXPECT_EQ(Member(row, "job_mtbf_hours").number(), e->job_mtbf_hours);
+    const JsonValue& el = Member(row, "elastic");
+    EXPECT_EQ(Member(el, "resume_s").number(), e->elastic.resume_s);
+    EXPECT_EQ(Member(el, "next_commit_s").number(), e->elastic.next_commit_s);
+    EXPECT_EQ(Member(el, "transfer_s").number(), e->elastic.transfer_s);
+    EXPECT_EQ(Member(el, "rejoin_s").number(), e->elastic.rejoin_s);
+    EXPECT_EQ(Member(el, "lost_s").number(), e->elastic.lost_s);
+    EXPECT_EQ(Member(el, "protocol_s").number(), e->elastic.protocol_s);
+    EXPECT_EQ(Member(el, "goodput").number(), e->elastic.goodput);
+    const std::vector<JsonValue>& ck = Member(row, "checkpoint").items();
+    ASSERT_EQ(ck.size(), 2u);
+    for (size_t j = 0; j < 2; ++j) {
+      const CheckpointRestartCost& c = e->checkpoint[j];
+      EXPECT_EQ(Member(ck[j], "every").integer(), c.every);
+      EXPECT_EQ(Member(ck[j], "blocked_s").number(), c.blocked_s);
+      EXPECT_EQ(Member(ck[j], "restart_s").number(), c.restart_s);
+      EXPECT_EQ(Member(ck[j], "lost_steps").number(), c.lost_steps);
+      EXPECT_EQ(Member(ck[j], "lost_s").number(), c.lost_s);
+      EXPECT_EQ(Member(ck[j], "goodput").number(), c.goodput);
+    }
+    EXPECT_EQ(Member(row, "elastic_resumes_faster").boolean(), e->elastic_resumes_faster);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(TuneCliTest, BadFlagsAreClearErrors) {
   const std::string base = "sweep --model llama3-8b --layers 2 --topology dgx-h100 --no-progress ";
+  const std::string fail = "failures --model llama3-8b --layers 2 --topology dgx-h100 ";
   struct Case {
     std::string args, expected;
   };
@@ -407,6 +500,17 @@ TEST(TuneCliTest, BadFlagsAreClearErrors) {
       {"validate --topology this-machine", "no overlap_bench JSON file given"},
       {"validate --topology this-machine /nonexistent/o.json", "/nonexistent/o.json"},
       {"validate --topology this-machine --frob", "unknown flag --frob"},
+      {"failures --topology dgx-h100", "exactly one of --model"},
+      {"failures --model llama3-8b", "--topology is required"},
+      {fail + "--gpus 16", "--gpus 16: topology 'dgx-h100' has only 8 devices"},
+      {fail + "--hang-fraction 2", "--hang-fraction: '2' is not in [0, 1]"},
+      {fail + "--storage-GBps-per-node 0", "'0' is not a positive number"},
+      {fail + "--detect-s -1", "--detect-s: '-1' is not a number >= 0"},
+      {fail + "--store-reads some", "'some' is not per_entry, batched or leaders"},
+      {fail + "--failure-source bloom", "unknown failure source 'bloom'"},
+      {fail + "--checkpoint-every 100,0", "'0' is not a positive integer"},
+      {fail + "--shard-sizes 8", "no job size and shard size make 2 or more replica groups"},
+      {fail + "--frob 1", "unknown flag --frob"},
   };
   for (const Case& c : cases) {
     const ToolRun run = RunTool(c.args);
