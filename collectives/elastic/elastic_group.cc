@@ -3,20 +3,22 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "collectives/store/tcp_store.h"
 #include "runtime/config.h"
-#include "runtime/crc32c.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
-#include "runtime/stream.h"
 
 namespace shardline {
 
@@ -28,6 +30,33 @@ namespace {
 
 std::string Members(const std::vector<int>& replicas) {
   return replicas.empty() ? std::string("none") : absl::StrJoin(replicas, ", ");
+}
+
+// The group log's entries: "arrive <k> <shard>", "vote <k> <shard> ok|fail", and "lost <shard>"
+// (the store's, when a rank's process goes).
+struct GroupEntry {
+  std::string kind;
+  int64_t k = -1;
+  int shard = -1;
+  bool ok = false;
+};
+
+std::optional<GroupEntry> ParseGroupEntry(absl::string_view text) {
+  const std::vector<absl::string_view> words = absl::StrSplit(text, ' ');
+  GroupEntry entry;
+  entry.kind = std::string(words[0]);
+  if (entry.kind == "lost" && words.size() == 2 && absl::SimpleAtoi(words[1], &entry.shard)) {
+    return entry;
+  }
+  if ((entry.kind == "arrive" && words.size() == 3) ||
+      (entry.kind == "vote" && words.size() == 4 && (words[3] == "ok" || words[3] == "fail"))) {
+    if (!absl::SimpleAtoi(words[1], &entry.k) || !absl::SimpleAtoi(words[2], &entry.shard)) {
+      return std::nullopt;
+    }
+    entry.ok = words.size() == 4 && words[3] == "ok";
+    return entry;
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -76,10 +105,18 @@ absl::StatusOr<ElasticOptions> ElasticOptionsFromEnvironment(absl::Time deadline
 
 ElasticGroup::ElasticGroup(ElasticOptions options)
     : options_(std::move(options)),
-      log_key_(absl::StrCat(options_.name, "/log")),
-      log_(options_.replicas, options_.shard_size) {}
+      group_key_(absl::StrCat(options_.name, "/g", options_.replica, ".", options_.incarnation)),
+      job_log_(*options_.store, absl::StrCat(options_.name, "/log")),
+      group_log_(*options_.store, absl::StrCat(group_key_, "/log")),
+      decisions_(*options_.store, absl::StrCat(group_key_, "/decisions")),
+      log_(options_.replicas, 1) {}
 
 ElasticGroup::~ElasticGroup() = default;
+
+std::string ElasticGroup::What() const {
+  return absl::StrCat("elastic group '", options_.name, "', rank (", options_.replica, ", ",
+                      options_.shard, ") incarnation ", options_.incarnation);
+}
 
 absl::StatusOr<std::unique_ptr<ElasticGroup>> ElasticGroup::Join(ElasticOptions options,
                                                                  absl::Time deadline) {
@@ -99,6 +136,9 @@ absl::StatusOr<std::unique_ptr<ElasticGroup>> ElasticGroup::Join(ElasticOptions 
   if (options.incarnation < 0) {
     return bad(absl::StrCat("incarnation ", options.incarnation, " is negative"));
   }
+  if (options.max_consecutive_aborts < 1) {
+    return bad(absl::StrCat("max_consecutive_aborts ", options.max_consecutive_aborts, " < 1"));
+  }
   if (options.timeout <= absl::ZeroDuration()) {
     SL_ASSIGN_OR_RETURN(options.timeout, DefaultTimeout());
   }
@@ -106,38 +146,32 @@ absl::StatusOr<std::unique_ptr<ElasticGroup>> ElasticGroup::Join(ElasticOptions 
   std::unique_ptr<ElasticGroup> group(new ElasticGroup(std::move(options)));
   const ElasticOptions& o = group->options_;
   if (o.watch_liveness) {
-    absl::Status watched = o.store->AppendOnClose(
-        group->log_key_, Entry::Lost(o.replica, o.shard, o.incarnation).Encode(), deadline);
+    // This process's death, told to its group's leader; a leader's, to every leader and to its
+    // group's other ranks.
+    absl::Status watched =
+        o.store->AppendOnClose(group->group_log_.key(), absl::StrCat("lost ", o.shard), deadline);
+    if (watched.ok() && group->leader()) {
+      watched = o.store->AppendOnClose(group->job_log_.key(),
+                                       Entry::Lost(o.replica, 0, o.incarnation).Encode(), deadline);
+    }
+    if (watched.ok() && group->leader()) {
+      watched = o.store->AppendOnClose(group->decisions_.key(), "leader lost", deadline);
+    }
     if (!watched.ok()) return Annotate(watched, absl::StrCat(what, ": registering liveness"));
   }
-  SL_LOG(INFO, COLL) << what << ": rank (" << o.replica << ", " << o.shard << ") incarnation "
-                     << o.incarnation << " of " << o.replicas << " x " << o.shard_size;
+  SL_LOG(INFO, COLL) << group->What() << " of " << o.replicas << " x " << o.shard_size << " joined";
   return group;
 }
 
-absl::Status ElasticGroup::Append(const Entry& entry) {
-  const std::string text = entry.Encode();
-  // Entries are unique, so finding ours at an index means this rank wrote it (a retry).
-  for (int64_t index = read_ + 1;; ++index) {
-    SL_ASSIGN_OR_RETURN(std::string value,
-                        options_.store->CompareSet(absl::StrCat(log_key_, "/", index), "", text));
-    if (value == text) return absl::OkStatus();
-  }
-}
-
 absl::StatusOr<bool> ElasticGroup::ReadNext(absl::Time until) {
-  absl::StatusOr<std::string> entry =
-      options_.store->Get(absl::StrCat(log_key_, "/", read_ + 1), until);
-  if (absl::IsDeadlineExceeded(entry.status()) && absl::Now() >= until) return false;
-  if (!entry.ok()) return entry.status();
-  ++read_;
-  SL_LOG(TRACE, COLL) << "elastic group '" << options_.name << "': log entry " << read_ << ": "
-                      << *entry;
+  SL_ASSIGN_OR_RETURN(std::optional<std::string> entry, job_log_.Next(until));
+  if (!entry.has_value()) return false;
+  SL_LOG(TRACE, COLL) << What() << ": job log entry " << job_log_.read() << ": " << *entry;
   const int64_t unparsed = log_.unparsed_entries();
   log_.ApplyText(*entry);
   if (log_.unparsed_entries() != unparsed) {
-    SL_LOG(WARN, COLL) << "elastic group '" << options_.name << "': ignoring entry " << read_
-                       << " of the log, which does not parse: '" << *entry << "'";
+    SL_LOG(WARN, COLL) << What() << ": ignoring entry " << job_log_.read()
+                       << " of the job log, which does not parse: '" << *entry << "'";
   }
   return true;
 }
@@ -154,26 +188,150 @@ absl::Status ElasticGroup::ReadUntil(const std::function<bool()>& decided, const
       continue;
     }
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("elastic group '", options_.name, "': no decision of round ", log_.round(),
-                       " before the deadline (", read_, " log entries read)"));
+      return absl::DeadlineExceededError(absl::StrCat(What(), ": no decision of round ",
+                                                      log_.round(), " before the deadline (",
+                                                      job_log_.read(), " job log entries read)"));
     }
     // Nothing new for a whole timeout: decide the round for everyone.
-    SL_LOG(WARN, COLL) << "elastic group '" << options_.name << "': nothing new in the log for "
-                       << options_.timeout << "; appending '" << on_timeout.Encode() << "'";
-    SL_RETURN_IF_ERROR(Append(on_timeout));
+    SL_LOG(WARN, COLL) << What() << ": nothing new in the job log for " << options_.timeout
+                       << "; appending '" << on_timeout.Encode() << "'";
+    SL_RETURN_IF_ERROR(job_log_.Append(on_timeout.Encode()));
     timed_out = true;
   }
   return absl::OkStatus();
 }
 
-absl::Status ElasticGroup::JobLost(const std::string& what) const {
+absl::StatusOr<std::vector<bool>> ElasticGroup::GatherGroup(absl::string_view what, int64_t k,
+                                                            absl::Time deadline) {
+  const int size = options_.shard_size;
+  auto complete = [&] {
+    return what == "arrive" ? static_cast<int>(arrived_[k].size()) == size
+                            : static_cast<int>(votes_[k].size()) == size;
+  };
+  absl::Time quiet_until = absl::Now() + options_.timeout;
+  while (!complete()) {
+    if (!lost_shards_.empty()) {
+      return absl::UnavailableError(absl::StrCat(
+          "rank (", options_.replica, ", ", *lost_shards_.begin(), ") of this group was lost"));
+    }
+    SL_ASSIGN_OR_RETURN(std::optional<std::string> text,
+                        group_log_.Next(std::min(deadline, quiet_until)));
+    if (!text.has_value()) {
+      std::vector<int> missing;
+      for (int s = 0; s < size; ++s) {
+        const bool done = what == "arrive" ? arrived_[k].count(s) > 0 : votes_[k].count(s) > 0;
+        if (!done) missing.push_back(s);
+      }
+      return absl::DeadlineExceededError(absl::StrCat(
+          "shard rank(s) ", absl::StrJoin(missing, ", "), " of this group did not ", what,
+          " in group round ", k, " within ", absl::FormatDuration(options_.timeout)));
+    }
+    quiet_until = absl::Now() + options_.timeout;
+    std::optional<GroupEntry> entry = ParseGroupEntry(*text);
+    if (!entry.has_value() || entry->shard < 0 || entry->shard >= size) {
+      SL_LOG(WARN, COLL) << What() << ": ignoring group log entry '" << *text << "'";
+      continue;
+    }
+    if (entry->kind == "lost") lost_shards_.insert(entry->shard);
+    if (entry->kind == "arrive") arrived_[entry->k].insert(entry->shard);
+    if (entry->kind == "vote") votes_[entry->k][entry->shard] = entry->ok;
+  }
+  std::vector<bool> oks;
+  if (what == "vote") {
+    for (const auto& [shard, ok] : votes_[k]) oks.push_back(ok);
+  }
+  arrived_.erase(k);
+  votes_.erase(k);
+  return oks;
+}
+
+absl::StatusOr<std::string> ElasticGroup::LeaderQuorum(absl::Time deadline) {
+  const ElasticOptions& o = options_;
+  absl::StatusOr<std::vector<bool>> gathered = GatherGroup("arrive", group_round_, deadline);
+  if (!gathered.ok()) {
+    // The group cannot train: it leaves the job, and its ranks are told.
+    SL_RETURN_IF_ERROR(job_log_.Append(Entry::Lost(o.replica, 0, o.incarnation).Encode()));
+    return absl::StrCat("out this replica group is incomplete: ", gathered.status().message());
+  }
+  while (true) {
+    // Catch up with what is already there (a group that joins late reads the job's history).
+    while (true) {
+      SL_ASSIGN_OR_RETURN(std::optional<std::string> text, job_log_.TryNext());
+      if (!text.has_value()) break;
+      log_.ApplyText(*text);
+    }
+    if (log_.job_lost()) return absl::StrCat("lost ", JobLost().message());
+    const int64_t round = log_.phase() == Phase::kQuorum ? log_.round() : log_.round() + 1;
+    SL_RETURN_IF_ERROR(job_log_.Append(Entry::Arrive(round, o.replica, 0, o.incarnation).Encode()));
+    SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.quorum(round) != nullptr || log_.job_lost(); },
+                                 Entry::Timeout(round, Phase::kQuorum, o.replica, 0), deadline));
+    if (log_.job_lost()) return absl::StrCat("lost ", JobLost().message());
+    const Quorum& quorum = *log_.quorum(round);
+    if (quorum.IsMember(o.replica, o.incarnation)) {
+      ever_member_ = true;
+      return absl::StrCat("member ", quorum.Encode());
+    }
+    const bool lost = log_.lost(o.replica, 0, o.incarnation);
+    if (ever_member_ || lost) {
+      return absl::StrCat("out not in the quorum of round ", round, " (members: replicas ",
+                          Members(quorum.replicas()), "; ", quorum.reason, ")",
+                          lost ? "; this replica group was reported lost" : "");
+    }
+    // New to the job and not complete when the round was decided: the next round.
+    SL_LOG(INFO, COLL) << What() << ": not in round " << round << " (replicas "
+                       << Members(quorum.replicas()) << "); arriving at the next round";
+  }
+}
+
+absl::StatusOr<std::string> ElasticGroup::LeaderOutcome(int64_t round, bool ok,
+                                                        absl::Time deadline) {
+  const ElasticOptions& o = options_;
+  absl::StatusOr<std::vector<bool>> votes = GatherGroup("vote", group_round_, deadline);
+  bool group_ok = ok && votes.ok();
+  if (votes.ok()) {
+    for (bool vote : *votes) group_ok = group_ok && vote;
+  } else {
+    SL_LOG(WARN, COLL) << What() << ": round " << round << ": " << votes.status();
+  }
+  SL_RETURN_IF_ERROR(
+      job_log_.Append(Entry::Vote(round, o.replica, 0, o.incarnation, group_ok).Encode()));
+  if (!votes.ok()) {
+    // A rank of the group is gone: the group leaves.
+    SL_RETURN_IF_ERROR(job_log_.Append(Entry::Lost(o.replica, 0, o.incarnation).Encode()));
+  }
+  SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.outcome(round).has_value() || log_.job_lost(); },
+                               Entry::Timeout(round, Phase::kCommit, o.replica, 0), deadline));
+  if (!log_.outcome(round).has_value()) return absl::StrCat("0 ", JobLost().message());
+  if (*log_.outcome(round)) return std::string("1");
+  return absl::StrCat("0 ", log_.abort_reason(round));
+}
+
+absl::StatusOr<std::string> ElasticGroup::AwaitDecision(absl::string_view kind, int64_t k,
+                                                        absl::Time deadline) {
+  SL_ASSIGN_OR_RETURN(std::optional<std::string> text, decisions_.Next(deadline));
+  if (!text.has_value()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(What(), ": no ", kind, " of group round ", k,
+                     " from the group's leader before the deadline"));
+  }
+  if (*text == "leader lost") {
+    return absl::AbortedError(absl::StrCat(
+        What(), ": the leader of this replica group (shard 0) was lost: the group is out"));
+  }
+  const std::string prefix = absl::StrCat(kind, " ", k, " ");
+  if (!absl::StartsWith(*text, prefix)) {
+    return absl::InternalError(absl::StrCat(What(), ": expected the leader's ", kind,
+                                            " of group round ", k, ", read '", *text, "'"));
+  }
+  return text->substr(prefix.size());
+}
+
+absl::Status ElasticGroup::JobLost() const {
   const Quorum* quorum = log_.quorum(log_.round());
-  return absl::DataLossError(
-      absl::StrCat(what, ": round ", log_.round(),
-                   " has no replica that holds the training state (members: replicas ",
-                   Members(quorum != nullptr ? quorum->replicas() : std::vector<int>{}),
-                   ", none of them trained before): every replica that held it was lost"));
+  return absl::DataLossError(absl::StrCat(
+      "round ", log_.round(), " has no replica that holds the training state (members: replicas ",
+      Members(quorum != nullptr ? quorum->replicas() : std::vector<int>{}),
+      ", none of them trained before): every replica that held it was lost"));
 }
 
 absl::Status ElasticGroup::BuildCommunicators(const Quorum& quorum, absl::Time deadline) {
@@ -205,50 +363,38 @@ absl::Status ElasticGroup::BuildCommunicators(const Quorum& quorum, absl::Time d
 
 absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline) {
   const ElasticOptions& o = options_;
-  const std::string what = absl::StrCat("elastic group '", o.name, "', rank (", o.replica, ", ",
-                                        o.shard, ") incarnation ", o.incarnation);
   if (in_round_) {
     return absl::FailedPreconditionError(
-        absl::StrCat(what, ": BeginRound twice without EndRound (round ", current_.round, ")"));
+        absl::StrCat(What(), ": BeginRound twice without EndRound (round ", current_.round, ")"));
   }
   while (true) {
-    // Catch up with what is already there (a process that joins late reads the job's history).
-    while (true) {
-      SL_ASSIGN_OR_RETURN(bool exists, o.store->Check({absl::StrCat(log_key_, "/", read_ + 1)}));
-      if (!exists) break;
-      SL_ASSIGN_OR_RETURN(bool read, ReadNext(deadline));
-      if (!read) break;
+    SL_RETURN_IF_ERROR(group_log_.Append(absl::StrCat("arrive ", group_round_, " ", o.shard)));
+    std::string decision;
+    if (leader()) {
+      SL_ASSIGN_OR_RETURN(decision, LeaderQuorum(deadline));
+      SL_RETURN_IF_ERROR(decisions_.Append(absl::StrCat("quorum ", group_round_, " ", decision)));
+    } else {
+      SL_ASSIGN_OR_RETURN(decision, AwaitDecision("quorum", group_round_, deadline));
     }
-    if (log_.job_lost()) return JobLost(what);
-    const int64_t round = log_.phase() == Phase::kQuorum ? log_.round() : log_.round() + 1;
-    SL_RETURN_IF_ERROR(Append(Entry::Arrive(round, o.replica, o.shard, o.incarnation)));
-    SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.quorum(round) != nullptr || log_.job_lost(); },
-                                 Entry::Timeout(round, Phase::kQuorum, o.replica, o.shard),
-                                 deadline));
-    if (log_.job_lost()) return JobLost(what);
-    const Quorum& quorum = *log_.quorum(round);
-    const bool lost = log_.lost(o.replica, o.shard, o.incarnation);
-    if (!quorum.IsMember(o.replica, o.incarnation) && !ever_member_ && !lost) {
-      // A new process whose group was not complete when the round was decided (its ranks
-      // arrived in different rounds, or after the members): it arrives at the next one.
-      SL_LOG(INFO, COLL) << what << ": not in round " << round << " (replicas "
-                         << Members(quorum.replicas()) << "); arriving at the next round";
-      continue;
+    const std::pair<absl::string_view, absl::string_view> verdict =
+        absl::StrSplit(decision, absl::MaxSplits(' ', 1));
+    if (verdict.first == "lost") {
+      return absl::DataLossError(absl::StrCat(What(), ": ", verdict.second));
     }
-    if (!quorum.IsMember(o.replica, o.incarnation)) {
+    if (verdict.first != "member") {
       return absl::AbortedError(absl::StrCat(
-          what, ": not in the quorum of round ", round, " (members: replicas ",
-          Members(quorum.replicas()), "; ", quorum.reason, ")",
-          lost ? "; this rank was reported lost" : "",
+          What(), ": ", verdict.second,
           ": leave, and restart the replica group with a new incarnation to join again"));
     }
-    ever_member_ = true;
-    current_.round = round;
+    SL_ASSIGN_OR_RETURN(Quorum quorum, Quorum::Decode(verdict.second));
+    current_.round = quorum.round;
     current_.step = quorum.step;
     current_.replicas = quorum.replicas();
     current_.joiners = quorum.joiners;
     current_.joining = quorum.IsJoiner(o.replica);
     current_.rebuilt = quorum.rebuild || current_.shard == nullptr;
+    committed_ = quorum.step;
+    next_round_ = quorum.round + 1;
     absl::Status built = absl::OkStatus();
     if (current_.rebuilt) built = BuildCommunicators(quorum, deadline);
     if (recovering_) {
@@ -256,7 +402,7 @@ absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline
       recovery.resume = absl::Now() - abort_read_;
       recovery.replicas_after = current_.replicas;
       recovering_ = false;
-      SL_LOG(INFO, COLL) << what << ": recovered from round " << recovery.failed_round << " ("
+      SL_LOG(INFO, COLL) << What() << ": recovered from round " << recovery.failed_round << " ("
                          << recovery.what_failed << ") in " << recovery.resume
                          << " after reading the abort; redoing step " << recovery.step
                          << " with replicas " << Members(recovery.replicas_after);
@@ -265,11 +411,11 @@ absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline
     step_started_ = absl::Now();
     if (built.ok()) return current_;
     // A member died between the quorum and the communicators: this round cannot train.
-    SL_LOG(WARN, COLL) << what << ": round " << round << " cannot train: " << built;
+    SL_LOG(WARN, COLL) << What() << ": round " << current_.round << " cannot train: " << built;
     SL_ASSIGN_OR_RETURN(bool committed, EndRound(built, deadline));
     if (committed) {
-      return absl::InternalError(
-          absl::StrCat(what, ": round ", round, " committed although this rank voted fail"));
+      return absl::InternalError(absl::StrCat(What(), ": round ", current_.round,
+                                              " committed although this rank voted fail"));
     }
   }
 }
@@ -277,131 +423,57 @@ absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline
 absl::StatusOr<bool> ElasticGroup::EndRound(const absl::Status& step, absl::Time deadline) {
   const ElasticOptions& o = options_;
   if (!in_round_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("elastic group '", o.name, "': EndRound without BeginRound"));
+    return absl::FailedPreconditionError(absl::StrCat(What(), ": EndRound without BeginRound"));
   }
   in_round_ = false;
   const int64_t round = current_.round;
   if (!step.ok()) {
-    SL_LOG(WARN, COLL) << "elastic group '" << o.name << "': round " << round
-                       << " failed on this rank: " << step;
+    SL_LOG(WARN, COLL) << What() << ": round " << round << " failed on this rank: " << step;
   }
-  SL_RETURN_IF_ERROR(Append(Entry::Vote(round, o.replica, o.shard, o.incarnation, step.ok())));
-  SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.outcome(round).has_value() || log_.job_lost(); },
-                               Entry::Timeout(round, Phase::kCommit, o.replica, o.shard),
-                               deadline));
-  if (!log_.outcome(round).has_value()) {
-    return JobLost(absl::StrCat("elastic group '", o.name, "'"));
+  SL_RETURN_IF_ERROR(group_log_.Append(
+      absl::StrCat("vote ", group_round_, " ", o.shard, step.ok() ? " ok" : " fail")));
+  std::string outcome;
+  if (leader()) {
+    SL_ASSIGN_OR_RETURN(outcome, LeaderOutcome(round, step.ok(), deadline));
+    SL_RETURN_IF_ERROR(decisions_.Append(absl::StrCat("outcome ", group_round_, " ", outcome)));
+  } else {
+    SL_ASSIGN_OR_RETURN(outcome, AwaitDecision("outcome", group_round_, deadline));
   }
-  const bool committed = *log_.outcome(round);
+  ++group_round_;
+  const bool committed = outcome == "1";
   consecutive_aborts_ = committed ? 0 : consecutive_aborts_ + 1;
-  if (!committed) {
-    ElasticRecovery recovery;
-    recovery.failed_round = round;
-    recovery.step = current_.step;
-    recovery.what_failed = log_.abort_reason(round);
-    abort_read_ = absl::Now();
-    recovery.detect = abort_read_ - step_started_;
-    recoveries_.push_back(std::move(recovery));
-    recovering_ = true;
-    // Their collectives may have been aborted: the next round builds new ones.
-    current_.shard = nullptr;
-    current_.replicate = nullptr;
-    SL_LOG(WARN, COLL) << "elastic group '" << o.name << "': round " << round << " (step "
-                       << current_.step << ") aborted: " << recoveries_.back().what_failed;
+  if (committed) {
+    committed_ = current_.step + 1;
+    return true;
   }
+  ElasticRecovery recovery;
+  recovery.failed_round = round;
+  recovery.step = current_.step;
+  recovery.what_failed = outcome.size() > 2 ? outcome.substr(2) : "aborted";
+  abort_read_ = absl::Now();
+  recovery.detect = abort_read_ - step_started_;
+  recoveries_.push_back(std::move(recovery));
+  recovering_ = true;
+  // Their collectives may have been aborted: the next round builds new ones.
+  current_.shard = nullptr;
+  current_.replicate = nullptr;
+  SL_LOG(WARN, COLL) << What() << ": round " << round << " (step " << current_.step
+                     << ") aborted: " << recoveries_.back().what_failed;
   if (consecutive_aborts_ >= o.max_consecutive_aborts) {
     return absl::AbortedError(absl::StrCat(
-        "elastic group '", o.name, "': step ", current_.step, " aborted in ", consecutive_aborts_,
+        What(), ": step ", current_.step, " aborted in ", consecutive_aborts_,
         " rounds in a row (max_consecutive_aborts); the last: ", recoveries_.back().what_failed,
         step.ok() ? "" : absl::StrCat("; this rank's error: ", step.ToString())));
   }
-  return committed;
-}
-
-absl::Status ElasticGroup::TransferState(absl::Span<const StatePiece> pieces, absl::Time deadline) {
-  const ElasticOptions& o = options_;
-  const std::string what = absl::StrCat("elastic group '", o.name, "', rank (", o.replica, ", ",
-                                        o.shard, "): state transfer of round ", current_.round);
-  if (!in_round_ || current_.replicate == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(what, ": not inside a round"));
-  }
-  if (current_.joiners.empty()) return absl::OkStatus();
-  // The donor: the first member that does not join (BeginRound made sure there is one).
-  int donor = -1;
-  std::vector<int> joiner_ranks;
-  for (size_t i = 0; i < current_.replicas.size(); ++i) {
-    const int replica = current_.replicas[i];
-    const bool joins = std::find(current_.joiners.begin(), current_.joiners.end(), replica) !=
-                       current_.joiners.end();
-    if (joins) {
-      joiner_ranks.push_back(static_cast<int>(i));
-    } else if (donor < 0) {
-      donor = static_cast<int>(i);
-    }
-  }
-  Communicator& comm = *current_.replicate;
-  const int me = comm.rank();
-  if (me != donor && !current_.joining) return absl::OkStatus();
-  SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
-                      CreateHostStream({.name = "elastic.transfer"}));
-  // Each piece is preceded by its size and followed by its checksum, so that a joiner whose
-  // model differs fails naming the piece instead of receiving garbage.
-  struct Trailer {
-    uint64_t bytes;
-    uint32_t crc;
-    uint32_t index;
-  };
-  PointToPointOptions p2p;
-  p2p.label = "elastic state";
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    const StatePiece& piece = pieces[i];
-    const std::string where =
-        absl::StrCat(what, ": piece ", i, " of ", pieces.size(), " (", piece.bytes, " bytes)");
-    if (me == donor) {
-      const Trailer trailer{piece.bytes, Crc32c(piece.data, piece.bytes), static_cast<uint32_t>(i)};
-      for (int joiner : joiner_ranks) {
-        SL_ASSIGN_OR_RETURN(Work head,
-                            comm.Send(&trailer, sizeof(trailer), DType::kU8, joiner, *stream, p2p));
-        SL_RETURN_IF_ERROR(Annotate(head.Wait(deadline), where));
-        if (piece.bytes > 0) {
-          SL_ASSIGN_OR_RETURN(Work body,
-                              comm.Send(piece.data, piece.bytes, DType::kU8, joiner, *stream, p2p));
-          SL_RETURN_IF_ERROR(Annotate(body.Wait(deadline), where));
-        }
-      }
-      continue;
-    }
-    Trailer trailer{};
-    SL_ASSIGN_OR_RETURN(Work head,
-                        comm.Recv(&trailer, sizeof(trailer), DType::kU8, donor, *stream, p2p));
-    SL_RETURN_IF_ERROR(Annotate(head.Wait(deadline), where));
-    if (trailer.bytes != piece.bytes || trailer.index != i) {
-      // The donor sends what it has regardless; give up on the round (the donor's sends fail
-      // when this rank's communicators go).
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": the donor (replica ", current_.replicas[donor], ") sends piece ", trailer.index,
-          " of ", trailer.bytes,
-          " bytes here: the replicas' states differ in layout (same model and optimizer?)"));
-    }
-    if (piece.bytes > 0) {
-      SL_ASSIGN_OR_RETURN(Work body,
-                          comm.Recv(piece.data, piece.bytes, DType::kU8, donor, *stream, p2p));
-      SL_RETURN_IF_ERROR(Annotate(body.Wait(deadline), where));
-    }
-    const uint32_t crc = Crc32c(piece.data, piece.bytes);
-    if (crc != trailer.crc) {
-      return absl::DataLossError(absl::StrCat(where, ": CRC-32C ", absl::Hex(crc),
-                                              " where the donor sent ", absl::Hex(trailer.crc)));
-    }
-  }
-  SL_LOG(INFO, COLL) << what << ": " << (me == donor ? "sent " : "received ") << pieces.size()
-                     << " pieces";
-  return absl::OkStatus();
+  return false;
 }
 
 absl::Status ElasticGroup::ReportLost() {
-  return Append(Entry::Lost(options_.replica, options_.shard, options_.incarnation));
+  const ElasticOptions& o = options_;
+  SL_RETURN_IF_ERROR(group_log_.Append(absl::StrCat("lost ", o.shard)));
+  if (!leader()) return absl::OkStatus();
+  SL_RETURN_IF_ERROR(job_log_.Append(Entry::Lost(o.replica, 0, o.incarnation).Encode()));
+  return decisions_.Append("leader lost");
 }
 
 }  // namespace shardline

@@ -19,6 +19,14 @@
 //     if (committed) optimizer step;     // otherwise the next round redoes round.step
 //   }
 //
+// Two levels, so that the store's work per round grows with the replica groups, not with every
+// rank: each group's leader (its shard 0) gathers its ranks' arrivals and votes from a small log
+// of the group's, speaks for the group in the job's log (elastic_log.h, with one "rank" per
+// group) and hands each decision to the group's other ranks under a key of the group's, which
+// they read (a log of the group's, where the store also writes the leader's death). A rank whose
+// process dies is reported in its group's log (the leader's: in the job's log too) by the store's
+// connection-close signal; a group that loses a rank is out.
+//
 // The store must outlive every training process: host it in the launcher or a process of its
 // own (shardline-launch --max-restarts does), never in a training rank. Every wait of the
 // protocol is bounded: a rank that is neither there nor reported lost is waited for until
@@ -33,7 +41,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -44,6 +54,7 @@
 #include "collectives/bootstrap.h"
 #include "collectives/communicator.h"
 #include "collectives/elastic/elastic_log.h"
+#include "collectives/elastic/store_log.h"
 #include "collectives/store/store.h"
 
 namespace shardline {
@@ -145,11 +156,13 @@ class ElasticGroup {
   // neither send nor receive return at once.
   absl::Status TransferState(absl::Span<const StatePiece> pieces, absl::Time deadline);
 
-  // In-process tests: appends `lost` for this rank, as the store's server does when the process
-  // dies.
+  // In-process tests: reports this rank lost, as the store's server does when the process dies.
   absl::Status ReportLost();
 
-  int64_t committed_steps() const { return log_.committed_steps(); }
+  int64_t committed_steps() const { return committed_; }
+  // The job's round this rank takes part in next (the last round it saw decided, plus one).
+  int64_t next_round() const { return next_round_; }
+  // The job log as this rank reads it: only a group's leader (shard 0) reads it.
   const elastic::ElasticLog& log() const { return log_; }
   const std::vector<ElasticRecovery>& recoveries() const { return recoveries_; }
   const ElasticOptions& options() const { return options_; }
@@ -157,29 +170,54 @@ class ElasticGroup {
  private:
   explicit ElasticGroup(ElasticOptions options);
 
-  // Appends `entry` to the log (compare-and-set on the first index this rank has not read).
-  absl::Status Append(const elastic::Entry& entry);
-  // Reads the log's next entry and applies it: true; false if none appeared before `until`.
+  bool leader() const { return options_.shard == 0; }
+  std::string What() const;
+  // Followers: the leader's next decision ("quorum <k> ..." or "outcome <k> ..."), as `kind` of
+  // group round k, waiting until `deadline`; Aborted if the leader was lost.
+  absl::StatusOr<std::string> AwaitDecision(absl::string_view kind, int64_t k, absl::Time deadline);
+
+  // Leader: the group log until every rank of the group did `what` ("arrive", "vote") in group
+  // round k; returns the ranks' entries (for votes: whether each was ok). A lost rank, or nothing
+  // new for options_.timeout, is an error naming it.
+  absl::StatusOr<std::vector<bool>> GatherGroup(absl::string_view what, int64_t k,
+                                                absl::Time deadline);
+  // Leader: reads the job log's next entry and applies it: true; false if none before `until`.
   absl::StatusOr<bool> ReadNext(absl::Time until);
-  // Reads until `decided` holds. While nothing new appears for options_.timeout the rank appends
-  // `on_timeout` (once). DeadlineExceeded at `deadline`.
+  // Leader: reads the job log until `decided` holds. While nothing new appears for
+  // options_.timeout it appends `on_timeout` (once). DeadlineExceeded at `deadline`.
   absl::Status ReadUntil(const std::function<bool()>& decided, const elastic::Entry& on_timeout,
                          absl::Time deadline);
+  // Leader: the quorum of the job's next round this group is in (arriving again when a round was
+  // decided without it while it is new to the job), as the text followers decode: "member ...",
+  // "out <why>" or "lost <why>".
+  absl::StatusOr<std::string> LeaderQuorum(absl::Time deadline);
+  // Leader: the group votes `ok`, then the job's outcome of `round`: "1" or "0 <why>".
+  absl::StatusOr<std::string> LeaderOutcome(int64_t round, bool ok, absl::Time deadline);
   absl::Status BuildCommunicators(const elastic::Quorum& quorum, absl::Time deadline);
   // DataLoss: no replica that holds the state is left (ElasticLog::job_lost).
-  absl::Status JobLost(const std::string& what) const;
+  absl::Status JobLost() const;
 
   ElasticOptions options_;
-  std::string log_key_;
-  elastic::ElasticLog log_;
-  int64_t read_ = 0;  // entries of the log read so far
+  std::string group_key_;      // "<name>/g<replica>.<incarnation>"
+  elastic::StoreLog job_log_;  // leaders' entries (read by leaders only)
+  elastic::StoreLog group_log_;
+  // The leader's decisions for the group's other ranks, in order; "leader lost" if it dies.
+  elastic::StoreLog decisions_;
+  elastic::ElasticLog log_;  // the job log's state (leaders)
+  int64_t group_round_ = 0;  // BeginRound calls so far (the group's rounds, in lockstep)
+  int64_t committed_ = 0;
+  int64_t next_round_ = 0;
+  // Leader: group log entries by group round: arrivals, votes (shard -> ok), lost shards.
+  std::map<int64_t, std::set<int>> arrived_;
+  std::map<int64_t, std::map<int, bool>> votes_;
+  std::set<int> lost_shards_;
   Round current_;
   bool in_round_ = false;
   absl::Time step_started_;
   std::vector<ElasticRecovery> recoveries_;
   bool recovering_ = false;
   int consecutive_aborts_ = 0;
-  bool ever_member_ = false;  // once in a quorum, a rank left out of one is out for good
+  bool ever_member_ = false;  // once in a quorum, a group left out of one is out for good
   absl::Time abort_read_;
 };
 

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 namespace shardline::elastic {
@@ -96,6 +97,53 @@ absl::StatusOr<Entry> Entry::Decode(absl::string_view text) {
     return bad("a rank or incarnation out of range");
   }
   return entry;
+}
+
+std::string Quorum::Encode() const {
+  std::vector<std::string> member_text;
+  for (const auto& [replica, incarnation] : members) {
+    member_text.push_back(absl::StrCat(replica, ":", incarnation));
+  }
+  return absl::StrCat(round, " ", step, " ", rebuild ? 1 : 0, " ",
+                      members.empty() ? "-" : absl::StrJoin(member_text, ","), " ",
+                      joiners.empty() ? "-" : absl::StrJoin(joiners, ","), " ", reason);
+}
+
+absl::StatusOr<Quorum> Quorum::Decode(absl::string_view text) {
+  const std::vector<absl::string_view> words = absl::StrSplit(text, absl::MaxSplits(' ', 5));
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("elastic quorum '", text.substr(0, 120), "': ", why));
+  };
+  Quorum quorum;
+  int rebuild = 0;
+  if (words.size() != 6 || !absl::SimpleAtoi(words[0], &quorum.round) ||
+      !absl::SimpleAtoi(words[1], &quorum.step) || !absl::SimpleAtoi(words[2], &rebuild)) {
+    return bad("not '<round> <step> <rebuild> <members> <joiners> <reason>'");
+  }
+  quorum.rebuild = rebuild != 0;
+  if (words[3] != "-") {
+    for (absl::string_view member : absl::StrSplit(words[3], ',')) {
+      std::pair<absl::string_view, absl::string_view> parts = absl::StrSplit(member, ':');
+      int replica = 0, incarnation = 0;
+      if (!absl::SimpleAtoi(parts.first, &replica) ||
+          !absl::SimpleAtoi(parts.second, &incarnation)) {
+        return bad(absl::StrCat("member '", member, "' is not replica:incarnation"));
+      }
+      quorum.members.emplace_back(replica, incarnation);
+    }
+  }
+  if (words[4] != "-") {
+    for (absl::string_view joiner : absl::StrSplit(words[4], ',')) {
+      int replica = 0;
+      if (!absl::SimpleAtoi(joiner, &replica)) {
+        return bad(absl::StrCat("joiner '", joiner, "' is not a number"));
+      }
+      quorum.joiners.push_back(replica);
+    }
+  }
+  quorum.reason = std::string(words[5]);
+  return quorum;
 }
 
 bool Quorum::IsMember(int replica, int incarnation) const {

@@ -91,6 +91,11 @@ struct Quorum {
   // Why the quorum was decided: "every expected replica arrived", "a timeout", ...
   std::string reason;
 
+  // "<round> <step> <rebuild 0|1> <replica:incarnation,...|-> <joiner,...|-> <reason>": how a
+  // group's leader hands the quorum to the other ranks of its group.
+  std::string Encode() const;
+  static absl::StatusOr<Quorum> Decode(absl::string_view text);
+
   bool IsMember(int replica, int incarnation) const;
   bool IsJoiner(int replica) const;
   // The member replicas, ascending.

@@ -61,8 +61,8 @@ constexpr char kFailuresUsage[] =
     "  --resume-s X              abort decision to the next round's communicators (default\n"
     "                            0.028, measured)\n"
     "  --store-ops-per-s X       the store server's operations per second (default 22000)\n"
-    "  --store-reads MODE        per_entry (as built, default); batched or leaders (variants\n"
-    "                            that are not built: failures.h)\n"
+    "  --store-reads MODE        two_level (as built, default); per_entry, batched or leaders\n"
+    "                            (a first design and variants that are not built: failures.h)\n"
     "  --crc-GBps X              the joiner's CRC-32C check (default 13)\n"
     "output:\n"
     "  --json FILE               every figure of every row\n";
@@ -176,14 +176,16 @@ absl::StatusOr<bool> ParseFlags(int argc, char** argv, FailuresFlags& f) {
     } else if (arg == "--store-ops-per-s") {
       SL_RETURN_IF_ERROR(number(&o.store_ops_per_s, /*positive=*/true));
     } else if (arg == "--store-reads") {
-      if (value == "per_entry") {
+      if (value == "two_level") {
+        o.store_reads = StoreReads::kTwoLevel;
+      } else if (value == "per_entry") {
         o.store_reads = StoreReads::kPerEntry;
       } else if (value == "batched") {
         o.store_reads = StoreReads::kBatched;
       } else if (value == "leaders") {
         o.store_reads = StoreReads::kLeaders;
       } else {
-        return Bad(arg, value, "is not per_entry, batched or leaders");
+        return Bad(arg, value, "is not two_level, per_entry, batched or leaders");
       }
     } else if (arg == "--crc-GBps") {
       SL_RETURN_IF_ERROR(number(&o.crc_bytes_per_s, /*positive=*/true, 1e9));

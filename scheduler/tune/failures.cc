@@ -67,6 +67,8 @@ absl::StatusOr<FailureSource> FailureSourceByName(absl::string_view name) {
 
 absl::string_view StoreReadsName(StoreReads reads) {
   switch (reads) {
+    case StoreReads::kTwoLevel:
+      return "two_level";
     case StoreReads::kPerEntry:
       return "per_entry";
     case StoreReads::kBatched:
@@ -173,9 +175,10 @@ absl::StatusOr<RecoveryEstimate> EstimateRecovery(const RecoveryScenario& s,
   }
 
   ElasticCost& el = e.elastic;
-  // Per phase of a round (arrive, vote): n appends, and each rank reads the n entries one Get
-  // each (batched: once); with leaders, R appends and R reads.
-  double phase_ops = n + n * n;
+  // Per phase of a round (arrive, vote), see the header: as built 3n + R + R^2; the first design
+  // n + n^2; batched 2n; leaders relaying over their shard group 2R.
+  double phase_ops = 3.0 * n + replicas + static_cast<double>(replicas) * replicas;
+  if (o.store_reads == StoreReads::kPerEntry) phase_ops = n + n * n;
   if (o.store_reads == StoreReads::kBatched) phase_ops = 2 * n;
   if (o.store_reads == StoreReads::kLeaders) phase_ops = 2.0 * replicas;
   const double phase_s = phase_ops / o.store_ops_per_s;

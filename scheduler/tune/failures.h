@@ -38,13 +38,16 @@
 //   sends its k-th of the state to its joiner, point to point over the rail, and the joiner checks
 //   its CRC-32C: transfer_s = (state_bytes / k) / link + (state_bytes / k) / crc.
 //   lost_s = resume_s + step_s / 2 + (relaunch_s + init_s) / R + resume_base_s + transfer_s.
-//   Every step is a round of the protocol: 2n appends (arrive, vote) and, with each rank reading
-//   the log entry by entry (the protocol as built), 2n^2 reads, all served by the store's one
-//   server: protocol_s = (2n + 2n^2) / store_ops_per_s per step, a lower bound (the retries of
-//   contending compare-and-sets and the catch-up checks are not counted; the reads and appends are
-//   exactly ElasticGroup's, tune_failures_protocol_test). Two variants that are not built
-//   show what would scale: StoreReads::kBatched, one read per rank per phase (4n operations per
-//   step), and kLeaders, one rank per replica group in the log (4R operations per step).
+//   Every step is a round of the protocol, all of it served by the store's one server. As built
+//   (StoreReads::kTwoLevel), per phase (arrive, vote): every rank appends to its group's log (n),
+//   each group's leader reads its group's entries (n), appends for the group to the job log (R)
+//   and reads that log entry by entry (R^2), and hands the decision to its group (R appends,
+//   n - R reads): 3n + R + R^2 operations, protocol_s = 2 (3n + R + R^2) / store_ops_per_s per
+//   step, a lower bound (the retries of contending compare-and-sets and the catch-up checks are
+//   not counted; the reads and appends are exactly ElasticGroup's,
+//   tune_failures_protocol_test). Variants for comparison: kPerEntry, the first design (every
+//   rank in the job log: n + n^2 per phase); kBatched, one read per rank per phase (2n); kLeaders,
+//   leaders that read the job log once per phase and relay over their shard group (2R).
 //
 // Goodput (the useful fraction of wall time). With a steady fraction s of the time training
 // (checkpoints, or the protocol, take the rest) and failures at lambda per second of wall time,
@@ -85,12 +88,14 @@ absl::StatusOr<FailureSource> FailureSourceByName(absl::string_view name);
 
 // How each rank reads the elastic log (the per-step protocol cost above).
 enum class StoreReads : uint8_t {
-  kPerEntry,  // one store Get per entry: ElasticGroup as built
+  kTwoLevel,  // ElasticGroup as built: each group's leader in the job log, its ranks in a log of
+              // the group's, decisions handed down: per phase 3n + R + R^2 operations
+  kPerEntry,  // the first design: every rank in the job log, reading it entry by entry
   kBatched,   // one read per rank per phase: a variant that is not built
   kLeaders,   // one rank per replica group appends and reads (one read per phase), and relays
               // over its shard group: R appends and R reads per phase; not built either
 };
-// "per_entry", "batched", "leaders".
+// "two_level", "per_entry", "batched", "leaders".
 absl::string_view StoreReadsName(StoreReads reads);
 
 // Every parameter of the cost model. Defaults: cited figures, this machine's measurements and
@@ -122,7 +127,7 @@ struct RecoveryOptions {
   // docs/benchmarks.md, checkpoints).
   double resume_base_s = 0.028;
   double store_ops_per_s = 22000;
-  StoreReads store_reads = StoreReads::kPerEntry;
+  StoreReads store_reads = StoreReads::kTwoLevel;
   double crc_bytes_per_s = 13e9;
 };
 

@@ -51,6 +51,32 @@ TEST(ElasticLogTest, EntriesRoundTripAndGarbageIsRefused) {
   }
 }
 
+TEST(ElasticLogTest, AQuorumRoundTripsThroughItsText) {
+  Quorum quorum;
+  quorum.round = 7;
+  quorum.step = 5;
+  quorum.rebuild = true;
+  quorum.members = {{0, 0}, {2, 3}};
+  quorum.joiners = {2};
+  quorum.reason = "every expected replica arrived or was lost";
+  absl::StatusOr<Quorum> back = Quorum::Decode(quorum.Encode());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->round, 7);
+  EXPECT_EQ(back->step, 5);
+  EXPECT_TRUE(back->rebuild);
+  EXPECT_EQ(back->members, quorum.members);
+  EXPECT_EQ(back->joiners, quorum.joiners);
+  EXPECT_EQ(back->reason, quorum.reason);
+  Quorum empty;
+  empty.rebuild = false;
+  back = Quorum::Decode(empty.Encode());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->members.empty() && back->joiners.empty() && !back->rebuild);
+  for (const char* garbage : {"", "1 2 3", "1 2 0 0-0 - x", "1 2 0 - a,b why", "x 2 0 - - why"}) {
+    EXPECT_FALSE(Quorum::Decode(garbage).ok()) << garbage;
+  }
+}
+
 TEST(ElasticLogTest, AFullRoundCommitsAndTheNextKeepsItsCommunicators) {
   ElasticLog log(/*replicas=*/2, /*shard_size=*/2);
   const Members all = {{0, 0}, {1, 0}};

@@ -292,26 +292,19 @@ class Worker {
     return absl::OkStatus();
   }
 
-  // Reads the job's log until every rank of some replica with a new incarnation has arrived at
-  // the round this rank is about to arrive at (its quorum cannot be decided before this rank
-  // arrives, so the new group joins in it).
+  // Reads the job's log until a replica group with a new incarnation has arrived (its leader
+  // speaks for it there) at the round this rank takes part in next: that round's quorum cannot
+  // be decided before this rank's group arrives too, so the new group joins in it.
   absl::Status AwaitJoiners(absl::Time deadline) {
-    const int64_t round = group_->log().round();
     if (args_.incarnation > 0) return absl::OkStatus();  // a joiner itself
-    if (const elastic::Quorum* last = group_->log().quorum(round - 1)) {
-      for (const auto& [replica, incarnation] : last->members) {
-        if (incarnation > 0) return absl::OkStatus();  // a restarted group is back already
-      }
-    }
-    std::map<int, int> arrived;  // replica -> ranks of incarnation > 0 seen
+    const int64_t round = group_->next_round();
     for (int64_t i = 1;; ++i) {
       SL_ASSIGN_OR_RETURN(std::string text, store_->Get(absl::StrCat("elastic/log/", i), deadline));
       absl::StatusOr<elastic::Entry> entry = elastic::Entry::Decode(text);
-      if (!entry.ok() || entry->kind != elastic::Entry::Kind::kArrive || entry->incarnation == 0 ||
-          entry->round != round) {
-        continue;
+      if (entry.ok() && entry->kind == elastic::Entry::Kind::kArrive && entry->incarnation > 0 &&
+          entry->round == round) {
+        return absl::OkStatus();
       }
-      if (++arrived[entry->replica] == args_.shard_size) return absl::OkStatus();
     }
   }
 

@@ -506,7 +506,7 @@ TEST(TuneCliTest, BadFlagsAreClearErrors) {
       {fail + "--hang-fraction 2", "--hang-fraction: '2' is not in [0, 1]"},
       {fail + "--storage-GBps-per-node 0", "'0' is not a positive number"},
       {fail + "--detect-s -1", "--detect-s: '-1' is not a number >= 0"},
-      {fail + "--store-reads some", "'some' is not per_entry, batched or leaders"},
+      {fail + "--store-reads some", "'some' is not two_level, per_entry, batched or leaders"},
       {fail + "--failure-source bloom", "unknown failure source 'bloom'"},
       {fail + "--checkpoint-every 100,0", "'0' is not a positive integer"},
       {fail + "--shard-sizes 8", "no job size and shard size make 2 or more replica groups"},
