@@ -145,6 +145,7 @@ absl::StatusOr<std::unique_ptr<ElasticGroup>> ElasticGroup::Join(ElasticOptions 
   if (!options.communicator_factory) options.communicator_factory = CreateCommunicator;
   std::unique_ptr<ElasticGroup> group(new ElasticGroup(std::move(options)));
   const ElasticOptions& o = group->options_;
+  if (o.trace != nullptr) group->trace_track_ = o.trace->Track("elastic");
   if (o.watch_liveness) {
     // This process's death, told to its group's leader; a leader's, to every leader and to its
     // group's other ranks.
@@ -400,6 +401,15 @@ absl::StatusOr<ElasticGroup::Round> ElasticGroup::BeginRound(absl::Time deadline
     if (recovering_) {
       ElasticRecovery& recovery = recoveries_.back();
       recovery.resume = absl::Now() - abort_read_;
+      if (o.trace != nullptr) {
+        TraceArgs args;
+        args.strings.emplace_back("what failed", recovery.what_failed);
+        args.strings.emplace_back("replicas after", Members(current_.replicas));
+        args.ints.emplace_back("step", recovery.step);
+        args.ints.emplace_back("detect_us", absl::ToInt64Microseconds(recovery.detect));
+        o.trace->AddComplete(trace_track_, "recovery", "elastic", abort_read_, recovery.resume,
+                             std::move(args));
+      }
       recovery.replicas_after = current_.replicas;
       recovering_ = false;
       SL_LOG(INFO, COLL) << What() << ": recovered from round " << recovery.failed_round << " ("
@@ -442,6 +452,16 @@ absl::StatusOr<bool> ElasticGroup::EndRound(const absl::Status& step, absl::Time
   ++group_round_;
   const bool committed = outcome == "1";
   consecutive_aborts_ = committed ? 0 : consecutive_aborts_ + 1;
+  const std::string why = committed ? "" : (outcome.size() > 2 ? outcome.substr(2) : "aborted");
+  if (o.trace != nullptr) {
+    TraceArgs args;
+    args.ints.emplace_back("step", current_.step);
+    args.ints.emplace_back("committed", committed ? 1 : 0);
+    args.strings.emplace_back("replicas", Members(current_.replicas));
+    if (!committed) args.strings.emplace_back("aborted", why);
+    o.trace->AddComplete(trace_track_, absl::StrCat("round ", round, " (step ", current_.step, ")"),
+                         "elastic", step_started_, absl::Now() - step_started_, std::move(args));
+  }
   if (committed) {
     committed_ = current_.step + 1;
     return true;
@@ -449,12 +469,18 @@ absl::StatusOr<bool> ElasticGroup::EndRound(const absl::Status& step, absl::Time
   ElasticRecovery recovery;
   recovery.failed_round = round;
   recovery.step = current_.step;
-  recovery.what_failed = outcome.size() > 2 ? outcome.substr(2) : "aborted";
+  recovery.what_failed = why;
   abort_read_ = absl::Now();
   recovery.detect = abort_read_ - step_started_;
   recoveries_.push_back(std::move(recovery));
   recovering_ = true;
-  // Their collectives may have been aborted: the next round builds new ones.
+  // The round's collectives are over (and may have failed): abort the communicators with the
+  // reason, so that any peer still blocked in one fails now and the flight recorder keeps why;
+  // the next round builds new ones.
+  const absl::Status reason = absl::AbortedError(absl::StrCat(
+      "elastic round ", round, " aborted: ", why, "; step ", current_.step, " is redone"));
+  if (current_.shard != nullptr) current_.shard->Abort(reason);
+  if (current_.replicate != nullptr) current_.replicate->Abort(reason);
   current_.shard = nullptr;
   current_.replicate = nullptr;
   SL_LOG(WARN, COLL) << What() << ": round " << round << " (step " << current_.step

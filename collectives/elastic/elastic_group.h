@@ -56,6 +56,7 @@
 #include "collectives/elastic/elastic_log.h"
 #include "collectives/elastic/store_log.h"
 #include "collectives/store/store.h"
+#include "runtime/trace.h"
 
 namespace shardline {
 
@@ -81,6 +82,11 @@ struct ElasticOptions {
   // EndRound fails (Aborted) after this many aborted rounds in a row: a step that cannot succeed
   // (the same error on every try) ends the job instead of looping.
   int max_consecutive_aborts = 8;
+  // Where the rounds go on the Chrome trace (runtime/trace.h), on the track "elastic": one span
+  // per round ("round 3 (step 2)", category "elastic", args committed/aborted and why) and one
+  // per recovery ("recovery", from reading the abort to the next round's communicators). Null:
+  // none. Must outlive the group.
+  TraceWriter* trace = nullptr;
   // Makes the rounds' communicators. Null: CreateCommunicator.
   std::function<absl::StatusOr<std::shared_ptr<Communicator>>(const CommunicatorOptions&)>
       communicator_factory;
@@ -101,7 +107,12 @@ struct StatePiece {
   size_t bytes = 0;
 };
 
-// What a recovery cost, as seen by one surviving rank.
+// What a recovery cost, as seen by one surviving rank. Each is also logged (WARN when the round
+// aborts, INFO when the next round is ready), drawn on the trace (ElasticOptions::trace), and
+// kept by the flight recorder: an aborted round aborts its communicators with the reason
+// ("elastic round 3 aborted: rank (1, 0) incarnation 0 was lost; step 2 is redone"; a
+// communicator that a failed collective aborted first keeps that error), which dumps their
+// records where SHARDLINE_FLIGHT_RECORDER_DIR is set (flight_recorder.h).
 struct ElasticRecovery {
   int64_t failed_round = 0;
   int64_t step = 0;         // the step that was redone
@@ -219,6 +230,7 @@ class ElasticGroup {
   int consecutive_aborts_ = 0;
   bool ever_member_ = false;  // once in a quorum, a group left out of one is out for good
   absl::Time abort_read_;
+  int trace_track_ = 0;
 };
 
 }  // namespace shardline

@@ -26,6 +26,7 @@
 #include "collectives/store/memory_store.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
+#include "runtime/trace.h"
 
 namespace shardline {
 namespace {
@@ -91,8 +92,9 @@ class ElasticGroupTest : public ::testing::Test {
   RankResult Train(int replica, int shard, int incarnation, int64_t dies_at) {
     RankResult result;
     const absl::Time deadline = absl::Now() + absl::Seconds(90);
-    absl::StatusOr<std::unique_ptr<ElasticGroup>> joined =
-        ElasticGroup::Join(Options(replica, shard, incarnation), deadline);
+    ElasticOptions options = Options(replica, shard, incarnation);
+    if (replica == 0 && shard == 0) options.trace = &trace_;
+    absl::StatusOr<std::unique_ptr<ElasticGroup>> joined = ElasticGroup::Join(options, deadline);
     if (!joined.ok()) {
       result.status = joined.status();
       return result;
@@ -175,6 +177,7 @@ class ElasticGroupTest : public ::testing::Test {
   }
 
   std::shared_ptr<MemoryStore> store_ = std::make_shared<MemoryStore>();
+  TraceWriter trace_{/*rank=*/0};
   // Reads the job log as the groups' leaders do, until replica 1's incarnation 1 arrived (its
   // leader arrives for the group once both its ranks did).
   void WatchForJoiners() {
@@ -277,6 +280,12 @@ TEST_F(ElasticGroupTest, AReplicaLostMidStepIsDroppedThenRejoinsWithIdenticalSta
     EXPECT_LT(survivor.recoveries[0].resume, absl::Seconds(5));
     EXPECT_EQ(survivor.recoveries[0].replicas_after, std::vector<int>{0});
   }
+  // Rank (0, 0)'s trace: a span per round (the aborted one says why) and the recovery.
+  const std::string trace = trace_.ToJson();
+  EXPECT_TRUE(absl::StrContains(trace, "\"name\":\"recovery\"")) << trace;
+  EXPECT_TRUE(absl::StrContains(trace, "rank (1, 0) incarnation 0 was lost")) << trace;
+  EXPECT_TRUE(absl::StrContains(trace, absl::StrCat("(step ", kKillStep, ")"))) << trace;
+  EXPECT_TRUE(absl::StrContains(trace, absl::StrCat("(step ", kSteps - 1, ")"))) << trace;
 }
 
 TEST_F(ElasticGroupTest, BadOptionsAreNamed) {

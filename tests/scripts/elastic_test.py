@@ -21,7 +21,8 @@ or after the commit before its optimizer step. Then:
     a rank that dies after the commit usually costs no redo at all).
 Then a whole-job failure (a rank of each replica dies: the survivors end with an error, exit 3 or
 4, within the timeout + 5 s), and with --launch one trial through
-shardline-launch --max-restarts 1, which hosts the store and restarts the dead group.
+shardline-launch --max-restarts 1, which hosts the store and restarts the dead group (and whose
+survivors' Chrome trace and flight records show the recovery).
 Every process runs in its own session and is killed if the trial overruns.
 """
 
@@ -29,9 +30,11 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 STORE = PROGRAM = None
@@ -222,12 +225,17 @@ def whole_job_failure():
 def through_launcher(launch):
     """shardline-launch --max-restarts 1 hosts the store, restarts the replica group of a rank
     that dies, and the job succeeds with the restarted group's state bit-identical."""
-    env = dict(os.environ, SHARDLINE_TIMEOUT_S=str(TIMEOUT_S), SHARDLINE_UCX_SPIN_US="0")
+    work = tempfile.mkdtemp(prefix="elastic_test.")
+    traces, flights = os.path.join(work, "traces"), os.path.join(work, "flight")
+    os.makedirs(traces)
+    os.makedirs(flights)
+    env = dict(os.environ, SHARDLINE_TIMEOUT_S=str(TIMEOUT_S), SHARDLINE_UCX_SPIN_US="0",
+               SHARDLINE_FLIGHT_RECORDER_DIR=flights)
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, launch, "-n", "4", "--max-restarts", "1", "--shard-size", "2",
          "--grace", "5", "--", PROGRAM, "--steps", str(STEPS), "--kill", "3:backward",
-         "--kill-rank", "1", "--await-joiners-at", "5"],
+         "--kill-rank", "1", "--await-joiners-at", "5", "--trace", traces],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TRIAL_BUDGET_S)
@@ -244,6 +252,19 @@ def through_launcher(launch):
     for _, shard, digest in digests:
         by_shard.setdefault(shard, set()).add(digest)
     assert len(digests) == 4 and all(len(d) == 1 for d in by_shard.values()), out
+    # The recovery on a survivor's trace, and in the flight records of the aborted round.
+    with open(os.path.join(traces, "elastic.2.0.json")) as f:
+        trace = f.read()
+    assert '"name":"recovery"' in trace and "was lost" in trace, trace[:2000]
+    dumps = ""
+    for name in os.listdir(flights):
+        with open(os.path.join(flights, name)) as f:
+            dumps += f.read()
+    # The aborted round's communicators (elastic/q0/...) were dumped with why they ended: the dead
+    # rank's exit, or the round's abort (communicators that nothing had failed yet).
+    assert "elastic/q0/" in dumps and re.search(r"exited|elastic round \d+ aborted", dumps), \
+        f"flight dumps: {os.listdir(flights)}"
+    shutil.rmtree(work)
     print(f"ok launcher: a replica group restarted and rejoined "
           f"({time.monotonic() - t0:.1f} s)", flush=True)
 

@@ -10,7 +10,7 @@
 //
 //   elastic_mp --replicas 2 --shard-size 2 --replica R --shard S [--incarnation I] [--steps 20]
 //              [--kill STEP:forward|backward|reduce|optimizer [--kill-rank RANK]]
-//              [--await-joiners-at STEP]
+//              [--await-joiners-at STEP] [--trace DIR]
 //   environment: MASTER_ADDR, MASTER_PORT (a store outside the ranks: shardline-store),
 //                SHARDLINE_STORE_TOKEN, SHARDLINE_TIMEOUT_S
 //   shardline-launch -n 4 --max-restarts 1 --shard-size 2 -- elastic_mp [--steps ...] [--kill
@@ -49,6 +49,7 @@
 #include "runtime/flat_layout.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
+#include "runtime/trace.h"
 #include "scheduler/scheduler.h"
 
 namespace shardline {
@@ -64,7 +65,8 @@ struct Args {
   int shard = 0;
   int incarnation = 0;
   int steps = 20;
-  int kill_rank = -1;  // with --kill: only this rank (replica * shard_size + shard) dies
+  int kill_rank = -1;     // with --kill: only this rank (replica * shard_size + shard) dies
+  std::string trace_dir;  // --trace DIR: each rank writes DIR/elastic.<rank>.<incarnation>.json
   int kill_step = -1;
   std::string kill_phase;
   int await_joiners_at = -1;
@@ -137,6 +139,10 @@ class Worker {
     }
     store_ = options.store;
     const int rank = args_.replica * args_.shard_size + args_.shard;
+    if (!args_.trace_dir.empty()) {
+      trace_ = std::make_unique<TraceWriter>(rank);
+      options.trace = trace_.get();
+    }
     if (args_.kill_rank >= 0 && (args_.kill_rank != rank || args_.incarnation != 0)) {
       args_.kill_step = -1;  // the kill is another rank's (or this group's first life's)
     }
@@ -200,6 +206,10 @@ class Worker {
                   r.what_failed.c_str());
     }
     scheduler_.reset();
+    if (trace_ != nullptr) {
+      SL_RETURN_IF_ERROR(trace_->WriteFile(
+          absl::StrCat(args_.trace_dir, "/elastic.", rank, ".", args_.incarnation, ".json")));
+    }
     return Check();
   }
 
@@ -365,6 +375,7 @@ class Worker {
 
   Args args_;
   std::shared_ptr<Store> store_;
+  std::unique_ptr<TraceWriter> trace_;  // declared before the group, which draws on it
   std::unique_ptr<ElasticGroup> group_;
   std::unique_ptr<Stream> compute_;
   std::unique_ptr<Scheduler> scheduler_;
@@ -396,6 +407,8 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
       SL_RETURN_IF_ERROR(number(&args.incarnation));
     } else if (flag == "--steps") {
       SL_RETURN_IF_ERROR(number(&args.steps));
+    } else if (flag == "--trace") {
+      args.trace_dir = value;
     } else if (flag == "--kill-rank") {
       SL_RETURN_IF_ERROR(number(&args.kill_rank));
     } else if (flag == "--await-joiners-at") {
