@@ -22,7 +22,7 @@ bool SingleCopyPhase(Phase phase) { return phase == Phase::kData || phase == Pha
 
 // What a single-copy sender tells its reader: the buffer's address and length, and, if the
 // buffer is shareable memory, the arena that holds it (region id 0: it is not).
-enum Descriptor : size_t {
+enum DescriptorWord : size_t {
   kAddress,
   kLength,
   kRegionId,
