@@ -38,7 +38,7 @@ import tempfile
 import time
 
 STORE = PROGRAM = None
-STEPS = 12
+STEPS = 20
 TIMEOUT_S = 10
 TRIAL_BUDGET_S = 90
 PHASES = ("forward", "backward", "reduce", "optimizer")
@@ -56,7 +56,7 @@ class Trial:
         rng = random.Random(seed)
         self.seed = seed
         self.victim = (rng.randrange(2), rng.randrange(2))
-        self.kill_step = rng.randrange(1, STEPS - 4)
+        self.kill_step = rng.randrange(1, STEPS - 4)  # the survivors await joiners 2 steps on
         self.phase = rng.choice(PHASES)
         self.rejoin = seed % 2 == 1
         self.survivor_replica = 1 - self.victim[0]
@@ -135,7 +135,7 @@ class Trial:
             key = (self.survivor_replica, shard, 0)
             out = self.outputs[key]
             assert codes[key[:2]] == 0 and "CHECK ok" in out, f"{what}: survivor {key}:\n{everything}"
-            steps = {int(k): v for k, v in re.findall(r"^STEP (\d+) replicas (\S+)$", out, re.M)}
+            steps = {int(k): v for k, v in re.findall(r"^STEP (\d+) replicas (\S+) ", out, re.M)}
             assert sorted(steps) == list(range(STEPS)), f"{what}: {key} trained {sorted(steps)}"
             both = "0,1"
             alone = str(self.survivor_replica)
@@ -163,6 +163,23 @@ class Trial:
                     f"{what}: recovery took {detect} + {resume} ms"
                 recoveries.append((float(detect), float(resume)))
             digests[shard] = re.search(r"^DIGEST replica \d shard \d (\w+)$", out, re.M).group(1)
+        # From the kill to the survivors' next committed step.
+        killed = int(re.search(r"^KILLING .* at_ms (\d+)$", self.outputs[(*self.victim, 0)],
+                               re.M).group(1))
+        commits = [int(t) for key in ((self.survivor_replica, 0, 0), (self.survivor_replica, 1, 0))
+                   for t in re.findall(r"^STEP \d+ replicas \S+ at_ms (\d+)$", self.outputs[key],
+                                       re.M)]
+        self.kill_to_commit_ms = min(t for t in commits if t > killed) - killed
+        self.rejoin_ms = None
+        if self.rejoin:
+            joined = []
+            for shard in range(2):
+                out = self.outputs[(self.victim[0], shard, 1)]
+                start = int(re.search(r"^START at_ms (\d+)$", out, re.M).group(1))
+                first = re.search(r"^STEP \d+ replicas \S+ at_ms (\d+)$", out, re.M)
+                assert first, f"{what}: the rejoined rank never committed a step:\n{out}"
+                joined.append(int(first.group(1)) - start)
+            self.rejoin_ms = max(joined)
         if self.rejoin:
             for shard in range(2):
                 key = (self.victim[0], shard, 1)
@@ -245,6 +262,11 @@ def through_launcher(launch):
         raise AssertionError(f"the launcher trial overran:\n{out.decode(errors='replace')}")
     out = out.decode(errors="replace")
     assert proc.returncode == 0, f"launcher exited {proc.returncode}:\n{out}"
+    # What a restart costs before it loads anything: the job's start to its first committed step
+    # (the launcher's output interleaves the ranks; each rank's first STEP follows its START).
+    starts = [int(t) for t in re.findall(r"^START at_ms (\d+)$", out, re.M)]
+    firsts = sorted(int(t) for t in re.findall(r"^STEP 0 replicas \S+ at_ms (\d+)$", out, re.M))
+    fresh = [f - min(starts) for f in firsts[:4]]
     assert "restarting replica group 0" in out, out
     assert out.count("CHECK ok") == 2 and out.count("CHECK joined") == 2, out
     digests = re.findall(r"^DIGEST replica (\d) shard (\d) (\w+)$", out, re.M)
@@ -267,6 +289,7 @@ def through_launcher(launch):
     shutil.rmtree(work)
     print(f"ok launcher: a replica group restarted and rejoined "
           f"({time.monotonic() - t0:.1f} s)", flush=True)
+    return fresh
 
 
 def main(argv):
@@ -275,7 +298,7 @@ def main(argv):
     trials = int(argv[argv.index("--trials") + 1]) if "--trials" in argv else 20
     first = int(argv[argv.index("--first-seed") + 1]) if "--first-seed" in argv else 1
     start = time.monotonic()
-    detect, resume = [], []
+    detect, resume, kill_to_commit, rejoin = [], [], [], []
     for seed in range(first, first + trials):
         trial = Trial(seed)
         t0 = time.monotonic()
@@ -283,17 +306,24 @@ def main(argv):
             for d, r in trial.run():
                 detect.append(d)
                 resume.append(r)
+            kill_to_commit.append(trial.kill_to_commit_ms)
+            if trial.rejoin_ms is not None:
+                rejoin.append(trial.rejoin_ms)
         finally:
             trial.cleanup()
         print(f"ok {trial.describe()} ({time.monotonic() - t0:.1f} s)", flush=True)
     whole_job_failure()
+    fresh = None
     if "--launch" in argv:
-        through_launcher(argv[argv.index("--launch") + 1])
-    detect.sort()
-    resume.sort()
+        fresh = through_launcher(argv[argv.index("--launch") + 1])
+    def median(values):
+        values = sorted(values)
+        return f"median {values[len(values) // 2]:.0f} ms (max {values[-1]:.0f})" if values else "-"
     print(f"{trials} trials in {time.monotonic() - start:.1f} s; survivors' recovery: detect "
-          f"median {detect[len(detect) // 2]:.0f} ms (max {detect[-1]:.0f}), resume median "
-          f"{resume[len(resume) // 2]:.0f} ms (max {resume[-1]:.0f})")
+          f"{median(detect)}, resume {median(resume)}; kill to the next committed step "
+          f"{median(kill_to_commit)}; a restarted group's start to its first committed step "
+          f"{median(rejoin)}" + (f"; a fresh job's start to its first committed step "
+                                 f"{median(fresh)}" if fresh else ""))
     return 0
 
 

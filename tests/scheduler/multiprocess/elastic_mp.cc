@@ -17,7 +17,8 @@
 //              STEP:PHASE --kill-rank RANK]: identity from the launcher's environment; the kill
 //              applies to the first incarnation only
 //
-// Output lines: "STEP k replicas a,b", "RECOVERY round R step K detect_ms D resume_ms M: why",
+// Output lines: "START at_ms T", "STEP k replicas a,b at_ms T" (T: Unix ms), "KILLING at step K
+// PHASE at_ms T", "RECOVERY round R step K detect_ms D resume_ms M: why",
 // "DIGEST replica r shard s crc", "CHECK ok max_error E" (then exit 0). Exit 3: this rank was
 // left out of a quorum (its replica lost a rank); 4: no replica holds the state; 5: wrong
 // parameters; 1: any other error.
@@ -87,6 +88,9 @@ float Hashed(uint64_t a, uint64_t b, uint64_t c, uint64_t i) {
   x ^= x >> 31;
   return static_cast<float>(static_cast<double>(x >> 40) / (1ull << 23) - 1.0);
 }
+
+// Unix time in milliseconds, for the driver's timings across processes.
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
 float InitialValue(int unit, int tensor, size_t i) { return Hashed(1, unit, tensor, i); }
 // The gradient rank (replica, shard) computes at `step` (its micro-batch differs from every other
@@ -193,8 +197,8 @@ class Worker {
       }
       MaybeDie(round.step, "optimizer");
       SL_RETURN_IF_ERROR(Optimize());
-      std::printf("STEP %lld replicas %s\n", static_cast<long long>(round.step),
-                  absl::StrJoin(round.replicas, ",").c_str());
+      std::printf("STEP %lld replicas %s at_ms %lld\n", static_cast<long long>(round.step),
+                  absl::StrJoin(round.replicas, ",").c_str(), static_cast<long long>(NowMs()));
       std::fflush(stdout);
       history_[round.step] = round.replicas;
       ++step_;
@@ -256,8 +260,8 @@ class Worker {
 
   void MaybeDie(int64_t step, absl::string_view phase) {
     if (step == args_.kill_step && phase == args_.kill_phase) {
-      std::printf("KILLING at step %lld %s\n", static_cast<long long>(step),
-                  std::string(phase).c_str());
+      std::printf("KILLING at step %lld %s at_ms %lld\n", static_cast<long long>(step),
+                  std::string(phase).c_str(), static_cast<long long>(NowMs()));
       std::fflush(stdout);
       raise(SIGKILL);
     }
@@ -435,6 +439,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "elastic_mp: %s\n", args.status().ToString().c_str());
     return 2;
   }
+  std::printf("START at_ms %lld\n", static_cast<long long>(shardline::NowMs()));
   shardline::Worker worker(*args);
   const absl::Status status = worker.Run();
   std::fflush(stdout);
