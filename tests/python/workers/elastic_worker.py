@@ -131,8 +131,9 @@ def main():
     slt.fully_shard(model, mesh=elastic)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
-    # The data position follows commits only: a redone step reads the same batch again.
-    position = [elastic.committed_steps]
+    # The data position follows commits only: a redone step reads the same batch again. A
+    # restarted process learns where the job is from its first round.
+    position = [None]
     elastic.step_committed(lambda index: position.__setitem__(0, index + 1))
 
     kill = elastic.incarnation == 0 and elastic.rank == args.kill_rank
@@ -146,6 +147,8 @@ def main():
                             for s in range(elastic.shard_size)], 90)
             time.sleep(1.0)  # the joiners arrive at the round right after writing the file
         with elastic.step(model, opt) as step:
+            if position[0] is None:
+                position[0] = step.index
             if step.index != position[0]:
                 raise AssertionError(f"{me}: round trains step {step.index}, the data is at "
                                      f"{position[0]}")
