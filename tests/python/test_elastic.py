@@ -3,9 +3,12 @@ real processes (workers/elastic_worker.py under `python -m shardline.launch --ma
 --shard-size 2`: 2 replica groups x 2 shard ranks, on the CPU).
 
   * test_killed_rank_survivors_finish: rank 1 (replica 0) SIGKILLs itself in the backward of
-    step 3, with reductions in flight. Replica 1 redoes step 3 alone and trains to the end; its
-    parameters equal a plain unsharded loop that drops replica 0's gradients from step 3 on
-    (the worker checks every element it owns; the test checks which replicas each step had).
+    step 3, with reductions in flight, or after every collective of step 3 succeeded, just
+    before its optimizer.step() votes (the others vote ok; their optimizers must not step).
+    Replica 1 redoes step 3 alone and trains to the end; its parameters (and the full state
+    dict, and each step's gradient norm) equal a plain unsharded loop that drops replica 0's
+    gradients from step 3 on (the worker checks every element it owns; the test checks which
+    replicas each step had).
   * test_restarted_group_rejoins: the same kill with --max-restarts 1; the launcher restarts
     replica group 0, which joins at a round boundary, receives the master shards and the SGD
     momenta, and trains the last steps with replica 1: it ends bit-identical (digest) to the
@@ -54,8 +57,9 @@ def launch(tmp_path, max_restarts, extra):
                sys.executable, str(HERE / "workers" / "elastic_worker.py"), str(tmp_path),
                "--steps", str(STEPS), "--kill-rank", str(KILL_RANK), "--kill-step",
                str(KILL_STEP), *extra]
-    # A few seconds per start (torch's import); the recovery within TIMEOUT_S.
-    return run_bounded(command, timeout=120, env=env)
+    # About 15 s on an idle machine (torch's import at each start); a rank's waits end within
+    # TIMEOUT_S, so a hang shows as the overrun.
+    return run_bounded(command, timeout=240, env=env)
 
 
 def rank_lines(result):
@@ -94,11 +98,15 @@ def check_survivors(result, lines):
         assert steps[KILL_STEP] == ("1", True), f"rank {rank}: {steps[KILL_STEP]}\n{what}"
         recoveries = [line for line in out if line.startswith("RECOVERY")]
         assert recoveries and recoveries[0].startswith(f"RECOVERY step {KILL_STEP} "), what
+        # Detected and resumed within the bound of every wait, not at the end of some timeout.
+        m = re.match(r"RECOVERY step \d+ detect_ms ([\d.]+) resume_ms ([\d.]+)", recoveries[0])
+        assert m and float(m.group(1)) + float(m.group(2)) < (TIMEOUT_S + 5) * 1e3, recoveries
     return {rank: steps_of(lines[rank]) for rank in (2, 3)}
 
 
-def test_killed_rank_survivors_finish(tmp_path):
-    result = launch(tmp_path, 0, [])
+@pytest.mark.parametrize("phase", ["backward", "before-vote"])
+def test_killed_rank_survivors_finish(tmp_path, phase):
+    result = launch(tmp_path, 0, ["--kill-phase", phase])
     lines = rank_lines(result)
     steps = check_survivors(result, lines)
     for rank in (2, 3):
@@ -108,8 +116,6 @@ def test_killed_rank_survivors_finish(tmp_path):
     assert not any(s >= KILL_STEP for s in steps_of(lines.get(0, []))), result.describe()
     # The launcher reports the replica group it did not restart.
     assert result.returncode != 0, result.describe()
-    # Detected and recovered well inside the bound of every wait.
-    assert result.elapsed < 60 + TIMEOUT_S, result.describe()
 
 
 def test_restarted_group_rejoins(tmp_path):
@@ -153,3 +159,11 @@ def test_group_needs_a_launcher_environment(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(shardline.InvalidArgumentError, match="SHARDLINE_SHARD_SIZE"):
         shardline.ElasticGroup(timeout=5)
+
+
+def test_scheduler_over_groups_rejects_bad_input():
+    (comm,) = shardline.init_local(1)
+    with pytest.raises(ValueError, match="hybrid_shard"):
+        shardline.Scheduler(comm, replicate=comm)  # strategy full_shard
+    with pytest.raises(TypeError, match="replicate"):
+        shardline.Scheduler(comm, strategy="hybrid_shard", replicate=3)

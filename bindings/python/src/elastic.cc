@@ -68,8 +68,8 @@ void FromEnvironment(PyElasticGroup* self, std::optional<double> timeout_s,
                      std::optional<double> round_timeout_s, const std::string& backend,
                      const std::string& name, int max_consecutive_aborts) {
   if (max_consecutive_aborts < 1) {
-    ThrowInvalid(absl::StrCat("ElasticGroup: max_consecutive_aborts ", max_consecutive_aborts,
-                              " < 1"));
+    ThrowInvalid(
+        absl::StrCat("ElasticGroup: max_consecutive_aborts ", max_consecutive_aborts, " < 1"));
   }
   absl::Duration round_timeout = absl::ZeroDuration();
   if (round_timeout_s.has_value()) {
@@ -126,11 +126,11 @@ bool EndRound(PyElasticGroup& g, nb::handle error, std::optional<double> timeout
   absl::Status step;
   if (!error.is_none()) {
     // An exception: its type and text travel in the vote (the recovery's what_failed).
-    std::string text = nb::isinstance<nb::str>(error)
-                           ? nb::cast<std::string>(error)
-                           : absl::StrCat(nb::cast<std::string>(nb::str(error.type().attr(
-                                              "__name__"))),
-                                          ": ", nb::cast<std::string>(nb::str(error)));
+    std::string text = nb::cast<std::string>(nb::str(error));
+    if (!nb::isinstance<nb::str>(error)) {
+      const nb::object type_name = error.type().attr("__name__");
+      text = absl::StrCat(nb::cast<std::string>(nb::str(type_name)), ": ", text);
+    }
     step = absl::AbortedError(text.empty() ? "the step failed" : text);
   }
   const absl::Time deadline = DeadlineIn(timeout_s);
@@ -235,8 +235,7 @@ void RegisterElastic(nb::module_& m) {
       .def_prop_ro("committed_steps",
                    [](const PyElasticGroup& g) { return g.group->committed_steps(); })
       .def_prop_ro("recoveries", [](const PyElasticGroup& g) { return g.group->recoveries(); })
-      .def_prop_ro("replicas",
-                   [](const PyElasticGroup& g) { return g.group->options().replicas; })
+      .def_prop_ro("replicas", [](const PyElasticGroup& g) { return g.group->options().replicas; })
       .def_prop_ro("shard_size",
                    [](const PyElasticGroup& g) { return g.group->options().shard_size; })
       .def_prop_ro("replica", [](const PyElasticGroup& g) { return g.group->options().replica; })

@@ -29,7 +29,7 @@ namespace {
 struct PyScheduler {
   nb::object world;      // the PyComm, kept alive
   nb::object replicate;  // the replicate group's PyComm (a mesh of groups made elsewhere) or None
-  nb::object trace;  // the TraceWriter or None, kept alive
+  nb::object trace;      // the TraceWriter or None, kept alive
   std::string framework;
   MixedPrecisionPolicy precision;  // of every unit it registers
   // Destroyed after the scheduler (declared before it).
@@ -125,8 +125,8 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
             std::vector<int> forward_order, size_t budget_bytes, int budget_units, int root_unit,
             bool cpu_offload, const std::string& param_dtype, const std::string& reduce_dtype,
             bool keep_low_precision_grads, const std::string& name, nb::object trace,
-            const std::string& framework, std::optional<double> timeout_s,
-            bool time_communication, nb::object replicate) {
+            const std::string& framework, std::optional<double> timeout_s, bool time_communication,
+            nb::object replicate) {
   PyComm& comm = nb::cast<PyComm&>(world);
   PyComm* replicate_comm = nullptr;
   if (!replicate.is_none()) {
@@ -135,8 +135,7 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
     }
     replicate_comm = &nb::cast<PyComm&>(replicate);
     if (strategy != "hybrid_shard") {
-      ThrowInvalid(absl::StrCat("Scheduler: a replicate communicator makes a hybrid_shard mesh; "
-                                "strategy is '", strategy, "'"));
+      ThrowInvalid(absl::StrCat("Scheduler: replicate= makes a hybrid_shard mesh, not ", strategy));
     }
     if (!replicate_comm->comm->device().is_host()) {
       ThrowInvalid(absl::StrCat("the Python Scheduler computes on the CPU; communicator '",
@@ -188,7 +187,7 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
     }
   }
   std::unique_ptr<Scheduler> made = Unwrap(std::move(scheduler));
-  new (self) PyScheduler{std::move(world), std::move(replicate), std::move(trace),   framework,
+  new (self) PyScheduler{std::move(world), std::move(replicate), std::move(trace), framework,
                          precision,        std::move(compute),   std::move(made)};
 }
 

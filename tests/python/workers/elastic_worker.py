@@ -2,20 +2,24 @@
 under `python -m shardline.launch -n 4 --max-restarts M --shard-size 2`: 2 replica groups x 2
 shard ranks, on the CPU.
 
-    elastic_worker.py OUT_DIR --steps N [--kill-rank R --kill-step K] [--await-joiners-at J]
+    elastic_worker.py OUT_DIR --steps N [--kill-rank R --kill-step K
+                      [--kill-phase backward|before-vote]] [--await-joiners-at J]
 
 A small model (an input projection and a head in the root unit, two residual MLP blocks, each
 its own unit; odd sizes, so the shards cut tensors) trains with SGD and momentum; every rank's
 batch depends on (step, replica, shard). Rank R (first incarnation only) SIGKILLs itself in the
 backward of step K, after the last block's gradients were handed to the scheduler (its
-reductions in flight). With --await-joiners-at J the survivors wait, before step J, until the
+reductions in flight), or with --kill-phase before-vote after the step's backward and gradient
+norm, just before optimizer.step() would vote (the other ranks' steps all succeed, and the round
+must abort all the same). With --await-joiners-at J the survivors wait, before step J, until the
 restarted replica group has joined the job (files OUT_DIR/ready.<shard> the joiners write), so
 that it arrives at the same round.
 
 Output lines: "STEP k replicas a,b" per committed step (the loop's data follows step.index and
 a step_committed callback, which must agree), "RECOVERY step k: why", "DIGEST replica r shard s
 <sha256 of this rank's master slices and momenta>", and then "CHECK ok max_error E": this rank's
-master slices against a plain unsharded loop that, at every committed step, averages the
+master slices, the full state dict and every committed step's global gradient norm
+(clip_grad_norm_) against a plain unsharded loop that, at every committed step, averages the
 gradients of exactly the ranks of the replica groups that step had (a joiner, which does not
 know the steps before it joined, prints "CHECK joined" instead and is compared by its digest).
 Exit 3: this rank's replica group was left out of a round (a rank of it was lost).
@@ -73,6 +77,7 @@ def reference(initial, history, shard_size):
     every rank of that step's replica groups, averaged."""
     model = copy.deepcopy(initial)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    norms = {}
     for step in sorted(history):
         ranks = [(r, s) for r in history[step] for s in range(shard_size)]
         grads = [torch.zeros_like(p) for p in model.parameters()]
@@ -84,8 +89,9 @@ def reference(initial, history, shard_size):
                 g += p.grad
         for g, p in zip(grads, model.parameters()):
             p.grad = g / len(ranks)
+        norms[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
         opt.step()
-    return dict(model.named_parameters())
+    return dict(model.named_parameters()), norms
 
 
 def slices(model):
@@ -114,6 +120,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--kill-phase", choices=("backward", "before-vote"), default="backward")
     parser.add_argument("--await-joiners-at", type=int, default=-1)
     args = parser.parse_args()
 
@@ -140,6 +147,7 @@ def main():
     first_block_out = []
     model.blocks[0].register_forward_hook(lambda mod, inp, o: first_block_out.append(o))
     history = {}
+    grad_norms = {}
     while elastic.committed_steps < args.steps:
         if (elastic.committed_steps == args.await_joiners_at and elastic.incarnation == 0
                 and elastic.replica != args.kill_rank // elastic.shard_size):
@@ -154,7 +162,7 @@ def main():
                                      f"{position[0]}")
             x, y = batch(step.index, elastic.replica, elastic.shard)
             out = model(x)
-            if kill and step.index == args.kill_step:
+            if kill and step.index == args.kill_step and args.kill_phase == "backward":
                 # When the gradient reaches the first block's output, the second block's
                 # backward use is over and its reductions are in flight.
                 first_block_out[-1].register_hook(
@@ -163,10 +171,18 @@ def main():
             first_block_out.clear()
             loss = F.mse_loss(out, y)
             loss.backward()
+            # The global gradient norm, reduced over the round's shard group (no clipping).
+            norm = slt.clip_grad_norm_(model.parameters(), 1e9).item()
+            if kill and step.index == args.kill_step and args.kill_phase == "before-vote":
+                # Every collective of the step is done everywhere; the others vote ok, and the
+                # round must still abort: their optimizers must not step.
+                print(f"KILLING {me} at step {step.index}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             opt.step()
             opt.zero_grad()
         if step.committed:
             history[step.index] = step.replicas
+            grad_norms[step.index] = norm
             print(f"STEP {step.index} replicas {','.join(map(str, step.replicas))}"
                   f"{' redo' if step.redo else ''}", flush=True)
     for r in elastic.recoveries:
@@ -184,11 +200,16 @@ def main():
         return 0
     if sorted(history) != list(range(args.steps)):
         raise AssertionError(f"{me}: committed steps {sorted(history)}")
-    want = reference(initial, history, elastic.shard_size)
+    want, want_norms = reference(initial, history, elastic.shard_size)
     max_error = 0.0
     for fqn, t, p in slices(model):
         expected = want[fqn].detach().reshape(-1)[t:t + p.numel()]
         max_error = max(max_error, (p.detach() - expected).abs().max().item() if p.numel() else 0)
+    # The full state dict, gathered over the last round's shard group.
+    for fqn, value in slt.full_state_dict(model).items():
+        max_error = max(max_error, (value - want[fqn].detach()).abs().max().item())
+    for step, norm in grad_norms.items():
+        max_error = max(max_error, abs(norm - want_norms[step]) / want_norms[step])
     if not max_error < 1e-5:
         print(f"CHECK failed max_error {max_error}", flush=True)
         return 1

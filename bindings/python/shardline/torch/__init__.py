@@ -42,7 +42,8 @@ from ._weights import export_safetensors, import_safetensors, sync_module_states
 
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "BackwardPrefetch", "CheckpointSave", "CPUOffload",
-    "CPUOffloadPolicy", "CustomPolicy", "Elastic", "ElasticStep", "FSDPModule", "FullStateDictConfig",
+    "CPUOffloadPolicy", "CustomPolicy", "Elastic", "ElasticStep", "FSDPModule",
+    "FullStateDictConfig",
     "FullyShardedDataParallel", "MixedPrecision", "MixedPrecisionPolicy", "ModuleWrapPolicy",
     "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler", "ShardedStateDictConfig",
     "ShardingStrategy", "StateDictType", "always_wrap_policy", "clip_grad_norm_",
