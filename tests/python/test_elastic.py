@@ -148,6 +148,24 @@ def test_step_rejects_bad_arguments():
         e.step_committed(3)
 
 
+def test_watched_optimizer_steps_outside_elastic_steps():
+    """The vote gate on optimizer.step() only acts inside an elastic step, and stays a bound
+    method that torch's LR schedulers can wrap in turn."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    e = slt.Elastic(group=None)
+    e._watch(opt)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** i)
+    before = model.weight.detach().clone()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    schedule.step()
+    assert torch.allclose(model.weight, before - 0.5 * model.weight.grad)
+    assert opt.param_groups[0]["lr"] == 0.25
+    with pytest.raises(ValueError, match="another Elastic"):
+        slt.Elastic(group=None)._watch(opt)
+
+
 def test_group_needs_a_launcher_environment(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                  "PMI_RANK", "SLURM_PROCID"):

@@ -240,6 +240,10 @@ void RegisterElastic(nb::module_& m) {
                    [](const PyElasticGroup& g) { return g.group->options().shard_size; })
       .def_prop_ro("replica", [](const PyElasticGroup& g) { return g.group->options().replica; })
       .def_prop_ro("shard", [](const PyElasticGroup& g) { return g.group->options().shard; })
+      .def_prop_ro(
+          "round_timeout",
+          [](const PyElasticGroup& g) { return absl::ToDoubleSeconds(g.group->options().timeout); },
+          "Seconds of silence in the log after which a waiting rank decides the round.")
       .def_prop_ro("incarnation",
                    [](const PyElasticGroup& g) { return g.group->options().incarnation; })
       .def("__repr__", [](const PyElasticGroup& g) {

@@ -37,6 +37,7 @@ which joins again at a round boundary).
 
 import ast
 import functools
+import types
 
 import torch
 
@@ -199,7 +200,9 @@ class Elastic:
         module, fully_shard'ed with mesh=this object; optimizer: the torch optimizer over its
         parameters, whose step() then only applies on a commit and whose state joining replica
         groups receive (None: no optimizer state to move; the block commits at its end).
-        timeout bounds each wait of the protocol (None: SHARDLINE_TIMEOUT_S)."""
+        timeout: seconds that bound each wait of the protocol (None: four round timeouts;
+        the protocol itself decides a round within a round timeout of silence, so this only
+        ends a wait that would otherwise never end)."""
         from ._fully_shard import FSDPModule  # (_fully_shard imports _fsdp_state)
 
         if not isinstance(model, FSDPModule):
@@ -217,6 +220,8 @@ class Elastic:
                 raise TypeError(f"elastic.step: optimizer must be a torch.optim.Optimizer or "
                                 f"None, not {type(optimizer).__name__}")
             self._watch(optimizer)
+        if timeout is None:
+            timeout = 4 * self.group.round_timeout
         return ElasticStep(self, model, optimizer, timeout)
 
     # -- inside
@@ -287,7 +292,7 @@ class Elastic:
         original = optimizer.step
 
         @functools.wraps(original)
-        def step(*args, **kwargs):
+        def step(opt, *args, **kwargs):
             open_step = self._open
             if open_step is None or open_step._optimizer is not optimizer:
                 return original(*args, **kwargs)
@@ -300,7 +305,8 @@ class Elastic:
             open_step.stepped = True
             return original(*args, **kwargs)
 
-        optimizer.step = step
+        # A bound method, as torch's LR schedulers expect when they wrap it in turn.
+        optimizer.step = types.MethodType(step, optimizer)
         optimizer._shardline_elastic = self
 
     # -- state for joiners
