@@ -39,6 +39,8 @@ Where the parts are (FSDP2's layout, torch/distributed/fsdp/_fully_shard/):
   * _fsdp_state.py: the root (_Root: one Scheduler, the step's state machine) and its hooks.
   * _state_dict.py: full_state_dict, the sharded state dict's DTensors (model and optimizer)
     and load_state_dict's pre-hooks; _clip_grad.py: clip_grad_norm_.
+  * _elastic.py: elastic() (mesh=elastic: the rounds of an elastic job, the root's scheduler
+    rebuilt over each rebuilt round's groups, the state sent to joining replica groups).
 """
 
 import torch
