@@ -50,6 +50,9 @@ from ._core import (  # noqa: E402
     Communicator,
     DataLossError,
     DeadlineExceededError,
+    ElasticGroup,
+    ElasticRecovery,
+    ElasticRound,
     Error,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -75,7 +78,9 @@ from ._core import (  # noqa: E402
 )
 
 __all__ = [
-    "ANY_SOURCE", "AlreadyExistsError", "Checkpointer", "Communicator", "DataLossError", "DeadlineExceededError", "Error", "FailedPreconditionError",
+    "ANY_SOURCE", "AlreadyExistsError", "Checkpointer", "Communicator", "DataLossError",
+    "DeadlineExceededError", "ElasticGroup", "ElasticRecovery", "ElasticRound", "Error",
+    "FailedPreconditionError",
     "InvalidArgumentError", "Mesh", "NotFoundError", "RemoteError", "ResourceExhaustedError",
     "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "Unit", "UnitStepMetrics",
     "Work", "__version__", "empty", "export_safetensors", "host_stream", "import_safetensors", "init",

@@ -137,6 +137,8 @@ Scheduler& SchedulerOf(nb::handle scheduler);
 void RegisterCheckpoint(nb::module_& m);
 // init_with_store: communicators whose rendezvous goes through a Python (torch) store.
 void RegisterStore(nb::module_& m);
+// shardline.ElasticGroup and its rounds (elastic.cc).
+void RegisterElastic(nb::module_& m);
 
 // At interpreter exit (checkpoint.cc): waits (GIL released) for every live Checkpointer's
 // background save, each bounded by its own deadline; returns a line for each that failed.

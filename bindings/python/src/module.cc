@@ -42,4 +42,5 @@ NB_MODULE(_core, m) {
   sp::RegisterScheduler(m);
   sp::RegisterStore(m);
   sp::RegisterCheckpoint(m);
+  sp::RegisterElastic(m);
 }

@@ -27,8 +27,9 @@ namespace shardline::python {
 namespace {
 
 struct PyScheduler {
-  nb::object world;  // the PyComm, kept alive
-  nb::object trace;  // the TraceWriter or None, kept alive
+  nb::object world;      // the PyComm, kept alive
+  nb::object replicate;  // the replicate group's PyComm (a mesh of groups made elsewhere) or None
+  nb::object trace;      // the TraceWriter or None, kept alive
   std::string framework;
   MixedPrecisionPolicy precision;  // of every unit it registers
   // Destroyed after the scheduler (declared before it).
@@ -124,9 +125,24 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
             std::vector<int> forward_order, size_t budget_bytes, int budget_units, int root_unit,
             bool cpu_offload, const std::string& param_dtype, const std::string& reduce_dtype,
             bool keep_low_precision_grads, const std::string& name, nb::object trace,
-            const std::string& framework, std::optional<double> timeout_s,
-            bool time_communication) {
+            const std::string& framework, std::optional<double> timeout_s, bool time_communication,
+            nb::object replicate) {
   PyComm& comm = nb::cast<PyComm&>(world);
+  PyComm* replicate_comm = nullptr;
+  if (!replicate.is_none()) {
+    if (!nb::isinstance<PyComm>(replicate)) {
+      throw nb::type_error("Scheduler: replicate must be a shardline.Communicator or None");
+    }
+    replicate_comm = &nb::cast<PyComm&>(replicate);
+    if (strategy != "hybrid_shard") {
+      ThrowInvalid(absl::StrCat("Scheduler: replicate= makes a hybrid_shard mesh, not ", strategy));
+    }
+    if (!replicate_comm->comm->device().is_host()) {
+      ThrowInvalid(absl::StrCat("the Python Scheduler computes on the CPU; communicator '",
+                                replicate_comm->comm->name(), "' moves ",
+                                replicate_comm->comm->device().ToString(), " memory"));
+    }
+  }
   if (framework != "numpy" && framework != "torch") {
     ThrowInvalid(absl::StrCat("framework '", framework, "' is not 'numpy' or 'torch'"));
   }
@@ -161,11 +177,18 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
   absl::StatusOr<std::unique_ptr<Scheduler>> scheduler;
   {
     nb::gil_scoped_release release;
-    scheduler = Scheduler::Create(comm.comm, *compute, options, deadline);
+    if (replicate_comm != nullptr) {
+      // `world` is the shard group and `replicate` the replicate group (an elastic round's).
+      absl::StatusOr<ProcessMesh> mesh = ProcessMesh::FromGroups(comm.comm, replicate_comm->comm);
+      scheduler = mesh.ok() ? Scheduler::Create(*std::move(mesh), *compute, options, deadline)
+                            : absl::StatusOr<std::unique_ptr<Scheduler>>(mesh.status());
+    } else {
+      scheduler = Scheduler::Create(comm.comm, *compute, options, deadline);
+    }
   }
   std::unique_ptr<Scheduler> made = Unwrap(std::move(scheduler));
-  new (self) PyScheduler{std::move(world), std::move(trace),   framework,
-                         precision,        std::move(compute), std::move(made)};
+  new (self) PyScheduler{std::move(world), std::move(replicate), std::move(trace), framework,
+                         precision,        std::move(compute),   std::move(made)};
 }
 
 int RegisterUnit(PyScheduler& s, const std::string& name, nb::list tensors,
@@ -308,7 +331,12 @@ void RegisterScheduler(nb::module_& m) {
            nb::arg("param_dtype") = "float32", nb::arg("reduce_dtype") = "float32",
            nb::arg("keep_low_precision_grads") = false, nb::arg("name") = "fsdp",
            nb::arg("trace") = nb::none(), nb::arg("framework") = "numpy",
-           nb::arg("timeout") = nb::none(), nb::arg("time_communication") = true)
+           nb::arg("timeout") = nb::none(), nb::arg("time_communication") = true,
+           nb::arg("replicate") = nb::none(),
+           "world: the communicator the strategy splits into a mesh; with replicate (a "
+           "Communicator over this rank's peers of the other replica groups, as an "
+           "ElasticRound's), world is the shard group and the mesh is (shard, replicate), "
+           "strategy hybrid_shard (shard_size is then the shard group's).")
       .def("register_unit", &RegisterUnit, nb::arg("name"), nb::arg("tensors"),
            nb::arg("reshard_after_forward") = nb::none(), nb::arg("reduce_op") = "avg",
            "Registers a unit of float32 tensors [(name, shape) or (name, shape, tied_to)]; "

@@ -20,12 +20,14 @@ _fully_shard.py, which says where each part is, and docs/pytorch.md), and `save_
 `load_checkpoint` for sharded checkpoints of a fully_shard'ed model and its optimizer, loadable at
 another world size (see _checkpoint.py and docs/checkpoints.md), `export_safetensors` /
 `import_safetensors` for its full weights as one safetensors file and `sync_module_states` for rank
-0's initial values on every rank (see _weights.py).
+0's initial values on every rank (see _weights.py), and `elastic()` for fully_shard over replica
+groups that may drop out and rejoin (see _elastic.py).
 """
 
 from ._backend import BACKEND_NAME, BackendShardline, ProcessGroupShardline, register
 from ._checkpoint import CheckpointSave, load_checkpoint, save_checkpoint
 from ._clip_grad import clip_grad_norm_
+from ._elastic import Elastic, ElasticStep, elastic
 from ._fsdp1 import (BackwardPrefetch, CPUOffload, CustomPolicy, FullStateDictConfig,
                      FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy,
                      ShardedStateDictConfig, ShardingStrategy, StateDictType, always_wrap_policy,
@@ -40,11 +42,12 @@ from ._weights import export_safetensors, import_safetensors, sync_module_states
 
 __all__ = [
     "BACKEND_NAME", "BackendShardline", "BackwardPrefetch", "CheckpointSave", "CPUOffload",
-    "CPUOffloadPolicy", "CustomPolicy", "FSDPModule", "FullStateDictConfig",
+    "CPUOffloadPolicy", "CustomPolicy", "Elastic", "ElasticStep", "FSDPModule",
+    "FullStateDictConfig",
     "FullyShardedDataParallel", "MixedPrecision", "MixedPrecisionPolicy", "ModuleWrapPolicy",
     "OffloadPolicy", "ProcessGroupShardline", "ShardedGradScaler", "ShardedStateDictConfig",
     "ShardingStrategy", "StateDictType", "always_wrap_policy", "clip_grad_norm_",
-    "export_safetensors", "full_state_dict", "fully_shard", "get_default_world",
+    "elastic", "export_safetensors", "full_state_dict", "fully_shard", "get_default_world",
     "import_safetensors", "lambda_auto_wrap_policy", "load_checkpoint", "original_shape",
     "register", "save_checkpoint", "size_based_auto_wrap_policy", "sync_module_states",
     "transformer_auto_wrap_policy",

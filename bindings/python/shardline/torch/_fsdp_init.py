@@ -66,6 +66,9 @@ def _mesh_config(mesh):
         return get_default_world(), "full_shard", 0
     if isinstance(mesh, shardline.Communicator):
         return mesh, "full_shard", 0
+    if getattr(mesh, "_shardline_elastic", False):
+        # shardline.torch.elastic(): hybrid over each round's groups (_elastic.py).
+        return mesh, "hybrid_shard", mesh.shard_size
     device_mesh = getattr(torch.distributed, "device_mesh", None)
     if device_mesh is not None and isinstance(mesh, device_mesh.DeviceMesh):
         if mesh.device_type != "cpu":
@@ -93,8 +96,8 @@ def _mesh_config(mesh):
             return world, "hybrid_shard", shard_size
         raise ValueError(f"fully_shard: a {mesh.ndim}-D DeviceMesh; FSDP takes 1-D (shard) or "
                          "2-D (replicate, shard)")
-    raise TypeError(f"fully_shard: mesh must be None, a shardline.Communicator or a torch "
-                    f"DeviceMesh, not {type(mesh).__name__}")
+    raise TypeError(f"fully_shard: mesh must be None, a shardline.Communicator, a torch "
+                    f"DeviceMesh or shardline.torch.elastic(), not {type(mesh).__name__}")
 
 
 def _reshard_size(k, mesh_config):

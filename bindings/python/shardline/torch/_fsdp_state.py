@@ -442,13 +442,14 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
             lists = [getattr(st, field) for st in self.states if getattr(st, field) is not None]
             depths.append(self.per_block * max(map(len, lists)) if lists else self.per_block)
         self.forward_depth, self.backward_depth = depths
-        self.scheduler = shardline.Scheduler(
-            world, strategy=strategy, shard_size=shard_size, forward_prefetch=self.forward_depth,
+        self.scheduler_options = dict(
+            strategy=strategy, shard_size=shard_size, forward_prefetch=self.forward_depth,
             backward_prefetch_depth=self.backward_depth,
             param_dtype=_DTYPE_NAMES[self.param_dtype], reduce_dtype=_DTYPE_NAMES[reduce_dtype],
             cpu_offload=isinstance(first.offload_policy, CPUOffloadPolicy), name="fully_shard",
             framework="torch", root_unit=0 if self.root_state.params else -1, trace=self.trace)
-        self.world = world
+        self.elastic = world if getattr(world, "_shardline_elastic", False) else None
+        self.make_scheduler(world)
         self.strategy = strategy
         s = self.scheduler
         for i, st in enumerate(self.states):
@@ -462,10 +463,10 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
             # model's state-dict keys), unique across units: checkpoints and safetensors
             # exports carry them.
             st.fqns = [st.prefix + n for n in st.names]
-            st.unit = s.register_unit(
-                f"{i}:{st.name}", [(n, tuple(p.shape)) for n, p in zip(st.fqns, st.params)],
-                reshard_after_forward=reshard, reduce_op="avg")
+            st.unit_spec = (f"{i}:{st.name}",
+                            [(n, tuple(p.shape)) for n, p in zip(st.fqns, st.params)], reshard)
         self.units = [st for st in self.states if st.params]
+        self.register_units()
         from ._fully_shard import FSDPModule  # (_fully_shard imports this module)
 
         for st in self.states:
@@ -484,11 +485,34 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
             for p, (offset, length) in zip(st.params, st.slices):
                 p.data = master[offset:offset + length]
                 p.grad = None
-        self.replicas = world.size // s.shard_size
         if self.root_state.limit_all_gathers:
             # FSDP1's rate limiter: two gathered units, or the minimum the units need.
             s.set_budget(0, max(2, s.minimum_budget_units))
         _roots.add(self)
+
+    def make_scheduler(self, world):
+        """Creates the Scheduler over `world` with the root's options (no units yet): over the
+        communicator the mesh argument gave, or, for a shardline.torch.elastic() mesh, over the
+        current round's shard and replicate groups (again at each rebuilt round, _elastic.py).
+        self.world is the communicator that spans one copy of the shards (clip_grad_norm_ and
+        the full state dict reduce over it) and self.replicas how often it holds them."""
+        if self.elastic is not None:
+            shard, replicate = self.elastic._round_groups(self)
+            options = dict(self.scheduler_options, strategy="hybrid_shard", shard_size=0)
+            self.scheduler = shardline.Scheduler(shard, replicate=replicate, **options)
+            # Every member replica holds the same shards: the shard group spans one copy.
+            self.world, self.replicas = shard, 1
+        else:
+            self.scheduler = shardline.Scheduler(world, **self.scheduler_options)
+            self.world = world
+            self.replicas = world.size // self.scheduler.shard_size
+
+    def register_units(self):
+        """Registers the units with the scheduler, in the same order on every rank."""
+        for st in self.units:
+            name, tensors, reshard = st.unit_spec
+            st.unit = self.scheduler.register_unit(name, tensors, reshard_after_forward=reshard,
+                                                   reduce_op="avg")
 
     # -- the explicit prefetch lists, once the first step recorded the order
     def check_prefetch_lists(self):

@@ -39,6 +39,8 @@ Where the parts are (FSDP2's layout, torch/distributed/fsdp/_fully_shard/):
   * _fsdp_state.py: the root (_Root: one Scheduler, the step's state machine) and its hooks.
   * _state_dict.py: full_state_dict, the sharded state dict's DTensors (model and optimizer)
     and load_state_dict's pre-hooks; _clip_grad.py: clip_grad_norm_.
+  * _elastic.py: elastic() (mesh=elastic: the rounds of an elastic job, the root's scheduler
+    rebuilt over each rebuilt round's groups, the state sent to joining replica groups).
 """
 
 import torch
@@ -83,7 +85,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
     mesh: None (the world: get_default_world(), through torch's store under an initialised
     torch.distributed), a shardline.Communicator over the world, or a torch DeviceMesh over the
     world: 1-D (full shard) or 2-D (replicate x shard: hybrid; a shard dimension of 1 is no
-    shard). reshard_after_forward: True (full shard) or False (shard-grad-op: kept unsharded
+    shard), or shardline.torch.elastic(): hybrid over replica groups that may drop out and
+    rejoin (_elastic.py; the loop runs each step in `with elastic.step(model, optimizer)`). reshard_after_forward: True (full shard) or False (shard-grad-op: kept unsharded
     from forward to backward); the root is never resharded after forward (as in FSDP2).
     """
     if isinstance(module, (list, tuple)):
@@ -110,6 +113,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
         reshard_after_forward = _reshard_size(int(reshard_after_forward), mesh_config)
 
     device_mesh = None if mesh is None or isinstance(mesh, shardline.Communicator) else mesh
+    if getattr(mesh, "_shardline_elastic", False):
+        device_mesh = None
     return _shard(module, mesh_config, reshard_after_forward, mp_policy, offload_policy,
                   device_mesh)
 
