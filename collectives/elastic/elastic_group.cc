@@ -109,6 +109,7 @@ ElasticGroup::ElasticGroup(ElasticOptions options)
       job_log_(*options_.store, absl::StrCat(options_.name, "/log")),
       group_log_(*options_.store, absl::StrCat(group_key_, "/log")),
       decisions_(*options_.store, absl::StrCat(group_key_, "/decisions")),
+      joiner_scan_(*options_.store, absl::StrCat(options_.name, "/log")),
       log_(options_.replicas, 1) {}
 
 ElasticGroup::~ElasticGroup() = default;
@@ -492,6 +493,27 @@ absl::StatusOr<bool> ElasticGroup::EndRound(const absl::Status& step, absl::Time
         step.ok() ? "" : absl::StrCat("; this rank's error: ", step.ToString())));
   }
   return false;
+}
+
+absl::Status ElasticGroup::AwaitJoiner(absl::Time deadline) {
+  if (in_round_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(What(), ": AwaitJoiner inside round ", current_.round));
+  }
+  const std::vector<int>& members = current_.replicas;
+  if (static_cast<int>(members.size()) == options_.replicas) return absl::OkStatus();  // whole
+  while (true) {
+    SL_ASSIGN_OR_RETURN(std::optional<std::string> text, joiner_scan_.Next(deadline));
+    if (!text.has_value()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          What(), ": no new replica group arrived at round ", next_round_, " before the deadline"));
+    }
+    absl::StatusOr<Entry> entry = Entry::Decode(*text);
+    if (entry.ok() && entry->kind == Entry::Kind::kArrive && entry->round == next_round_ &&
+        std::find(members.begin(), members.end(), entry->replica) == members.end()) {
+      return absl::OkStatus();
+    }
+  }
 }
 
 absl::Status ElasticGroup::ReportLost() {

@@ -167,6 +167,15 @@ class ElasticGroup {
   // neither send nor receive return at once.
   absl::Status TransferState(absl::Span<const StatePiece> pieces, absl::Time deadline);
 
+  // Between rounds: returns at once if this rank's last round had every replica group;
+  // otherwise blocks until a replica group that was not a member of it (a restarted group, with
+  // a new incarnation) has arrived at the round this rank takes part in next, or `deadline`
+  // passes (DeadlineExceeded). That round's quorum cannot be decided before
+  // this rank arrives, so the group joins in it. For a loop that wants the job whole again
+  // before it goes on (say, before a checkpoint), and for tests. Reads the job's log from where
+  // the last call stopped (from its start the first time).
+  absl::Status AwaitJoiner(absl::Time deadline);
+
   // In-process tests: reports this rank lost, as the store's server does when the process dies.
   absl::Status ReportLost();
 
@@ -214,8 +223,9 @@ class ElasticGroup {
   elastic::StoreLog group_log_;
   // The leader's decisions for the group's other ranks, in order; "leader lost" if it dies.
   elastic::StoreLog decisions_;
-  elastic::ElasticLog log_;  // the job log's state (leaders)
-  int64_t group_round_ = 0;  // BeginRound calls so far (the group's rounds, in lockstep)
+  elastic::StoreLog joiner_scan_;  // AwaitJoiner's reader of the job log
+  elastic::ElasticLog log_;        // the job log's state (leaders)
+  int64_t group_round_ = 0;        // BeginRound calls so far (the group's rounds, in lockstep)
   int64_t committed_ = 0;
   int64_t next_round_ = 0;
   // Leader: group log entries by group round: arrivals, votes (shard -> ok), lost shards.

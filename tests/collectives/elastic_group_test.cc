@@ -104,9 +104,10 @@ class ElasticGroupTest : public ::testing::Test {
     int64_t step = 0;
     while (group.committed_steps() < kSteps) {
       // The survivors hold the next round until the restarted group has arrived, so that it
-      // joins before training ends (the toy's steps take a millisecond).
+      // joins before training ends (the toy's steps take a millisecond): AwaitJoiner.
       if (replica == 0 && group.committed_steps() == kSteps / 2 + 1) {
-        EXPECT_TRUE(joiners_arrived_.WaitForNotificationWithTimeout(absl::Seconds(60)));
+        const absl::Status joiner = group.AwaitJoiner(absl::Now() + absl::Seconds(60));
+        EXPECT_TRUE(joiner.ok()) << joiner;
       }
       absl::StatusOr<ElasticGroup::Round> round = group.BeginRound(deadline);
       if (!round.ok()) {
@@ -178,24 +179,6 @@ class ElasticGroupTest : public ::testing::Test {
 
   std::shared_ptr<MemoryStore> store_ = std::make_shared<MemoryStore>();
   TraceWriter trace_{/*rank=*/0};
-  // Reads the job log as the groups' leaders do, until replica 1's incarnation 1 arrived (its
-  // leader arrives for the group once both its ranks did).
-  void WatchForJoiners() {
-    int arrived = 0;
-    for (int64_t i = 1; arrived < 1; ++i) {
-      absl::StatusOr<std::string> entry =
-          store_->Get(absl::StrCat("elastic/log/", i), absl::Now() + absl::Seconds(90));
-      if (!entry.ok()) return;
-      absl::StatusOr<elastic::Entry> parsed = elastic::Entry::Decode(*entry);
-      if (parsed.ok() && parsed->kind == elastic::Entry::Kind::kArrive && parsed->replica == 1 &&
-          parsed->incarnation == 1) {
-        ++arrived;
-      }
-    }
-    joiners_arrived_.Notify();
-  }
-
-  absl::Notification joiners_arrived_;
   std::atomic<int> halfway_ranks_{0};
   absl::Notification replica0_halfway_;
 };
@@ -221,9 +204,7 @@ TEST_F(ElasticGroupTest, AReplicaLostMidStepIsDroppedThenRejoinsWithIdenticalSta
     std::lock_guard<std::mutex> lock(mu);
     for (int s = 0; s < kShards; ++s) start(1, s, 1, -1);
   });
-  std::thread watcher([&] { WatchForJoiners(); });
   restarter.join();
-  watcher.join();
   for (size_t i = 0; i < threads.size(); ++i) threads[i].join();
 
   ASSERT_EQ(results.size(), 6u);

@@ -227,6 +227,21 @@ void RegisterElastic(nb::module_& m) {
            "Votes for the round's commit (error None) or against it (an exception or a message) "
            "and returns the outcome: True if every member voted ok (step the optimizer), False "
            "if the round aborted (the next round redoes the step).")
+      .def(
+          "await_joiner",
+          [](PyElasticGroup& g, std::optional<double> timeout_s) {
+            const absl::Time deadline = DeadlineIn(timeout_s);
+            absl::Status status;
+            {
+              nb::gil_scoped_release release;
+              status = g.group->AwaitJoiner(deadline);
+            }
+            ThrowIfError(status);
+          },
+          nb::kw_only(), nb::arg("timeout") = nb::none(),
+          "Between rounds: returns at once if the last round had every replica group; else blocks "
+          "until a replica group that was not in it (a restarted one) has arrived at the next "
+          "round, which it then joins.")
       .def("transfer_state", &TransferState, nb::arg("pieces"), nb::kw_only(),
            nb::arg("timeout") = nb::none(),
            "In a round with joiners: the donor replica sends each piece (a contiguous host "

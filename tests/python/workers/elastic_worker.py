@@ -11,9 +11,8 @@ batch depends on (step, replica, shard). Rank R (first incarnation only) SIGKILL
 backward of step K, after the last block's gradients were handed to the scheduler (its
 reductions in flight), or with --kill-phase before-vote after the step's backward and gradient
 norm, just before optimizer.step() would vote (the other ranks' steps all succeed, and the round
-must abort all the same). With --await-joiners-at J the survivors wait, before step J, until the
-restarted replica group has joined the job (files OUT_DIR/ready.<shard> the joiners write), so
-that it arrives at the same round.
+must abort all the same). With --await-joiners-at J the survivors hold step J until the restarted
+replica group has arrived at it (elastic.await_joiner), so that it joins there.
 
 Output lines: "STEP k replicas a,b" per committed step (the loop's data follows step.index and
 a step_committed callback, which must agree), "RECOVERY step k: why", "DIGEST replica r shard s
@@ -30,7 +29,6 @@ import hashlib
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -106,14 +104,6 @@ def slices(model):
     return out
 
 
-def wait_for_files(paths, seconds):
-    deadline = time.monotonic() + seconds
-    while not all(os.path.exists(p) for p in paths):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the joiners did not start within {seconds} s: {paths}")
-        time.sleep(0.05)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -129,10 +119,6 @@ def main():
     initial = copy.deepcopy(model)
     elastic = slt.elastic()
     me = f"({elastic.replica}, {elastic.shard})"
-    if elastic.incarnation > 0:
-        # Joined: tell the survivors, which wait for it before the step they were told.
-        with open(os.path.join(args.out, f"ready.{elastic.shard}"), "w") as f:
-            f.write("ready\n")
     for block in model.blocks:
         slt.fully_shard(block, mesh=elastic)
     slt.fully_shard(model, mesh=elastic)
@@ -151,9 +137,8 @@ def main():
     while elastic.committed_steps < args.steps:
         if (elastic.committed_steps == args.await_joiners_at and elastic.incarnation == 0
                 and elastic.replica != args.kill_rank // elastic.shard_size):
-            wait_for_files([os.path.join(args.out, f"ready.{s}")
-                            for s in range(elastic.shard_size)], 90)
-            time.sleep(1.0)  # the joiners arrive at the round right after writing the file
+            # Hold the next step until the restarted group has arrived at it: it joins there.
+            elastic.await_joiner(timeout=90)
         with elastic.step(model, opt) as step:
             if position[0] is None:
                 position[0] = step.index

@@ -306,20 +306,10 @@ class Worker {
     return absl::OkStatus();
   }
 
-  // Reads the job's log until a replica group with a new incarnation has arrived (its leader
-  // speaks for it there) at the round this rank takes part in next: that round's quorum cannot
-  // be decided before this rank's group arrives too, so the new group joins in it.
+  // Holds the next round until a restarted group is ready to join it.
   absl::Status AwaitJoiners(absl::Time deadline) {
     if (args_.incarnation > 0) return absl::OkStatus();  // a joiner itself
-    const int64_t round = group_->next_round();
-    for (int64_t i = 1;; ++i) {
-      SL_ASSIGN_OR_RETURN(std::string text, store_->Get(absl::StrCat("elastic/log/", i), deadline));
-      absl::StatusOr<elastic::Entry> entry = elastic::Entry::Decode(text);
-      if (entry.ok() && entry->kind == elastic::Entry::Kind::kArrive && entry->incarnation > 0 &&
-          entry->round == round) {
-        return absl::OkStatus();
-      }
-    }
+    return group_->AwaitJoiner(deadline);
   }
 
   // The reference: the full tensors trained by a plain loop, each committed step averaging the

@@ -185,6 +185,15 @@ class Elastic:
         return f"<shardline.torch.Elastic {self.group!r}>"
 
     # -- the loop
+    def await_joiner(self, *, timeout=None):
+        """Between steps: returns at once if the last step had every replica group; else blocks
+        until a group that was not in it (a restarted one) is ready to join the next step, which
+        it then does (say, to have the job whole again before a checkpoint). TimeoutError-like shardline error after `timeout`
+        seconds (None: SHARDLINE_TIMEOUT_S)."""
+        if self._open is not None:
+            raise RuntimeError("await_joiner: inside a step; call it between steps")
+        self.group.await_joiner(timeout=timeout)
+
     def step_committed(self, callback):
         """Calls callback(step_index) after each step that committed (at the end of its
         `with elastic.step(...)` block); returns callback, so it can decorate a function. Use
