@@ -10,26 +10,34 @@
 //
 //   elastic_mp --replicas 2 --shard-size 2 --replica R --shard S [--incarnation I] [--steps 20]
 //              [--kill STEP:forward|backward|reduce|optimizer [--kill-rank RANK]]
-//              [--await-joiners-at STEP] [--trace DIR]
+//              [--await-joiners-at STEP] [--trace DIR] [--hold-at STEP]
 //   environment: MASTER_ADDR, MASTER_PORT (a store outside the ranks: shardline-store),
 //                SHARDLINE_STORE_TOKEN, SHARDLINE_TIMEOUT_S
 //   shardline-launch -n 4 --max-restarts 1 --shard-size 2 -- elastic_mp [--steps ...] [--kill
 //              STEP:PHASE --kill-rank RANK]: identity from the launcher's environment; the kill
 //              applies to the first incarnation only
 //
-// Output lines: "START at_ms T", "STEP k replicas a,b at_ms T" (T: Unix ms), "KILLING at step K
-// PHASE at_ms T", "RECOVERY round R step K detect_ms D resume_ms M: why",
+// --hold-at STEP: in the first round that trains STEP, after its communicators and any state
+// transfer, the rank prints "HOLD step STEP" and waits for a line on its standard input before it
+// trains, so that a driver can act at a known point of a step on every rank (cut a host's link:
+// tests/scripts/elastic_multihost_test.py).
+//
+// Output lines: "START at_ms T", "HOLD step k", "STEP k replicas a,b at_ms T" (T: Unix ms),
+// "KILLING at step K PHASE at_ms T", "RECOVERY round R step K detect_ms D resume_ms M: why",
 // "DIGEST replica r shard s crc", "CHECK ok max_error E" (then exit 0). Exit 3: this rank was
 // left out of a quorum (its replica lost a rank); 4: no replica holds the state; 5: wrong
 // parameters; 1: any other error.
 
+#include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -71,6 +79,7 @@ struct Args {
   int kill_step = -1;
   std::string kill_phase;
   int await_joiners_at = -1;
+  int hold_at = -1;
 };
 
 // The units: odd sizes, so that shards split tensors and carry padding.
@@ -189,6 +198,10 @@ class Worker {
         return absl::InternalError(
             absl::StrCat("at step ", step_, " but round ", round.round, " trains ", round.step));
       }
+      if (round.step == args_.hold_at) {
+        SL_RETURN_IF_ERROR(Hold(round.step, deadline));
+        args_.hold_at = -1;
+      }
       const absl::Status trained = TrainStep(round.step);
       SL_ASSIGN_OR_RETURN(bool committed, group_->EndRound(trained, deadline));
       if (!committed) {
@@ -264,6 +277,34 @@ class Worker {
                   std::string(phase).c_str(), static_cast<long long>(NowMs()));
       std::fflush(stdout);
       raise(SIGKILL);
+    }
+  }
+
+  // --hold-at: says so, then waits for a line on standard input (until `deadline`).
+  absl::Status Hold(int64_t step, absl::Time deadline) {
+    std::printf("HOLD step %lld\n", static_cast<long long>(step));
+    std::fflush(stdout);
+    while (true) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("--hold-at ", step, ": no line on standard input before the deadline"));
+      }
+      pollfd in{.fd = STDIN_FILENO, .events = POLLIN, .revents = 0};
+      const int ready = poll(&in, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
+      if (ready < 0 && errno != EINTR) {
+        return absl::InternalError(absl::StrCat("--hold-at ", step, ": poll on standard input: ",
+                                                std::strerror(errno)));
+      }
+      if (ready <= 0) continue;
+      char c = 0;
+      const ssize_t got = read(STDIN_FILENO, &c, 1);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("--hold-at ", step, ": standard input closed while holding"));
+      }
+      if (c == '\n') return absl::OkStatus();
     }
   }
 
@@ -407,6 +448,8 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
       SL_RETURN_IF_ERROR(number(&args.kill_rank));
     } else if (flag == "--await-joiners-at") {
       SL_RETURN_IF_ERROR(number(&args.await_joiners_at));
+    } else if (flag == "--hold-at") {
+      SL_RETURN_IF_ERROR(number(&args.hold_at));
     } else if (flag == "--kill") {
       std::vector<std::string> parts = absl::StrSplit(value, ':');
       if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &args.kill_step)) {
