@@ -233,7 +233,7 @@ class ElasticMultihostTest(unittest.TestCase):
                         g.stdin.write(b"\n")
                         g.stdin.flush()
                 # The first step trained without replica 1 (the cut step, redone).
-                alone = out.wait_for(r"^STEP (\d+) replicas 0$", survivors, RECOVERY_BOUND_S + 20)
+                alone = out.wait_for(r"^STEP (\d+) replicas 0(?: at_ms \d+)?$", survivors, RECOVERY_BOUND_S + 20)
                 figures["cut_step"] = [int(alone[s][1].group(1)) for s in survivors]
                 figures["recovered_s"] = [round(alone[s][0] - cut, 2) for s in survivors]
                 if rejoin:
@@ -282,7 +282,7 @@ class ElasticMultihostTest(unittest.TestCase):
             text = out.of(key)
             self.assertEqual(codes[key], 0, f"survivor {key}:\n{everything}")
             self.assertRegex(text, r"(?m)^CHECK ok", everything)
-            steps = {int(k): v for k, v in re.findall(r"(?m)^STEP (\d+) replicas (\S+)$", text)}
+            steps = {int(k): v for k, v in re.findall(r"(?m)^STEP (\d+) replicas (\S+)(?: at_ms \d+)?$", text)}
             self.assertEqual(sorted(steps), list(range(nsteps)), everything)
             # Replica 1 is dropped from the cut step on (until it rejoins): the survivors'
             # reference (CHECK ok) averages the gradients of exactly these replicas.
