@@ -27,6 +27,7 @@
 #include "runtime/internal/host_stream_internal.h"
 #include "runtime/internal/lock_spinning.h"
 #include "runtime/internal/stream_internal.h"
+#include "runtime/recycling.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
 
@@ -177,6 +178,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock, StreamTracer tracer,
              absl::Duration spin, bool batch)
       : name_(std::make_shared<const std::string>(std::move(name))),
+        progress_(std::make_shared<HostStreamProgress>(name_, id(), clock)),
         wait_timeout_(wait_timeout),
         clock_(clock),
         tracer_(tracer),
@@ -259,7 +261,41 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::shared_ptr<Event> CreateEvent() override { return CreateHostEvent(); }
 
   absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
-    return RecordCapture(std::move(capture), nullptr);
+    HostMark mark;
+    absl::Status status = Mark(&mark, nullptr);
+    progress_->OnComplete(mark.position, [capture = std::move(capture)](absl::Status outcome) {
+      capture->Complete(std::move(outcome));
+    });
+    return status;
+  }
+
+  // Records a position on this stream (MarkHostStream). With `shared`, a fresh event that gets
+  // the mark and becomes the stream's shared mark (RecordSharedEvent), under the same lock, so
+  // the mark covers exactly the items counted in mark_'s position.
+  absl::Status Mark(HostMark* mark, const std::shared_ptr<HostEvent>* shared) {
+    mark->progress = progress_;
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+    if (!status_.ok()) {
+      // Poisoned: complete at once with the failure, at the first failed item (Finish publishes
+      // it before the worker poisons status_).
+      mark->position = progress_->failed_at();
+      mark->done_at_record = clock_.Now();
+      return status_;
+    }
+    mark->position = enqueued_;
+    if (progress_->Done(enqueued_)) {
+      // Everything enqueued before has run: complete now, timed now (most records land on an
+      // idle stream).
+      mark->done_at_record = clock_.Now();
+    } else {
+      ++call_stats.records_queued;
+      mark->times = tail_times_;
+    }
+    if (shared != nullptr) {
+      (*shared)->SetFreshMark(*mark, id());
+      mark_.Set(shared, enqueued_);
+    }
+    return absl::OkStatus();
   }
 
   // RecordSharedEvent on this stream.
@@ -267,81 +303,34 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     {
       std::unique_lock<std::mutex> lock = LockSpinning(mu_);
       if (status_.ok()) {
-        if (std::shared_ptr<Event> shared = mark_.At(position_)) return shared;
+        if (std::shared_ptr<Event> shared = mark_.At(enqueued_)) return shared;
       }
     }
     std::shared_ptr<HostEvent> event = NewHostEvent();
-    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this, *this), &event));
+    ++call_stats.records;
+    HostMark mark;
+    absl::Status status = Mark(&mark, &event);
+    if (!status.ok()) return status;
     return event;
   }
 
  private:
   struct Item {
-    enum Kind : uint8_t { kOp, kRecord, kWait };
+    enum Kind : uint8_t { kOp, kWait };
     Kind kind = kOp;
     StreamOp op;
-    WaitTarget wait;  // kRecord: the capture to complete. kWait: what to wait for.
-    // A capture recorded right after this item was queued: completed once it ran (or was
-    // dropped), with the stream's status then.
-    std::shared_ptr<HostCapture> then;
+    WaitTarget wait;  // kWait: what to wait for
   };
 
-  // Records `capture` (its event's Record() on this stream). With `mark`, the capture's event
-  // becomes the stream's shared mark (RecordSharedEvent), at the position read under the same
-  // lock as the record, so the mark covers exactly the ops and waits counted in mark_position_.
-  absl::Status RecordCapture(std::shared_ptr<HostCapture> capture,
-                             const std::shared_ptr<HostEvent>* mark) {
-    {
-      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-      if (status_.ok() && queue_.empty() && finished_ == enqueued_) {
-        // Push's shortcut, without building an Item: everything enqueued before has run.
-        ++enqueued_;
-        ++finished_;
-        SetMark(mark);
-        lock.unlock();
-        capture->Complete(absl::OkStatus());
-        return absl::OkStatus();
-      }
-      ++call_stats.records_queued;
-      if (status_.ok() && !queue_.empty() && queue_.back().then == nullptr) {
-        // The last queued item is not running yet: the capture completes right after it, with
-        // no item of its own (and no wake-up: the item's push already woke the worker).
-        queue_.back().then = std::move(capture);
-        SetMark(mark);
-        return absl::OkStatus();
-      }
-    }
-    Item item;
-    item.kind = Item::kRecord;
-    item.wait.capture = std::move(capture);
-    return Push(std::move(item), mark);
-  }
-
-  // mu_ held; `mark` may be null (an ordinary record).
-  void SetMark(const std::shared_ptr<HostEvent>* mark) { mark_.Set(mark, position_); }
-
-  absl::Status Push(Item&& item, const std::shared_ptr<HostEvent>* mark = nullptr) {
+  absl::Status Push(Item&& item) {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    if (!status_.ok()) {
-      absl::Status status = status_;
-      lock.unlock();
-      if (item.kind == Item::kRecord) item.wait.capture->Complete(status);
-      return status;
-    }
-    if (item.kind == Item::kRecord && queue_.empty() && finished_ == enqueued_) {
-      // Everything enqueued before has run: the event is complete now. Completed here rather
-      // than by waking the worker for it (most records land on an idle stream).
-      ++enqueued_;
-      ++finished_;
-      SetMark(mark);
-      lock.unlock();
-      item.wait.capture->Complete(absl::OkStatus());
-      return absl::OkStatus();
-    }
-    if (item.kind == Item::kRecord) {
-      SetMark(mark);
-    } else {
-      ++position_;
+    if (!status_.ok()) return status_;
+    if (enqueued_ % kTimeBlockItems == 0) {
+      // The first item of a time block: its block, for the worker to stamp and the records
+      // behind it to read.
+      auto block = std::allocate_shared<TimeBlock>(RecyclingAllocator<TimeBlock>());
+      tail_times_ = block;
+      times_.push_back(std::move(block));
     }
     queue_.push_back(std::move(item));
     ++enqueued_;
@@ -368,19 +357,13 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         }
         item.op = StreamOp();
         break;
-      case Item::kRecord:
-        item.wait.capture->Complete(poison);
-        break;
       case Item::kWait:
         if (poison.ok()) result = RunTracedWait(tracer_, item.wait, wait_timeout_, clock_, *name_);
         break;
     }
+    item.wait.progress = nullptr;
     item.wait.capture = nullptr;
     item.wait.foreign = nullptr;
-    if (item.then != nullptr) {
-      item.then->Complete(poison.ok() ? result : poison);
-      item.then = nullptr;
-    }
     return result;
   }
 
@@ -388,6 +371,8 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     Item item;
     bool ran = false;
     absl::Status result;
+    std::shared_ptr<TimeBlock> times;  // the block of the item being run
+    uint64_t number = 0;               // the item being run (only this thread changes finished_)
     while (true) {
       absl::Status poison;
       {
@@ -426,8 +411,17 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         item = std::move(queue_.front());
         queue_.pop_front();
         poison = status_;
+        number = finished_ + 1;
+        if (finished_ % kTimeBlockItems == 0) {
+          times = std::move(times_.front());
+          times_.pop_front();
+        }
       }
       result = Run(item, poison);
+      // Published to the events recorded behind the item before the stream counts it
+      // (Synchronize).
+      progress_->Finish(number, !result.ok() && poison.ok() ? &result : nullptr, clock_.Now(),
+                        times.get());
       ran = true;
     }
   }
@@ -476,6 +470,8 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   const std::shared_ptr<const std::string> name_;  // shared with the captures
+  // What the worker finished, shared with the events recorded on the stream.
+  const std::shared_ptr<HostStreamProgress> progress_;
   const absl::Duration wait_timeout_;
   const Clock& clock_;
   const StreamTracer tracer_;
@@ -497,9 +493,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_idle_ ABSL_GUARDED_BY(mu_) = false;  // blocked in wake_->cv: needs a notify
   int sync_waiters_ ABSL_GUARDED_BY(mu_) = 0;      // blocked in done_cv_
-  // Ops and waits accepted so far (records not counted: they enqueue no work).
-  uint64_t position_ ABSL_GUARDED_BY(mu_) = 0;
-  SharedMark mark_ ABSL_GUARDED_BY(mu_);  // the last RecordSharedEvent's, at position_
+  SharedMark mark_ ABSL_GUARDED_BY(mu_);           // the last RecordSharedEvent's, at enqueued_
+  // The time block of item enqueued_, and those of the items the worker has not reached yet.
+  std::shared_ptr<const TimeBlock> tail_times_ ABSL_GUARDED_BY(mu_);
+  Ring<std::shared_ptr<TimeBlock>> times_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
 };
 
@@ -507,6 +504,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
 HostCaptureRecorder* AsHostStream(Stream& stream) {
   return typeid(stream) == typeid(HostStream) ? static_cast<HostStream*>(&stream) : nullptr;
+}
+
+absl::Status MarkHostStream(Stream& stream, HostMark* mark) {
+  return static_cast<HostStream&>(stream).Mark(mark, nullptr);
 }
 
 absl::StatusOr<std::shared_ptr<Event>> RecordSharedOnHostStream(Stream& stream) {
