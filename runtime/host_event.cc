@@ -110,11 +110,13 @@ void HostStreamProgress::OnComplete(uint64_t position, EventCallback callback) {
     {
       std::lock_guard<std::mutex> lock(cb_mu_);
       callbacks_.emplace_back(position, std::move(callback));
-      has_callbacks_.store(true, std::memory_order_seq_cst);
+      if (position < first_callback_.load(std::memory_order_relaxed)) {
+        first_callback_.store(position, std::memory_order_seq_cst);
+      }
     }
-    // The worker may have passed its check of has_callbacks_ before the store above and published
-    // the position since: then the callback is this thread's to run (whoever takes it out of
-    // callbacks_ runs it). Else the worker's check after its publication sees the flag.
+    // The worker may have passed its check of first_callback_ before the store above and
+    // published the position since: then the callback is this thread's to run (whoever takes it
+    // out of callbacks_ runs it). Else the worker's check after its publication sees the store.
     const uint64_t finished = finished_.load(std::memory_order_seq_cst);
     if (finished >= position) RunDueCallbacks(finished);
     return;
@@ -130,7 +132,9 @@ void HostStreamProgress::RunDueCallbacks(uint64_t finished) {
                                       [&](const auto& entry) { return entry.first > finished; });
     for (auto it = keep; it != callbacks_.end(); ++it) due.push_back(std::move(*it));
     callbacks_.erase(keep, callbacks_.end());
-    if (callbacks_.empty()) has_callbacks_.store(false, std::memory_order_relaxed);
+    uint64_t first = kNever;
+    for (const auto& entry : callbacks_) first = std::min(first, entry.first);
+    first_callback_.store(first, std::memory_order_seq_cst);
   }
   for (auto& [position, callback] : due) std::move(callback)(OutcomeAt(position));
 }
@@ -144,9 +148,9 @@ void HostStreamProgress::Finish(uint64_t item, const absl::Status* failure, absl
   times->at[(item - 1) % kTimeBlockItems] = at;
   // The callbacks of the item run before it is published (HostEvent's rule); one registered
   // meanwhile is run below, or by the thread that registered it.
-  if (has_callbacks_.load(std::memory_order_seq_cst)) RunDueCallbacks(item);
+  if (first_callback_.load(std::memory_order_seq_cst) <= item) RunDueCallbacks(item);
   finished_.store(item, std::memory_order_seq_cst);
-  if (has_callbacks_.load(std::memory_order_seq_cst)) RunDueCallbacks(item);
+  if (first_callback_.load(std::memory_order_seq_cst) <= item) RunDueCallbacks(item);
   if (waiters_.load(std::memory_order_seq_cst) > 0) {
     // Notified under the lock: a waiter on a ManualClock may be about to destroy its wait.
     std::lock_guard<std::mutex> lock(wait_mu_);
@@ -265,14 +269,14 @@ absl::Status HostEvent::RecordFresh(const std::shared_ptr<HostEvent>& self, Stre
 
 std::shared_ptr<HostCapture> HostEvent::current() const {
   std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-  if (mark_.progress != nullptr) {
-    const std::shared_ptr<HostStreamProgress> progress = mark_.progress;
-    const uint64_t position = mark_.position;
+  if (mark_.recorded()) {
+    const HostMark mark = mark_;
     lock.unlock();
-    auto capture = std::make_shared<HostCapture>(progress->shared_name(), progress->stream_id(),
-                                                 progress->clock());
-    progress->OnComplete(position,
-                         [capture](absl::Status status) { capture->Complete(std::move(status)); });
+    HostStreamProgress& progress = mark.progress();
+    auto capture = std::make_shared<HostCapture>(progress.shared_name(), progress.stream_id(),
+                                                 progress.clock());
+    progress.OnComplete(mark.position,
+                        [capture](absl::Status status) { capture->Complete(std::move(status)); });
     return capture;
   }
   if (!current_embedded_) return current_;
@@ -282,19 +286,19 @@ std::shared_ptr<HostCapture> HostEvent::current() const {
   return std::shared_ptr<HostCapture>(std::move(self), const_cast<HostCapture*>(&*embedded_));
 }
 
-void HostEvent::SnapshotForWait(std::shared_ptr<HostStreamProgress>* progress, uint64_t* position,
+void HostEvent::SnapshotForWait(std::shared_ptr<const TimeBlock>* times, uint64_t* position,
                                 std::shared_ptr<HostCapture>* capture, std::string* source) const {
   {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    if (mark_.progress != nullptr) {
-      // A position done OK needs no wait; a failed one still has to poison the stream in order,
-      // after the work enqueued before this wait.
-      if (mark_.progress->Done(mark_.position) && mark_.progress->failed_at() > mark_.position) {
-        return;
+    if (mark_.recorded()) {
+      if (!mark_.Done()) {
+        *times = mark_.times;
+        *position = mark_.position;
+        return;  // `source` is the progress's stream name (RunTracedWait)
       }
-      *progress = mark_.progress;
-      *position = mark_.position;
-      return;  // `source` is the progress's stream name (RunTracedWait)
+      // A position done OK needs no wait; a failed one still has to poison the stream in order,
+      // after the work enqueued before this wait (a capture that is complete already).
+      if (mark_.progress().failed_at() > mark_.position) return;
     }
   }
   *capture = current();
@@ -310,9 +314,9 @@ void HostEvent::SnapshotForWait(std::shared_ptr<HostStreamProgress>* progress, u
 absl::StatusOr<bool> HostEvent::Query() {
   {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    if (mark_.progress != nullptr) {
-      if (!mark_.progress->Done(mark_.position)) return false;
-      absl::Status status = mark_.progress->OutcomeAt(mark_.position);
+    if (mark_.recorded()) {
+      if (!mark_.Done()) return false;
+      absl::Status status = mark_.progress().OutcomeAt(mark_.position);
       if (!status.ok()) return status;
       return true;
     }
@@ -328,11 +332,11 @@ absl::StatusOr<bool> HostEvent::Query() {
 absl::Status HostEvent::Synchronize(absl::Time deadline) {
   {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    if (mark_.progress != nullptr) {
-      const std::shared_ptr<HostStreamProgress> progress = mark_.progress;
-      const uint64_t position = mark_.position;
+    if (mark_.recorded()) {
+      const HostMark mark = mark_;
       lock.unlock();
-      return progress->Wait(position, deadline, [] { return std::string("Event::Synchronize"); });
+      return mark.progress().Wait(mark.position, deadline,
+                                  [] { return std::string("Event::Synchronize"); });
     }
   }
   std::shared_ptr<HostCapture> capture = current();
@@ -343,11 +347,15 @@ absl::Status HostEvent::Synchronize(absl::Time deadline) {
 void HostEvent::OnComplete(EventCallback callback) {
   {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    if (mark_.progress != nullptr) {
-      const std::shared_ptr<HostStreamProgress> progress = mark_.progress;
-      const uint64_t position = mark_.position;
+    if (mark_.recorded()) {
+      if (mark_.Done()) {
+        absl::Status outcome = mark_.progress().OutcomeAt(mark_.position);
+        lock.unlock();
+        return std::move(callback)(std::move(outcome));
+      }
+      const HostMark mark = mark_;
       lock.unlock();
-      return progress->OnComplete(position, std::move(callback));
+      return mark.progress().OnComplete(mark.position, std::move(callback));
     }
   }
   std::shared_ptr<HostCapture> capture = current();
@@ -362,7 +370,7 @@ uint64_t HostEvent::recorded_stream_id() const {
 std::optional<absl::Time> HostEvent::completed_at() const {
   {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    if (mark_.progress != nullptr) return mark_.completed_at();
+    if (mark_.recorded()) return mark_.completed_at();
   }
   std::shared_ptr<HostCapture> capture = current();
   if (capture == nullptr) return std::nullopt;
@@ -373,7 +381,7 @@ absl::StatusOr<WaitTarget> SnapshotWaitTarget(Event& event, const Stream& waiter
   WaitTarget target;
   // HostEvent is final: comparing the type is exact, and cheaper than a dynamic_cast.
   if (auto* host = typeid(event) == typeid(HostEvent) ? static_cast<HostEvent*>(&event) : nullptr) {
-    host->SnapshotForWait(&target.progress, &target.position, &target.capture, &target.source);
+    host->SnapshotForWait(&target.mark, &target.position, &target.capture, &target.source);
     return target;
   } else if (auto* waitable = dynamic_cast<HostWaitable*>(&event)) {
     SL_ASSIGN_OR_RETURN(target.foreign, waitable->SnapshotForHostWait());
@@ -408,8 +416,9 @@ absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const Clock& cl
     return absl::StrCat("stream '", stream_name, "' (wait_timeout ", absl::FormatDuration(timeout),
                         ")");
   };
-  if (target.progress != nullptr) {
-    return target.progress->Wait(target.position, target.progress->clock().Now() + timeout, waiter);
+  if (target.mark != nullptr) {
+    HostStreamProgress& progress = *target.mark->progress;
+    return progress.Wait(target.position, progress.clock().Now() + timeout, waiter);
   }
   if (target.capture != nullptr) {
     return target.capture->Wait(target.capture->clock().Now() + timeout, waiter);
@@ -427,7 +436,7 @@ absl::Status RunWait(WaitTarget& target, absl::Duration timeout, const Clock& cl
 absl::Status RunTracedWait(const StreamTracer& tracer, WaitTarget& target, absl::Duration timeout,
                            const Clock& clock, const std::string& stream_name) {
   const std::string& source =
-      target.progress != nullptr ? target.progress->stream_name() : target.source;
+      target.mark != nullptr ? target.mark->progress->stream_name() : target.source;
   return tracer.RunWait(source, clock,
                         [&] { return RunWait(target, timeout, clock, stream_name); });
 }

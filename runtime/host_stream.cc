@@ -273,26 +273,26 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   // the mark and becomes the stream's shared mark (RecordSharedEvent), under the same lock, so
   // the mark covers exactly the items counted in mark_'s position.
   absl::Status Mark(HostMark* mark, const std::shared_ptr<HostEvent>* shared) {
-    mark->progress = progress_;
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!status_.ok()) {
       // Poisoned: complete at once with the failure, at the first failed item (Finish publishes
       // it before the worker poisons status_).
       mark->position = progress_->failed_at();
-      mark->done_at_record = clock_.Now();
+      mark->done_on = progress_;
+      mark->done_at = clock_.Now();
       return status_;
     }
     mark->position = enqueued_;
     if (progress_->Done(enqueued_)) {
-      // Everything enqueued before has run: complete now, timed now (most records land on an
-      // idle stream).
-      mark->done_at_record = clock_.Now();
+      // Everything enqueued before has run: complete now, timed now.
+      mark->done_on = progress_;
+      mark->done_at = clock_.Now();
     } else {
       ++call_stats.records_queued;
       mark->times = tail_times_;
     }
     if (shared != nullptr) {
-      (*shared)->SetFreshMark(*mark, id());
+      (*shared)->SetFreshMark(std::move(*mark), id());
       mark_.Set(shared, enqueued_);
     }
     return absl::OkStatus();
@@ -328,7 +328,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     if (enqueued_ % kTimeBlockItems == 0) {
       // The first item of a time block: its block, for the worker to stamp and the records
       // behind it to read.
-      auto block = std::allocate_shared<TimeBlock>(RecyclingAllocator<TimeBlock>());
+      auto block = std::allocate_shared<TimeBlock>(RecyclingAllocator<TimeBlock>(), progress_);
       tail_times_ = block;
       times_.push_back(std::move(block));
     }
@@ -361,7 +361,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         if (poison.ok()) result = RunTracedWait(tracer_, item.wait, wait_timeout_, clock_, *name_);
         break;
     }
-    item.wait.progress = nullptr;
+    item.wait.mark = nullptr;
     item.wait.capture = nullptr;
     item.wait.foreign = nullptr;
     return result;

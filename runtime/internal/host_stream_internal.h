@@ -50,12 +50,12 @@ absl::StatusOr<std::shared_ptr<Event>> RecordSharedOnCallerStream(Stream& stream
 // capture, a foreign waiter, or nothing (never recorded, or already complete and OK). `source`
 // names what is waited for in trace spans.
 struct WaitTarget {
-  std::shared_ptr<HostStreamProgress> progress;
-  uint64_t position = 0;  // of `progress`
+  std::shared_ptr<const TimeBlock> mark;  // a pending position's block (and progress)
+  uint64_t position = 0;                  // of `mark`
   std::shared_ptr<HostCapture> capture;
   HostWaitable::Waiter foreign;
   std::string source;
-  bool empty() const { return progress == nullptr && capture == nullptr && foreign == nullptr; }
+  bool empty() const { return mark == nullptr && capture == nullptr && foreign == nullptr; }
 };
 
 // The wait target of `event` for the stream `waiter`, snapshot now (host_event.cc).

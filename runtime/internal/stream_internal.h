@@ -109,11 +109,17 @@ class HostCapture {
 // worker as it finishes them. Shared by the events recorded behind pending work (so an event's
 // completion time stays readable for as long as the event lives, however far the stream has
 // moved on); one allocation per kTimeBlockItems items.
+// A block also keeps the stream's progress alive, so that a record behind pending work holds one
+// reference, not two.
 inline constexpr uint64_t kTimeBlockItems = 64;
+class HostStreamProgress;
 struct TimeBlock {
+  explicit TimeBlock(std::shared_ptr<HostStreamProgress> p) : progress(std::move(p)) {}
+  const std::shared_ptr<HostStreamProgress> progress;
   // Item i (numbered from 1) finished at at[(i - 1) % kTimeBlockItems]. Written by the worker
-  // before it publishes the item finished; read only after seeing it finished.
-  absl::Time at[kTimeBlockItems];
+  // before it publishes the item finished; read only after seeing it finished. On lines of its
+  // own: the worker writes them while the hook thread counts references to the block.
+  alignas(64) absl::Time at[kTimeBlockItems];
 };
 
 // What a host stream has finished, shared by the stream and the events recorded on it (which may
@@ -170,33 +176,41 @@ class HostStreamProgress {
   const std::shared_ptr<const std::string> name_;
   const uint64_t stream_id_;
   const Clock* const clock_;
-  std::atomic<uint64_t> finished_{0};
-  std::atomic<uint64_t> failed_at_{kNever};
+  // Each group on cache lines of its own: the worker writes finished_ per item, readers poll it,
+  // and registrations and waits come from other threads.
+  alignas(64) std::atomic<uint64_t> finished_{0};
+  alignas(64) std::atomic<uint64_t> failed_at_{kNever};
   absl::Status failure_;  // written once, before failed_at_ is published
-  // OnComplete callbacks of positions not yet done.
+  // OnComplete callbacks of positions not yet done, and the smallest of those positions (kNever
+  // if none), which the worker compares each item with before it takes cb_mu_.
+  alignas(64) std::atomic<uint64_t> first_callback_{kNever};
   std::mutex cb_mu_;
-  std::atomic<bool> has_callbacks_{false};  // callbacks_ is not empty (set under cb_mu_)
   absl::InlinedVector<std::pair<uint64_t, EventCallback>, 4> callbacks_ ABSL_GUARDED_BY(cb_mu_);
   // Threads blocked in Wait.
+  alignas(64) std::atomic<int> waiters_{0};
   std::mutex wait_mu_;
   std::condition_variable wait_cv_;
-  std::atomic<int> waiters_{0};
 };
 
 // A host event's record on a host stream: a position in its progress, and how to know when it
-// completed.
+// completed. One reference either way: the time block of a record behind pending work, or the
+// progress of one that was done at the record.
 struct HostMark {
-  std::shared_ptr<HostStreamProgress> progress;
-  uint64_t position = 0;
-  // Set when the position was done at the record (or the stream poisoned): the completion time
-  // is then the record's; else the block in which the worker stamps item `position`'s end.
-  std::optional<absl::Time> done_at_record;
+  // Pending at the record: the block in which the worker stamps item `position`'s end.
   std::shared_ptr<const TimeBlock> times;
+  // Done at the record (the stream had finished everything, or was poisoned): when.
+  std::shared_ptr<HostStreamProgress> done_on;
+  absl::Time done_at;
+  uint64_t position = 0;
 
+  bool recorded() const { return times != nullptr || done_on != nullptr; }
+  // The stream's progress; recorded() only.
+  HostStreamProgress& progress() const { return times != nullptr ? *times->progress : *done_on; }
+  bool Done() const { return done_on != nullptr || times->progress->Done(position); }
   // The completion time, once done (nullopt before).
   std::optional<absl::Time> completed_at() const {
-    if (done_at_record.has_value()) return done_at_record;
-    if (!progress->Done(position)) return std::nullopt;
+    if (done_on != nullptr) return done_at;
+    if (!times->progress->Done(position)) return std::nullopt;
     return times->at[(position - 1) % kTimeBlockItems];
   }
 };
@@ -274,7 +288,7 @@ class HostEvent final : public Event, public std::enable_shared_from_this<HostEv
 
   // What a stream waits for to honour WaitEvent(*this) (WaitTarget's mark or capture), snapshot
   // now; neither if the event was never recorded or completed OK.
-  void SnapshotForWait(std::shared_ptr<HostStreamProgress>* progress, uint64_t* position,
+  void SnapshotForWait(std::shared_ptr<const TimeBlock>* times, uint64_t* position,
                        std::shared_ptr<HostCapture>* capture, std::string* source) const;
 
   // The first Record() of `self`, an event no other thread can see yet (RecordEvent): the same
@@ -296,7 +310,7 @@ class HostEvent final : public Event, public std::enable_shared_from_this<HostEv
   // Stream::id() of the latest Record()'s stream, readable without the lock.
   std::atomic<uint64_t> recorded_stream_id_{0};
   mutable std::mutex mu_;
-  // The latest Record() on a host stream (progress non-null), else none.
+  // The latest Record() on a host stream (mark_.recorded()), else none.
   HostMark mark_ ABSL_GUARDED_BY(mu_);
   // The latest Record()'s capture when it was allocated; null when that is embedded_ (an owning
   // pointer to embedded_ here would keep the event alive forever) or a mark.
