@@ -86,21 +86,24 @@ std::optional<absl::Time> HostCapture::completed_at() {
   return completed_at_;
 }
 
+bool HostStreamProgress::WaitUntilDone(uint64_t position, absl::Time deadline) {
+  if (Done(position)) return true;
+  std::unique_lock<std::mutex> lock(wait_mu_);
+  // Counted before the check (both sequentially consistent, as Finish's store of the count and
+  // its load of waiters_): either Finish sees this waiter or the check sees the count.
+  waiters_.fetch_add(1, std::memory_order_seq_cst);
+  const bool done = clock_->WaitUntil(wait_cv_, lock, deadline, [&] {
+    return finished_.load(std::memory_order_seq_cst) >= position;
+  });
+  waiters_.fetch_sub(1, std::memory_order_relaxed);
+  return done;
+}
+
 absl::Status HostStreamProgress::Wait(uint64_t position, absl::Time deadline,
                                       absl::FunctionRef<std::string()> waiter) {
-  if (!Done(position)) {
-    std::unique_lock<std::mutex> lock(wait_mu_);
-    // Counted before the check (both sequentially consistent, as Finish's store of the count and
-    // its load of waiters_): either Finish sees this waiter or the check sees the count.
-    waiters_.fetch_add(1, std::memory_order_seq_cst);
-    const bool done = clock_->WaitUntil(wait_cv_, lock, deadline, [&] {
-      return finished_.load(std::memory_order_seq_cst) >= position;
-    });
-    waiters_.fetch_sub(1, std::memory_order_relaxed);
-    if (!done) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          waiter(), ": timed out waiting for an event recorded on stream '", *name_, "'"));
-    }
+  if (!WaitUntilDone(position, deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        waiter(), ": timed out waiting for an event recorded on stream '", *name_, "'"));
   }
   return OutcomeAt(position);
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <typeinfo>
@@ -137,42 +138,30 @@ thread_local bool on_worker = false;
 // How long an idle worker polls under SHARDLINE_STREAM_SPIN_US=-1 (auto), when it may.
 constexpr std::chrono::microseconds kAutoSpin{50};
 
-// A FIFO that keeps its storage. std::deque frees and allocates a node every few items (an
-// Item is a few hundred bytes), which made the queue a malloc per submission or two.
-template <typename T>
-class Ring {
- public:
-  bool empty() const { return size_ == 0; }
-  T& front() { return slots_[head_]; }
-  T& back() { return slots_[(head_ + size_ - 1) & (slots_.size() - 1)]; }
-  void push_back(T&& item) {
-    if (size_ == slots_.size()) Grow();
-    slots_[(head_ + size_) & (slots_.size() - 1)] = std::move(item);
-    ++size_;
-  }
-  // The slot keeps the moved-from (empty) item.
-  void pop_front() {
-    head_ = (head_ + 1) & (slots_.size() - 1);
-    --size_;
-  }
-
- private:
-  void Grow() {
-    std::vector<T> bigger(slots_.empty() ? 16 : 2 * slots_.size());  // a power of two
-    for (size_t i = 0; i < size_; ++i) {
-      bigger[i] = std::move(slots_[(head_ + i) & (slots_.size() - 1)]);
-    }
-    slots_ = std::move(bigger);
-    head_ = 0;
-  }
-
-  std::vector<T> slots_;
-  size_t head_ = 0;
-  size_t size_ = 0;
+// One queued item: an op, or a wait that had to be queued.
+struct Item {
+  enum Kind : uint8_t { kOp, kWait };
+  Kind kind = kOp;
+  StreamOp op;
+  WaitTarget wait;  // kWait: what to wait for
 };
 
-// One worker thread, one FIFO. Ops, event markers and waits share the queue so that they keep
-// their relative order.
+// kTimeBlockItems consecutive items of a stream's FIFO, and the block their end times go to.
+// Submitters construct items in the slots under the stream's lock and publish them by the count
+// HostStream::pushed_; the worker runs and destroys them in place without any lock, then frees
+// the segment. So a submitter's lock stays on its own core while the worker drains the queue,
+// and the worker takes the lock only to go to sleep.
+struct Segment {
+  explicit Segment(std::shared_ptr<TimeBlock> block) : times(std::move(block)) {}
+  const std::shared_ptr<TimeBlock> times;
+  std::atomic<Segment*> next{nullptr};  // set before the first item of the next is published
+  alignas(Item) unsigned char slots[kTimeBlockItems][sizeof(Item)];
+
+  Item* slot(uint64_t i) { return std::launder(reinterpret_cast<Item*>(slots[i])); }
+};
+
+// One worker thread, one FIFO. Ops and waits share the queue so that they keep their relative
+// order.
 class HostStream final : public Stream, public HostCaptureRecorder {
  public:
   HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock, StreamTracer tracer,
@@ -183,7 +172,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         clock_(clock),
         tracer_(tracer),
         spin_(absl::ToChronoNanoseconds(spin)) {
-    worker_ = std::thread([this, batch] {
+    tail_ = NewSegment();
+    tail_times_ = tail_->times;
+    Segment* const head = tail_;
+    worker_ = std::thread([this, batch, head] {
 #ifdef SCHED_BATCH
       if (batch) {
         // A woken worker does not preempt the thread that woke it (the submitter, in the middle
@@ -194,7 +186,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 #endif
       on_worker = true;
       awake_workers.fetch_add(1, std::memory_order_relaxed);
-      WorkerLoop();
+      WorkerLoop(head);
       awake_workers.fetch_sub(1, std::memory_order_relaxed);
     });
   }
@@ -216,10 +208,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
   absl::Status Submit(StreamOp op) override {
     ++call_stats.submits;
-    Item item;
-    item.kind = Item::kOp;
-    item.op = std::move(op);
-    return Push(std::move(item));
+    return Push([&op](Item* item) {
+      item->kind = Item::kOp;
+      item->op = std::move(op);
+    });
   }
 
   absl::Status WaitEvent(Event& event) override {
@@ -227,10 +219,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return status();
     ++call_stats.waits_queued;
-    Item item;
-    item.kind = Item::kWait;
-    item.wait = std::move(target);
-    return Push(std::move(item));
+    return Push([&target](Item* item) {
+      item->kind = Item::kWait;
+      item->wait = std::move(target);
+    });
   }
 
   absl::Status Synchronize(absl::Time deadline) override {
@@ -239,18 +231,18 @@ class HostStream final : public Stream, public HostCaptureRecorder {
           absl::StrCat("stream '", *name_,
                        "': Synchronize called from the stream's own work would wait forever"));
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t target = enqueued_;
-    ++sync_waiters_;
-    const bool done =
-        clock_.WaitUntil(done_cv_, lock, deadline, [&] { return finished_ >= target; });
-    --sync_waiters_;
-    if (!done) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("stream '", *name_, "': Synchronize timed out with ", target - finished_,
-                       " enqueued item(s) still pending"));
+    uint64_t target;
+    {
+      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+      target = enqueued_;
     }
-    return status_;
+    if (!progress_->WaitUntilDone(target, deadline)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("stream '", *name_, "': Synchronize timed out with ",
+                       target - progress_->finished(), " enqueued item(s) still pending"));
+    }
+    // The worker poisons status_ before it publishes the failed item finished.
+    return status();
   }
 
   absl::Status status() const override {
@@ -315,24 +307,31 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
  private:
-  struct Item {
-    enum Kind : uint8_t { kOp, kWait };
-    Kind kind = kOp;
-    StreamOp op;
-    WaitTarget wait;  // kWait: what to wait for
-  };
+  Segment* NewSegment() {
+    Segment* segment = RecyclingAllocator<Segment>().allocate(1);
+    return new (segment)
+        Segment(std::allocate_shared<TimeBlock>(RecyclingAllocator<TimeBlock>(), progress_));
+  }
+  static void FreeSegment(Segment* segment) {
+    segment->~Segment();
+    RecyclingAllocator<Segment>().deallocate(segment, 1);
+  }
 
-  absl::Status Push(Item&& item) {
+  // Appends an item that `fill` sets (on a default-constructed Item in its slot).
+  template <typename Fill>
+  absl::Status Push(Fill&& fill) {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!status_.ok()) return status_;
-    if (enqueued_ % kTimeBlockItems == 0) {
-      // The first item of a time block: its block, for the worker to stamp and the records
-      // behind it to read.
-      auto block = std::allocate_shared<TimeBlock>(RecyclingAllocator<TimeBlock>(), progress_);
-      tail_times_ = block;
-      times_.push_back(std::move(block));
+    const uint64_t index = enqueued_ % kTimeBlockItems;
+    if (index == 0 && enqueued_ > 0) {
+      // The first item of a segment: its block, for the worker to stamp and the records behind
+      // it to read. Linked before the item is published.
+      Segment* segment = NewSegment();
+      tail_->next.store(segment, std::memory_order_release);
+      tail_ = segment;
+      tail_times_ = segment->times;
     }
-    queue_.push_back(std::move(item));
+    fill(new (tail_->slots[index]) Item());
     ++enqueued_;
     pushed_.store(enqueued_, std::memory_order_release);
     // One notify per sleep: a worker already notified (or running) needs no second one.
@@ -343,8 +342,8 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     return absl::OkStatus();
   }
 
-  // Runs `item` (or drops it, if the stream is poisoned) and releases what it holds, so that its
-  // closures are destroyed before Synchronize() can report it done.
+  // Runs `item` (or drops it, if the stream is poisoned). The caller destroys it before it
+  // publishes it finished, so that its closures are gone before Synchronize() can report it done.
   absl::Status Run(Item& item, const absl::Status& poison) {
     absl::Status result;
     switch (item.kind) {
@@ -355,75 +354,71 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         } else if (item.op.cancel != nullptr) {
           std::move(item.op.cancel)(poison);
         }
-        item.op = StreamOp();
         break;
       case Item::kWait:
         if (poison.ok()) result = RunTracedWait(tracer_, item.wait, wait_timeout_, clock_, *name_);
         break;
     }
-    item.wait.mark = nullptr;
-    item.wait.capture = nullptr;
-    item.wait.foreign = nullptr;
     return result;
   }
 
-  void WorkerLoop() {
-    Item item;
-    bool ran = false;
-    absl::Status result;
-    std::shared_ptr<TimeBlock> times;  // the block of the item being run
-    uint64_t number = 0;               // the item being run (only this thread changes finished_)
+  // Runs the items in order from `head` (the first segment) without the lock; takes it only to
+  // go to sleep, and to poison the stream.
+  void WorkerLoop(Segment* head) {
+    uint64_t popped = 0;  // items run (or dropped) so far
+    absl::Status poison;  // the worker's copy of status_
     while (true) {
-      absl::Status poison;
-      {
-        std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-        if (ran) {
-          if (!result.ok() && status_.ok()) status_ = std::move(result);
-          ++finished_;
-          if (sync_waiters_ > 0) done_cv_.notify_all();
-        }
-        if (queue_.empty() && !stopping_ && MaySpin()) {
-          // Poll for a while before sleeping: a Push meanwhile finds the worker awake and
-          // notifies nobody.
-          const uint64_t seen = enqueued_;
-          lock.unlock();
-          Spin(seen);
-          lock.lock();
-        }
-        while (true) {
-          PassOnRelayedWakes(lock);
-          if (!queue_.empty() || stopping_) break;
-          worker_idle_ = true;  // Push clears it when it notifies
-          awake_workers.fetch_sub(1, std::memory_order_relaxed);
-          wake_->asleep = true;
-          wake_->cv.wait(lock,
-                         [this] { return !queue_.empty() || stopping_ || !wake_->relay.empty(); });
-          wake_->asleep = false;
-          awake_workers.fetch_add(1, std::memory_order_relaxed);
-          worker_idle_ = false;
-        }
-        if (queue_.empty()) {
-          // Stopping. Wake-ups handed over later go straight to their workers.
-          wake_->worker_gone = true;
-          PassOnRelayedWakes(lock);
-          return;
-        }
-        item = std::move(queue_.front());
-        queue_.pop_front();
-        poison = status_;
-        number = finished_ + 1;
-        if (finished_ % kTimeBlockItems == 0) {
-          times = std::move(times_.front());
-          times_.pop_front();
-        }
+      if (pushed_.load(std::memory_order_acquire) == popped && !AwaitWork(popped)) break;
+      const uint64_t index = popped % kTimeBlockItems;
+      if (index == 0 && popped > 0) {
+        Segment* next = head->next.load(std::memory_order_acquire);
+        FreeSegment(head);
+        head = next;
       }
-      result = Run(item, poison);
-      // Published to the events recorded behind the item before the stream counts it
-      // (Synchronize).
-      progress_->Finish(number, !result.ok() && poison.ok() ? &result : nullptr, clock_.Now(),
-                        times.get());
-      ran = true;
+      Item* item = head->slot(index);
+      absl::Status result = Run(*item, poison);
+      item->~Item();
+      ++popped;
+      const bool failed = !result.ok() && poison.ok();
+      if (failed) {
+        // The first failure: refuse later submissions, before anyone can see the item finished
+        // (Synchronize reads status_ once it did).
+        poison = result;
+        std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+        status_ = result;
+      }
+      progress_->Finish(popped, failed ? &result : nullptr, clock_.Now(), head->times.get());
     }
+    FreeSegment(head);
+  }
+
+  // Waits until an item after the first `popped` is published (true), or the stream stops with
+  // none (false). Polls a while first (MaySpin), then sleeps under mu_.
+  bool AwaitWork(uint64_t popped) {
+    if (!stopping_flag_.load(std::memory_order_relaxed) && MaySpin()) {
+      // A Push meanwhile finds the worker awake and notifies nobody.
+      Spin(popped);
+      if (pushed_.load(std::memory_order_acquire) != popped) return true;
+    }
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+    // pushed_ changes only under mu_: read here, it is exact.
+    auto queued = [&] { return pushed_.load(std::memory_order_acquire) != popped; };
+    while (true) {
+      PassOnRelayedWakes(lock);
+      if (queued() || stopping_) break;
+      worker_idle_ = true;  // Push clears it when it notifies
+      awake_workers.fetch_sub(1, std::memory_order_relaxed);
+      wake_->asleep = true;
+      wake_->cv.wait(lock, [&] { return queued() || stopping_ || !wake_->relay.empty(); });
+      wake_->asleep = false;
+      awake_workers.fetch_add(1, std::memory_order_relaxed);
+      worker_idle_ = false;
+    }
+    if (queued()) return true;
+    // Stopping. Wake-ups handed over later go straight to their workers.
+    wake_->worker_gone = true;
+    PassOnRelayedWakes(lock);
+    return false;
   }
 
   // Wakes the workers whose wake-ups a batch handed to this one, with mu_ released meanwhile.
@@ -484,19 +479,16 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   const std::shared_ptr<WorkerWake> wake_ = std::make_shared<WorkerWake>();
   std::mutex& mu_ = wake_->mu;
   std::vector<std::shared_ptr<WorkerWake>>
-      relayed_;                      // the worker's: relay wake-ups being passed on
-  std::condition_variable done_cv_;  // Synchronize waits for finished_
-  Ring<Item> queue_ ABSL_GUARDED_BY(mu_);
+      relayed_;  // the worker's: relay wake-ups being passed on
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_idle_ ABSL_GUARDED_BY(mu_) = false;  // blocked in wake_->cv: needs a notify
-  int sync_waiters_ ABSL_GUARDED_BY(mu_) = 0;      // blocked in done_cv_
   SharedMark mark_ ABSL_GUARDED_BY(mu_);           // the last RecordSharedEvent's, at enqueued_
-  // The time block of item enqueued_, and those of the items the worker has not reached yet.
+  // The segment that takes item enqueued_ + 1, and the time block of item enqueued_ (the
+  // previous segment's when enqueued_ ends one: the next is made with its first item).
+  Segment* tail_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::shared_ptr<const TimeBlock> tail_times_ ABSL_GUARDED_BY(mu_);
-  Ring<std::shared_ptr<TimeBlock>> times_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
 };
 

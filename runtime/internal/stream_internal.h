@@ -151,6 +151,12 @@ class HostStreamProgress {
   // The first failed item; kNever while none failed.
   uint64_t failed_at() const { return failed_at_.load(std::memory_order_acquire); }
 
+  // Items finished so far.
+  uint64_t finished() const { return finished_.load(std::memory_order_acquire); }
+
+  // Blocks until `position` is done (true), or `deadline` (on clock()) passes first (false).
+  bool WaitUntilDone(uint64_t position, absl::Time deadline);
+
   // Blocks until `position` is done: its outcome, or DeadlineExceeded at `deadline` (on clock())
   // naming `waiter` and the stream.
   absl::Status Wait(uint64_t position, absl::Time deadline,
