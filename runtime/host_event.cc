@@ -142,12 +142,12 @@ void HostStreamProgress::RunDueCallbacks(uint64_t finished) {
   for (auto& [position, callback] : due) std::move(callback)(OutcomeAt(position));
 }
 
-void HostStreamProgress::Finish(uint64_t item, const absl::Status* failure, absl::Time at,
-                                TimeBlock* times) {
-  if (failure != nullptr) {
-    failure_ = *failure;
-    failed_at_.store(item, std::memory_order_release);
-  }
+void HostStreamProgress::Fail(uint64_t item, absl::Status failure) {
+  failure_ = std::move(failure);
+  failed_at_.store(item, std::memory_order_release);
+}
+
+void HostStreamProgress::Finish(uint64_t item, absl::Time at, TimeBlock* times) {
   times->at[(item - 1) % kTimeBlockItems] = at;
   // The callbacks of the item run before it is published (HostEvent's rule); one registered
   // meanwhile is run below, or by the thread that registered it.

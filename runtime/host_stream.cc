@@ -267,8 +267,8 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   absl::Status Mark(HostMark* mark, const std::shared_ptr<HostEvent>* shared) {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!status_.ok()) {
-      // Poisoned: complete at once with the failure, at the first failed item (Finish publishes
-      // it before the worker poisons status_).
+      // Poisoned: complete at once with the failure, at the first failed item (the worker
+      // records it in the progress before it poisons status_).
       mark->position = progress_->failed_at();
       mark->done_on = progress_;
       mark->done_at = clock_.Now();
@@ -379,15 +379,16 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       absl::Status result = Run(*item, poison);
       item->~Item();
       ++popped;
-      const bool failed = !result.ok() && poison.ok();
-      if (failed) {
-        // The first failure: refuse later submissions, before anyone can see the item finished
-        // (Synchronize reads status_ once it did).
+      if (!result.ok() && poison.ok()) {
+        // The first failure: recorded for the positions from this item on, then refuse later
+        // submissions, all before anyone can see the item finished (Synchronize reads status_
+        // once it did; a record on the poisoned stream reads the failed position).
         poison = result;
+        progress_->Fail(popped, result);
         std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-        status_ = result;
+        status_ = std::move(result);
       }
-      progress_->Finish(popped, failed ? &result : nullptr, clock_.Now(), head->times.get());
+      progress_->Finish(popped, clock_.Now(), head->times.get());
     }
     FreeSegment(head);
   }

@@ -165,10 +165,14 @@ class HostStreamProgress {
   // Runs `callback` with the outcome once `position` is done: at once, here, if it is.
   void OnComplete(uint64_t position, EventCallback callback);
 
-  // The worker, after item `item` (the next in order) ran or was dropped: `failure` non-null if
-  // it is the first item to fail (its Status), `at` its end time (stored into `times`, the
-  // block of the item). Runs the callbacks due, publishes the item finished and wakes waiters.
-  void Finish(uint64_t item, const absl::Status* failure, absl::Time at, TimeBlock* times);
+  // The worker, when item `item` is the first to fail (before anyone may learn of the failure
+  // from the stream): records `failure` for the positions from `item` on.
+  void Fail(uint64_t item, absl::Status failure);
+
+  // The worker, after item `item` (the next in order) ran or was dropped: stores `at`, its end
+  // time, into `times` (the item's block), runs the callbacks due, publishes the item finished
+  // and wakes waiters.
+  void Finish(uint64_t item, absl::Time at, TimeBlock* times);
 
   const std::string& stream_name() const { return *name_; }
   const std::shared_ptr<const std::string>& shared_name() const { return name_; }
