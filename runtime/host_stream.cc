@@ -141,7 +141,9 @@ constexpr std::chrono::microseconds kAutoSpin{50};
 // One queued item: an op, or a wait that had to be queued.
 struct Item {
   enum Kind : uint8_t { kOp, kWait };
-  Kind kind = kOp;
+  explicit Item(StreamOp&& o) : kind(kOp), op(std::move(o)) {}
+  explicit Item(WaitTarget&& w) : kind(kWait), wait(std::move(w)) {}
+  Kind kind;
   StreamOp op;
   WaitTarget wait;  // kWait: what to wait for
 };
@@ -208,10 +210,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
   absl::Status Submit(StreamOp op) override {
     ++call_stats.submits;
-    return Push([&op](Item* item) {
-      item->kind = Item::kOp;
-      item->op = std::move(op);
-    });
+    return Push(std::move(op));
   }
 
   absl::Status WaitEvent(Event& event) override {
@@ -219,10 +218,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return status();
     ++call_stats.waits_queued;
-    return Push([&target](Item* item) {
-      item->kind = Item::kWait;
-      item->wait = std::move(target);
-    });
+    return Push(std::move(target));
   }
 
   absl::Status Synchronize(absl::Time deadline) override {
@@ -317,9 +313,9 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     RecyclingAllocator<Segment>().deallocate(segment, 1);
   }
 
-  // Appends an item that `fill` sets (on a default-constructed Item in its slot).
-  template <typename Fill>
-  absl::Status Push(Fill&& fill) {
+  // Appends the item made of `what` (a StreamOp or a WaitTarget), constructed in its slot.
+  template <typename What>
+  absl::Status Push(What&& what) {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
     if (!status_.ok()) return status_;
     const uint64_t index = enqueued_ % kTimeBlockItems;
@@ -331,7 +327,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
       tail_ = segment;
       tail_times_ = segment->times;
     }
-    fill(new (tail_->slots[index]) Item());
+    new (tail_->slots[index]) Item(std::forward<What>(what));
     ++enqueued_;
     pushed_.store(enqueued_, std::memory_order_release);
     // One notify per sleep: a worker already notified (or running) needs no second one.
