@@ -131,12 +131,20 @@ void HostStreamProgress::RunDueCallbacks(uint64_t finished) {
   absl::InlinedVector<std::pair<uint64_t, EventCallback>, 4> due;
   {
     std::lock_guard<std::mutex> lock(cb_mu_);
-    auto keep = std::stable_partition(callbacks_.begin(), callbacks_.end(),
-                                      [&](const auto& entry) { return entry.first > finished; });
-    for (auto it = keep; it != callbacks_.end(); ++it) due.push_back(std::move(*it));
-    callbacks_.erase(keep, callbacks_.end());
+    // The due ones out (in registration order), the rest kept in order, in one pass: no
+    // temporary buffer (std::stable_partition allocates one per call).
+    size_t kept = 0;
     uint64_t first = kNever;
-    for (const auto& entry : callbacks_) first = std::min(first, entry.first);
+    for (size_t i = 0; i < callbacks_.size(); ++i) {
+      if (callbacks_[i].first <= finished) {
+        due.push_back(std::move(callbacks_[i]));
+      } else {
+        first = std::min(first, callbacks_[i].first);
+        if (kept != i) callbacks_[kept] = std::move(callbacks_[i]);
+        ++kept;
+      }
+    }
+    callbacks_.erase(callbacks_.begin() + static_cast<std::ptrdiff_t>(kept), callbacks_.end());
     first_callback_.store(first, std::memory_order_seq_cst);
   }
   for (auto& [position, callback] : due) std::move(callback)(OutcomeAt(position));

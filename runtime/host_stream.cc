@@ -151,8 +151,9 @@ struct Item {
 // kTimeBlockItems consecutive items of a stream's FIFO, and the block their end times go to.
 // Submitters construct items in the slots under the stream's lock and publish them by the count
 // HostStream::pushed_; the worker runs and destroys them in place without any lock, then frees
-// the segment. So a submitter's lock stays on its own core while the worker drains the queue,
-// and the worker takes the lock only to go to sleep.
+// the segment (the last one it left is the stream's spare, reused for the next). So a
+// submitter's lock stays on its own core while the worker drains the queue, and the worker takes
+// the lock only to go to sleep.
 struct Segment {
   explicit Segment(std::shared_ptr<TimeBlock> block) : times(std::move(block)) {}
   const std::shared_ptr<TimeBlock> times;
@@ -201,6 +202,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     stopping_flag_.store(true, std::memory_order_relaxed);
     wake_->cv.notify_one();
     worker_.join();
+    ::operator delete(spare_.load(std::memory_order_acquire));
   }
 
   Device device() const override { return Device::Host(); }
@@ -303,14 +305,21 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
  private:
+  // A segment for the next items: the one the worker left last (spare_), else a new one.
   Segment* NewSegment() {
-    Segment* segment = RecyclingAllocator<Segment>().allocate(1);
-    return new (segment)
+    void* memory = spare_.exchange(nullptr, std::memory_order_acquire);
+    if (memory == nullptr) memory = ::operator new(sizeof(Segment));
+    return new (memory)
         Segment(std::allocate_shared<TimeBlock>(RecyclingAllocator<TimeBlock>(), progress_));
   }
-  static void FreeSegment(Segment* segment) {
+  // The worker, done with `segment`: kept as the spare (one per stream, 16 KiB), else freed.
+  void FreeSegment(Segment* segment) {
     segment->~Segment();
-    RecyclingAllocator<Segment>().deallocate(segment, 1);
+    void* expected = nullptr;
+    if (!spare_.compare_exchange_strong(expected, segment, std::memory_order_release,
+                                        std::memory_order_relaxed)) {
+      ::operator delete(segment);
+    }
   }
 
   // Appends the item made of `what` (a StreamOp or a WaitTarget), constructed in its slot.
@@ -470,6 +479,9 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   const std::chrono::nanoseconds spin_;
   std::atomic<uint64_t> pushed_{0};  // enqueued_, for the spinning worker to poll without mu_
   std::atomic<bool> stopping_flag_{false};
+  // The memory of a segment the worker left, for the next NewSegment (it needs no lock: the worker
+  // and the submitters exchange it whole).
+  std::atomic<void*> spare_{nullptr};
 
   // The worker's mutex and condition variable, shared with the threads that hold a wake-up of it
   // back (HostStreamWakeBatch).
