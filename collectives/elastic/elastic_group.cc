@@ -143,6 +143,12 @@ absl::StatusOr<std::unique_ptr<ElasticGroup>> ElasticGroup::Join(ElasticOptions 
   if (options.timeout <= absl::ZeroDuration()) {
     SL_ASSIGN_OR_RETURN(options.timeout, DefaultTimeout());
   }
+  if (options.quorum_timeout_after_abort < absl::ZeroDuration()) {
+    return bad("quorum_timeout_after_abort is negative");
+  }
+  if (options.quorum_timeout_after_abort == absl::ZeroDuration()) {
+    options.quorum_timeout_after_abort = std::min(options.timeout, absl::Seconds(3));
+  }
   if (!options.communicator_factory) options.communicator_factory = CreateCommunicator;
   std::unique_ptr<ElasticGroup> group(new ElasticGroup(std::move(options)));
   const ElasticOptions& o = group->options_;
@@ -179,14 +185,14 @@ absl::StatusOr<bool> ElasticGroup::ReadNext(absl::Time until) {
 }
 
 absl::Status ElasticGroup::ReadUntil(const std::function<bool()>& decided, const Entry& on_timeout,
-                                     absl::Time deadline) {
+                                     absl::Duration quiet, absl::Time deadline) {
   bool timed_out = false;
-  absl::Time quiet_until = absl::Now() + options_.timeout;
+  absl::Time quiet_until = absl::Now() + quiet;
   while (!decided()) {
     const absl::Time until = timed_out ? deadline : std::min(deadline, quiet_until);
     SL_ASSIGN_OR_RETURN(bool read, ReadNext(until));
     if (read) {
-      quiet_until = absl::Now() + options_.timeout;
+      quiet_until = absl::Now() + quiet;
       continue;
     }
     if (absl::Now() >= deadline) {
@@ -195,8 +201,8 @@ absl::Status ElasticGroup::ReadUntil(const std::function<bool()>& decided, const
                                                       job_log_.read(), " job log entries read)"));
     }
     // Nothing new for a whole timeout: decide the round for everyone.
-    SL_LOG(WARN, COLL) << What() << ": nothing new in the job log for " << options_.timeout
-                       << "; appending '" << on_timeout.Encode() << "'";
+    SL_LOG(WARN, COLL) << What() << ": nothing new in the job log for " << quiet << "; appending '"
+                       << on_timeout.Encode() << "'";
     SL_RETURN_IF_ERROR(job_log_.Append(on_timeout.Encode()));
     timed_out = true;
   }
@@ -210,7 +216,11 @@ absl::StatusOr<std::vector<bool>> ElasticGroup::GatherGroup(absl::string_view wh
     return what == "arrive" ? static_cast<int>(arrived_[k].size()) == size
                             : static_cast<int>(votes_[k].size()) == size;
   };
-  absl::Time quiet_until = absl::Now() + options_.timeout;
+  // A rank votes after its step, which may run into its collectives' deadline (`timeout`) when a
+  // peer elsewhere went silent, and then some: its vote gets twice that. A rank that died is
+  // known sooner (its `lost` entry).
+  const absl::Duration quiet = what == "vote" ? 2 * options_.timeout : options_.timeout;
+  absl::Time quiet_until = absl::Now() + quiet;
   while (!complete()) {
     if (!lost_shards_.empty()) {
       return absl::UnavailableError(absl::StrCat(
@@ -224,11 +234,11 @@ absl::StatusOr<std::vector<bool>> ElasticGroup::GatherGroup(absl::string_view wh
         const bool done = what == "arrive" ? arrived_[k].count(s) > 0 : votes_[k].count(s) > 0;
         if (!done) missing.push_back(s);
       }
-      return absl::DeadlineExceededError(absl::StrCat(
-          "shard rank(s) ", absl::StrJoin(missing, ", "), " of this group did not ", what,
-          " in group round ", k, " within ", absl::FormatDuration(options_.timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("shard rank(s) ", absl::StrJoin(missing, ", "), " of this group did not ",
+                       what, " in group round ", k, " within ", absl::FormatDuration(quiet)));
     }
-    quiet_until = absl::Now() + options_.timeout;
+    quiet_until = absl::Now() + quiet;
     std::optional<GroupEntry> entry = ParseGroupEntry(*text);
     if (!entry.has_value() || entry->shard < 0 || entry->shard >= size) {
       SL_LOG(WARN, COLL) << What() << ": ignoring group log entry '" << *text << "'";
@@ -258,15 +268,20 @@ absl::StatusOr<std::string> ElasticGroup::LeaderQuorum(absl::Time deadline) {
   while (true) {
     // Catch up with what is already there (a group that joins late reads the job's history).
     while (true) {
-      SL_ASSIGN_OR_RETURN(std::optional<std::string> text, job_log_.TryNext());
+      SL_ASSIGN_OR_RETURN(std::optional<std::string> text, job_log_.TryNext(deadline));
       if (!text.has_value()) break;
       log_.ApplyText(*text);
     }
     if (log_.job_lost()) return absl::StrCat("lost ", JobLost().message());
     const int64_t round = log_.phase() == Phase::kQuorum ? log_.round() : log_.round() + 1;
     SL_RETURN_IF_ERROR(job_log_.Append(Entry::Arrive(round, o.replica, 0, o.incarnation).Encode()));
+    // After an aborted round every live member arrives at once (its collectives were aborted).
+    const std::optional<bool> last = log_.outcome(round - 1);
+    const absl::Duration quiet =
+        last.has_value() && !*last ? o.quorum_timeout_after_abort : o.timeout;
     SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.quorum(round) != nullptr || log_.job_lost(); },
-                                 Entry::Timeout(round, Phase::kQuorum, o.replica, 0), deadline));
+                                 Entry::Timeout(round, Phase::kQuorum, o.replica, 0), quiet,
+                                 deadline));
     if (log_.job_lost()) return absl::StrCat("lost ", JobLost().message());
     const Quorum& quorum = *log_.quorum(round);
     if (quorum.IsMember(o.replica, o.incarnation)) {
@@ -302,7 +317,8 @@ absl::StatusOr<std::string> ElasticGroup::LeaderOutcome(int64_t round, bool ok,
     SL_RETURN_IF_ERROR(job_log_.Append(Entry::Lost(o.replica, 0, o.incarnation).Encode()));
   }
   SL_RETURN_IF_ERROR(ReadUntil([&] { return log_.outcome(round).has_value() || log_.job_lost(); },
-                               Entry::Timeout(round, Phase::kCommit, o.replica, 0), deadline));
+                               Entry::Timeout(round, Phase::kCommit, o.replica, 0), o.timeout,
+                               deadline));
   if (!log_.outcome(round).has_value()) return absl::StrCat("0 ", JobLost().message());
   if (*log_.outcome(round)) return std::string("1");
   return absl::StrCat("0 ", log_.abort_reason(round));
@@ -310,11 +326,24 @@ absl::StatusOr<std::string> ElasticGroup::LeaderOutcome(int64_t round, bool ok,
 
 absl::StatusOr<std::string> ElasticGroup::AwaitDecision(absl::string_view kind, int64_t k,
                                                         absl::Time deadline) {
-  SL_ASSIGN_OR_RETURN(std::optional<std::string> text, decisions_.Next(deadline));
-  if (!text.has_value()) {
-    return absl::DeadlineExceededError(
-        absl::StrCat(What(), ": no ", kind, " of group round ", k,
-                     " from the group's leader before the deadline"));
+  // A decision may take long (the commit waits for every member's step), but the store must
+  // keep answering: each quiet `timeout` this rank checks that it does, so that a rank cut off
+  // from the store fails after one timeout rather than at the caller's deadline.
+  std::optional<std::string> text;
+  while (!text.has_value()) {
+    SL_ASSIGN_OR_RETURN(text, decisions_.Next(std::min(deadline, absl::Now() + options_.timeout)));
+    if (text.has_value()) break;
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(What(), ": no ", kind, " of group round ", k,
+                       " from the group's leader before the deadline"));
+    }
+    absl::StatusOr<bool> answers = options_.store->Check({decisions_.key()});
+    if (!answers.ok()) {
+      return Annotate(answers.status(),
+                      absl::StrCat(What(), ": waiting for the group leader's ", kind,
+                                   " of group round ", k, ", the store stopped answering"));
+    }
   }
   if (*text == "leader lost") {
     return absl::AbortedError(absl::StrCat(

@@ -82,6 +82,12 @@ struct ElasticOptions {
   // EndRound fails (Aborted) after this many aborted rounds in a row: a step that cannot succeed
   // (the same error on every try) ends the job instead of looping.
   int max_consecutive_aborts = 8;
+  // After an aborted round the survivors' collectives have all been aborted, so every member
+  // that is alive arrives at the next round at once: one that has not arrived after this long
+  // (nothing new in the job's log meanwhile) is taken as gone, instead of after `timeout` (a
+  // silent loss, a cut link, then costs the collectives' deadline plus this). Zero: 3 s, or
+  // `timeout` if that is shorter.
+  absl::Duration quorum_timeout_after_abort = absl::ZeroDuration();
   // Where the rounds go on the Chrome trace (runtime/trace.h), on the track "elastic": one span
   // per round ("round 3 (step 2)", category "elastic", args committed/aborted and why) and one
   // per recovery ("recovery", from reading the abort to the next round's communicators). Null:
@@ -198,15 +204,15 @@ class ElasticGroup {
 
   // Leader: the group log until every rank of the group did `what` ("arrive", "vote") in group
   // round k; returns the ranks' entries (for votes: whether each was ok). A lost rank, or nothing
-  // new for options_.timeout, is an error naming it.
+  // new for options_.timeout (twice that for votes), is an error naming it.
   absl::StatusOr<std::vector<bool>> GatherGroup(absl::string_view what, int64_t k,
                                                 absl::Time deadline);
   // Leader: reads the job log's next entry and applies it: true; false if none before `until`.
   absl::StatusOr<bool> ReadNext(absl::Time until);
-  // Leader: reads the job log until `decided` holds. While nothing new appears for
-  // options_.timeout it appends `on_timeout` (once). DeadlineExceeded at `deadline`.
+  // Leader: reads the job log until `decided` holds. While nothing new appears for `quiet` it
+  // appends `on_timeout` (once). DeadlineExceeded at `deadline`.
   absl::Status ReadUntil(const std::function<bool()>& decided, const elastic::Entry& on_timeout,
-                         absl::Time deadline);
+                         absl::Duration quiet, absl::Time deadline);
   // Leader: the quorum of the job's next round this group is in (arriving again when a round was
   // decided without it while it is new to the job), as the text followers decode: "member ...",
   // "out <why>" or "lost <why>".

@@ -30,10 +30,15 @@ absl::StatusOr<std::optional<std::string>> StoreLog::Next(absl::Time until) {
   return *std::move(entry);
 }
 
-absl::StatusOr<std::optional<std::string>> StoreLog::TryNext() {
+absl::StatusOr<std::optional<std::string>> StoreLog::TryNext(absl::Time deadline) {
   SL_ASSIGN_OR_RETURN(bool exists, store_->Check({Key(read_ + 1)}));
   if (!exists) return std::nullopt;
-  return Next(absl::InfiniteFuture());
+  SL_ASSIGN_OR_RETURN(std::optional<std::string> entry, Next(deadline));
+  if (!entry.has_value()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("log '", key_, "': entry ", read_ + 1, " exists but was not read in time"));
+  }
+  return entry;
 }
 
 }  // namespace shardline::elastic

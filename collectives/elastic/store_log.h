@@ -32,8 +32,8 @@ class StoreLog {
   absl::Status Append(absl::string_view entry);
   // The next entry; nullopt if none appeared before `until`.
   absl::StatusOr<std::optional<std::string>> Next(absl::Time until);
-  // The next entry if it exists now (never waits).
-  absl::StatusOr<std::optional<std::string>> TryNext();
+  // The next entry if it exists now (waits only for the store's answers, until `deadline`).
+  absl::StatusOr<std::optional<std::string>> TryNext(absl::Time deadline);
 
  private:
   std::string Key(int64_t index) const;

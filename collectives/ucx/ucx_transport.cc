@@ -176,6 +176,10 @@ UcxTransport::~UcxTransport() {
   if (!closing.empty()) {
     SL_LOG(WARN, COLL) << "ucx communicator " << name_ << " rank " << rank_ << ": "
                        << closing.size() << " endpoint(s) did not close within 2 s";
+    // A flushing close to a peer that went silent (a cut link) may never complete. Release the
+    // requests: UCX frees them when they end, and destroying the worker with a request that
+    // was never released fails its assertion (the process aborts).
+    for (void* request : closing) ucp_request_free(request);
   }
   {
     std::lock_guard<std::mutex> lock(control_mu_);
