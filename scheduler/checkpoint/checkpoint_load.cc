@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "runtime/crc32c.h"
 #include "runtime/reshard_plan.h"
 #include "runtime/status.h"
-#include "runtime/crc32c.h"
 #include "scheduler/checkpoint/internal/checkpoint_internal.h"
 
 namespace shardline {

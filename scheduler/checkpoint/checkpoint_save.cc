@@ -15,9 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "runtime/crc32c.h"
 #include "runtime/status.h"
 #include "scheduler/checkpoint/agree.h"
-#include "runtime/crc32c.h"
 #include "scheduler/checkpoint/internal/checkpoint_internal.h"
 
 #ifndef SHARDLINE_LIBRARY_VERSION

@@ -293,8 +293,8 @@ class Worker {
       pollfd in{.fd = STDIN_FILENO, .events = POLLIN, .revents = 0};
       const int ready = poll(&in, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
       if (ready < 0 && errno != EINTR) {
-        return absl::InternalError(absl::StrCat("--hold-at ", step, ": poll on standard input: ",
-                                                std::strerror(errno)));
+        return absl::InternalError(
+            absl::StrCat("--hold-at ", step, ": poll on standard input: ", std::strerror(errno)));
       }
       if (ready <= 0) continue;
       char c = 0;

@@ -122,7 +122,7 @@ TEST(FailuresProtocolTest, StoreTrafficPerRoundIsTheModels) {
   EXPECT_EQ(store->appended.load(), kRounds * 2 * (n + 2 * R));
   EXPECT_EQ(store->gets.load(), kRounds * 2 * (n + R * R + (n - R)));
   EXPECT_GE(store->compare_sets.load(), kRounds * 2 * n);  // plus retries where appends contend
-  EXPECT_GE(store->checks.load(), kRounds * R);  // the leaders' catch-up
+  EXPECT_GE(store->checks.load(), kRounds * R);            // the leaders' catch-up
   EXPECT_EQ(store->other.load(), 0);
   std::printf(
       "%d ranks, %d rounds: %lld gets, %lld compare-and-sets (%lld appended), %lld checks\n", n,
