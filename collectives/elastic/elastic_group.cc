@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -70,10 +71,27 @@ SL_PARAM(int64_t, RestartCount, "RESTART_COUNT", 0,
          "its incarnation in an elastic job.",
          InRange<int64_t>(0, 1 << 20));
 
+namespace {
+
+// A launcher's per-process variable: read at every call, as RANK is (a knob's Get() reads the
+// environment once per process), and checked against the knob's range.
+absl::StatusOr<int64_t> IdentityVariable(const Param<int64_t>& param) {
+  const char* text = std::getenv(param.env_name().c_str());
+  if (text == nullptr || *text == '\0') return param.default_value();
+  int64_t value = 0;
+  if (!absl::SimpleAtoi(text, &value) || value < 0 || value > (1 << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(param.env_name(), "='", text, "' is not an integer in [0, 1048576]"));
+  }
+  return value;
+}
+
+}  // namespace
+
 absl::StatusOr<ElasticOptions> ElasticOptionsFromEnvironment(absl::Time deadline) {
   SL_ASSIGN_OR_RETURN(LaunchInfo launch, ReadLaunchEnvironment());
-  SL_ASSIGN_OR_RETURN(int64_t shard_size, ParamShardSize().Get());
-  SL_ASSIGN_OR_RETURN(int64_t restarts, ParamRestartCount().Get());
+  SL_ASSIGN_OR_RETURN(int64_t shard_size, IdentityVariable(ParamShardSize()));
+  SL_ASSIGN_OR_RETURN(int64_t restarts, IdentityVariable(ParamRestartCount()));
   if (shard_size <= 0) shard_size = launch.local_world_size;
   if (shard_size < 1 || launch.world_size % shard_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("SHARDLINE_SHARD_SIZE (or LOCAL_WORLD_SIZE) ",
