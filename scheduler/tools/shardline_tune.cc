@@ -58,6 +58,24 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<ModelDescription> ModelFromJson(const std::string& path) {
+  SL_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "model"));
+  absl::StatusOr<ModelDescription> m = ParseModelJson(text);
+  if (!m.ok()) return Annotate(m.status(), path);
+  return m;
+}
+
+absl::StatusOr<TransformerConfig> PresetConfig(const std::string& model, int64_t seq_len,
+                                               int micro_batch) {
+  PresetShape shape;
+  if (model == "gpt3-175b") shape.seq_len = 2048;
+  if (seq_len > 0) shape.seq_len = seq_len;
+  if (micro_batch > 0) shape.micro_batch = micro_batch;
+  absl::StatusOr<TransformerConfig> config = PresetByName(model, shape);
+  if (!config.ok()) return Annotate(config.status(), "--model");
+  return config;
+}
+
 // A file path, or a shipped name looked up in the source tree's and the installation's
 // topology folders.
 absl::StatusOr<Topology> FindTopology(const std::string& name, const char* argv0) {

@@ -206,23 +206,13 @@ absl::StatusOr<bool> ParseFlags(int argc, char** argv, FailuresFlags& f) {
 }
 
 absl::StatusOr<ModelDescription> BuildModel(const FailuresFlags& f) {
-  if (!f.model_json.empty()) {
-    SL_ASSIGN_OR_RETURN(std::string text, ReadFile(f.model_json, "model"));
-    absl::StatusOr<ModelDescription> m = ParseModelJson(text);
-    if (!m.ok()) return Annotate(m.status(), f.model_json);
-    return m;
-  }
-  PresetShape shape;
-  if (f.model == "gpt3-175b") shape.seq_len = 2048;
-  if (f.seq_len > 0) shape.seq_len = f.seq_len;
-  if (f.micro_batch > 0) shape.micro_batch = f.micro_batch;
-  absl::StatusOr<TransformerConfig> config = PresetByName(f.model, shape);
-  if (!config.ok()) return Annotate(config.status(), "--model");
+  if (!f.model_json.empty()) return ModelFromJson(f.model_json);
+  SL_ASSIGN_OR_RETURN(TransformerConfig config, PresetConfig(f.model, f.seq_len, f.micro_batch));
   if (f.layers > 0) {
-    config->layers = f.layers;
-    config->name += " (modified)";
+    config.layers = f.layers;
+    config.name += " (modified)";
   }
-  return TransformerModel(*config);
+  return TransformerModel(config);
 }
 
 std::string Json(const RecoveryEstimate& e) {

@@ -269,6 +269,38 @@ TEST_F(ElasticGroupTest, AReplicaLostMidStepIsDroppedThenRejoinsWithIdenticalSta
   EXPECT_TRUE(absl::StrContains(trace, absl::StrCat("(step ", kSteps - 1, ")"))) << trace;
 }
 
+// A step that fails on every try ends the job after max_consecutive_aborts rounds instead of
+// looping; each retry gets new communicators.
+TEST_F(ElasticGroupTest, AStepThatAlwaysFailsEndsAfterMaxConsecutiveAborts) {
+  ElasticOptions o = Options(0, 0, 0);
+  o.replicas = 1;
+  o.shard_size = 1;
+  o.max_consecutive_aborts = 3;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  absl::StatusOr<std::unique_ptr<ElasticGroup>> group = ElasticGroup::Join(o, deadline);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const absl::Status broken = absl::InternalError("the step is broken");
+  for (int attempt = 1; attempt <= 3; ++attempt) {
+    absl::StatusOr<ElasticGroup::Round> round = (*group)->BeginRound(deadline);
+    ASSERT_TRUE(round.ok()) << round.status();
+    EXPECT_EQ(round->step, 0);
+    EXPECT_TRUE(round->rebuilt) << "attempt " << attempt;
+    absl::StatusOr<bool> committed = (*group)->EndRound(broken, deadline);
+    if (attempt < 3) {
+      ASSERT_TRUE(committed.ok()) << committed.status();
+      EXPECT_FALSE(*committed);
+    } else {
+      EXPECT_TRUE(absl::IsAborted(committed.status())) << committed.status();
+      EXPECT_TRUE(absl::StrContains(committed.status().message(), "3 rounds in a row"))
+          << committed.status();
+      EXPECT_TRUE(absl::StrContains(committed.status().message(), "the step is broken"))
+          << committed.status();
+    }
+  }
+  EXPECT_EQ((*group)->committed_steps(), 0);
+  EXPECT_EQ((*group)->recoveries().size(), 3u);
+}
+
 TEST_F(ElasticGroupTest, BadOptionsAreNamed) {
   ElasticOptions o = Options(0, 0, 0);
   o.shard = 2;

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "collectives/sim/topology.h"
+#include "scheduler/tune/model.h"
 #include "scheduler/tune/sweep.h"
 
 namespace shardline::tune_cli {
@@ -45,6 +46,13 @@ absl::Status Failures(int argc, char** argv);
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what);
 // Replaces the file's contents with `text`; Unavailable naming the path on failure.
 absl::Status WriteFile(const std::string& path, const std::string& text);
+// The model of a --model-json file (parse errors name the path).
+absl::StatusOr<ModelDescription> ModelFromJson(const std::string& path);
+// The --model preset at the given shape (seq_len, micro_batch: 0 keeps the preset's; gpt3-175b's
+// sequence is 2048 unless given), for the subcommand to modify before TransformerModel. Errors
+// name --model.
+absl::StatusOr<TransformerConfig> PresetConfig(const std::string& model, int64_t seq_len,
+                                               int micro_batch);
 // A file path, or a shipped name looked up in the source tree's and the installation's
 // topology folders.
 absl::StatusOr<Topology> FindTopology(const std::string& name, const char* argv0);

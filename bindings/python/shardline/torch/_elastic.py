@@ -430,18 +430,8 @@ def _reset_root(root):
         _place(st, st.params)
         for p in st.params:
             p.grad = None
-    root.step_open = False
-    root.backward_started = False
-    root.recomputing = False
     root.in_forward = False
-    root.forward_stack.clear()
-    root.backward_stack.clear()
-    root.pack_map.clear()
-    root.views.clear()
-    root.placed.clear()
-    root.pending.clear()
-    root.span_start.clear()
-    root.step_id += 1  # a stale hook of the failed step's graph is recognised as such
+    root.clear_step()  # a stale hook of the failed step's graph is recognised as such
 
 
 def _rebuild(root):

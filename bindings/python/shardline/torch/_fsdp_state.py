@@ -325,17 +325,22 @@ class _BackwardHooks:
             self.pending.clear()
             self.scheduler.finish_backward()
         finally:
-            self.step_open = False
-            self.backward_started = False
-            self.recomputing = False
-            self.forward_stack.clear()
-            self.backward_stack.clear()
-            self.pack_map.clear()
-            self.views.clear()
-            self.placed.clear()
-            self.pending.clear()
-            self.span_start.clear()
-            self.step_id += 1
+            self.clear_step()
+
+    def clear_step(self):
+        """Forgets every use, saved tensor and pending gradient of the step and closes it; a
+        stale hook of its graph is then recognised as such (step_id moves on)."""
+        self.step_open = False
+        self.backward_started = False
+        self.recomputing = False
+        self.forward_stack.clear()
+        self.backward_stack.clear()
+        self.pack_map.clear()
+        self.views.clear()
+        self.placed.clear()
+        self.pending.clear()
+        self.span_start.clear()
+        self.step_id += 1
 
 
 class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
