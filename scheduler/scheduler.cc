@@ -52,6 +52,11 @@ absl::Status Scheduler::HookError(absl::string_view hook, int unit, absl::Status
   // Unless the step already failed where no hook saw it (the framework found a failed
   // collective on its compute stream, or in a unit's view) and this misuse follows from it:
   // then that failure, sticky, as if a hook had seen it.
+  if (absl::Status failed = FailFromStreams(); !failed.ok()) return failed;
+  return status;
+}
+
+absl::Status Scheduler::FailFromStreams() {
   for (Stream* stream :
        {&compute_, gather_stream_.get(), reduce_stream_.get(), all_reduce_stream_.get()}) {
     if (stream == nullptr) continue;
@@ -59,7 +64,7 @@ absl::Status Scheduler::HookError(absl::string_view hook, int unit, absl::Status
       return Fail(IsPeerError(failed) ? WithOrderNote(std::move(failed)) : std::move(failed));
     }
   }
-  return status;
+  return absl::OkStatus();
 }
 
 absl::Status Scheduler::Fail(absl::Status status) {
@@ -299,6 +304,7 @@ absl::Status Scheduler::BeginBackward() {
     order_known_ = true;
     record_pending_check_ = true;
   } else if (!deviated_ && step_sequence_.size() != order_.size()) {
+    SL_RETURN_IF_ERROR(FailFromStreams());
     deviated_ = true;
     deviation_step_ = step_;
     deviation_ = absl::StrCat("it ran ", step_sequence_.size(),
@@ -355,8 +361,10 @@ absl::Status Scheduler::PreForward(int u) {
   }
   if (phase_ == Phase::kIdle) SL_RETURN_IF_ERROR(HookError("PreForward", u, BeginStep()));
   const size_t pos = step_sequence_.size();
-  step_sequence_.push_back(u);
   if (order_known_ && !deviated_ && (pos >= order_.size() || order_[pos] != u)) {
+    // A hook called after a failure no hook saw (the framework's next call once its compute
+    // stream failed) is not this rank's deviation: the step failed before it.
+    SL_RETURN_IF_ERROR(FailFromStreams());
     deviated_ = true;
     deviation_step_ = step_;
     deviation_ = absl::StrCat(
@@ -371,6 +379,7 @@ absl::Status Scheduler::PreForward(int u) {
                         << ", got '" << unit->name
                         << "'; gathering on demand for the rest of this step";
   }
+  step_sequence_.push_back(u);
   ++unit->forward_uses;
   ++unit->backward_left;
   if (!unit->gathered) {

@@ -446,6 +446,9 @@ class Scheduler {
   // Keeps `status` (every later hook returns it) and aborts the scheduler's communicators with
   // it, so that peers blocked in their collectives fail at once. Returns it.
   absl::Status Fail(absl::Status status);
+  // A failure on one of the scheduler's streams that no hook has seen yet (the framework found
+  // it on its compute stream, or in a unit's view), kept like Fail's; OK when every stream is.
+  absl::Status FailFromStreams();
   // Until this rank has read the order check of the step that records the forward order (an
   // all-gather on the world communicator), a peer may be blocked in it or about to issue it.
   // false when the order was given in the options (never checked).
