@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <typeinfo>
@@ -27,6 +28,7 @@
 #include "runtime/internal/host_stream_internal.h"
 #include "runtime/internal/lock_spinning.h"
 #include "runtime/internal/stream_internal.h"
+#include "runtime/recycling.h"
 #include "runtime/status.h"
 #include "runtime/stream.h"
 
@@ -136,52 +138,47 @@ thread_local bool on_worker = false;
 // How long an idle worker polls under SHARDLINE_STREAM_SPIN_US=-1 (auto), when it may.
 constexpr std::chrono::microseconds kAutoSpin{50};
 
-// A FIFO that keeps its storage. std::deque frees and allocates a node every few items (an
-// Item is a few hundred bytes), which made the queue a malloc per submission or two.
-template <typename T>
-class Ring {
- public:
-  bool empty() const { return size_ == 0; }
-  T& front() { return slots_[head_]; }
-  T& back() { return slots_[(head_ + size_ - 1) & (slots_.size() - 1)]; }
-  void push_back(T&& item) {
-    if (size_ == slots_.size()) Grow();
-    slots_[(head_ + size_) & (slots_.size() - 1)] = std::move(item);
-    ++size_;
-  }
-  // The slot keeps the moved-from (empty) item.
-  void pop_front() {
-    head_ = (head_ + 1) & (slots_.size() - 1);
-    --size_;
-  }
-
- private:
-  void Grow() {
-    std::vector<T> bigger(slots_.empty() ? 16 : 2 * slots_.size());  // a power of two
-    for (size_t i = 0; i < size_; ++i) {
-      bigger[i] = std::move(slots_[(head_ + i) & (slots_.size() - 1)]);
-    }
-    slots_ = std::move(bigger);
-    head_ = 0;
-  }
-
-  std::vector<T> slots_;
-  size_t head_ = 0;
-  size_t size_ = 0;
+// One queued item: an op, or a wait that had to be queued.
+struct Item {
+  enum Kind : uint8_t { kOp, kWait };
+  explicit Item(StreamOp&& o) : kind(kOp), op(std::move(o)) {}
+  explicit Item(WaitTarget&& w) : kind(kWait), wait(std::move(w)) {}
+  Kind kind;
+  StreamOp op;
+  WaitTarget wait;  // kWait: what to wait for
 };
 
-// One worker thread, one FIFO. Ops, event markers and waits share the queue so that they keep
-// their relative order.
+// kTimeBlockItems consecutive items of a stream's FIFO, and the block their end times go to.
+// Submitters construct items in the slots under the stream's lock and publish them by the count
+// HostStream::pushed_; the worker runs and destroys them in place without any lock, then frees
+// the segment (the last one it left is the stream's spare, reused for the next). So a
+// submitter's lock stays on its own core while the worker drains the queue, and the worker takes
+// the lock only to go to sleep.
+struct Segment {
+  explicit Segment(std::shared_ptr<TimeBlock> block) : times(std::move(block)) {}
+  const std::shared_ptr<TimeBlock> times;
+  std::atomic<Segment*> next{nullptr};  // set before the first item of the next is published
+  alignas(Item) unsigned char slots[kTimeBlockItems][sizeof(Item)];
+
+  Item* slot(uint64_t i) { return std::launder(reinterpret_cast<Item*>(slots[i])); }
+};
+
+// One worker thread, one FIFO. Ops and waits share the queue so that they keep their relative
+// order.
 class HostStream final : public Stream, public HostCaptureRecorder {
  public:
   HostStream(std::string name, absl::Duration wait_timeout, const Clock& clock, StreamTracer tracer,
              absl::Duration spin, bool batch)
       : name_(std::make_shared<const std::string>(std::move(name))),
+        progress_(std::make_shared<HostStreamProgress>(name_, id(), clock)),
         wait_timeout_(wait_timeout),
         clock_(clock),
         tracer_(tracer),
         spin_(absl::ToChronoNanoseconds(spin)) {
-    worker_ = std::thread([this, batch] {
+    tail_ = NewSegment();
+    tail_times_ = tail_->times;
+    Segment* const head = tail_;
+    worker_ = std::thread([this, batch, head] {
 #ifdef SCHED_BATCH
       if (batch) {
         // A woken worker does not preempt the thread that woke it (the submitter, in the middle
@@ -192,7 +189,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 #endif
       on_worker = true;
       awake_workers.fetch_add(1, std::memory_order_relaxed);
-      WorkerLoop();
+      WorkerLoop(head);
       awake_workers.fetch_sub(1, std::memory_order_relaxed);
     });
   }
@@ -205,6 +202,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     stopping_flag_.store(true, std::memory_order_relaxed);
     wake_->cv.notify_one();
     worker_.join();
+    ::operator delete(spare_.load(std::memory_order_acquire));
   }
 
   Device device() const override { return Device::Host(); }
@@ -214,10 +212,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
   absl::Status Submit(StreamOp op) override {
     ++call_stats.submits;
-    Item item;
-    item.kind = Item::kOp;
-    item.op = std::move(op);
-    return Push(std::move(item));
+    return Push(std::move(op));
   }
 
   absl::Status WaitEvent(Event& event) override {
@@ -225,10 +220,7 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     SL_ASSIGN_OR_RETURN(WaitTarget target, SnapshotWaitTarget(event, *this));
     if (target.empty()) return status();
     ++call_stats.waits_queued;
-    Item item;
-    item.kind = Item::kWait;
-    item.wait = std::move(target);
-    return Push(std::move(item));
+    return Push(std::move(target));
   }
 
   absl::Status Synchronize(absl::Time deadline) override {
@@ -237,18 +229,18 @@ class HostStream final : public Stream, public HostCaptureRecorder {
           absl::StrCat("stream '", *name_,
                        "': Synchronize called from the stream's own work would wait forever"));
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t target = enqueued_;
-    ++sync_waiters_;
-    const bool done =
-        clock_.WaitUntil(done_cv_, lock, deadline, [&] { return finished_ >= target; });
-    --sync_waiters_;
-    if (!done) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("stream '", *name_, "': Synchronize timed out with ", target - finished_,
-                       " enqueued item(s) still pending"));
+    uint64_t target;
+    {
+      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+      target = enqueued_;
     }
-    return status_;
+    if (!progress_->WaitUntilDone(target, deadline)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("stream '", *name_, "': Synchronize timed out with ",
+                       target - progress_->finished(), " enqueued item(s) still pending"));
+    }
+    // The worker poisons status_ before it publishes the failed item finished.
+    return status();
   }
 
   absl::Status status() const override {
@@ -259,7 +251,41 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   std::shared_ptr<Event> CreateEvent() override { return CreateHostEvent(); }
 
   absl::Status RecordHostCapture(std::shared_ptr<HostCapture> capture) override {
-    return RecordCapture(std::move(capture), nullptr);
+    HostMark mark;
+    absl::Status status = Mark(&mark, nullptr);
+    progress_->OnComplete(mark.position, [capture = std::move(capture)](absl::Status outcome) {
+      capture->Complete(std::move(outcome));
+    });
+    return status;
+  }
+
+  // Records a position on this stream (MarkHostStream). With `shared`, a fresh event that gets
+  // the mark and becomes the stream's shared mark (RecordSharedEvent), under the same lock, so
+  // the mark covers exactly the items counted in mark_'s position.
+  absl::Status Mark(HostMark* mark, const std::shared_ptr<HostEvent>* shared) {
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+    if (!status_.ok()) {
+      // Poisoned: complete at once with the failure, at the first failed item (the worker
+      // records it in the progress before it poisons status_).
+      mark->position = progress_->failed_at();
+      mark->done_on = progress_;
+      mark->done_at = clock_.Now();
+      return status_;
+    }
+    mark->position = enqueued_;
+    if (progress_->Done(enqueued_)) {
+      // Everything enqueued before has run: complete now, timed now.
+      mark->done_on = progress_;
+      mark->done_at = clock_.Now();
+    } else {
+      ++call_stats.records_queued;
+      mark->times = tail_times_;
+    }
+    if (shared != nullptr) {
+      (*shared)->SetFreshMark(std::move(*mark), id());
+      mark_.Set(shared, enqueued_);
+    }
+    return absl::OkStatus();
   }
 
   // RecordSharedEvent on this stream.
@@ -267,83 +293,50 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     {
       std::unique_lock<std::mutex> lock = LockSpinning(mu_);
       if (status_.ok()) {
-        if (std::shared_ptr<Event> shared = mark_.At(position_)) return shared;
+        if (std::shared_ptr<Event> shared = mark_.At(enqueued_)) return shared;
       }
     }
     std::shared_ptr<HostEvent> event = NewHostEvent();
-    SL_RETURN_IF_ERROR(RecordCapture(HostEvent::PrepareFresh(event, *this, *this), &event));
+    ++call_stats.records;
+    HostMark mark;
+    absl::Status status = Mark(&mark, &event);
+    if (!status.ok()) return status;
     return event;
   }
 
  private:
-  struct Item {
-    enum Kind : uint8_t { kOp, kRecord, kWait };
-    Kind kind = kOp;
-    StreamOp op;
-    WaitTarget wait;  // kRecord: the capture to complete. kWait: what to wait for.
-    // A capture recorded right after this item was queued: completed once it ran (or was
-    // dropped), with the stream's status then.
-    std::shared_ptr<HostCapture> then;
-  };
-
-  // Records `capture` (its event's Record() on this stream). With `mark`, the capture's event
-  // becomes the stream's shared mark (RecordSharedEvent), at the position read under the same
-  // lock as the record, so the mark covers exactly the ops and waits counted in mark_position_.
-  absl::Status RecordCapture(std::shared_ptr<HostCapture> capture,
-                             const std::shared_ptr<HostEvent>* mark) {
-    {
-      std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-      if (status_.ok() && queue_.empty() && finished_ == enqueued_) {
-        // Push's shortcut, without building an Item: everything enqueued before has run.
-        ++enqueued_;
-        ++finished_;
-        SetMark(mark);
-        lock.unlock();
-        capture->Complete(absl::OkStatus());
-        return absl::OkStatus();
-      }
-      ++call_stats.records_queued;
-      if (status_.ok() && !queue_.empty() && queue_.back().then == nullptr) {
-        // The last queued item is not running yet: the capture completes right after it, with
-        // no item of its own (and no wake-up: the item's push already woke the worker).
-        queue_.back().then = std::move(capture);
-        SetMark(mark);
-        return absl::OkStatus();
-      }
+  // A segment for the next items: the one the worker left last (spare_), else a new one.
+  Segment* NewSegment() {
+    void* memory = spare_.exchange(nullptr, std::memory_order_acquire);
+    if (memory == nullptr) memory = ::operator new(sizeof(Segment));
+    return new (memory)
+        Segment(std::allocate_shared<TimeBlock>(RecyclingAllocator<TimeBlock>(), progress_));
+  }
+  // The worker, done with `segment`: kept as the spare (one per stream, 16 KiB), else freed.
+  void FreeSegment(Segment* segment) {
+    segment->~Segment();
+    void* expected = nullptr;
+    if (!spare_.compare_exchange_strong(expected, segment, std::memory_order_release,
+                                        std::memory_order_relaxed)) {
+      ::operator delete(segment);
     }
-    Item item;
-    item.kind = Item::kRecord;
-    item.wait.capture = std::move(capture);
-    return Push(std::move(item), mark);
   }
 
-  // mu_ held; `mark` may be null (an ordinary record).
-  void SetMark(const std::shared_ptr<HostEvent>* mark) { mark_.Set(mark, position_); }
-
-  absl::Status Push(Item&& item, const std::shared_ptr<HostEvent>* mark = nullptr) {
+  // Appends the item made of `what` (a StreamOp or a WaitTarget), constructed in its slot.
+  template <typename What>
+  absl::Status Push(What&& what) {
     std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-    if (!status_.ok()) {
-      absl::Status status = status_;
-      lock.unlock();
-      if (item.kind == Item::kRecord) item.wait.capture->Complete(status);
-      return status;
+    if (!status_.ok()) return status_;
+    const uint64_t index = enqueued_ % kTimeBlockItems;
+    if (index == 0 && enqueued_ > 0) {
+      // The first item of a segment: its block, for the worker to stamp and the records behind
+      // it to read. Linked before the item is published.
+      Segment* segment = NewSegment();
+      tail_->next.store(segment, std::memory_order_release);
+      tail_ = segment;
+      tail_times_ = segment->times;
     }
-    if (item.kind == Item::kRecord && queue_.empty() && finished_ == enqueued_) {
-      // Everything enqueued before has run: the event is complete now. Completed here rather
-      // than by waking the worker for it (most records land on an idle stream).
-      ++enqueued_;
-      ++finished_;
-      SetMark(mark);
-      lock.unlock();
-      item.wait.capture->Complete(absl::OkStatus());
-      return absl::OkStatus();
-    }
-    if (item.kind == Item::kRecord) {
-      SetMark(mark);
-    } else {
-      ++position_;
-    }
-    queue_.push_back(std::move(item));
+    new (tail_->slots[index]) Item(std::forward<What>(what));
     ++enqueued_;
     pushed_.store(enqueued_, std::memory_order_release);
     // One notify per sleep: a worker already notified (or running) needs no second one.
@@ -354,8 +347,8 @@ class HostStream final : public Stream, public HostCaptureRecorder {
     return absl::OkStatus();
   }
 
-  // Runs `item` (or drops it, if the stream is poisoned) and releases what it holds, so that its
-  // closures are destroyed before Synchronize() can report it done.
+  // Runs `item` (or drops it, if the stream is poisoned). The caller destroys it before it
+  // publishes it finished, so that its closures are gone before Synchronize() can report it done.
   absl::Status Run(Item& item, const absl::Status& poison) {
     absl::Status result;
     switch (item.kind) {
@@ -366,70 +359,72 @@ class HostStream final : public Stream, public HostCaptureRecorder {
         } else if (item.op.cancel != nullptr) {
           std::move(item.op.cancel)(poison);
         }
-        item.op = StreamOp();
-        break;
-      case Item::kRecord:
-        item.wait.capture->Complete(poison);
         break;
       case Item::kWait:
         if (poison.ok()) result = RunTracedWait(tracer_, item.wait, wait_timeout_, clock_, *name_);
         break;
     }
-    item.wait.capture = nullptr;
-    item.wait.foreign = nullptr;
-    if (item.then != nullptr) {
-      item.then->Complete(poison.ok() ? result : poison);
-      item.then = nullptr;
-    }
     return result;
   }
 
-  void WorkerLoop() {
-    Item item;
-    bool ran = false;
-    absl::Status result;
+  // Runs the items in order from `head` (the first segment) without the lock; takes it only to
+  // go to sleep, and to poison the stream.
+  void WorkerLoop(Segment* head) {
+    uint64_t popped = 0;  // items run (or dropped) so far
+    absl::Status poison;  // the worker's copy of status_
     while (true) {
-      absl::Status poison;
-      {
-        std::unique_lock<std::mutex> lock = LockSpinning(mu_);
-        if (ran) {
-          if (!result.ok() && status_.ok()) status_ = std::move(result);
-          ++finished_;
-          if (sync_waiters_ > 0) done_cv_.notify_all();
-        }
-        if (queue_.empty() && !stopping_ && MaySpin()) {
-          // Poll for a while before sleeping: a Push meanwhile finds the worker awake and
-          // notifies nobody.
-          const uint64_t seen = enqueued_;
-          lock.unlock();
-          Spin(seen);
-          lock.lock();
-        }
-        while (true) {
-          PassOnRelayedWakes(lock);
-          if (!queue_.empty() || stopping_) break;
-          worker_idle_ = true;  // Push clears it when it notifies
-          awake_workers.fetch_sub(1, std::memory_order_relaxed);
-          wake_->asleep = true;
-          wake_->cv.wait(lock,
-                         [this] { return !queue_.empty() || stopping_ || !wake_->relay.empty(); });
-          wake_->asleep = false;
-          awake_workers.fetch_add(1, std::memory_order_relaxed);
-          worker_idle_ = false;
-        }
-        if (queue_.empty()) {
-          // Stopping. Wake-ups handed over later go straight to their workers.
-          wake_->worker_gone = true;
-          PassOnRelayedWakes(lock);
-          return;
-        }
-        item = std::move(queue_.front());
-        queue_.pop_front();
-        poison = status_;
+      if (pushed_.load(std::memory_order_acquire) == popped && !AwaitWork(popped)) break;
+      const uint64_t index = popped % kTimeBlockItems;
+      if (index == 0 && popped > 0) {
+        Segment* next = head->next.load(std::memory_order_acquire);
+        FreeSegment(head);
+        head = next;
       }
-      result = Run(item, poison);
-      ran = true;
+      Item* item = head->slot(index);
+      absl::Status result = Run(*item, poison);
+      item->~Item();
+      ++popped;
+      if (!result.ok() && poison.ok()) {
+        // The first failure: recorded for the positions from this item on, then refuse later
+        // submissions, all before anyone can see the item finished (Synchronize reads status_
+        // once it did; a record on the poisoned stream reads the failed position).
+        poison = result;
+        progress_->Fail(popped, result);
+        std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+        status_ = std::move(result);
+      }
+      progress_->Finish(popped, clock_.Now(), head->times.get());
     }
+    FreeSegment(head);
+  }
+
+  // Waits until an item after the first `popped` is published (true), or the stream stops with
+  // none (false). Polls a while first (MaySpin), then sleeps under mu_.
+  bool AwaitWork(uint64_t popped) {
+    if (!stopping_flag_.load(std::memory_order_relaxed) && MaySpin()) {
+      // A Push meanwhile finds the worker awake and notifies nobody.
+      Spin(popped);
+      if (pushed_.load(std::memory_order_acquire) != popped) return true;
+    }
+    std::unique_lock<std::mutex> lock = LockSpinning(mu_);
+    // pushed_ changes only under mu_: read here, it is exact.
+    auto queued = [&] { return pushed_.load(std::memory_order_acquire) != popped; };
+    while (true) {
+      PassOnRelayedWakes(lock);
+      if (queued() || stopping_) break;
+      worker_idle_ = true;  // Push clears it when it notifies
+      awake_workers.fetch_sub(1, std::memory_order_relaxed);
+      wake_->asleep = true;
+      wake_->cv.wait(lock, [&] { return queued() || stopping_ || !wake_->relay.empty(); });
+      wake_->asleep = false;
+      awake_workers.fetch_add(1, std::memory_order_relaxed);
+      worker_idle_ = false;
+    }
+    if (queued()) return true;
+    // Stopping. Wake-ups handed over later go straight to their workers.
+    wake_->worker_gone = true;
+    PassOnRelayedWakes(lock);
+    return false;
   }
 
   // Wakes the workers whose wake-ups a batch handed to this one, with mu_ released meanwhile.
@@ -476,30 +471,33 @@ class HostStream final : public Stream, public HostCaptureRecorder {
   }
 
   const std::shared_ptr<const std::string> name_;  // shared with the captures
+  // What the worker finished, shared with the events recorded on the stream.
+  const std::shared_ptr<HostStreamProgress> progress_;
   const absl::Duration wait_timeout_;
   const Clock& clock_;
   const StreamTracer tracer_;
   const std::chrono::nanoseconds spin_;
   std::atomic<uint64_t> pushed_{0};  // enqueued_, for the spinning worker to poll without mu_
   std::atomic<bool> stopping_flag_{false};
+  // The memory of a segment the worker left, for the next NewSegment (it needs no lock: the worker
+  // and the submitters exchange it whole).
+  std::atomic<void*> spare_{nullptr};
 
   // The worker's mutex and condition variable, shared with the threads that hold a wake-up of it
   // back (HostStreamWakeBatch).
   const std::shared_ptr<WorkerWake> wake_ = std::make_shared<WorkerWake>();
   std::mutex& mu_ = wake_->mu;
   std::vector<std::shared_ptr<WorkerWake>>
-      relayed_;                      // the worker's: relay wake-ups being passed on
-  std::condition_variable done_cv_;  // Synchronize waits for finished_
-  Ring<Item> queue_ ABSL_GUARDED_BY(mu_);
+      relayed_;  // the worker's: relay wake-ups being passed on
   uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_idle_ ABSL_GUARDED_BY(mu_) = false;  // blocked in wake_->cv: needs a notify
-  int sync_waiters_ ABSL_GUARDED_BY(mu_) = 0;      // blocked in done_cv_
-  // Ops and waits accepted so far (records not counted: they enqueue no work).
-  uint64_t position_ ABSL_GUARDED_BY(mu_) = 0;
-  SharedMark mark_ ABSL_GUARDED_BY(mu_);  // the last RecordSharedEvent's, at position_
+  SharedMark mark_ ABSL_GUARDED_BY(mu_);           // the last RecordSharedEvent's, at enqueued_
+  // The segment that takes item enqueued_ + 1, and the time block of item enqueued_ (the
+  // previous segment's when enqueued_ ends one: the next is made with its first item).
+  Segment* tail_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::shared_ptr<const TimeBlock> tail_times_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
 };
 
@@ -507,6 +505,10 @@ class HostStream final : public Stream, public HostCaptureRecorder {
 
 HostCaptureRecorder* AsHostStream(Stream& stream) {
   return typeid(stream) == typeid(HostStream) ? static_cast<HostStream*>(&stream) : nullptr;
+}
+
+absl::Status MarkHostStream(Stream& stream, HostMark* mark) {
+  return static_cast<HostStream&>(stream).Mark(mark, nullptr);
 }
 
 absl::StatusOr<std::shared_ptr<Event>> RecordSharedOnHostStream(Stream& stream) {

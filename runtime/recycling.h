@@ -48,10 +48,11 @@ class BlockList {
  public:
   static constexpr size_t kMaxBlocks = 1024;
   BlockList() { blocks_.reserve(kMaxBlocks); }
-  // A free block, or null.
-  void* Take();
-  // false: the list is full; the caller frees the block.
-  bool Give(void* block);
+  // Moves up to `n` free blocks into `out`; returns how many.
+  size_t TakeMany(void** out, size_t n);
+  // Takes as many of the `n` blocks at `blocks` as fit; returns how many (the first ones). The
+  // caller frees the rest.
+  size_t GiveMany(void* const* blocks, size_t n);
 
  private:
   std::mutex mu_;
@@ -65,6 +66,85 @@ BlockList& ListOf() {
   return *list;
 }
 
+// Each thread keeps a few free blocks of each type in front of the shared list, and moves them to
+// and from it in batches: the hooks make and drop several objects of a type per call, and a lock
+// of the shared list per object (a cache-line transfer whenever another thread used it last) cost
+// more than the object. Trivially destructible, so a block freed during the thread's exit, after
+// CacheFlusher ran, still has somewhere to go (the shared list).
+inline constexpr size_t kThreadCacheBlocks = 32;
+struct ThreadCache {
+  void* blocks[kThreadCacheBlocks];
+  size_t size;
+  bool flusher_armed;  // CacheFlusher constructed for this thread
+  bool closed;         // the thread is exiting: bypass the cache
+};
+
+// Returns a thread's cached blocks of T to the shared list when the thread exits.
+template <typename T>
+struct CacheFlusher;
+
+template <typename T>
+ThreadCache& CacheOf() {
+  static thread_local constinit ThreadCache cache{};
+  return cache;
+}
+
+template <typename T>
+void FreeBlocks(void* const* blocks, size_t n) {
+  for (size_t i = 0; i < n; ++i) std::allocator<T>().deallocate(static_cast<T*>(blocks[i]), 1);
+}
+
+template <typename T>
+struct CacheFlusher {
+  ~CacheFlusher() {
+    ThreadCache& cache = CacheOf<T>();
+    cache.closed = true;
+    const size_t given = ListOf<T>().GiveMany(cache.blocks, cache.size);
+    FreeBlocks<T>(cache.blocks + given, cache.size - given);
+    cache.size = 0;
+  }
+};
+
+template <typename T>
+void ArmFlusher(ThreadCache& cache) {
+  if (cache.flusher_armed) return;
+  cache.flusher_armed = true;
+  static thread_local CacheFlusher<T> flusher;
+  (void)flusher;
+}
+
+// A free block of T, or null.
+template <typename T>
+void* TakeBlock() {
+  ThreadCache& cache = CacheOf<T>();
+  if (cache.size == 0) {
+    if (cache.closed) return ListOf<T>().TakeMany(cache.blocks, 1) == 1 ? cache.blocks[0] : nullptr;
+    ArmFlusher<T>(cache);
+    cache.size = ListOf<T>().TakeMany(cache.blocks, kThreadCacheBlocks / 2);
+    if (cache.size == 0) return nullptr;
+  }
+  return cache.blocks[--cache.size];
+}
+
+// Keeps `block` (of T) for reuse, or frees it.
+template <typename T>
+void GiveBlock(void* block) {
+  ThreadCache& cache = CacheOf<T>();
+  if (cache.closed) {
+    if (ListOf<T>().GiveMany(&block, 1) == 0) FreeBlocks<T>(&block, 1);
+    return;
+  }
+  if (cache.size == kThreadCacheBlocks) {
+    // Half to the shared list: the thread keeps room to free more and blocks to take.
+    constexpr size_t kHalf = kThreadCacheBlocks / 2;
+    const size_t given = ListOf<T>().GiveMany(cache.blocks + kHalf, kHalf);
+    FreeBlocks<T>(cache.blocks + kHalf + given, kHalf - given);
+    cache.size = kHalf;
+  }
+  ArmFlusher<T>(cache);
+  cache.blocks[cache.size++] = block;
+}
+
 }  // namespace recycling_internal
 
 template <typename T>
@@ -76,12 +156,12 @@ class RecyclingAllocator {
   RecyclingAllocator(const RecyclingAllocator<U>&) noexcept {}  // NOLINT: rebinding
   T* allocate(size_t n) {
     if (recycling_internal::kRecycle && n == 1) {
-      if (void* block = recycling_internal::ListOf<T>().Take()) return static_cast<T*>(block);
+      if (void* block = recycling_internal::TakeBlock<T>()) return static_cast<T*>(block);
     }
     return std::allocator<T>().allocate(n);
   }
   void deallocate(T* p, size_t n) noexcept {
-    if (recycling_internal::kRecycle && n == 1 && recycling_internal::ListOf<T>().Give(p)) return;
+    if (recycling_internal::kRecycle && n == 1) return recycling_internal::GiveBlock<T>(p);
     std::allocator<T>().deallocate(p, n);
   }
   template <typename U>

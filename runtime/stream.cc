@@ -106,9 +106,17 @@ absl::StatusOr<std::unique_ptr<Stream>> CreateStream(Device device, StreamOption
 }
 
 absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream) {
-  stream_internal::HostCaptureRecorder* recorder = stream_internal::AsHostStream(stream);
-  if (recorder == nullptr) recorder = stream_internal::AsCallerStream(stream);
-  if (recorder != nullptr) {
+  if (stream_internal::AsHostStream(stream) != nullptr) {
+    // Their CreateEvent() makes a host event: made and marked here without its lock.
+    std::shared_ptr<stream_internal::HostEvent> event = stream_internal::NewHostEvent();
+    ++stream_internal::call_stats.records;
+    stream_internal::HostMark mark;
+    const absl::Status status = stream_internal::MarkHostStream(stream, &mark);
+    event->SetFreshMark(std::move(mark), stream.id());
+    SL_RETURN_IF_ERROR(status);
+    return event;
+  }
+  if (stream_internal::HostCaptureRecorder* recorder = stream_internal::AsCallerStream(stream)) {
     // Their CreateEvent() makes a host event: made and recorded here without its lock.
     std::shared_ptr<stream_internal::HostEvent> event = stream_internal::NewHostEvent();
     SL_RETURN_IF_ERROR(stream_internal::HostEvent::RecordFresh(event, stream, *recorder));

@@ -263,16 +263,16 @@ absl::StatusOr<std::shared_ptr<Event>> RecordEvent(Stream& stream);
 absl::StatusOr<std::shared_ptr<Event>> RecordSharedEvent(Stream& stream);
 
 // Holds back the wake-ups of host streams' sleeping workers on the calling thread while it is
-// open. A submission (an op, a queued record or wait) to a host stream whose worker sleeps does
-// not wake the worker at once (a futex wake, often a cross-CPU interrupt, and on a virtual machine
-// an exit): each such worker is woken once, when the thread's outermost batch ends, or sooner,
-// when the thread is about to block in any Clock::WaitUntil (every blocking call of the streams:
-// Stream::Synchronize, Event::Synchronize, a caller stream's wait), so the thread never blocks on
-// work it held back. The work itself is unchanged and keeps its order; it may only start later,
-// at the end of the batch. Open one around a burst of submissions (the scheduler's hooks do);
-// inside it, code that waits by other means (a spin on a flag, another library's blocking call)
-// for something that may need the held-back work calls WakeHeld() first (the CUDA streams' and
-// NCCL's polling waits do). Batches nest. Not copyable; End() (or the destructor) runs on the
+// open. A submission (an op, or a wait that has to be queued) to a host stream whose worker sleeps
+// does not wake the worker at once (a futex wake, often a cross-CPU interrupt, and on a virtual
+// machine an exit): each such worker is woken once, when the thread's outermost batch ends, or
+// sooner, when the thread is about to block in any Clock::WaitUntil (every blocking call of the
+// streams: Stream::Synchronize, Event::Synchronize, a caller stream's wait), so the thread never
+// blocks on work it held back. The work itself is unchanged and keeps its order; it may only start
+// later, at the end of the batch. Open one around a burst of submissions (the scheduler's hooks
+// do); inside it, code that waits by other means (a spin on a flag, another library's blocking
+// call) for something that may need the held-back work calls WakeHeld() first (the CUDA streams'
+// and NCCL's polling waits do). Batches nest. Not copyable; End() (or the destructor) runs on the
 // thread that opened it.
 class HostStreamWakeBatch {
  public:
@@ -296,7 +296,7 @@ class HostStreamWakeBatch {
 struct HostStreamCallStats {
   uint64_t submits = 0;         // Submit() on host streams
   uint64_t records = 0;         // host-event Record()s on host and caller streams
-  uint64_t records_queued = 0;  // ... of which waited for queued work (the rest completed at once)
+  uint64_t records_queued = 0;  // ... of which are behind pending work (the rest complete at once)
   uint64_t waits = 0;           // WaitEvent() on host streams
   uint64_t waits_queued = 0;    // ... of which queued a wait (the rest found the event done)
   uint64_t wakes = 0;           // notifies of a sleeping worker (each a futex wake)

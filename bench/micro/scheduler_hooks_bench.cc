@@ -11,9 +11,9 @@
 //   scheduler_hooks_bench --benchmark_filter=/threads:2
 //
 // Counters: hook_ns_per_unit = the hooks' host time per unit per step (averaged over steps and
-// ranks; the target is < 10 us); hook_cpu_ns_per_unit = the calling thread's CPU time inside the
-// hooks per unit per step (system calls included, time preempted by other threads excluded: on a
-// loaded machine the wall figure is mostly waiting for a core); last_step_sched_ns_per_unit = the
+// ranks; the target is at most 3 us); hook_cpu_ns_per_unit = the calling thread's CPU time inside
+// the hooks per unit per step (system calls included, time preempted by other threads excluded: on
+// a loaded machine the wall figure is mostly waiting for a core); last_step_sched_ns_per_unit = the
 // scheduler's own StepMetrics::host_hook_time of the last step per unit (a cross-check); steps =
 // steps timed per rank; timer_cpu_ns_per_unit = the part of hook_cpu_ns_per_unit that is this
 // benchmark's own timing (measured on an empty hook); submits, records, records_queued, waits,

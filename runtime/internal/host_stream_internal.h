@@ -36,19 +36,26 @@ HostCaptureRecorder* AsRecorder(Stream& stream);
 HostCaptureRecorder* AsHostStream(Stream& stream);
 HostCaptureRecorder* AsCallerStream(Stream& stream);
 
+// Records a position on `stream`, which must be a host stream (AsHostStream non-null): *mark
+// captures the work enqueued so far. If the stream is poisoned the mark is complete at once with
+// the stream's Status, which is also returned.
+absl::Status MarkHostStream(Stream& stream, HostMark* mark);
+
 // RecordSharedEvent on `stream`, which must be a host stream (AsHostStream non-null), or a caller
 // stream (AsCallerStream non-null).
 absl::StatusOr<std::shared_ptr<Event>> RecordSharedOnHostStream(Stream& stream);
 absl::StatusOr<std::shared_ptr<Event>> RecordSharedOnCallerStream(Stream& stream);
 
-// What a stream has to wait for to honour WaitEvent(event): a host capture, a foreign waiter, or
-// nothing (never recorded, or already complete and OK). `source` names what is waited for in
-// trace spans.
+// What a stream has to wait for to honour WaitEvent(event): a host stream's position, a host
+// capture, a foreign waiter, or nothing (never recorded, or already complete and OK). `source`
+// names what is waited for in trace spans.
 struct WaitTarget {
+  std::shared_ptr<const TimeBlock> mark;  // a pending position's block (and progress)
+  uint64_t position = 0;                  // of `mark`
   std::shared_ptr<HostCapture> capture;
   HostWaitable::Waiter foreign;
   std::string source;
-  bool empty() const { return capture == nullptr && foreign == nullptr; }
+  bool empty() const { return mark == nullptr && capture == nullptr && foreign == nullptr; }
 };
 
 // The wait target of `event` for the stream `waiter`, snapshot now (host_event.cc).

@@ -953,8 +953,9 @@ TEST(EventTest, ReRecordReplacesTheCaptureButNotEarlierWaits) {
   EXPECT_TRUE(saw_slow_done);
 }
 
-// The first record of an event lives inside the event: dropping the event while that record is
-// still pending must neither free it under the stream nor release the streams waiting for it.
+// A record on a host stream is a position in the stream's progress: dropping the event while
+// that record is still pending frees it at once (no stream holds any part of it) and does not
+// release the streams waiting for it.
 TEST(EventTest, AnEventDroppedBeforeItsRecordCompletesStillOrdersItsWaiters) {
   auto slow = MakeHost("slow");
   auto waiter = MakeHost("waiter");
@@ -978,12 +979,11 @@ TEST(EventTest, AnEventDroppedBeforeItsRecordCompletesStillOrdersItsWaiters) {
                   .ok());
   std::weak_ptr<Event> weak = event;
   event.reset();
-  EXPECT_FALSE(weak.expired());  // the pending record and the wait keep it
+  EXPECT_TRUE(weak.expired());  // neither the pending record nor the wait keeps it
   gate.Open();
   ASSERT_TRUE(waiter->Synchronize(Soon()).ok());
   ASSERT_TRUE(slow->Synchronize(Soon()).ok());
   EXPECT_TRUE(saw_slow_done);
-  EXPECT_TRUE(weak.expired());  // and nothing else does
 }
 
 // An event recorded three times: each record captures its own point, the completion times
@@ -1011,8 +1011,85 @@ TEST(EventTest, EveryRecordOfAnEventCapturesItsOwnPoint) {
 
 // A host stream's queue is a ring that grows: items queued while the worker is blocked, with the
 // ring's start in the middle of its storage, still run once each, in order.
-TEST(HostStreamTest, QueueGrowthAcrossTheRingsWrapKeepsOrder) {
-  auto stream = MakeHost("ring");
+// A record on a host stream is a position: its completion time is the end of the item it follows
+// (stamped per block of items), its outcome the first failure at or before it. Checked over more
+// items than one block, against the manual clock's known steps, and after the stream is gone.
+TEST(EventTest, PositionsKeepTimesAndOutcomesAcrossBlocksAndOutliveTheStream) {
+  const absl::Time t0 = absl::FromUnixSeconds(5000);
+  ManualClock clock(t0);
+  StreamOptions options;
+  options.name = "blocks";
+  options.clock = &clock;
+  std::unique_ptr<Stream> stream = *CreateHostStream(options);
+  constexpr int kOps = 150;
+  constexpr int kFails = 120;  // op 120 fails: the 29 after it are dropped
+  Gate gate;
+  ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
+  std::atomic<int> cancelled{0};
+  std::vector<std::shared_ptr<Event>> events;
+  for (int k = 0; k < kOps; ++k) {
+    StreamOp op;
+    op.run = [&clock, k]() -> absl::Status {
+      if (k == kFails) return absl::InternalError("op 120");
+      clock.Advance(absl::Milliseconds(1));
+      return absl::OkStatus();
+    };
+    op.cancel = [&cancelled](const absl::Status& status) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInternal);
+      ++cancelled;
+    };
+    ASSERT_TRUE(stream->Submit(std::move(op)).ok());
+    events.push_back(*RecordEvent(*stream));
+  }
+  for (const std::shared_ptr<Event>& event : events) {
+    EXPECT_EQ(event->Query().value_or(true), false);
+    EXPECT_EQ(event->completed_at(), std::nullopt);
+  }
+  gate.Open();
+  ASSERT_EQ(stream->Synchronize(clock.Now() + absl::Hours(1)).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(cancelled.load(), kOps - kFails - 1);
+  stream.reset();  // the events keep what they need
+  for (int k = 0; k < kOps; ++k) {
+    const absl::StatusOr<bool> done = events[k]->Query();
+    if (k < kFails) {
+      ASSERT_TRUE(done.ok()) << "record " << k << ": " << done.status();
+      EXPECT_TRUE(*done);
+      EXPECT_EQ(events[k]->completed_at(), t0 + absl::Milliseconds(k + 1)) << "record " << k;
+    } else {
+      EXPECT_EQ(done.status().code(), absl::StatusCode::kInternal) << "record " << k;
+      EXPECT_THAT(Message(done.status()), HasSubstr("op 120"));
+      // The failed op and the dropped ones took no clock time.
+      EXPECT_EQ(events[k]->completed_at(), t0 + absl::Milliseconds(kFails)) << "record " << k;
+    }
+    EXPECT_EQ(events[k]->Synchronize(clock.Now()).code(), done.status().code());
+  }
+}
+
+// OnComplete races the worker finishing the position: whichever side takes the callback runs it,
+// exactly once, and before the completion is seen by the thread that registered it.
+TEST(EventTest, CallbacksRegisteredAsTheWorkerFinishesRunOnceAndBeforeTheCompletionIsSeen) {
+  auto stream = MakeHost("racing");
+  constexpr int kRecords = 4000;
+  std::vector<std::atomic<int>> runs(kRecords);
+  std::vector<std::shared_ptr<Event>> events;
+  for (int i = 0; i < kRecords; ++i) {
+    ASSERT_TRUE(stream->Enqueue([] { return absl::OkStatus(); }).ok());
+    events.push_back(*RecordEvent(*stream));
+    events.back()->OnComplete([&runs, i](absl::Status status) {
+      EXPECT_TRUE(status.ok()) << status;
+      runs[i].fetch_add(1);
+    });
+    if (i % 50 == 49) {
+      ASSERT_TRUE(events[i]->Synchronize(Soon()).ok());
+      for (int j = i - 49; j <= i; ++j) ASSERT_EQ(runs[j].load(), 1) << "record " << j;
+    }
+  }
+  ASSERT_TRUE(stream->Synchronize(Soon()).ok());
+  for (int i = 0; i < kRecords; ++i) ASSERT_EQ(runs[i].load(), 1) << "record " << i;
+}
+
+TEST(HostStreamTest, QueueGrowthAcrossSegmentsKeepsOrder) {
+  auto stream = MakeHost("segments");
   std::vector<int> ran;  // written by the worker only
   int next = 0;
   auto push = [&](int n) {
@@ -1026,11 +1103,11 @@ TEST(HostStreamTest, QueueGrowthAcrossTheRingsWrapKeepsOrder) {
     }
   };
   for (int round = 0; round < 4; ++round) {
-    push(11);  // moves the ring's start off its first slot
+    push(11);  // moves the queue's start off a segment's first slot
     ASSERT_TRUE(stream->Synchronize(Soon()).ok());
     Gate gate;
     ASSERT_TRUE(stream->Enqueue(BlockOn(gate)).ok());
-    push(37 + 50 * round);  // past the ring's size, wrapped: it grows with items queued
+    push(37 + 50 * round);  // across segments (64 items each) while the worker is held
     gate.Open();
     ASSERT_TRUE(stream->Synchronize(Soon()).ok());
   }
