@@ -89,13 +89,20 @@ std::optional<absl::Time> HostCapture::completed_at() {
 bool HostStreamProgress::WaitUntilDone(uint64_t position, absl::Time deadline) {
   if (Done(position)) return true;
   std::unique_lock<std::mutex> lock(wait_mu_);
-  // Counted before the check (both sequentially consistent, as Finish's store of the count and
-  // its load of waiters_): either Finish sees this waiter or the check sees the count.
-  waiters_.fetch_add(1, std::memory_order_seq_cst);
+  // Registered before the check (first_wait_'s store and the check's load sequentially
+  // consistent, as Finish's store of the count and its load of first_wait_): either Finish sees
+  // this position due or the check sees it done.
+  waits_.push_back(position);
+  if (position < first_wait_.load(std::memory_order_relaxed)) {
+    first_wait_.store(position, std::memory_order_seq_cst);
+  }
   const bool done = clock_->WaitUntil(wait_cv_, lock, deadline, [&] {
     return finished_.load(std::memory_order_seq_cst) >= position;
   });
-  waiters_.fetch_sub(1, std::memory_order_relaxed);
+  waits_.erase(std::find(waits_.begin(), waits_.end(), position));
+  uint64_t first = kNever;
+  for (uint64_t p : waits_) first = std::min(first, p);
+  first_wait_.store(first, std::memory_order_seq_cst);
   return done;
 }
 
@@ -162,7 +169,7 @@ void HostStreamProgress::Finish(uint64_t item, absl::Time at, TimeBlock* times) 
   if (first_callback_.load(std::memory_order_seq_cst) <= item) RunDueCallbacks(item);
   finished_.store(item, std::memory_order_seq_cst);
   if (first_callback_.load(std::memory_order_seq_cst) <= item) RunDueCallbacks(item);
-  if (waiters_.load(std::memory_order_seq_cst) > 0) {
+  if (first_wait_.load(std::memory_order_seq_cst) <= item) {
     // Notified under the lock: a waiter on a ManualClock may be about to destroy its wait.
     std::lock_guard<std::mutex> lock(wait_mu_);
     wait_cv_.notify_all();

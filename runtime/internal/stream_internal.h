@@ -196,10 +196,14 @@ class HostStreamProgress {
   alignas(64) std::atomic<uint64_t> first_callback_{kNever};
   std::mutex cb_mu_;
   absl::InlinedVector<std::pair<uint64_t, EventCallback>, 4> callbacks_ ABSL_GUARDED_BY(cb_mu_);
-  // Threads blocked in Wait.
-  alignas(64) std::atomic<int> waiters_{0};
+  // The positions threads are blocked in Wait for, and the smallest of them (kNever if none),
+  // which the worker compares each item with before it takes wait_mu_: a waiter is woken when
+  // its position is done, not at every item before it (a burst of work behind one Synchronize
+  // would otherwise cost the waiter a wake-up per item).
+  alignas(64) std::atomic<uint64_t> first_wait_{kNever};
   std::mutex wait_mu_;
   std::condition_variable wait_cv_;
+  absl::InlinedVector<uint64_t, 4> waits_ ABSL_GUARDED_BY(wait_mu_);
 };
 
 // A host event's record on a host stream: a position in its progress, and how to know when it

@@ -4,6 +4,7 @@
 #include "tests/common/gate.h"
 
 #include <sched.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <chrono>
@@ -239,6 +240,54 @@ TEST(HostStreamTest, SynchronizeDeadlineFiresThenCompletes) {
   EXPECT_EQ((*event)->Query().value_or(false), true);
   EXPECT_TRUE(stream->Synchronize(Soon()).ok());
   EXPECT_TRUE(stream->status().ok());
+}
+
+// Voluntary context switches of the calling thread so far: one per sleep in a futex wait.
+long VoluntarySwitches() {
+  rusage usage{};
+  getrusage(RUSAGE_THREAD, &usage);
+  return usage.ru_nvcsw;
+}
+
+// A thread blocked behind many queued items (a burst of small collectives, then one wait) sleeps
+// until its own position is done: the worker does not wake it at every item before. A wake-up
+// per item cost such a burst 2-5x its time.
+TEST(HostStreamTest, AWaiterBehindManyItemsSleepsUntilItsPosition) {
+  auto stream = MakeHost("burst");
+  for (const bool whole_stream : {false, true}) {
+    SCOPED_TRACE(whole_stream ? "Stream::Synchronize" : "Event::Synchronize");
+    // The first item holds the queue until the waiter is about to block; each item behind it
+    // runs for 20 us, so the waiter is asleep while they run.
+    std::atomic<bool> waiting{false};
+    ASSERT_TRUE(stream
+                    ->Enqueue([&waiting] {
+                      while (!waiting.load()) std::this_thread::yield();
+                      return absl::OkStatus();
+                    })
+                    .ok());
+    constexpr int kItems = 300;
+    std::atomic<int> ran{0};
+    for (int i = 0; i < kItems; ++i) {
+      ASSERT_TRUE(stream
+                      ->Enqueue([&ran] {
+                        const absl::Time end = absl::Now() + absl::Microseconds(20);
+                        while (absl::Now() < end) {
+                        }
+                        ran.fetch_add(1);
+                        return absl::OkStatus();
+                      })
+                      .ok());
+    }
+    absl::StatusOr<std::shared_ptr<Event>> event = RecordEvent(*stream);
+    ASSERT_TRUE(event.ok()) << event.status();
+    const long before = VoluntarySwitches();
+    waiting.store(true);
+    ASSERT_TRUE((whole_stream ? stream->Synchronize(Soon()) : (*event)->Synchronize(Soon())).ok());
+    const long switches = VoluntarySwitches() - before;
+    EXPECT_EQ(ran.load(), kItems);
+    EXPECT_LT(switches, 30) << "the waiter slept " << switches << " times behind " << kItems
+                            << " items";
+  }
 }
 
 TEST(HostStreamTest, WaitTimeoutPoisonsTheStream) {
