@@ -21,8 +21,8 @@ import pytest
 pytest.importorskip("torch")
 
 CASES = ["base:roundtrip", "shard_grad_op:offload,post", "no_shard:noprefetch,forward",
-         "nolimit:orig,roundtrip", "sync:ignored", "size:nosync", "lambda:clip", "module:ac",
-         "ac:shard_grad_op", "meta:orig"]
+         "nolimit:orig,roundtrip", "sync:ignored", "size:nosync,clipfn", "lambda:clip",
+         "module:ac", "ac:shard_grad_op", "meta:orig"]
 
 
 def run(launch, tmp_path, nprocs, cases):

@@ -792,11 +792,13 @@ def scaler_run(launch, tmp_path, *args):
     return [json.loads((tmp_path / f"rank{r}.json").read_text())["steps"] for r in range(2)]
 
 
-def test_sharded_grad_scaler_skips_an_inf_step_on_every_rank(launch, tmp_path):
+@pytest.mark.parametrize("wrapper", ["fully_shard", "fsdp1"])
+def test_sharded_grad_scaler_skips_an_inf_step_on_every_rank(launch, tmp_path, wrapper):
     """f16 parameters, two ranks; in step 1 only the last rank's shard gets inf gradients (rank
     0's loss overflows one output column). Every rank skips that step and halves the scale; the
-    other steps track the unsharded float32 run within f16 tolerance."""
-    ranks = scaler_run(launch, tmp_path)
+    other steps track the unsharded float32 run within f16 tolerance. Also through FSDP1's
+    wrapper, whose optimizer steps flat parameters."""
+    ranks = scaler_run(launch, tmp_path, *(["--fsdp1"] if wrapper == "fsdp1" else []))
     for steps in ranks:
         assert [s["scale"] for s in steps] == [1024.0, 512.0, 512.0], steps
         for name in steps[0]["slices"]:

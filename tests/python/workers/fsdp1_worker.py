@@ -26,6 +26,8 @@ arguments and what the training does (the model is fully_shard_worker.py's):
                                            parameters), a lambda policy, ModuleWrapPolicy
     nosync                                 two micro-batches, the first under no_sync()
     clip                                   model.clip_grad_norm_(0.5)
+    clipfn                                 shardline.torch.clip_grad_norm_(model.parameters(),
+                                           0.5): over the flat parameters
     ac                                     apply_activation_checkpointing(checkpoint_wrapper) on
                                            the blocks' wrappers: no extra gathers
     roundtrip                              the state-dict checks (round_trips)
@@ -145,8 +147,10 @@ def train(model, options, rank, size, sharded):
             for p in model.module.head.parameters():  # outside every unit: replicated
                 dist.all_reduce(p.grad)
                 p.grad /= size
-        if "clip" in options:
-            if sharded:
+        if options & {"clip", "clipfn"}:
+            if sharded and "clipfn" in options:
+                slt.clip_grad_norm_(model.parameters(), 0.5)
+            elif sharded:
                 model.clip_grad_norm_(0.5)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)

@@ -1,7 +1,7 @@
 """One rank of an f16 fully_shard training with shardline.torch.ShardedGradScaler, run by
 test_fully_shard.py under shardline.launch.
 
-    grad_scaler_worker.py OUT_DIR [--plain-scaler]
+    grad_scaler_worker.py OUT_DIR [--plain-scaler] [--fsdp1]
 
 The model is one fully_shard'ed Linear(9, 5) (param_dtype float16) under a root without
 parameters, trained with SGD for three steps. In step 1 only rank 0 weights its loss's last
@@ -9,7 +9,9 @@ output column by 1e4: with the scale of 1024 that column's f16 gradient overflow
 gradients of the weight's last row and of the last bias (the end of the unit's flat buffer:
 the last rank's shard) become inf after the reduce-scatter, and no other element does. Every
 rank must skip step 1 and halve the scale. --plain-scaler uses torch.amp.GradScaler instead
-(the test checks that the ranks then disagree). Each rank also runs the same training unsharded
+(the test checks that the ranks then disagree). --fsdp1 wraps the model in
+FullyShardedDataParallel instead (the Linear its own unit; the optimizer steps its flat
+parameter, whose .grad is the sharded gradient). Each rank also runs the same training unsharded
 in float32 on the global batch, skipping step 1, and writes OUT_DIR/rank<r>.json: per step its
 shard slices, the scale and the reference's parameters.
 """
@@ -50,6 +52,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--plain-scaler", action="store_true")
+    p.add_argument("--fsdp1", action="store_true")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
@@ -57,8 +60,16 @@ def main():
     ref = Root()
     torch.manual_seed(3)
     model = Root()
-    slt.fully_shard(model.head, mp_policy=slt.MixedPrecisionPolicy(param_dtype=torch.float16))
-    slt.fully_shard(model, mp_policy=slt.MixedPrecisionPolicy(param_dtype=torch.float16))
+    if args.fsdp1:
+        model = slt.FullyShardedDataParallel(
+            model, auto_wrap_policy=slt.ModuleWrapPolicy({nn.Linear}),
+            mixed_precision=slt.MixedPrecision(param_dtype=torch.float16))
+        st = next(u for u in model.module._shardline_state.root.units if u.params)
+    else:
+        slt.fully_shard(model.head,
+                        mp_policy=slt.MixedPrecisionPolicy(param_dtype=torch.float16))
+        slt.fully_shard(model, mp_policy=slt.MixedPrecisionPolicy(param_dtype=torch.float16))
+        st = model.head._shardline_state
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     if args.plain_scaler:
@@ -82,7 +93,6 @@ def main():
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        st = model.head._shardline_state
         steps.append({
             "scale": scaler.get_scale(),
             "slices": {n: [st.tensor_offsets[i], p.detach().tolist()]

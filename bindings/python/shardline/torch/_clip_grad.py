@@ -2,7 +2,7 @@
 
 import torch
 
-from ._fsdp_param_group import _owner
+from ._fsdp_param_group import _sharded_owner
 
 __all__ = ["clip_grad_norm_"]
 
@@ -24,7 +24,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     norm_type = float(norm_type)
     sharded, replicated, roots = [], [], []
     for p in params:
-        st = _owner(p)
+        st = _sharded_owner(p)
         if st is not None and any(q is p and spec is not None
                                   for q, spec in zip(st.params, st.dtensors)):
             raise NotImplementedError(

@@ -350,6 +350,9 @@ def _make_flat_parameters(wrapper):
     for st in root.units:
         st.flat_param = nn.Parameter(root.scheduler.master_shard(st.unit),
                                      requires_grad=any(p.requires_grad for p in st.params))
+        # Its .grad is the unit's sharded gradient: clip_grad_norm_ and ShardedGradScaler
+        # reduce over the ranks what they find on it.
+        st.flat_param._shardline_flat_unit = st
 
 
 def _flat_units(optim):

@@ -63,6 +63,13 @@ def _owner(p):
     return getattr(p, "_shardline_unit", None)
 
 
+def _sharded_owner(p):
+    """The _UnitState whose sharded gradient p's .grad is: p's owner, or the unit whose flat
+    parameter p is (FullyShardedDataParallel with use_orig_params=False). None for a parameter
+    no unit manages (its gradient is the same on every rank)."""
+    return getattr(p, "_shardline_unit", None) or getattr(p, "_shardline_flat_unit", None)
+
+
 def _collect_parameters(state, module):
     """The parameters under `module` that no fully_shard'ed submodule manages, each with every
     (submodule, name) slot that holds it; a parameter held by another unit is refused."""

@@ -9,7 +9,7 @@ step() reads them, so every rank skips the same steps and the scale follows the 
 
 import torch
 
-from ._fsdp_param_group import _owner
+from ._fsdp_param_group import _sharded_owner
 
 __all__ = ["ShardedGradScaler"]
 
@@ -30,7 +30,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         worlds = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                st = _owner(p)
+                st = _sharded_owner(p)
                 if st is not None and st.root is not None:
                     worlds.setdefault(id(st.root.world), st.root.world)
         if len(worlds) > 1:
