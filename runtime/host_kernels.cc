@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/half.h"
+#include "runtime/status.h"
 
 namespace shardline {
 namespace {
@@ -206,16 +207,37 @@ void ReduceImpl(std::byte* inout, const std::byte* in, size_t count) {
   }
 }
 
+// `bytes` from `src` (in L1) to `dst` with non-temporal stores where `dst` is 16-byte aligned;
+// the unaligned head and tail with plain stores. The caller fences (_mm_sfence) once at the end.
+inline void StreamOut(std::byte* dst, const std::byte* src, size_t bytes) {
+#if defined(__x86_64__)
+  const size_t head = std::min(bytes, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+  std::memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 16 <= bytes; i += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
 // Accumulates a chunk of every input in a compute-type buffer that stays in L1, then rounds and
 // stores it once: one pass over each input, one rounding, and `out` may alias any input because
 // a chunk is read completely before it is written.
-template <DType D, typename Op>
+// With `kStream`, each rounded chunk goes to `out` through StreamOut: the output's lines are not
+// read before they are overwritten (a reduction whose output is written whole and not read again
+// soon moves n + 1 bytes per output byte instead of n + 2).
+template <DType D, typename Op, bool kStream = false>
 void ReduceManyImpl(std::byte* out, const std::byte* const* inputs, int num_inputs, size_t count) {
   using E = Elem<D>;
   using S = typename E::S;
   using C = typename E::C;
   constexpr size_t kChunk = 1024;
   C acc[kChunk];
+  [[maybe_unused]] S rounded[kStream ? kChunk : 1];
   for (size_t base = 0; base < count; base += kChunk) {
     const size_t len = std::min(kChunk, count - base);
     const size_t offset = base * sizeof(S);
@@ -226,8 +248,17 @@ void ReduceManyImpl(std::byte* out, const std::byte* const* inputs, int num_inpu
       for (size_t j = 0; j < len; ++j) acc[j] = Op::Apply(acc[j], E::ToC(Load<S>(p, j)));
     }
     std::byte* o = out + offset;
-    for (size_t j = 0; j < len; ++j) Store<S>(o, j, E::FromC(acc[j]));
+    if constexpr (kStream) {
+      for (size_t j = 0; j < len; ++j) rounded[j] = E::FromC(acc[j]);
+      StreamOut(o, reinterpret_cast<const std::byte*>(rounded), len * sizeof(S));
+    } else {
+      for (size_t j = 0; j < len; ++j) Store<S>(o, j, E::FromC(acc[j]));
+    }
   }
+#if defined(__x86_64__)
+  // Non-temporal stores are weakly ordered: visible before whatever says the output is done.
+  if constexpr (kStream) _mm_sfence();
+#endif
 }
 
 // ---- Scale -----------------------------------------------------------------------------------
@@ -331,6 +362,16 @@ SL_KERNEL_CLONES void RunReduceMany(std::byte* o, const std::byte* const* in, in
   });
 }
 
+SL_KERNEL_CLONES void RunReduceManyStreaming(std::byte* o, const std::byte* const* in,
+                                             int num_inputs, size_t count, DType dtype,
+                                             ReduceOp op) {
+  DispatchDType(dtype, [&](auto tag) {
+    DispatchOp(op, [&](auto op_tag) {
+      ReduceManyImpl<decltype(tag)::value, decltype(op_tag), true>(o, in, num_inputs, count);
+    });
+  });
+}
+
 SL_KERNEL_CLONES void RunScale(std::byte* io, size_t count, DType dtype, double factor,
                                int64_t divisor) {
   DispatchDType(dtype, [&](auto tag) {
@@ -384,30 +425,56 @@ absl::Status Reduce(void* inout, const void* in, size_t count, DType dtype, Redu
   return absl::OkStatus();
 }
 
-absl::Status ReduceMany(void* out, const void* const* inputs, int num_inputs, size_t count,
-                        DType dtype, ReduceOp op) {
+namespace {
+
+// ReduceMany's and ReduceManyStreaming's argument checks (`fn` names the caller).
+absl::Status CheckReduceMany(absl::string_view fn, const void* out, const void* const* inputs,
+                             int num_inputs, size_t count, DType dtype, ReduceOp op) {
   if (num_inputs < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("ReduceMany: num_inputs must be >= 1, got ", num_inputs));
+        absl::StrCat(fn, ": num_inputs must be >= 1, got ", num_inputs));
   }
   if (!DispatchOp(op, [](auto) {})) {
     return absl::InvalidArgumentError(
-        absl::StrCat("ReduceMany: invalid reduce op ", static_cast<int>(op)));
+        absl::StrCat(fn, ": invalid reduce op ", static_cast<int>(op)));
   }
   if (!DispatchDType(dtype, [](auto) {})) {
     return absl::InvalidArgumentError(
-        absl::StrCat("ReduceMany: invalid dtype ", static_cast<int>(dtype)));
+        absl::StrCat(fn, ": invalid dtype ", static_cast<int>(dtype)));
   }
   if (count == 0) return absl::OkStatus();
-  if (out == nullptr) return NullError("ReduceMany", "out", count);
-  if (inputs == nullptr) return NullError("ReduceMany", "inputs", count);
+  if (out == nullptr) return NullError(fn, "out", count);
+  if (inputs == nullptr) return NullError(fn, "inputs", count);
   for (int k = 0; k < num_inputs; ++k) {
-    if (inputs[k] == nullptr)
-      return NullError("ReduceMany", absl::StrCat("inputs[", k, "]"), count);
+    if (inputs[k] == nullptr) return NullError(fn, absl::StrCat("inputs[", k, "]"), count);
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ReduceMany(void* out, const void* const* inputs, int num_inputs, size_t count,
+                        DType dtype, ReduceOp op) {
+  SL_RETURN_IF_ERROR(CheckReduceMany("ReduceMany", out, inputs, num_inputs, count, dtype, op));
+  if (count == 0) return absl::OkStatus();
   kernels_internal::RunReduceMany(static_cast<std::byte*>(out),
                                   reinterpret_cast<const std::byte* const*>(inputs), num_inputs,
                                   count, dtype, op);
+  return absl::OkStatus();
+}
+
+absl::Status ReduceManyStreaming(void* out, const void* const* inputs, int num_inputs, size_t count,
+                                 DType dtype, ReduceOp op) {
+  SL_RETURN_IF_ERROR(
+      CheckReduceMany("ReduceManyStreaming", out, inputs, num_inputs, count, dtype, op));
+  if (count == 0) return absl::OkStatus();
+  auto* o = static_cast<std::byte*>(out);
+  auto* in = reinterpret_cast<const std::byte* const*>(inputs);
+  if (count * DTypeSize(dtype) < kStreamingCopyMinBytes) {
+    kernels_internal::RunReduceMany(o, in, num_inputs, count, dtype, op);
+  } else {
+    kernels_internal::RunReduceManyStreaming(o, in, num_inputs, count, dtype, op);
+  }
   return absl::OkStatus();
 }
 
