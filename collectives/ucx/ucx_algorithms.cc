@@ -58,17 +58,20 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   // process_vm_readv) at its own pace. The input is all there from the start, so offering it
   // chunk by chunk only cost messages and waits: a descriptor and a fin per chunk and peer, and
   // a window of offers paced by the fins, which cost 2 ranks 14-19% of a 64 MiB reduce-scatter's
-  // bandwidth with the default spin (docs/benchmarks.md).
+  // bandwidth with the default spin (docs/benchmarks.md). Not for the all-reduce: reducing
+  // without that pacing, its ranks posted their gather offers (a descriptor per reduced chunk
+  // and peer) faster than the shared-memory queues drain them, and 4 ranks lost 13-22% at
+  // 64 MiB.
   //
-  // Other peers (on other hosts, or without single copy) get chunks as UCX messages, a window
-  // ahead of what the peer has received. Not all at once: each is a message, and a transport's
-  // queue to a peer holds only so many (UCX's mm FIFO: 64 by default); the rest wait in UCX's
-  // pending queue and move only when this rank progresses its worker, which nothing wakes it
-  // for. A peer's completion of chunk c lets chunk c + offer_window go: two receive windows, so
-  // that the next chunks are already on their way when the peer posts its receives, and few
-  // enough for the queue beside the all-reduce's gather messages (UCX releases FIFO slots in
-  // batches: four windows ahead stalled).
-  auto whole = [&](int p) { return run.PulledBy(p); };
+  // Other peers (on other hosts or without single copy, and every peer of the all-reduce) get
+  // chunks, a message each, a window ahead of what the peer has received. Not all at once: each is
+  // a message, and a transport's queue to a peer holds only so many (UCX's mm FIFO: 64 by default);
+  // the rest wait in UCX's pending queue and move only when this rank progresses its worker, which
+  // nothing wakes it for. A peer's completion of chunk c lets chunk c + offer_window go: two
+  // receive windows, so that the next chunks are already on their way when the peer posts its
+  // receives, and few enough for the queue beside the all-reduce's gather messages (UCX releases
+  // FIFO slots in batches: four windows ahead stalled).
+  auto whole = [&](int p) { return !gather && run.PulledBy(p); };
   auto offers_for = [&](int p) -> size_t {
     const size_t c = num_chunks(blocks[p].bytes);
     return whole(p) ? std::min<size_t>(c, 1) : c;
@@ -130,7 +133,7 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   std::vector<Completion*> leases(n, nullptr);
   for (int i = 1; i < n; ++i) {
     const int p = (me - i + n) % n;
-    if (run.PullsFrom(p)) leases[p] = run.Lease(p, mine.bytes, Phase::kData, 0);
+    if (!gather && run.PullsFrom(p)) leases[p] = run.Lease(p, mine.bytes, Phase::kData, 0);
   }
   std::vector<std::vector<Completion*>> pending(window, std::vector<Completion*>(n, nullptr));
   auto post = [&](size_t c) {

@@ -16,7 +16,8 @@
 //     process_vm_readv); other peers send chunks into a window of scratch slots, the next ones in
 //     flight while one is reduced.
 //   all_reduce: the same reduce-scatter over n nearly equal blocks, each reduced chunk sent to
-//     every peer at once, received straight into their outputs.
+//     every peer at once, received straight into their outputs; every peer's block arrives in
+//     chunks (a window of them in flight), with plain stores.
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_ALGORITHMS_H_
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_ALGORITHMS_H_
