@@ -219,10 +219,16 @@ def main():
            "load_during": rc.load_during(timings), "ranks": args.ranks, "sizes": args.sizes,
            "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup,
            "base_bench": args.base_bench, "checked_cells": checked, "wrong_elements": wrong,
-           "failures": failures, "targets": goals, "cells": cells, "launches": timings,
-           "records": records, "elapsed_seconds": round(time.monotonic() - started, 1)}
+           "failures": failures, "targets": goals, "cells": cells,
+           "elapsed_seconds": round(time.monotonic() - started, 1),
+           "record_fields": rc.RECORD_FIELDS}
+    # Bulky parts one row per line (as run_comparison.py writes them).
+    text = json.dumps(doc, indent=1)[:-2]
+    text += ',\n "records": [\n  ' + ",\n  ".join(
+        json.dumps([r[f] for f in rc.RECORD_FIELDS]) for r in records) + "\n ]"
+    text += ',\n "launches": [\n  ' + ",\n  ".join(json.dumps(t) for t in timings) + "\n ]\n}\n"
     with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+        f.write(text)
     print()
     print("\n".join(lines))
     print()
