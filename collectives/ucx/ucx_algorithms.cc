@@ -33,6 +33,9 @@ size_t ChunkBytes(const CollectiveRun& run, size_t max_block) {
   return std::max(chunk, floor);
 }
 
+// In place, a reduce-scatter's own block streams from this size on (see ReducePipeline).
+constexpr size_t kStreamInPlaceMinBytes = size_t{16} << 20;
+
 struct Block {
   size_t offset = 0;  // bytes into the input (and, for all-reduce, the output)
   size_t bytes = 0;
@@ -149,15 +152,17 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
 
   // A reduce-scatter's output is written whole and not read again here: non-temporal stores
   // spare reading each line before it is overwritten (n + 1 bytes of memory traffic per output
-  // byte instead of n + 2; 2 ranks out of place: +30% at 16 MiB, +40% at 64 MiB). Not in place:
-  // the output is this rank's own input block, whose lines the reduction has just read, so a
-  // plain store reads nothing more, and it keeps them in the caches where a streaming store
-  // evicts them (2 ranks in place streaming: -20% at 16 MiB, +5% at 64 MiB). The all-reduce
-  // sends what it reduced to its peers at once, and an average scales it again: both read the
-  // output back.
+  // byte instead of n + 2; 2 ranks out of place: +30% at 16 MiB, +40% at 64 MiB). In place the
+  // output is this rank's own input block, whose lines the reduction has just read, so a plain
+  // store reads nothing more, and it keeps them in the caches where a streaming store evicts
+  // them: a small block is left to plain stores (2 ranks at 16 MiB, 8 MiB blocks: -20%
+  // streaming), a block of kStreamInPlaceMinBytes or more streams (4 ranks at 64 MiB, 16 MiB
+  // blocks: +22-33%; 2 ranks at 64 MiB: +1-9%). The all-reduce sends what it reduced to its
+  // peers at once, and an average scales it again: both read the output back.
   const uint8_t* const input_end = run.input() + blocks.back().offset + blocks.back().bytes;
   const bool overlaps = target < input_end && run.input() < target + mine.bytes;
-  const bool stream = !gather && !overlaps && run.fp().op != ReduceOp::kAvg;
+  const bool stream = !gather && (!overlaps || mine.bytes >= kStreamInPlaceMinBytes) &&
+                      run.fp().op != ReduceOp::kAvg;
   size_t next_reduce = 0;
   std::vector<const void*> inputs(n);
   return run.Drive([&]() -> absl::StatusOr<bool> {
