@@ -899,6 +899,51 @@ TEST(UcxCommunicatorTest, LargeCollectivesOnShareableMemory) {
   });
 }
 
+// Reduce-scatters whose blocks are large enough for every output path: leased whole from the
+// peer (mapped, or read with process_vm_readv for private memory), written with streaming stores
+// out of place and, from 16 MiB blocks on, in place too (a ragged tail past the last whole line).
+// Every element checked against the exact reference.
+TEST(UcxCommunicatorTest, LargeReduceScattersStreamTheirOutputRight) {
+  const int n = 2;
+  const size_t count = (size_t{16} << 20) / 4 + 5;  // per rank: a block of 16 MiB + 20 bytes
+  Comms comms = MakeUcxComms(n);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    std::unique_ptr<Allocator> host =
+        comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
+    for (const bool shareable : {true, false}) {
+      for (const bool in_place : {false, true}) {
+        for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+          SCOPED_TRACE(absl::StrCat(shareable ? "shareable" : "private",
+                                    in_place ? ", in place" : "", " ", ReduceOpName(op)));
+          absl::StatusOr<Buffer> buffer;
+          std::vector<uint8_t> vec;
+          uint8_t* input;
+          if (shareable) {
+            buffer = host->Allocate(n * count * 4);
+            ASSERT_TRUE(buffer.ok()) << buffer.status();
+            input = buffer->as<uint8_t>();
+          } else {
+            vec.resize(n * count * 4);
+            input = vec.data();
+          }
+          const std::vector<uint8_t> pattern = PatternBuffer(DType::kF32, r, n * count);
+          std::copy(pattern.begin(), pattern.end(), input);
+          std::vector<uint8_t> separate(in_place ? 0 : count * 4);
+          uint8_t* shard = in_place ? input + r * count * 4 : separate.data();
+          ASSERT_TRUE(
+              WaitFor(comm.ReduceScatter(input, shard, count, DType::kF32, stream, {.op = op}))
+                  .ok());
+          for (size_t i = 0; i < count; ++i) {
+            ASSERT_EQ(GetElement(DType::kF32, shard, i),
+                      ReferenceReduce(DType::kF32, op, n, r * count + i))
+                << i;
+          }
+        }
+      }
+    }
+  });
+}
+
 // Mappings of shareable memory in this process (the owners' and the peers' alike).
 int CountShareableMappings() {
   std::ifstream maps("/proc/self/maps");
