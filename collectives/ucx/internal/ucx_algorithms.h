@@ -11,10 +11,10 @@
 //     slice of the output (intra-node: a single CMA copy by the receiver, in place: no copy-in).
 //   reduce_scatter: direct and pipelined — chunk c of this rank's block of every peer's input is
 //     reduced (in rank order, so results match the local backend bit for bit) straight into the
-//     output, with non-temporal stores. A peer on this host offers its block whole (one
-//     descriptor, one fin) and this rank reads it chunk by chunk out of its mapping (or with
-//     process_vm_readv); other peers send chunks into a window of scratch slots, the next ones in
-//     flight while one is reduced.
+//     output, with non-temporal stores (in place from 16 MiB blocks). A peer on this host
+//     offers its block whole (one descriptor, one fin) and this rank reads it chunk by chunk out
+//     of its mapping (or with process_vm_readv); other peers send chunks into a window of
+//     scratch slots, the next ones in flight while one is reduced.
 //   all_reduce: the same reduce-scatter over n nearly equal blocks, each reduced chunk sent to
 //     every peer at once, received straight into their outputs; every peer's block arrives in
 //     chunks (a window of them in flight), with plain stores.
