@@ -44,6 +44,14 @@ absl::Status Reduce(void* inout, const void* in, size_t count, DType dtype, Redu
 absl::Status ReduceMany(void* out, const void* const* inputs, int num_inputs, size_t count,
                         DType dtype, ReduceOp op);
 
+// ReduceMany for an output that is written whole and not read again soon (a reduce-scatter's
+// shard): from kStreamingCopyMinBytes of output on (x86-64), the output is written with
+// non-temporal stores, one 64-byte line at a time, so its lines are not read before they are
+// overwritten (as CopyStreaming). The same bits as ReduceMany; the same argument rules (out may
+// be identical to an input, though then its lines were just read and plain stores cost less).
+absl::Status ReduceManyStreaming(void* out, const void* const* inputs, int num_inputs, size_t count,
+                                 DType dtype, ReduceOp op);
+
 // inout[i] *= factor (how kAvg divides by the number of contributors: factor = 1/n).
 //   f32/f16/bf16: computed in f32 with the factor rounded to f32, then rounded once.
 //   f64: computed in f64.

@@ -104,7 +104,7 @@ def build(build_dir):
     jobs = [
         (["mpicxx"], "mpi_perf", []),
         (["g++"], "gloo_perf", ["-lgloo", "-pthread"]),
-        (["g++"], "memcpy_perf", []),
+        (["g++"], "memcpy_perf", ["-pthread"]),
     ]
     for compiler, name, libs in jobs:
         target = os.path.join(out, name)

@@ -4,6 +4,8 @@
 // (bytes_per_second) counts every byte read plus every byte written by one call:
 //   memcpy          n read + n written                 = 2n
 //   Reduce          inout read + in read + inout write = 3n
+//   ReduceMany      k inputs read + n written          = (k + 1)n (second argument: k), into a
+//                   separate output; ReduceManyStreaming the same with non-temporal stores
 //   Cast a -> b     n read + n * size(b)/size(a) written
 // so the numbers compare directly with a memory-bandwidth figure (memcpy being the ceiling).
 //
@@ -70,6 +72,27 @@ void BM_Reduce(benchmark::State& state, DType dtype) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 3 * bytes);
 }
 
+// A reduce-scatter's reduction: k inputs of `bytes` into a separate output, f32 sum.
+void BM_ReduceMany(benchmark::State& state, bool streaming) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  const int k = static_cast<int>(state.range(1));
+  const size_t count = bytes / 4;
+  std::vector<std::vector<std::byte>> in;
+  std::vector<const void*> ptrs;
+  for (int j = 0; j < k; ++j) in.push_back(Filled(bytes, DType::kF32));
+  for (const auto& v : in) ptrs.push_back(v.data());
+  std::vector<std::byte> out(bytes);
+  for (auto _ : state) {
+    const absl::Status s =
+        streaming
+            ? ReduceManyStreaming(out.data(), ptrs.data(), k, count, DType::kF32, ReduceOp::kSum)
+            : ReduceMany(out.data(), ptrs.data(), k, count, DType::kF32, ReduceOp::kSum);
+    if (!s.ok()) state.SkipWithError(s.ToString().c_str());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * (k + 1) * bytes);
+}
+
 void BM_Cast(benchmark::State& state, DType from, DType to) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / DTypeSize(from);
@@ -93,6 +116,10 @@ BENCHMARK(BM_Memcpy)->Apply(Sizes);
 BENCHMARK(BM_CopyStreaming)->Apply(Sizes);
 BENCHMARK_CAPTURE(BM_Reduce, f32_sum, DType::kF32)->Apply(Sizes);
 BENCHMARK_CAPTURE(BM_Reduce, bf16_sum, DType::kBF16)->Apply(Sizes);
+BENCHMARK_CAPTURE(BM_ReduceMany, plain, false)
+    ->ArgsProduct({{int64_t{1} << 20, int64_t{16} << 20}, {2, 4}});
+BENCHMARK_CAPTURE(BM_ReduceMany, streaming, true)
+    ->ArgsProduct({{int64_t{1} << 20, int64_t{16} << 20}, {2, 4}});
 BENCHMARK_CAPTURE(BM_Cast, f32_to_bf16, DType::kF32, DType::kBF16)->Apply(Sizes);
 BENCHMARK_CAPTURE(BM_Cast, bf16_to_f32, DType::kBF16, DType::kF32)->Apply(Sizes);
 

@@ -33,6 +33,9 @@ size_t ChunkBytes(const CollectiveRun& run, size_t max_block) {
   return std::max(chunk, floor);
 }
 
+// In place, a reduce-scatter's own block streams from this size on (see ReducePipeline).
+constexpr size_t kStreamInPlaceMinBytes = size_t{16} << 20;
+
 struct Block {
   size_t offset = 0;  // bytes into the input (and, for all-reduce, the output)
   size_t bytes = 0;
@@ -52,18 +55,30 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   auto num_chunks = [&](size_t bytes) { return (bytes + chunk - 1) / chunk; };
   auto chunk_len = [&](size_t bytes, size_t c) { return std::min(chunk, bytes - c * chunk); };
 
-  // Every peer's share of this rank's input, a window of chunks ahead of what the peer has
-  // finished reading (rendezvous: the peers pull them as they post their receives). Not all at
-  // once: each offer is a message, and a shared-memory transport's queue to a peer holds only
-  // so many (UCX's mm FIFO: 64 by default); the rest wait in UCX's pending queue and move only
-  // when this rank progresses its worker, which nothing wakes it for. Both ranks of a 64 MiB
-  // reduce-scatter (64 chunks each way) then slept out their polls with offers stuck on each
-  // side: 1-3 s instead of a few ms with SHARDLINE_UCX_SPIN_US=0. A peer's fin for chunk c
-  // (it has read it) lets chunk c + offer_window go. Two receive windows: the next offers are
-  // already at the peer when it posts its receives (one window ahead cost 2 ranks 27-34% of a
-  // 64 MiB reduce-scatter's bandwidth with the default spin, two 14-19%), and, beside the fins
-  // and the all-reduce's gather offers on the same queue, few enough for it (UCX releases FIFO
-  // slots in batches: four windows ahead stalled again).
+  // A peer that reads this rank's memory (single copy, same host) is offered its share of the
+  // input whole: one descriptor and, once it has reduced the last chunk, one fin, however many
+  // chunks the block has; it reads the chunks straight out of its mapping (or with
+  // process_vm_readv) at its own pace. The input is all there from the start, so offering it
+  // chunk by chunk only cost messages and waits: a descriptor and a fin per chunk and peer, and
+  // a window of offers paced by the fins, which cost 2 ranks 14-19% of a 64 MiB reduce-scatter's
+  // bandwidth with the default spin (docs/benchmarks.md). Not for the all-reduce: reducing
+  // without that pacing, its ranks posted their gather offers (a descriptor per reduced chunk
+  // and peer) faster than the shared-memory queues drain them, and 4 ranks lost 13-22% at
+  // 64 MiB.
+  //
+  // Other peers (on other hosts or without single copy, and every peer of the all-reduce) get
+  // chunks, a message each, a window ahead of what the peer has received. Not all at once: each is
+  // a message, and a transport's queue to a peer holds only so many (UCX's mm FIFO: 64 by default);
+  // the rest wait in UCX's pending queue and move only when this rank progresses its worker, which
+  // nothing wakes it for. A peer's completion of chunk c lets chunk c + offer_window go: two
+  // receive windows, so that the next chunks are already on their way when the peer posts its
+  // receives, and few enough for the queue beside the all-reduce's gather messages (UCX releases
+  // FIFO slots in batches: four windows ahead stalled).
+  auto whole = [&](int p) { return !gather && run.PulledBy(p); };
+  auto offers_for = [&](int p) -> size_t {
+    const size_t c = num_chunks(blocks[p].bytes);
+    return whole(p) ? std::min<size_t>(c, 1) : c;
+  };
   const size_t offer_window =
       std::clamp<size_t>(2 * static_cast<size_t>(std::max(run.tuning().window, 1)), 4, 16);
   std::vector<std::vector<Completion*>>& offers = run.scratch().offers;
@@ -72,21 +87,21 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   auto offer = [&](int p) {
     const Block& b = blocks[p];
     const size_t c = offers[p].size();
-    offers[p].push_back(
-        run.Send(p, run.input() + b.offset + c * chunk, chunk_len(b.bytes, c), Phase::kData, c));
+    const size_t bytes = whole(p) ? b.bytes : chunk_len(b.bytes, c);
+    offers[p].push_back(run.Send(p, run.input() + b.offset + c * chunk, bytes, Phase::kData, c));
     --offers_left;
   };
   for (int i = 1; i < n; ++i) {
     const int p = (me + i) % n;
-    offers_left += num_chunks(blocks[p].bytes);
-    while (offers[p].size() < std::min(offer_window, num_chunks(blocks[p].bytes))) offer(p);
+    offers_left += offers_for(p);
+    while (offers[p].size() < std::min(offer_window, offers_for(p))) offer(p);
   }
   // Offers the next chunks to every peer that has read far enough (cheap: one check per peer).
   auto offer_more = [&]() -> absl::Status {
     if (offers_left == 0) return absl::OkStatus();
     for (int i = 1; i < n; ++i) {
       const int p = (me + i) % n;
-      while (offers[p].size() < num_chunks(blocks[p].bytes)) {
+      while (offers[p].size() < offers_for(p)) {
         SL_ASSIGN_OR_RETURN(const bool read, run.Done(offers[p][offers[p].size() - offer_window]));
         if (!read) break;
         offer(p);
@@ -117,10 +132,17 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   auto slot = [&](size_t c, int p) {
     return scratch + ((c % window) * (n - 1) + (p < me ? p : p - 1)) * chunk;
   };
+  // Block `me` of the peers that offer it whole, leased for the whole reduction.
+  std::vector<Completion*> leases(n, nullptr);
+  for (int i = 1; i < n; ++i) {
+    const int p = (me - i + n) % n;
+    if (!gather && run.PullsFrom(p)) leases[p] = run.Lease(p, mine.bytes, Phase::kData, 0);
+  }
   std::vector<std::vector<Completion*>> pending(window, std::vector<Completion*>(n, nullptr));
   auto post = [&](size_t c) {
     for (int i = 1; i < n; ++i) {
       const int p = (me - i + n) % n;
+      if (leases[p] != nullptr) continue;
       pending[c % window][p] =
           run.Recv(p, slot(c, p), chunk_len(mine.bytes, c), Phase::kData, c, /*borrow=*/true);
     }
@@ -128,6 +150,19 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
   size_t next_post = 0;
   while (next_post < window) post(next_post++);
 
+  // A reduce-scatter's output is written whole and not read again here: non-temporal stores
+  // spare reading each line before it is overwritten (n + 1 bytes of memory traffic per output
+  // byte instead of n + 2; 2 ranks out of place: +30% at 16 MiB, +40% at 64 MiB). In place the
+  // output is this rank's own input block, whose lines the reduction has just read, so a plain
+  // store reads nothing more, and it keeps them in the caches where a streaming store evicts
+  // them: a small block is left to plain stores (2 ranks at 16 MiB, 8 MiB blocks: -20%
+  // streaming), a block of kStreamInPlaceMinBytes or more streams (4 ranks at 64 MiB, 16 MiB
+  // blocks: +22-33%; 2 ranks at 64 MiB: +1-9%). The all-reduce sends what it reduced to its
+  // peers at once, and an average scales it again: both read the output back.
+  const uint8_t* const input_end = run.input() + blocks.back().offset + blocks.back().bytes;
+  const bool overlaps = target < input_end && run.input() < target + mine.bytes;
+  const bool stream = !gather && (!overlaps || mine.bytes >= kStreamInPlaceMinBytes) &&
+                      run.fp().op != ReduceOp::kAvg;
   size_t next_reduce = 0;
   std::vector<const void*> inputs(n);
   return run.Drive([&]() -> absl::StatusOr<bool> {
@@ -135,16 +170,29 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
     while (next_reduce < total) {
       const size_t c = next_reduce;
       for (int p = 0; p < n; ++p) {
-        SL_ASSIGN_OR_RETURN(const bool done, run.Done(pending[c % window][p]));
+        SL_ASSIGN_OR_RETURN(const bool done,
+                            run.Done(leases[p] != nullptr ? leases[p] : pending[c % window][p]));
         if (!done) return false;
       }
       const size_t len = chunk_len(mine.bytes, c);
       // Rank order, as the local backend: the same bits whoever reduces.
       for (int p = 0; p < n; ++p) {
-        inputs[p] = p == me ? run.input() + mine.offset + c * chunk : pending[c % window][p]->view;
+        if (p == me) {
+          inputs[p] = run.input() + mine.offset + c * chunk;
+        } else if (leases[p] == nullptr) {
+          inputs[p] = pending[c % window][p]->view;
+        } else if (leases[p]->view != nullptr) {
+          inputs[p] = leases[p]->view + c * chunk;
+        } else {
+          SL_RETURN_IF_ERROR(run.ReadLeased(leases[p], c * chunk, slot(c, p), len));
+          inputs[p] = slot(c, p);
+        }
       }
       uint8_t* dst = target + c * chunk;
-      SL_RETURN_IF_ERROR(ReduceMany(dst, inputs.data(), n, len / e, run.fp().dtype, run.fp().op));
+      const DType dtype = run.fp().dtype;
+      const ReduceOp op = run.fp().op;
+      SL_RETURN_IF_ERROR(stream ? ReduceManyStreaming(dst, inputs.data(), n, len / e, dtype, op)
+                                : ReduceMany(dst, inputs.data(), n, len / e, dtype, op));
       for (int p = 0; p < n; ++p) run.Return(pending[c % window][p]);
       SL_RETURN_IF_ERROR(FinishAverage(run, dst, len / e));
       if (gather) {
@@ -152,6 +200,9 @@ absl::Status ReducePipeline(CollectiveRun& run, const std::vector<Block>& blocks
       }
       for (int p = 0; p < n; ++p) pending[c % window][p] = nullptr;
       ++next_reduce;
+      if (next_reduce == total) {
+        for (int p = 0; p < n; ++p) run.Return(leases[p]);
+      }
       if (next_post < total) post(next_post++);
       // The peers' fins for this rank's chunks may have arrived meanwhile: offer on at once
       // rather than after the chunks ready now are all reduced (a peer may be waiting).

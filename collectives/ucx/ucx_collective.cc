@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collectives/ucx/internal/ucx_algorithms.h"
+#include "runtime/check.h"
 #include "runtime/host_kernels.h"
 #include "runtime/shared_memory.h"
 #include "runtime/status.h"
@@ -103,14 +104,35 @@ Completion* CollectiveRun::Recv(int peer, void* buffer, size_t bytes, Phase phas
         .IgnoreError();
     Completion* done = batch_->Add(peer, /*is_send=*/false);
     done->expected = bytes;
-    reads_.push_back(
-        {descriptor, done, desc, static_cast<uint8_t*>(buffer), bytes, peer, phase, chunk, borrow});
+    reads_.push_back({descriptor, done, desc, static_cast<uint8_t*>(buffer), bytes, peer, phase,
+                      chunk, borrow, /*lease=*/false});
     return done;
   }
   Completion* c = batch_->Add(peer, /*is_send=*/false);
   c->view = static_cast<const uint8_t*>(buffer);
   transport_.Recv(peer, buffer, bytes, MakeTag(phase, peer, seq, chunk), c).IgnoreError();
   return c;
+}
+
+Completion* CollectiveRun::Lease(int peer, size_t bytes, Phase phase, uint64_t chunk) {
+  SL_CHECK(SingleCopyPhase(phase) && transport_.PullsFrom(peer));
+  Completion* done = Recv(peer, nullptr, bytes, phase, chunk, /*borrow=*/true);
+  if (!reads_.empty() && reads_.back().done == done) reads_.back().lease = true;
+  return done;
+}
+
+absl::Status CollectiveRun::ReadLeased(const Completion* c, size_t offset, void* dst,
+                                       size_t bytes) {
+  absl::Status status =
+      Annotate(transport_.CmaRead(c->peer, dst, c->remote + offset, bytes), hooks_.describe());
+  // As in ServeReads: a peer whose collective failed may have freed the buffer; its reason
+  // counts.
+  if (absl::IsInternal(status)) {
+    if (absl::Status reason = AwaitAbortReason(absl::Milliseconds(200)); !reason.ok()) {
+      status = std::move(reason);
+    }
+  }
+  return status;
 }
 
 absl::Status CollectiveRun::ServeReads(bool* activity) {
@@ -139,8 +161,13 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
     }
     read.done->view = read.dst;
     const bool borrowed = mapped != nullptr && read.borrow;
+    // Not mapped: the reader copies the pieces it needs (ReadLeased) and returns it at the end.
+    const bool leased = !borrowed && read.lease && status.ok();
     if (borrowed) {
       read.done->view = mapped + read.desc[kRegionOffset];
+      borrowed_.push_back({read.done, read.peer, read.phase, read.chunk});
+    } else if (leased) {
+      read.done->remote = read.desc[kAddress];
       borrowed_.push_back({read.done, read.peer, read.phase, read.chunk});
     } else if (mapped != nullptr) {
       CopyStreaming(read.dst, mapped + read.desc[kRegionOffset], read.bytes);
@@ -160,7 +187,7 @@ absl::Status CollectiveRun::ServeReads(bool* activity) {
       reads_[kept++] = read;
       continue;
     }
-    if (!borrowed) SendFin(read.peer, read.phase, read.chunk);
+    if (!borrowed && !leased) SendFin(read.peer, read.phase, read.chunk);
     read.done->length = read.bytes;
     read.done->status = UCS_OK;
     read.done->done.store(true, std::memory_order_release);

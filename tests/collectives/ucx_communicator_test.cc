@@ -652,6 +652,61 @@ TEST(UcxCommunicatorTest, AStragglerNeverReturnsOkFromACollectiveItsPeerGaveUpOn
   }
 }
 
+// The same for a reduce-scatter, whose local peers lease each other's whole blocks: the straggler
+// reads (or maps) the block its peer offered before that peer gave up, reused its input and
+// returned; it must still fail naming rank 0, never return OK with what it reduced.
+TEST(UcxCommunicatorTest, AStragglerNeverReturnsOkFromAReduceScatterItsPeerGaveUpOn) {
+  constexpr size_t kCount = 64 * 1024;  // per rank, 256 KiB: above SHARDLINE_UCX_SMALL_BYTES
+  absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
+  ASSERT_TRUE(tuning.ok()) << tuning.status();
+  ucx_internal::SetBeforeDataHookForTesting(&StallTheStraggler);
+  absl::Cleanup unhook = [] { ucx_internal::SetBeforeDataHookForTesting(nullptr); };
+  for (const bool mailbox : {true, false}) {
+    for (const bool shareable : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(mailbox ? "mailboxes" : "messages", ", ",
+                                shareable ? "shareable" : "private", " memory"));
+      tuning->mailbox = mailbox;
+      Comms comms = MakeCommsWithTuning(2, absl::Seconds(30), *tuning);
+      Gate resume;
+      g_straggler_resume = &resume;
+      g_straggler = 1;
+      RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+        std::unique_ptr<Allocator> host =
+            comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
+        std::vector<float> vec;
+        absl::StatusOr<Buffer> block;
+        float* data;
+        if (shareable) {
+          block = host->Allocate(2 * kCount * sizeof(float));
+          ASSERT_TRUE(block.ok()) << block.status();
+          data = block->as<float>();
+        } else {
+          vec.resize(2 * kCount);
+          data = vec.data();
+        }
+        const std::vector<float> sent = HashedFloats(r, 2 * kCount, 1);
+        std::copy(sent.begin(), sent.end(), data);
+        std::vector<float> shard(kCount, -1.0f);
+        ReduceOptions options;
+        options.timeout = r == 0 ? absl::Milliseconds(300) : absl::Seconds(20);
+        const absl::Status status =
+            WaitFor(comm.ReduceScatter(data, shard.data(), kCount, DType::kF32, stream, options));
+        if (r == 0) {
+          EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+          // The input is the caller's again, and reused: not what rank 0 offered.
+          std::fill(data, data + 2 * kCount, 7.0f);
+          resume.Open();
+          return;
+        }
+        EXPECT_FALSE(status.ok()) << "returned OK; element 0 reads " << shard[0];
+        EXPECT_TRUE(IsPeerError(status)) << status;
+        EXPECT_TRUE(absl::StrContains(status.message(), "rank 0")) << status;
+      });
+      g_straggler = -1;
+    }
+  }
+}
+
 // With no spin every wait of a pipelined reduction sleeps on the worker's event fd. Reductions
 // of many more chunks than a shared-memory queue between two ranks holds (4 KiB chunks, 257 per
 // peer; UCX's mm FIFO holds 64 messages) stay right and never sleep out a poll: every sleep ends
@@ -840,6 +895,51 @@ TEST(UcxCommunicatorTest, LargeCollectivesOnShareableMemory) {
     for (size_t i = 0; i < n * count; i += 499) {
       ASSERT_EQ(GetElement(DType::kF32, input.data(), i),
                 ReferenceReduce(DType::kF32, ReduceOp::kMax, n, i));
+    }
+  });
+}
+
+// Reduce-scatters whose blocks are large enough for every output path: leased whole from the
+// peer (mapped, or read with process_vm_readv for private memory), written with streaming stores
+// out of place and, from 16 MiB blocks on, in place too (a ragged tail past the last whole line).
+// Every element checked against the exact reference.
+TEST(UcxCommunicatorTest, LargeReduceScattersStreamTheirOutputRight) {
+  const int n = 2;
+  const size_t count = (size_t{16} << 20) / 4 + 5;  // per rank: a block of 16 MiB + 20 bytes
+  Comms comms = MakeUcxComms(n);
+  RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+    std::unique_ptr<Allocator> host =
+        comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
+    for (const bool shareable : {true, false}) {
+      for (const bool in_place : {false, true}) {
+        for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+          SCOPED_TRACE(absl::StrCat(shareable ? "shareable" : "private",
+                                    in_place ? ", in place" : "", " ", ReduceOpName(op)));
+          absl::StatusOr<Buffer> buffer;
+          std::vector<uint8_t> vec;
+          uint8_t* input;
+          if (shareable) {
+            buffer = host->Allocate(n * count * 4);
+            ASSERT_TRUE(buffer.ok()) << buffer.status();
+            input = buffer->as<uint8_t>();
+          } else {
+            vec.resize(n * count * 4);
+            input = vec.data();
+          }
+          const std::vector<uint8_t> pattern = PatternBuffer(DType::kF32, r, n * count);
+          std::copy(pattern.begin(), pattern.end(), input);
+          std::vector<uint8_t> separate(in_place ? 0 : count * 4);
+          uint8_t* shard = in_place ? input + r * count * 4 : separate.data();
+          ASSERT_TRUE(
+              WaitFor(comm.ReduceScatter(input, shard, count, DType::kF32, stream, {.op = op}))
+                  .ok());
+          for (size_t i = 0; i < count; ++i) {
+            ASSERT_EQ(GetElement(DType::kF32, shard, i),
+                      ReferenceReduce(DType::kF32, op, n, r * count + i))
+                << i;
+          }
+        }
+      }
     }
   });
 }

@@ -473,6 +473,83 @@ TEST(ReduceManyTest, Bf16RoundsOnceOverLargeOddCount) {
   EXPECT_GT(differ, 0u);
 }
 
+// ReduceManyStreaming against the plain-loop reference: below and above the non-temporal
+// threshold, counts that end mid-chunk and mid-line, outputs at every alignment within 16 bytes
+// (unaligned heads and tails), and the bytes around the output left untouched.
+TEST(ReduceManyStreamingTest, MatchesReferenceAtEveryAlignment) {
+  std::mt19937_64 rng(19);
+  constexpr size_t kGuard = 64;
+  for (DType dtype : kAllDTypes) {
+    const size_t size = DTypeSize(dtype);
+    const size_t at_threshold = kStreamingCopyMinBytes / size;
+    for (ReduceOp op : kAllReduceOps) {
+      const bool large = op == ReduceOp::kSum || op == ReduceOp::kMin;
+      std::vector<size_t> counts = {1, 7, 1029};
+      if (large) counts.insert(counts.end(), {at_threshold - 1, at_threshold, at_threshold + 1029});
+      for (int k : {1, 2, 3}) {
+        for (size_t count : counts) {
+          for (size_t misalign : {size_t{0}, size_t{3}, size_t{8}, size_t{13}}) {
+            if (!large && misalign != 3) continue;
+            SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " ", ReduceOpName(op), " k=", k,
+                                      " count=", count, " out+", misalign));
+            const size_t bytes = count * size;
+            std::vector<RawBuffer> in;
+            for (int j = 0; j < k; ++j) in.emplace_back(bytes, (j * 5) % 16);
+            std::vector<const RawBuffer*> refs;
+            std::vector<const void*> ptrs;
+            for (RawBuffer& b : in) {
+              FillRandom(b, count, dtype, rng);
+              refs.push_back(&b);
+              ptrs.push_back(b.data());
+            }
+            RawBuffer want(bytes, 0);
+            RefReduceMany(want, refs, count, dtype, op);
+            RawBuffer out(bytes + 2 * kGuard, misalign);
+            std::memset(out.data(), 0xEE, bytes + 2 * kGuard);
+            std::byte* dst = out.data() + kGuard;
+            ASSERT_TRUE(ReduceManyStreaming(dst, ptrs.data(), k, count, dtype, op).ok());
+            for (size_t i = 0; i < count; ++i) {
+              ASSERT_EQ(std::memcmp(dst + i * size, want.data() + i * size, size), 0)
+                  << "element " << i << ": want " << RefLoad(want, i, dtype);
+            }
+            for (size_t i = 0; i < kGuard; ++i) {
+              ASSERT_EQ(out.data()[i], std::byte{0xEE}) << "guard byte " << i << " before";
+              ASSERT_EQ(dst[bytes + i], std::byte{0xEE}) << "guard byte " << i << " after";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The output may be one of the inputs, as for ReduceMany, also on the non-temporal path.
+TEST(ReduceManyStreamingTest, IntoAnInput) {
+  std::mt19937_64 rng(23);
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8}) {
+    const size_t count = kStreamingCopyMinBytes / DTypeSize(dtype) + 4099;
+    const size_t bytes = count * DTypeSize(dtype);
+    RawBuffer a(bytes, 1), b(bytes, 2), want(bytes, 0);
+    FillRandom(a, count, dtype, rng);
+    FillRandom(b, count, dtype, rng);
+    RefReduceMany(want, {&a, &b}, count, dtype, ReduceOp::kSum);
+    const void* ptrs[] = {a.data(), b.data()};
+    ASSERT_TRUE(ReduceManyStreaming(b.data(), ptrs, 2, count, dtype, ReduceOp::kSum).ok());
+    ExpectSameBytes(b, want, count, dtype, absl::StrCat(DTypeName(dtype), " into inputs[1]"));
+  }
+}
+
+TEST(ReduceManyStreamingTest, RejectsBadArguments) {
+  float x = 0;
+  const void* ptrs[] = {&x, nullptr};
+  EXPECT_EQ(ReduceManyStreaming(&x, ptrs, 0, 1, DType::kF32, ReduceOp::kSum).code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::Status s = ReduceManyStreaming(&x, ptrs, 2, 1, DType::kF32, ReduceOp::kSum);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("ReduceManyStreaming: inputs[1]"));
+  EXPECT_TRUE(ReduceManyStreaming(nullptr, nullptr, 1, 0, DType::kF32, ReduceOp::kSum).ok());
+}
+
 TEST(ReduceManyTest, RejectsBadArguments) {
   float x = 0;
   const void* ptrs[] = {&x, nullptr};

@@ -9,11 +9,15 @@
 //     FinishSmall copies / reduces it into the output.
 //   all_gather, all_to_all, broadcast: direct — every peer's data is received straight into its
 //     slice of the output (intra-node: a single CMA copy by the receiver, in place: no copy-in).
-//   reduce_scatter: direct and pipelined — chunk c of this rank's block arrives from every peer
-//     into a window of scratch slots and is reduced (in rank order, so results match the local
-//     backend bit for bit) straight into the output while the next chunks are in flight.
+//   reduce_scatter: direct and pipelined — chunk c of this rank's block of every peer's input is
+//     reduced (in rank order, so results match the local backend bit for bit) straight into the
+//     output, with non-temporal stores (in place from 16 MiB blocks). A peer on this host
+//     offers its block whole (one descriptor, one fin) and this rank reads it chunk by chunk out
+//     of its mapping (or with process_vm_readv); other peers send chunks into a window of
+//     scratch slots, the next ones in flight while one is reduced.
 //   all_reduce: the same reduce-scatter over n nearly equal blocks, each reduced chunk sent to
-//     every peer at once, received straight into their outputs.
+//     every peer at once, received straight into their outputs; every peer's block arrives in
+//     chunks (a window of them in flight), with plain stores.
 
 #ifndef SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_ALGORITHMS_H_
 #define SHARDLINE_COLLECTIVES_UCX_INTERNAL_UCX_ALGORITHMS_H_

@@ -121,8 +121,22 @@ class CollectiveRun {
   // memory, which stays valid and unchanged until Return(c). Otherwise `view` is `buffer`.
   Completion* Recv(int peer, void* buffer, size_t bytes, Phase phase, uint64_t chunk,
                    bool borrow = false);
-  // Ends a borrow: tells the sender its buffer is free. No-op for any other completion.
+  // A single-copy receive (PullsFrom(peer) only) that copies nothing: once done, the completion's
+  // `view` points into the sender's memory where this rank maps it, else is null and ReadLeased
+  // copies pieces of it; either way the sender's buffer stays valid and unchanged until
+  // Return(c). One message each way for a whole block that the receiver then reads piece by
+  // piece at its own pace.
+  Completion* Lease(int peer, size_t bytes, Phase phase, uint64_t chunk);
+  // Copies `bytes` at `offset` of the leased, done, unmapped receive `c` into `dst`
+  // (process_vm_readv); Unavailable / the peer's abort reason if that fails.
+  absl::Status ReadLeased(const Completion* c, size_t offset, void* dst, size_t bytes);
+  // Ends a borrow or a lease: tells the sender its buffer is free. No-op for any other
+  // completion.
   void Return(const Completion* c);
+  // The single-copy protocol with `peer` (ucx_transport.h): this rank reads peer's data
+  // messages out of its memory / peer reads this rank's.
+  bool PullsFrom(int peer) const { return transport_.PullsFrom(peer); }
+  bool PulledBy(int peer) const { return transport_.PulledBy(peer); }
 
   // Loops until `step` returns true (or an error): see the file comment.
   absl::Status Drive(absl::FunctionRef<absl::StatusOr<bool>()> step);
@@ -174,6 +188,7 @@ class CollectiveRun {
     Phase phase;
     uint64_t chunk;
     bool borrow;
+    bool lease;  // dst is null: nothing is copied (Lease)
   };
   // A borrowed receive whose sender still waits for the fin.
   struct Borrowed {

@@ -114,6 +114,9 @@ struct Completion {
   // Where a done receive's bytes are: its buffer, or for a borrowed single-copy receive the
   // sender's own memory (see CollectiveRun::Recv).
   const uint8_t* view = nullptr;
+  // For a leased single-copy receive that this rank does not map (CollectiveRun::Lease): the
+  // sender's address of the bytes.
+  uint64_t remote = 0;
   ucp_tag_recv_info_t info{};
 };
 
@@ -160,6 +163,7 @@ class Batch {
     c.peer = peer;
     c.request = nullptr;
     c.view = nullptr;
+    c.remote = 0;
     c.info = {};
     return &c;
   }
