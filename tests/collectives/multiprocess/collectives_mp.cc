@@ -934,11 +934,18 @@ int Pause() {
 int StoreDies() {
   World w = InitWorld();
   ExpectOk(WaitFor(w.comm->Barrier(*w.stream)), "barrier");
+  absl::Duration timeout = absl::Seconds(EnvInt("SHARDLINE_TIMEOUT_S"));
+  // Rank 0 dies only once every peer is past the barrier: its last barrier message to a peer on
+  // another host may still be in flight when its own barrier returns, and that peer would then
+  // fail the barrier (the peer unreachable) before it ever reached the store.
+  if (g_rank != 0) ExpectOk(w.store->Set(absl::StrCat("past_barrier/", g_rank), "1"), "set");
   if (g_rank == 0) {
+    std::vector<std::string> keys;
+    for (int r = 1; r < g_size; ++r) keys.push_back(absl::StrCat("past_barrier/", r));
+    ExpectOk(w.store->Wait(keys, absl::Now() + timeout), "wait for the peers");
     std::fflush(stdout);
     raise(SIGKILL);
   }
-  absl::Duration timeout = absl::Seconds(EnvInt("SHARDLINE_TIMEOUT_S"));
   // Rank 0 may still be alive for a moment: keep creating until the store is gone.
   const absl::Time start = absl::Now();
   absl::Status status;
