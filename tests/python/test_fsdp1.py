@@ -12,7 +12,7 @@ every unit), and the peak of units in flight stays within it; without, no budget
 runs summon_full_params (writeback and not), FULL_STATE_DICT with rank0_only,
 SHARDED_STATE_DICT into a fresh model and the optimizer's state through optim_state_dict /
 optim_state_dict_to_load, from flat parameters (use_orig_params=False, the default) into the
-original ones and back.
+original ones and back. One case has floating buffers under MixedPrecision(buffer_dtype=bf16).
 """
 import json
 
@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 
 CASES = ["base:roundtrip", "shard_grad_op:offload,post", "no_shard:noprefetch,forward",
          "nolimit:orig,roundtrip", "sync:ignored", "size:nosync,clipfn", "lambda:clip",
-         "module:ac", "ac:shard_grad_op", "meta:orig"]
+         "module:ac", "ac:shard_grad_op", "meta:orig", "buffers:post"]
 
 
 def run(launch, tmp_path, nprocs, cases):
@@ -65,6 +65,13 @@ def check(case, got, rank):
         assert trips["writeback_false"] == 0.0 and trips["full_params_named"], (where, trips)
         assert trips["rank0_only"], (where, trips)
         assert trips["sharded_state_dict"] == 0.0 == trips["optim_state_dict"], (where, trips)
+    if "buffers" in options:
+        # MixedPrecision(buffer_dtype=bf16): the module's buffers in bf16, the state dicts'
+        # in their original float32, as FSDP1's; loading one casts back (values exact in bf16).
+        assert got["buffers"] == {"module": ["torch.bfloat16"], "full": ["torch.float32"],
+                                  "sharded": ["torch.float32"], "loaded": 0.0,
+                                  "names": ["blocks.0.shift", "blocks.1.shift", "blocks.2.shift",
+                                            "scale"]}, (where, got["buffers"])
 
 
 def test_fsdp1_argument_matrix(launch, tmp_path):

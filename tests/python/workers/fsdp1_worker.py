@@ -31,6 +31,9 @@ arguments and what the training does (the model is fully_shard_worker.py's):
     ac                                     apply_activation_checkpointing(checkpoint_wrapper) on
                                            the blocks' wrappers: no extra gathers
     roundtrip                              the state-dict checks (round_trips)
+    buffers                                floating buffers the forward reads (add_buffers) and
+                                           mixed_precision=MixedPrecision(buffer_dtype=bf16):
+                                           the buffer checks (buffer_checks)
 Every case trains 3 SGD steps (momentum) on this rank's rows of the global batches and the plain model on
 all of them in the same process. OUT_DIR/rank<r>.json per case: both runs' losses, per weight of
 the FULL_STATE_DICT the relative error, the scheduler's gathers per unit and peak in-flight
@@ -48,9 +51,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardline.torch as slt
-from fully_shard_worker import D_IN, D_OUT, Block, Net
+from fully_shard_worker import D, D_IN, D_OUT, Block, Net
 from shardline.torch import (BackwardPrefetch, CPUOffload, FullStateDictConfig,
-                             FullyShardedDataParallel as FSDP, ModuleWrapPolicy,
+                             FullyShardedDataParallel as FSDP, MixedPrecision, ModuleWrapPolicy,
                              ShardingStrategy, StateDictType)
 
 GLOBAL_BATCH, STEPS = 8, 3
@@ -67,6 +70,17 @@ def policy_of(options):
     return functools.partial(slt.transformer_auto_wrap_policy, transformer_layer_cls={Block})
 
 
+def add_buffers(model):
+    """Floating buffers that the forward reads, with values bf16 holds exactly (so that
+    buffer_dtype changes no number): a scale on the root's output, a shift into each block."""
+    model.register_buffer("scale", torch.tensor(0.75))
+    model.register_forward_hook(lambda m, args, out: out * m.scale.to(out.dtype))
+    for block in model.blocks:
+        block.register_buffer("shift", torch.full((D,), 2.0 ** -6))
+        block.register_forward_pre_hook(lambda m, args: (args[0] + m.shift.to(args[0].dtype),))
+    return model
+
+
 def build(options, rank):
     torch.manual_seed(100 + rank if "sync" in options else 0)
     if "meta" in options:
@@ -74,6 +88,8 @@ def build(options, rank):
             model = Net()
     else:
         model = Net()
+    if "buffers" in options:
+        add_buffers(model)
     kwargs = dict(auto_wrap_policy=policy_of(options), use_orig_params="orig" in options,
                   sync_module_states="sync" in options,
                   limit_all_gathers="nolimit" not in options,
@@ -107,6 +123,8 @@ def build(options, rank):
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
     if "ignored" in options:
         kwargs["ignored_modules"] = [model.head]
+    if "buffers" in options:
+        kwargs["mixed_precision"] = MixedPrecision(buffer_dtype=torch.bfloat16)
     wrapped = FSDP(model, **kwargs)
     if "ac" in options:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -206,6 +224,30 @@ def round_trips(model, opt, rank, options):
     return out
 
 
+def buffer_checks(model, ref):
+    """The buffers' dtypes in the module (buffer_dtype) and in the full and sharded state dicts
+    (their original dtype, as FSDP1 saves them), and a full state dict loaded back: the buffers
+    keep buffer_dtype and their values."""
+    names = sorted(n for n, _ in ref.named_buffers())
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = model.state_dict()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    full[names[0]] = full[names[0]] * 2
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        model.load_state_dict(full)
+    loaded = dict(model.named_buffers())
+    want = dict(ref.named_buffers())
+    return {
+        "module": sorted({str(b.dtype) for b in loaded.values()}),
+        "full": sorted({str(full[n].dtype) for n in names}),
+        "sharded": sorted({str(sharded[n].dtype) for n in names}),
+        "loaded": max(((loaded[n].double() - want[n].double() * (2 if n == names[0] else 1))
+                       .abs().max().item()) for n in names),
+        "names": names,
+    }
+
+
 def run_case(case, rank, size):
     name, _, rest = case.partition(":")
     options = {name} | (set(rest.split(",")) if rest else set())
@@ -213,6 +255,8 @@ def run_case(case, rank, size):
     opt, losses = train(model, options, rank, size, sharded=True)
     torch.manual_seed(100 if "sync" in options else 0)  # sync: rank 0's initial values
     ref = Net()
+    if "buffers" in options:
+        add_buffers(ref)
     _, ref_losses = train(ref, options, rank, size, sharded=False)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         weights = model.state_dict()
@@ -237,6 +281,8 @@ def run_case(case, rank, size):
     }
     if "roundtrip" in options:
         result["round_trips"] = round_trips(model, opt, rank, options)
+    if "buffers" in options:
+        result["buffers"] = buffer_checks(model, ref)
     return result
 
 

@@ -17,6 +17,7 @@ docs/pytorch.md's FSDP1 section has the mapping.
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -61,7 +62,8 @@ class FullyShardedDataParallel(nn.Module):
     _HYBRID_SHARD_ZERO2 (full shard / shard-grad-op within the shard dimension, replicated over
     the other). cpu_offload=CPUOffload(offload_params=True): the scheduler's cpu_offload.
     mixed_precision: param_dtype and reduce_dtype as the scheduler's; buffer_dtype casts the
-    buffers. auto_wrap_policy: a torch policy object (ModuleWrapPolicy, CustomPolicy) or a
+    floating buffers (state dicts hold them in their original dtypes, as FSDP1's do).
+    auto_wrap_policy: a torch policy object (ModuleWrapPolicy, CustomPolicy) or a
     function policy (module, recurse, nonwrapped_numel) such as transformer_auto_wrap_policy
     and size_based_auto_wrap_policy through functools.partial. ignored_modules: their
     parameters stay outside every unit (replicated, not reduced). param_init_fn: called on each
@@ -116,9 +118,14 @@ class FullyShardedDataParallel(nn.Module):
         mp = mixed_precision or MixedPrecision()
         if mp.buffer_dtype is not None:
             for m in module.modules():
+                original = {}
                 for name, b in m._buffers.items():
-                    if b is not None and b.is_floating_point():
+                    if b is not None and b.is_floating_point() and b.dtype != mp.buffer_dtype:
+                        original[name] = b.dtype
                         m._buffers[name] = b.to(mp.buffer_dtype)
+                if original:
+                    m._register_state_dict_hook(
+                        functools.partial(_buffers_in_original_dtypes, original))
         config = dict(
             mesh_config=mesh_config,
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD,
@@ -581,6 +588,15 @@ def _clean_state_dict_keys(module, state_dict, prefix, local_metadata):
         for u in units:
             u._shardline_state.in_full_state_dict = False
             u.reshard()
+
+
+def _buffers_in_original_dtypes(original, module, state_dict, prefix, local_metadata):
+    """state_dict()'s post-hook on a module whose buffers MixedPrecision.buffer_dtype cast:
+    FSDP1 saves them in their original dtypes (`original`: name -> dtype), in full and sharded
+    state dicts alike; loading casts back into the buffers' dtype."""
+    for name, dtype in original.items():
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = state_dict[prefix + name].to(dtype)
 
 
 def _add_wrapped_prefix(module, state_dict, prefix, *args):
