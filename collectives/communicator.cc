@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "collectives/internal/flight_dump.h"
+#include "runtime/clock.h"
 #include "runtime/config.h"
 #include "runtime/logging.h"
 #include "runtime/recycling.h"
@@ -179,12 +180,12 @@ std::unique_ptr<Allocator> Communicator::CreateHostAllocatorForTransfers(size_t 
 
 void Communicator::RecordStarted(const Op& op) const {
   FlightRecorder& flight = FlightOf(op.fingerprint.kind);
-  if (flight.enabled()) flight.Started(op.fingerprint.seq, absl::GetCurrentTimeNanos());
+  if (flight.enabled()) flight.Started(op.fingerprint.seq, WallNowNanos());
 }
 
 void Communicator::RecordEnded(const Op& op, const absl::Status& status) const {
   FlightRecorder& flight = FlightOf(op.fingerprint.kind);
-  if (flight.enabled()) flight.Ended(op.fingerprint.seq, status, absl::GetCurrentTimeNanos());
+  if (flight.enabled()) flight.Ended(op.fingerprint.seq, status, WallNowNanos());
 }
 
 std::vector<FlightRecord> Communicator::FlightRecords() const {
@@ -546,7 +547,10 @@ absl::StatusOr<Work> Communicator::Issue(CollectiveKind kind, const void* input,
                                          IsReduction(kind) ? reduce_op : ReduceOp::kSum,
                                          kind == CollectiveKind::kBroadcast ? root : 0,
                                          options.key};
-  NameKey(options.key, options.tag);
+  if (options.key != 0 && !options.tag.empty() &&
+      (issued_keys_.size() >= kMaxKeyTags || issued_keys_.insert(options.key).second)) {
+    NameKey(options.key, options.tag);
+  }
   op.input = input;
   op.output = output;
   op.element_size = esize;
@@ -567,7 +571,7 @@ absl::StatusOr<std::shared_ptr<Event>> Communicator::EnqueueAndRecord(const Op& 
       flight_registered_ = true;
       flight_internal::Register(weak_from_this());
     }
-    flight.Enqueued(op.fingerprint, stream.name(), label, absl::GetCurrentTimeNanos());
+    flight.Enqueued(op.fingerprint, stream.name(), label, WallNowNanos());
   }
   absl::Status launched = Launch(op, stream);
   if (!launched.ok()) {

@@ -105,6 +105,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -538,6 +539,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   static constexpr size_t kMaxKeyTags = 1 << 16;
   mutable std::mutex key_mu_;
   absl::flat_hash_map<uint64_t, std::string> key_tags_;
+  // The keys Issue has named already (guarded by issue_mu_): issuing a unit's collectives takes
+  // key_mu_ only the first time.
+  absl::flat_hash_set<uint64_t> issued_keys_;
   mutable std::mutex mu_;
   absl::Status abort_status_;
   std::atomic<bool> aborted_{false};

@@ -218,7 +218,7 @@ struct Allocator::PendingSet {
       if (completed && block->pending && !block->guards[index].completed) {
         block->guards[index].completed = true;
         if (--block->outstanding == 0) {
-          ++ready;
+          SetReadyLocked(ready + 1);
           cv.notify_all();
         }
       }
@@ -261,7 +261,7 @@ struct Allocator::PendingSet {
   void RemoveLocked(std::vector<Block*>::iterator it) {
     Block* block = *it;
     blocks.erase(it);
-    if (block->outstanding == 0) --ready;
+    if (block->outstanding == 0) SetReadyLocked(ready - 1);
     block->pending = false;
     block->guards.clear();
     (void)UnholdLocked(block);
@@ -282,10 +282,20 @@ struct Allocator::PendingSet {
     }
   }
 
+  // `ready` := n (mu held), and its copy that Collect reads without the lock.
+  void SetReadyLocked(size_t n) {
+    ready = n;
+    any_ready.store(n > 0, std::memory_order_release);
+  }
+
   std::mutex mu;
   std::condition_variable cv;  // DrainPending waits for outstanding == 0
   std::vector<Block*> blocks;  // pending, oldest first
-  size_t ready = 0;            // blocks with outstanding == 0
+  size_t ready = 0;            // blocks with outstanding == 0 (SetReadyLocked)
+  // ready > 0, readable without mu: most Collect calls (every Allocate and guarded Release)
+  // find nothing ready and take no lock. One that misses a block made ready meanwhile leaves it
+  // to the next call.
+  std::atomic<bool> any_ready{false};
   std::vector<std::unique_ptr<Block>> nodes;
   std::vector<Block*> free;  // nodes nobody holds
   size_t held_nodes = 0;     // nodes.size() - free.size()
@@ -371,6 +381,7 @@ void Allocator::ResetStats() {
 }
 
 int Allocator::Collect() {
+  if (!pending_->any_ready.load(std::memory_order_acquire)) return 0;
   absl::InlinedVector<Freed, 8> ready;
   {
     std::lock_guard<std::mutex> lock(pending_->mu);

@@ -3,12 +3,22 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <ctime>
 
 #include "absl/time/clock.h"
 #include "runtime/check.h"
 #include "runtime/internal/clock_internal.h"
 
 namespace shardline {
+
+int64_t WallNowNanos() {
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+
+absl::Time WallNow() { return absl::FromUnixNanos(WallNowNanos()); }
+
 namespace {
 
 std::atomic<clock_internal::BeforeBlockHook> before_block_hook{nullptr};
@@ -23,7 +33,7 @@ void BeforeBlock(std::unique_lock<std::mutex>& lock) {
 
 class WallClockImpl final : public Clock {
  public:
-  absl::Time Now() const override { return absl::Now(); }
+  absl::Time Now() const override { return WallNow(); }
   bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                  absl::Time deadline, absl::FunctionRef<bool()> done) const override {
     BeforeBlock(lock);

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "collectives/ucx/internal/ucx_algorithms.h"
 #include "runtime/check.h"
+#include "runtime/clock.h"
 #include "runtime/host_kernels.h"
 #include "runtime/shared_memory.h"
 #include "runtime/status.h"
@@ -275,7 +276,7 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
                                   absl::FunctionRef<void(absl::Time deadline)> sleep,
                                   absl::FunctionRef<std::vector<int>()> pending,
                                   absl::FunctionRef<bool()> mates_pending) {
-  absl::Time last_activity = absl::Now();
+  absl::Time last_activity = WallNow();
   while (true) {
     bool activity = transport_.Progress();
     SL_RETURN_IF_ERROR(ServeReads(&activity));
@@ -283,8 +284,9 @@ absl::Status CollectiveRun::Drive(absl::FunctionRef<absl::StatusOr<bool>()> step
     if (finished) return absl::OkStatus();
     absl::Status comm = hooks_.comm_status();
     if (!comm.ok()) return Annotate(comm, hooks_.describe());
-    // One clock reading per poll, shared by the checks below.
-    const absl::Time now = absl::Now();
+    // One clock reading per poll, shared by the checks below (WallNow: a quarter of
+    // absl::Now()'s cost, on every poll of a spin).
+    const absl::Time now = WallNow();
     absl::Status peers = transport_.CheckPeers(now);
     if (!peers.ok()) return Annotate(peers, hooks_.describe());
     if (now >= deadline_) return hooks_.deadline_error(pending());

@@ -8,6 +8,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "runtime/clock.h"
 #include "runtime/status.h"
 
 namespace shardline::ucx_internal {
@@ -162,7 +163,7 @@ namespace {
 absl::Status Wait(UcxTransport& transport, const Tuning& tuning, absl::Time deadline,
                   const CollectiveHooks& hooks, const std::vector<int>& awaited,
                   absl::FunctionRef<bool()> ready) {
-  absl::Time last_activity = absl::Now();
+  absl::Time last_activity = WallNow();
   while (true) {
     const bool activity = transport.Progress();
     // What this thread progressed may complete another waiter's request, and the event that
@@ -171,7 +172,7 @@ absl::Status Wait(UcxTransport& transport, const Tuning& tuning, absl::Time dead
     if (ready()) return absl::OkStatus();
     absl::Status comm = hooks.comm_status();
     if (!comm.ok()) return Annotate(comm, hooks.describe());
-    const absl::Time now = absl::Now();
+    const absl::Time now = WallNow();
     absl::Status peers = transport.CheckPeers(now);
     if (!peers.ok()) return Annotate(peers, hooks.describe());
     if (now >= deadline) return hooks.deadline_error(awaited);
