@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <fstream>
 #include <memory>
@@ -76,7 +78,9 @@ std::vector<Span> OnTrack(const std::vector<Span>& spans, int tid) {
 }
 
 std::string WriteAndRead(const TraceWriter& trace, const std::string& file) {
-  const std::string path = absl::StrCat(::testing::TempDir(), "/", file);
+  // Named for this process: test binaries of several build directories may run at once.
+  const std::string path =
+      absl::StrCat(::testing::TempDir(), "/shardline_stream_trace_test_", getpid(), "_", file);
   EXPECT_TRUE(trace.WriteFile(path).ok());
   std::ifstream in(path);
   std::stringstream buffer;

@@ -2,6 +2,8 @@
 // Python's json module, an independent parser, when python3 is on PATH.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -24,11 +26,17 @@ std::string ReadFile(const std::string& path) {
   return buffer.str();
 }
 
+// A file in the test temp directory, named for this process: test binaries of several build
+// directories (plain, sanitized) may run at the same time.
+std::string TempPath(absl::string_view name) {
+  return absl::StrCat(::testing::TempDir(), "/shardline_trace_test_", getpid(), "_", name);
+}
+
 bool HavePython() { return std::system("python3 -c 'import json' >/dev/null 2>&1") == 0; }
 
 // Runs a Python snippet with the file as argv[1]; returns its exit status.
 int RunPython(const std::string& code, const std::string& path) {
-  const std::string script = absl::StrCat(::testing::TempDir(), "/check_trace.py");
+  const std::string script = TempPath("check_trace.py");
   std::ofstream(script) << code;
   return std::system(absl::StrCat("python3 ", script, " ", path).c_str());
 }
@@ -57,7 +65,7 @@ TEST(TraceTest, WritesValidChromeTrace) {
   TraceSpan disabled(nullptr, 0, "ignored", "x");  // no-op
   EXPECT_EQ(trace.num_events(), 4u);
 
-  const std::string path = absl::StrCat(::testing::TempDir(), "/trace_rank2.json");
+  const std::string path = TempPath("trace_rank2.json");
   ASSERT_TRUE(trace.WriteFile(path).ok());
   const std::string text = ReadFile(path);
   EXPECT_TRUE(absl::StrContains(text, "\"thread_name\""));
@@ -110,13 +118,13 @@ TEST(TraceTest, MergeKeepsOnePidPerRank) {
   for (int rank = 0; rank < 3; ++rank) {
     TraceWriter trace(rank);
     trace.AddComplete(trace.Track("gather"), "op", "coll", absl::Now(), absl::Microseconds(5));
-    paths.push_back(absl::StrCat(::testing::TempDir(), "/merge_rank", rank, ".json"));
+    paths.push_back(TempPath(absl::StrCat("merge_rank", rank, ".json")));
     ASSERT_TRUE(trace.WriteFile(paths.back()).ok());
   }
-  const std::string merged = absl::StrCat(::testing::TempDir(), "/merged.json");
+  const std::string merged = TempPath("merged.json");
   ASSERT_TRUE(MergeTraceFiles(paths, merged).ok());
 
-  const std::string bogus = absl::StrCat(::testing::TempDir(), "/bogus.json");
+  const std::string bogus = TempPath("bogus.json");
   std::ofstream(bogus) << "{\"not\": \"ours\"}";
   absl::Status bad = MergeTraceFiles({paths[0], bogus}, merged + ".bad");
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
