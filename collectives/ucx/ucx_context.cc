@@ -122,6 +122,15 @@ absl::StatusOr<std::shared_ptr<UcxContext>> UcxContext::Acquire(bool shm) {
   if (std::getenv("UCX_ZCOPY_THRESH") == nullptr) {
     ucp_config_modify(config, "ZCOPY_THRESH", "inf");
   }
+  // Learn each peer's endpoint id when the endpoint is created (later UCX's default), not at
+  // the first rendezvous send (tag_rndv.c:97 in 1.13.1). A peer's late request is answered on
+  // this rank's plain shared-memory endpoint to it; where that peer's queue is full (this rank
+  // streams to it) the reply waits on the endpoint, and when the peer then dies, discarding the
+  // endpoint (closed or failed) trips an assertion of Debian's UCX (ucp_request.c:684, "got REP
+  // message"; removed upstream by openucx/ucx#8175). At creation nothing fills the queues yet.
+  if (std::getenv("UCX_RESOLVE_REMOTE_EP_ID") == nullptr) {
+    ucp_config_modify(config, "RESOLVE_REMOTE_EP_ID", "auto");
+  }
   if (!shm && std::getenv("UCX_TLS") == nullptr) {
     status = ucp_config_modify(config, "TLS", "^sm");
     if (status != UCS_OK) {
