@@ -111,6 +111,26 @@ absl::StatusOr<std::shared_ptr<UcxContext>> UcxContext::Acquire(bool shm) {
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
     ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
   }
+  // No zero-copy active messages. UCX 1.13's TCP transport completes a zero-copy send twice
+  // when a send on it fails (the peer died) while the send is still going out: once when it
+  // purges the endpoint, once more on return (uct_tcp_ep_sendv, src/uct/tcp/tcp_ep.c:1062-1063
+  // in 1.13.1, still so upstream). Debian builds UCX with assertions, so the survivor aborts
+  // (uct_iface.h:884 "comp->count > 0") instead of failing the collective. Over TCP every
+  // message above about 8 KiB took that path: eager zero-copy, and the rendezvous data, which TCP
+  // carries as active messages. Copying them costs the sender one memcpy per byte; other
+  // transports keep their zero-copy rendezvous (RMA lanes: not governed by this threshold).
+  if (std::getenv("UCX_ZCOPY_THRESH") == nullptr) {
+    ucp_config_modify(config, "ZCOPY_THRESH", "inf");
+  }
+  // Learn each peer's endpoint id when the endpoint is created (later UCX's default), not at
+  // the first rendezvous send (tag_rndv.c:97 in 1.13.1). A peer's late request is answered on
+  // this rank's plain shared-memory endpoint to it; where that peer's queue is full (this rank
+  // streams to it) the reply waits on the endpoint, and when the peer then dies, discarding the
+  // endpoint (closed or failed) trips an assertion of Debian's UCX (ucp_request.c:684, "got REP
+  // message"; removed upstream by openucx/ucx#8175). At creation nothing fills the queues yet.
+  if (std::getenv("UCX_RESOLVE_REMOTE_EP_ID") == nullptr) {
+    ucp_config_modify(config, "RESOLVE_REMOTE_EP_ID", "auto");
+  }
   if (!shm && std::getenv("UCX_TLS") == nullptr) {
     status = ucp_config_modify(config, "TLS", "^sm");
     if (status != UCS_OK) {
