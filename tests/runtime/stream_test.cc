@@ -1654,6 +1654,23 @@ TEST(ClockTest, ManualClockMovesOnlyWhenTold) {
   EXPECT_EQ(WallClock().name(), "wall");
 }
 
+// WallNow reads the system's real-time clock: the time absl::Now() tells (abseil interpolates
+// between resynchronizations with it: within a millisecond here), in nanoseconds too, and the
+// wall clock of streams is it.
+TEST(ClockTest, WallNowTellsTheTimeAbslNowDoes) {
+  for (int i = 0; i < 1000; ++i) {
+    const absl::Time before = absl::Now();
+    const absl::Time wall = WallNow();
+    const int64_t wall_ns = WallNowNanos();
+    const absl::Time clock = WallClock().Now();
+    const absl::Time after = absl::Now();
+    for (absl::Time t : {wall, absl::FromUnixNanos(wall_ns), clock}) {
+      ASSERT_GE(t, before - absl::Milliseconds(1));
+      ASSERT_LE(t, after + absl::Milliseconds(1));
+    }
+  }
+}
+
 // A stream on a manual clock: its wait_timeout and every deadline are times on that clock. A
 // wait of 5 virtual seconds survives real time passing, and ends when the clock is advanced.
 class StreamClockTest : public ::testing::TestWithParam<StreamKind> {};
