@@ -644,6 +644,47 @@ void StallTheStraggler(int rank, uint64_t /*seq*/) {
   }
 }
 
+// Runs `rank_body` on two ranks with mailboxes and without, on private and on shareable memory
+// (`elements` floats of it per rank, handed to the body), with rank 1 stalled after each large
+// collective's fingerprint round until the body opens `resume`.
+void WithAStraggler(
+    size_t elements,
+    absl::FunctionRef<void(int r, Communicator& comm, Stream& stream, float* data, Gate& resume)>
+        rank_body) {
+  absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
+  ASSERT_TRUE(tuning.ok()) << tuning.status();
+  ucx_internal::SetBeforeDataHookForTesting(&StallTheStraggler);
+  absl::Cleanup unhook = [] { ucx_internal::SetBeforeDataHookForTesting(nullptr); };
+  for (const bool mailbox : {true, false}) {
+    for (const bool shareable : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(mailbox ? "mailboxes" : "messages", ", ",
+                                shareable ? "shareable" : "private", " memory"));
+      tuning->mailbox = mailbox;
+      Comms comms = MakeCommsWithTuning(2, absl::Seconds(30), *tuning);
+      Gate resume;
+      g_straggler_resume = &resume;
+      g_straggler = 1;
+      RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
+        std::unique_ptr<Allocator> host =
+            comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
+        std::vector<float> vec;
+        absl::StatusOr<Buffer> block;
+        float* data;
+        if (shareable) {
+          block = host->Allocate(elements * sizeof(float));
+          ASSERT_TRUE(block.ok()) << block.status();
+          data = block->as<float>();
+        } else {
+          vec.resize(elements);
+          data = vec.data();
+        }
+        rank_body(r, comm, stream, data, resume);
+      });
+      g_straggler = -1;
+    }
+  }
+}
+
 // A straggler resumed after its peer gave up on a collective never returns OK from it: rank 1
 // stalls inside a large broadcast (its fingerprint round done, its read of the root's buffer not
 // yet) until the root has timed out, aborted and reused its buffer; then it reads the buffer —
@@ -652,59 +693,29 @@ void StallTheStraggler(int rank, uint64_t /*seq*/) {
 // queued by then). Before the check after the reads it returned OK with the reused bytes.
 TEST(UcxCommunicatorTest, AStragglerNeverReturnsOkFromACollectiveItsPeerGaveUpOn) {
   constexpr size_t kCount = 64 * 1024;  // 256 KiB: above SHARDLINE_UCX_SMALL_BYTES
-  absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
-  ASSERT_TRUE(tuning.ok()) << tuning.status();
-  ucx_internal::SetBeforeDataHookForTesting(&StallTheStraggler);
-  absl::Cleanup unhook = [] { ucx_internal::SetBeforeDataHookForTesting(nullptr); };
-  for (const bool mailbox : {true, false}) {
-    for (const bool shareable : {false, true}) {
-      SCOPED_TRACE(absl::StrCat(mailbox ? "mailboxes" : "messages", ", ",
-                                shareable ? "shareable" : "private", " memory"));
-      tuning->mailbox = mailbox;
-      Comms comms = MakeCommsWithTuning(2, absl::Seconds(30), *tuning);
-      Gate resume;
-      g_straggler_resume = &resume;
-      g_straggler = 1;
-      RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
-        std::unique_ptr<Allocator> host =
-            comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
-        std::vector<float> vec;
-        absl::StatusOr<Buffer> block;
-        float* data;
-        if (shareable) {
-          block = host->Allocate(kCount * sizeof(float));
-          ASSERT_TRUE(block.ok()) << block.status();
-          data = block->as<float>();
-        } else {
-          vec.resize(kCount);
-          data = vec.data();
-        }
-        const std::vector<float> sent = HashedFloats(0, kCount, 1);
-        if (r == 0) {
-          std::copy(sent.begin(), sent.end(), data);
-        } else {
-          std::fill(data, data + kCount, -1.0f);
-        }
-        BroadcastOptions options;
-        options.root = 0;
-        options.timeout = r == 0 ? absl::Milliseconds(300) : absl::Seconds(20);
-        const absl::Status status =
-            WaitFor(comm.Broadcast(data, kCount, DType::kF32, stream, options));
-        if (r == 0) {
-          EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
-          // The root's buffer is the caller's again, and reused: not what it broadcast.
-          std::fill(data, data + kCount, 7.0f);
-          resume.Open();
-          return;
-        }
-        EXPECT_FALSE(status.ok()) << "returned OK; element 0 reads " << data[0] << " where rank 0 "
-                                  << "sent " << sent[0];
-        EXPECT_TRUE(IsPeerError(status)) << status;
-        EXPECT_TRUE(absl::StrContains(status.message(), "rank 0")) << status;
-      });
-      g_straggler = -1;
+  WithAStraggler(kCount, [&](int r, Communicator& comm, Stream& stream, float* data, Gate& resume) {
+    const std::vector<float> sent = HashedFloats(0, kCount, 1);
+    if (r == 0) {
+      std::copy(sent.begin(), sent.end(), data);
+    } else {
+      std::fill(data, data + kCount, -1.0f);
     }
-  }
+    BroadcastOptions options;
+    options.root = 0;
+    options.timeout = r == 0 ? absl::Milliseconds(300) : absl::Seconds(20);
+    const absl::Status status = WaitFor(comm.Broadcast(data, kCount, DType::kF32, stream, options));
+    if (r == 0) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+      // The root's buffer is the caller's again, and reused: not what it broadcast.
+      std::fill(data, data + kCount, 7.0f);
+      resume.Open();
+      return;
+    }
+    EXPECT_FALSE(status.ok()) << "returned OK; element 0 reads " << data[0] << " where rank 0 "
+                              << "sent " << sent[0];
+    EXPECT_TRUE(IsPeerError(status)) << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), "rank 0")) << status;
+  });
 }
 
 // The same for a reduce-scatter, whose local peers lease each other's whole blocks: the straggler
@@ -712,33 +723,8 @@ TEST(UcxCommunicatorTest, AStragglerNeverReturnsOkFromACollectiveItsPeerGaveUpOn
 // returned; it must still fail naming rank 0, never return OK with what it reduced.
 TEST(UcxCommunicatorTest, AStragglerNeverReturnsOkFromAReduceScatterItsPeerGaveUpOn) {
   constexpr size_t kCount = 64 * 1024;  // per rank, 256 KiB: above SHARDLINE_UCX_SMALL_BYTES
-  absl::StatusOr<ucx_internal::Tuning> tuning = ucx_internal::Tuning::FromEnvironment();
-  ASSERT_TRUE(tuning.ok()) << tuning.status();
-  ucx_internal::SetBeforeDataHookForTesting(&StallTheStraggler);
-  absl::Cleanup unhook = [] { ucx_internal::SetBeforeDataHookForTesting(nullptr); };
-  for (const bool mailbox : {true, false}) {
-    for (const bool shareable : {false, true}) {
-      SCOPED_TRACE(absl::StrCat(mailbox ? "mailboxes" : "messages", ", ",
-                                shareable ? "shareable" : "private", " memory"));
-      tuning->mailbox = mailbox;
-      Comms comms = MakeCommsWithTuning(2, absl::Seconds(30), *tuning);
-      Gate resume;
-      g_straggler_resume = &resume;
-      g_straggler = 1;
-      RunRanks(comms, [&](int r, Communicator& comm, Stream& stream) {
-        std::unique_ptr<Allocator> host =
-            comm.CreateHostAllocatorForTransfers(64, absl::StrCat("rank", r));
-        std::vector<float> vec;
-        absl::StatusOr<Buffer> block;
-        float* data;
-        if (shareable) {
-          block = host->Allocate(2 * kCount * sizeof(float));
-          ASSERT_TRUE(block.ok()) << block.status();
-          data = block->as<float>();
-        } else {
-          vec.resize(2 * kCount);
-          data = vec.data();
-        }
+  WithAStraggler(
+      2 * kCount, [&](int r, Communicator& comm, Stream& stream, float* data, Gate& resume) {
         const std::vector<float> sent = HashedFloats(r, 2 * kCount, 1);
         std::copy(sent.begin(), sent.end(), data);
         std::vector<float> shard(kCount, -1.0f);
@@ -757,9 +743,6 @@ TEST(UcxCommunicatorTest, AStragglerNeverReturnsOkFromAReduceScatterItsPeerGaveU
         EXPECT_TRUE(IsPeerError(status)) << status;
         EXPECT_TRUE(absl::StrContains(status.message(), "rank 0")) << status;
       });
-      g_straggler = -1;
-    }
-  }
 }
 
 // With no spin every wait of a pipelined reduction sleeps on the worker's event fd. Reductions
