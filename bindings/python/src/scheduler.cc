@@ -1,11 +1,16 @@
 // File: bindings/python/src/scheduler.cc
 // -----------------------------------------------------------------------------
-// shardline._core.Scheduler: the FSDP scheduler for a Python framework that computes on the CPU.
-// The compute stream is a caller stream (the thread that calls the hooks), so a hook that needs
-// data blocks that thread, with the GIL released, until the data is there; the scheduler's own
-// streams (gather, reduce, ...) run on their workers. Views of unsharded parameters and gradients
-// are numpy arrays or torch tensors over the scheduler's memory (zero-copy); they stay valid
-// memory while the scheduler lives, and hold the unit's values in the windows scheduler.h gives.
+// shardline._core.Scheduler: the FSDP scheduler for a Python framework.
+//   * device="cpu": the compute stream is a caller stream (the thread that calls the hooks), so a
+//     hook that needs data blocks that thread, with the GIL released, until the data is there;
+//     the scheduler's own streams (gather, reduce, ...) run on their workers.
+//   * device="cuda:N": the compute stream is the framework's CUDA stream (compute_stream, a
+//     cudaStream_t as an int: torch's Stream.cuda_stream), wrapped without a copy or a take-over;
+//     a hook enqueues waits on it and returns without blocking the host, and the scheduler's own
+//     streams are CUDA streams of cuda:N. The world must move cuda:N memory (backend nccl).
+// Views of unsharded parameters and gradients are numpy arrays or torch tensors over the
+// scheduler's memory (zero-copy; torch CUDA tensors on a CUDA device); they stay valid memory
+// while the scheduler lives, and hold the unit's values in the windows scheduler.h gives.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -23,6 +28,10 @@
 #include "bindings/python/src/common.h"
 #include "scheduler/scheduler.h"
 
+#ifdef SHARDLINE_WITH_CUDA
+#include "runtime/cuda/cuda_stream.h"
+#endif
+
 namespace shardline::python {
 namespace {
 
@@ -32,6 +41,8 @@ struct PyScheduler {
   nb::object trace;      // the TraceWriter or None, kept alive
   std::string framework;
   MixedPrecisionPolicy precision;  // of every unit it registers
+  Device device;                   // the compute stream's
+  nb::object post_optimizer;       // the framework's event behind SetPostOptimizerEvent, kept alive
   // Destroyed after the scheduler (declared before it).
   std::unique_ptr<Stream> compute;
   std::unique_ptr<Scheduler> scheduler;
@@ -91,33 +102,62 @@ nb::dlpack::dtype DlpackOf(DType dtype) {
   return t;
 }
 
-// A view of `numel` elements at `data` with `shape`, owned by the scheduler's Python object.
+// A view of `numel` elements at `data` (memory of `device`) with `shape`, owned by the
+// scheduler's Python object.
 nb::object MakeView(PyScheduler& s, void* data, DType dtype, const std::vector<size_t>& shape,
-                    size_t numel) {
+                    size_t numel, Device device) {
   if (s.framework == "numpy" && dtype == DType::kBF16) {
     ThrowInvalid(
         "a bfloat16 view cannot be a numpy array; create the Scheduler with "
         "framework='torch'");
   }
+  // (Of any device: a consumer reads no element of a zero-element view.)
   if (data == nullptr || numel == 0) data = empty_storage;
   nb::handle owner = nb::find(&s);
+  const int32_t kind = device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
+  const int32_t index = device.is_cuda() ? device.index() : 0;
   if (s.framework == "torch") {
     return nb::ndarray<nb::pytorch>(data, shape.size(), shape.data(), owner, nullptr,
-                                    DlpackOf(dtype), nb::device::cpu::value, 0)
+                                    DlpackOf(dtype), kind, index)
         .cast();
+  }
+  if (device.is_cuda()) {
+    ThrowInvalid("a view of CUDA memory cannot be a numpy array; create the Scheduler with "
+                 "framework='torch'");
   }
   return nb::ndarray<nb::numpy>(data, shape.size(), shape.data(), owner, nullptr, DlpackOf(dtype),
                                 nb::device::cpu::value, 0)
       .cast();
 }
 
+// Unsharded parameters and gradients: memory of the compute stream's device.
 nb::object FromTensorView(PyScheduler& s, const TensorView& v) {
   std::vector<size_t> shape(v.shape.begin(), v.shape.end());
-  return MakeView(s, v.data, v.dtype, shape, v.numel);
+  return MakeView(s, v.data, v.dtype, shape, v.numel, s.device);
 }
 
-nb::object FromShardView(PyScheduler& s, const FlatShardView& v) {
-  return MakeView(s, v.data, v.dtype, {v.elements}, v.elements);
+// Master shards and sharded gradients: the compute device's, or host memory with cpu_offload.
+nb::object FromShardView(PyScheduler& s, const FlatShardView& v, Device device) {
+  return MakeView(s, v.data, v.dtype, {v.elements}, v.elements, device);
+}
+
+// The compute stream of `device`: a caller stream on the CPU, the framework's CUDA stream
+// (`cuda_stream`, a cudaStream_t as an integer; 0 is the device's legacy default stream) wrapped.
+std::unique_ptr<Stream> MakeComputeStream(const Device& device, uintptr_t cuda_stream,
+                                          const std::string& name, TraceWriter* trace) {
+  if (device.is_host()) {
+    if (cuda_stream != 0) ThrowInvalid("Scheduler: compute_stream is for device='cuda:N' only");
+    return Unwrap(CreateCallerStream(
+        {.name = absl::StrCat(name, ".compute"), .trace = trace, .track = "compute"}));
+  }
+#ifdef SHARDLINE_WITH_CUDA
+  return Unwrap(WrapCudaStream(
+      reinterpret_cast<cudaStream_t>(cuda_stream), device.index(),
+      {.name = absl::StrCat(name, ".compute"), .trace = trace, .track = "compute"}));
+#else
+  throw StatusError(absl::UnimplementedError(absl::StrCat(
+      "Scheduler: device='", device.ToString(), "': this shardline was built without CUDA")));
+#endif
 }
 
 void Create(PyScheduler* self, nb::object world, const std::string& strategy, int shard_size,
@@ -126,8 +166,23 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
             bool cpu_offload, const std::string& param_dtype, const std::string& reduce_dtype,
             bool keep_low_precision_grads, const std::string& name, nb::object trace,
             const std::string& framework, std::optional<double> timeout_s, bool time_communication,
-            nb::object replicate) {
+            nb::object replicate, const std::string& device_name, uintptr_t cuda_stream) {
   PyComm& comm = nb::cast<PyComm&>(world);
+  const Device device = Unwrap(Device::Parse(device_name));
+  // The communicators move the compute device's memory: host memory for the CPU, cuda:N memory
+  // (backend nccl) for cuda:N.
+  auto check_comm = [&](const PyComm& c) {
+    if (c.comm->device() == device) return;
+    if (device.is_host()) {
+      ThrowInvalid(absl::StrCat("Scheduler(device='cpu'): communicator '", c.comm->name(),
+                                "' moves ", c.comm->device().ToString(),
+                                " memory; pass device='", c.comm->device().ToString(), "'"));
+    }
+    ThrowInvalid(absl::StrCat("Scheduler(device='", device.ToString(), "'): communicator '",
+                              c.comm->name(), "' moves ", c.comm->device().ToString(),
+                              " memory, not ", device.ToString(), " memory (a CUDA scheduler "
+                              "needs a communicator of its device: backend 'nccl')"));
+  };
   PyComm* replicate_comm = nullptr;
   if (!replicate.is_none()) {
     if (!nb::isinstance<PyComm>(replicate)) {
@@ -137,20 +192,16 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
     if (strategy != "hybrid_shard") {
       ThrowInvalid(absl::StrCat("Scheduler: replicate= makes a hybrid_shard mesh, not ", strategy));
     }
-    if (!replicate_comm->comm->device().is_host()) {
-      ThrowInvalid(absl::StrCat("the Python Scheduler computes on the CPU; communicator '",
-                                replicate_comm->comm->name(), "' moves ",
-                                replicate_comm->comm->device().ToString(), " memory"));
-    }
+    check_comm(*replicate_comm);
   }
   if (framework != "numpy" && framework != "torch") {
     ThrowInvalid(absl::StrCat("framework '", framework, "' is not 'numpy' or 'torch'"));
   }
-  if (!comm.comm->device().is_host()) {
-    ThrowInvalid(absl::StrCat("the Python Scheduler computes on the CPU; communicator '",
-                              comm.comm->name(), "' moves ", comm.comm->device().ToString(),
-                              " memory"));
+  if (device.is_cuda() && framework != "torch") {
+    ThrowInvalid(absl::StrCat("Scheduler(device='", device.ToString(),
+                              "'): views of CUDA memory are torch tensors; pass framework='torch'"));
   }
+  check_comm(comm);
   SchedulerOptions options;
   options.name = name;
   options.strategy = ParseStrategy(strategy);
@@ -171,8 +222,7 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
   precision.keep_low_precision_grads = keep_low_precision_grads;
   ThrowIfError(precision.Validate());
 
-  std::unique_ptr<Stream> compute = Unwrap(CreateCallerStream(
-      {.name = absl::StrCat(name, ".compute"), .trace = options.trace, .track = "compute"}));
+  std::unique_ptr<Stream> compute = MakeComputeStream(device, cuda_stream, name, options.trace);
   const absl::Time deadline = DeadlineIn(timeout_s);
   absl::StatusOr<std::unique_ptr<Scheduler>> scheduler;
   {
@@ -187,8 +237,9 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
     }
   }
   std::unique_ptr<Scheduler> made = Unwrap(std::move(scheduler));
-  new (self) PyScheduler{std::move(world), std::move(replicate), std::move(trace), framework,
-                         precision,        std::move(compute),   std::move(made)};
+  new (self) PyScheduler{std::move(world), std::move(replicate), std::move(trace),
+                         framework,        precision,            device,
+                         nb::none(),       std::move(compute),   std::move(made)};
 }
 
 int RegisterUnit(PyScheduler& s, const std::string& name, nb::list tensors,
@@ -332,11 +383,15 @@ void RegisterScheduler(nb::module_& m) {
            nb::arg("keep_low_precision_grads") = false, nb::arg("name") = "fsdp",
            nb::arg("trace") = nb::none(), nb::arg("framework") = "numpy",
            nb::arg("timeout") = nb::none(), nb::arg("time_communication") = true,
-           nb::arg("replicate") = nb::none(),
+           nb::arg("replicate") = nb::none(), nb::arg("device") = "cpu",
+           nb::arg("compute_stream") = 0,
            "world: the communicator the strategy splits into a mesh; with replicate (a "
            "Communicator over this rank's peers of the other replica groups, as an "
            "ElasticRound's), world is the shard group and the mesh is (shard, replicate), "
-           "strategy hybrid_shard (shard_size is then the shard group's).")
+           "strategy hybrid_shard (shard_size is then the shard group's). device: 'cpu' (the "
+           "calling thread computes) or 'cuda:N' (compute_stream, a cudaStream_t as an int such "
+           "as torch's Stream.cuda_stream, 0 for the legacy default stream, is wrapped: hooks "
+           "enqueue waits on it and return; world and replicate must move cuda:N memory).")
       .def("register_unit", &RegisterUnit, nb::arg("name"), nb::arg("tensors"),
            nb::arg("reshard_after_forward") = nb::none(), nb::arg("reduce_op") = "avg",
            "Registers a unit of float32 tensors [(name, shape) or (name, shape, tied_to)]; "
@@ -350,6 +405,31 @@ void RegisterScheduler(nb::module_& m) {
       .def("post_backward", &UnitHook<&Scheduler::PostBackward>, nb::arg("unit"))
       .def("finish_backward", &StepHook<&Scheduler::FinishBackward>)
       .def("zero_grad", &StepHook<&Scheduler::ZeroGrad>)
+      .def(
+          "set_post_optimizer_event",
+          [](PyScheduler& s, uintptr_t cuda_event, nb::object keep_alive) {
+            if (!s.device.is_cuda()) {
+              ThrowInvalid(
+                  "set_post_optimizer_event: a CPU scheduler's optimizer has finished when it "
+                  "returns; the event is for device='cuda:N'");
+            }
+            if (cuda_event == 0) ThrowInvalid("set_post_optimizer_event: the event is null");
+#ifdef SHARDLINE_WITH_CUDA
+            std::shared_ptr<Event> event =
+                Unwrap(WrapCudaEvent(reinterpret_cast<cudaEvent_t>(cuda_event), s.device.index()));
+            s.post_optimizer = std::move(keep_alive);
+            s.scheduler->SetPostOptimizerEvent(std::move(event));
+#else
+            (void)keep_alive;
+            throw StatusError(absl::UnimplementedError(
+                "set_post_optimizer_event: this shardline was built without CUDA"));
+#endif
+          },
+          nb::arg("cuda_event"), nb::arg("keep_alive") = nb::none(),
+          "The next step's gathers and reductions wait for this CUDA event (a cudaEvent_t as an "
+          "int, recorded after the optimizer's last write of the master shards) instead of the "
+          "compute stream (FSDP2's set_post_optim_event); once, for the next step. keep_alive "
+          "(the framework's event object) is held until a later call replaces it.")
       .def(
           "clip_grad_norm",
           [](PyScheduler& s, double max_norm, std::optional<double> timeout_s) {
@@ -417,14 +497,16 @@ void RegisterScheduler(nb::module_& m) {
           "master_shard",
           [](PyScheduler& s, int unit) {
             CheckUnit(s, unit, "master_shard");
-            return FromShardView(s, s.scheduler->unit(unit).master_shard());
+            FlatParameter& p = s.scheduler->unit(unit);
+            return FromShardView(s, p.master_shard(), p.master_device());
           },
           nb::arg("unit"), "This rank's master shard (1-D): the optimizer steps on it.")
       .def(
           "shard_grad",
           [](PyScheduler& s, int unit) {
             CheckUnit(s, unit, "shard_grad");
-            return FromShardView(s, Unwrap(s.scheduler->unit(unit).ShardGrad()));
+            FlatParameter& p = s.scheduler->unit(unit);
+            return FromShardView(s, Unwrap(p.ShardGrad()), p.master_device());
           },
           nb::arg("unit"), "This rank's sharded gradient (1-D), after finish_backward.")
       .def(
@@ -463,6 +545,8 @@ void RegisterScheduler(nb::module_& m) {
              return *id;
            })
       .def_prop_ro("num_units", [](const PyScheduler& s) { return s.scheduler->num_units(); })
+      .def_prop_ro("device", [](const PyScheduler& s) { return s.device.ToString(); },
+                   "The compute stream's device: 'host' or 'cuda:N'.")
       .def_prop_ro("steps", [](const PyScheduler& s) { return s.scheduler->steps(); })
       .def_prop_ro("forward_order",
                    [](const PyScheduler& s) { return s.scheduler->forward_order(); })

@@ -55,8 +55,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     total = local(sharded)
     if roots:
         root = roots[0]
-        buf = total.reshape(1).clone()
+        # In the memory the world moves: CUDA for an nccl world (offloaded gradients are on the
+        # CPU), the host for ucx.
+        buf = total.reshape(1).to(root.world_device, copy=True)
         root.world.all_reduce(buf, op="max" if inf else "sum").wait()
+        buf = buf.to(total.device)
         total = buf[0] if inf else buf[0] / root.replicas
     rest = local(replicated)
     if inf:

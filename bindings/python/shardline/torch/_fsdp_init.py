@@ -10,34 +10,67 @@ import shardline
 
 __all__ = ["get_default_world"]
 
-_world = None  # the default world communicator, made once per process
+_world = None  # the default world communicator over host memory, made once per process
+_cuda_world = None  # the default world over CUDA memory (backend nccl), made once per process
 
 
-def get_default_world():
+def get_default_world(device=None):
     """The communicator over every rank that fully_shard shards over when its mesh is None or a
     torch DeviceMesh: a shardline.Communicator, made at the first call in this process (later
     calls return the same object). Use it for collectives of your own beside a fully_shard'ed
     model, such as a loss averaged over the ranks: get_default_world().all_reduce(t).wait().
 
+    device: None or "cpu" for the world over host memory (backend ucx), which a model on the
+    CPU shards over; "cuda" (or a CUDA torch.device) for the world over CUDA memory (backend
+    nccl, one rank per GPU: each rank's device is cuda:LOCAL_RANK), which a model on CUDA
+    shards over.
+
     The first call (or the first such fully_shard call) joins the world, so every rank makes
     it: under an initialised torch.distributed through torch's store; under torchrun otherwise
     as a client of the store its agent serves (torch's env:// rendezvous); otherwise through
     the launcher's environment (shardline.init())."""
-    global _world
-    if _world is None:
-        dist = torch.distributed
-        if (dist.is_available() and not dist.is_initialized()
-                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-            # torchrun: its agent already serves the store at MASTER_PORT; join it as a client
-            # (torch's env:// rendezvous), never binding that port a second time.
-            store, rank, size = next(dist.rendezvous("env://"))
-            _world = shardline.init_with_store(dist.PrefixStore("shardline/fully_shard", store),
-                                               rank, size, name="fully_shard")
-        else:
-            # Under an initialised torch.distributed, shardline.init() rendezvouses through
-            # torch's store; otherwise through the launcher's environment.
-            _world = shardline.init(name="fully_shard")
-    return _world
+    global _world, _cuda_world
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda and _cuda_world is None:
+        _cuda_world = _join("nccl", "fully_shard.cuda")
+    if not cuda and _world is None:
+        _world = _join("ucx", "fully_shard")
+    return _cuda_world if cuda else _world
+
+
+def _join(backend, name):
+    """The world communicator of `backend`, joined as get_default_world says."""
+    dist = torch.distributed
+    if (dist.is_available() and not dist.is_initialized()
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        # torchrun: its agent already serves the store at MASTER_PORT; join it as a client
+        # (torch's env:// rendezvous), never binding that port a second time.
+        store, rank, size = next(dist.rendezvous("env://"))
+        return shardline.init_with_store(dist.PrefixStore(f"shardline/{name}", store), rank, size,
+                                         backend=backend, name=name)
+    # Under an initialised torch.distributed, shardline.init() rendezvouses through torch's
+    # store; otherwise through the launcher's environment.
+    return shardline.init(backend=backend, name=name)
+
+
+def _torch_device(comm):
+    """The torch device whose memory communicator `comm` moves."""
+    return torch.device("cpu") if comm.device == "host" else torch.device(comm.device)
+
+
+def _module_device(module):
+    """The device a fully_shard'ed module computes on, from its parameters: CUDA if they are on
+    one CUDA device, else the CPU (the meta device too: materialise it with to_empty on the
+    mesh's device). A mix of devices is refused."""
+    kinds = {p.device for p in module.parameters() if p.device.type != "meta"}
+    if len(kinds) > 1:
+        raise ValueError(f"fully_shard: the module's parameters are on {sorted(map(str, kinds))}; "
+                         "move the module to one device first")
+    device = kinds.pop() if kinds else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fully_shard: the module's parameters are on {device}; shardline "
+                         "computes on the CPU and on CUDA devices")
+    return device
 
 
 _groups = {}  # ranks of a 1-D DeviceMesh over part of the world -> its communicator
@@ -47,23 +80,25 @@ def _group(ranks, world):
     """The communicator over `ranks` (a 1-D sub-mesh, as the dp dimension of a (dp, tp) mesh),
     split from the world once per group. Collective over the world: every rank asks for its own
     group at the same point (its fully_shard calls), each group a color."""
-    key = tuple(ranks)
+    key = (world.device, tuple(ranks))
     if key not in _groups:
         _groups[key] = world.split(min(ranks), ranks.index(world.rank))
     return _groups[key]
 
 
 def _drop_default_world():
-    """At exit (_fsdp_state._release_all): the default world goes, after the schedulers."""
-    global _world
+    """At exit (_fsdp_state._release_all): the default worlds go, after the schedulers."""
+    global _world, _cuda_world
     _groups.clear()
     _world = None
+    _cuda_world = None
 
 
-def _mesh_config(mesh):
-    """(world communicator, strategy, shard_size) of a fully_shard mesh argument."""
+def _mesh_config(mesh, device=None):
+    """(world communicator, strategy, shard_size) of a fully_shard mesh argument, for a module
+    on `device` (None: the CPU; a DeviceMesh's device type decides for itself)."""
     if mesh is None:
-        return get_default_world(), "full_shard", 0
+        return get_default_world(device), "full_shard", 0
     if isinstance(mesh, shardline.Communicator):
         return mesh, "full_shard", 0
     if getattr(mesh, "_shardline_elastic", False):
@@ -71,10 +106,10 @@ def _mesh_config(mesh):
         return mesh, "hybrid_shard", mesh.shard_size
     device_mesh = getattr(torch.distributed, "device_mesh", None)
     if device_mesh is not None and isinstance(mesh, device_mesh.DeviceMesh):
-        if mesh.device_type != "cpu":
+        if mesh.device_type not in ("cpu", "cuda"):
             raise ValueError(f"fully_shard: the DeviceMesh is on '{mesh.device_type}'; "
-                             "shardline.torch.fully_shard computes on the CPU")
-        world = get_default_world()
+                             "shardline.torch.fully_shard computes on 'cpu' and 'cuda'")
+        world = get_default_world(mesh.device_type)
         ranks = mesh.mesh.flatten().tolist()
         if mesh.ndim == 1 and sorted(ranks) != list(range(world.size)):
             # The dp dimension of a larger mesh (tensor parallel beside it): its own group.

@@ -116,9 +116,9 @@ def _collect_parameters(state, module):
         if p.dtype != torch.float32:
             raise NotImplementedError(f"fully_shard: parameter '{name}' is {p.dtype}; shardline's "
                                       "scheduler keeps float32 master parameters")
-        if p.device.type not in ("cpu", "meta"):
+        if p.device.type not in ("cpu", "cuda", "meta"):
             raise ValueError(f"fully_shard: parameter '{name}' is on {p.device}; "
-                             "shardline.torch.fully_shard computes on the CPU")
+                             "shardline.torch.fully_shard computes on the CPU and on CUDA")
     for p in state.params:
         p._shardline_unit = state
 
@@ -249,6 +249,24 @@ class _UnitUses:
     unsharded gradient views), and unshard()'s full tensors. The state they use is the root's
     (_Root.__init__)."""
 
+    def call(self, hook, *args):
+        """Runs a scheduler hook. On CUDA the scheduler's compute stream is torch's stream of
+        the device at initialisation; under another current stream (a `with
+        torch.cuda.stream(...)` block, autograd's stream for a backward node) the compute stream
+        first waits for the current one (the scheduler orders its work after what the hook
+        covers: gradients added, views read) and the current one then waits for the compute
+        stream (the waits the hook enqueued), without a host synchronization."""
+        if not self.cuda:
+            return hook(*args)
+        current = torch.cuda.current_stream(self.world_device)
+        if current == self.compute_stream:
+            return hook(*args)
+        self.compute_stream.wait_stream(current)
+        try:
+            return hook(*args)
+        finally:
+            current.wait_stream(self.compute_stream)
+
     # -- forward
     def _begin_use(self, st):
         self._begin_unit(st)
@@ -277,7 +295,7 @@ class _UnitUses:
                 views = self.views[st.unit]
                 st.recompute_open = False
             else:
-                s.pre_forward(st.unit)
+                self.call(s.pre_forward, st.unit)
                 views = s.params(st.unit)
                 st.recompute_open = True
             # As in the forward, the views pass through _Gather: autograd saves the same tensors
@@ -289,7 +307,7 @@ class _UnitUses:
                 views = _Gather.apply(self, st, frozen, self.anchor, *views)
             _place(st, _as_dtensors(st, views))
             return
-        s.pre_forward(st.unit)
+        self.call(s.pre_forward, st.unit)
         if self.trace is not None:
             self.span_start[st.unit] = time.time_ns()
         views = s.params(st.unit)
@@ -311,7 +329,7 @@ class _UnitUses:
             return
         if not self.recomputing:
             self._end_span("forward", st)
-        self.scheduler.post_forward(st.unit)
+        self.call(self.scheduler.post_forward, st.unit)
 
     def _end_span(self, phase, st):
         start = self.span_start.pop(st.unit, None)
@@ -334,7 +352,7 @@ class _UnitUses:
     def _open_unit(self, st):
         if not st.params:
             return
-        self.scheduler.pre_backward(st.unit)
+        self.call(self.scheduler.pre_backward, st.unit)
         if self.trace is not None:
             self.span_start[st.unit] = time.time_ns()
         views = self.views[st.unit] = self.scheduler.params(st.unit)
@@ -361,7 +379,7 @@ class _UnitUses:
         self.placed.pop(st.unit, None)
         _place(st, st.params)
         self._end_span("backward", st)
-        self.scheduler.post_backward(st.unit)
+        self.call(self.scheduler.post_backward, st.unit)
 
     def _add_grads(self, st, grads):
         views = self.scheduler.grads(st.unit)
@@ -376,15 +394,19 @@ class _UnitUses:
         s = self.scheduler
         master = s.master_shard(st.unit) if shard is None else shard
         size = self.world.size
-        shards = torch.empty(size * master.numel(), dtype=master.dtype)
-        self.world.all_gather(shards, master.contiguous()).wait()
+        # Over the world's memory (CUDA for an nccl world; an offloaded shard goes there first),
+        # the full tensors on the master shard's device.
+        moved = self.world_device
+        shards = torch.empty(size * master.numel(), dtype=master.dtype, device=moved)
+        self.world.all_gather(shards, master.contiguous().to(moved)).wait()
         table = torch.tensor([[t, o, n] for t, (o, n) in zip(st.tensor_offsets, st.slices)],
                              dtype=torch.int64).reshape(-1)
-        tables = torch.empty(size * table.numel(), dtype=torch.int64)
-        self.world.all_gather(tables, table).wait()
-        tables = tables.reshape(size, len(st.params), 3)
-        shards = shards.reshape(size, master.numel())
-        full = [torch.empty(tuple(shape), dtype=master.dtype) for shape in st.shapes]
+        tables = torch.empty(size * table.numel(), dtype=torch.int64, device=moved)
+        self.world.all_gather(tables, table.to(moved)).wait()
+        tables = tables.cpu().reshape(size, len(st.params), 3)
+        shards = shards.to(master.device).reshape(size, master.numel())
+        full = [torch.empty(tuple(shape), dtype=master.dtype, device=master.device)
+                for shape in st.shapes]
         for r in range(size):
             for i, (t, o, n) in enumerate(tables[r].tolist()):
                 if n:

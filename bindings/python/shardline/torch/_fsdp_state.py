@@ -67,7 +67,7 @@ class _ForwardHooks:
         # gradient starts from zero again.
         none = [(st, p, sl) for st, p, sl in params if p.grad is None]
         if (none or flat_none) and len(none) == len(params) and len(flat_none) == len(flat):
-            s.zero_grad()
+            self.call(s.zero_grad)
         else:
             for u in flat_none:
                 s.shard_grad(u.unit).zero_()
@@ -193,7 +193,7 @@ class _ForwardHooks:
             local, spec = t._local_tensor, (t.device_mesh, t.placements, t.shape, t.stride())
         elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return t  # another tensor subclass: no storage of its own to look up
-        if local.numel() and local.device.type == "cpu" and not local.is_sparse:
+        if local.numel() and local.device.type in ("cpu", "cuda") and not local.is_sparse:
             key = self.pack_map.get(local.untyped_storage().data_ptr())
             if key is not None:
                 return ("shardline", self.step_id, key, tuple(local.shape), local.stride(),
@@ -281,7 +281,7 @@ class _BackwardHooks:
                 units = sorted(self.pending)
                 raise RuntimeError(f"fully_shard: gradients of units {units} arrived after "
                                    "their backward use ended")
-            self.scheduler.finish_backward()
+            self.call(self.scheduler.finish_backward)
         finally:
             self.step_open = False
             self.backward_started = False
@@ -323,7 +323,7 @@ class _BackwardHooks:
                 if is_open:
                     self._close(st)
             self.pending.clear()
-            self.scheduler.finish_backward()
+            self.call(self.scheduler.finish_backward)
         finally:
             self.clear_step()
 
@@ -364,6 +364,9 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
         self.pack_map = {}        # storage address -> (unit, tensor) of the open forward views
         self.saved_hooks = None
         self.anchor = torch.empty(0, requires_grad=True)
+        self.world_device = torch.device("cpu")  # set by initialize: the device it computes on
+        self.cuda = False
+        self.compute_stream = None  # on CUDA: torch's stream the scheduler wraps
         self.recomputing = False  # inside a recomputed forward (activation checkpointing)
         self.sync = True
         # Saved forward views unpacked in backward, and of them those whose backward gather
@@ -420,13 +423,22 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
                     st.shapes[i] = tuple(current.shape)
                 for mod, name in slots[1:]:
                     mod._parameters[name] = current
-            for name, p in zip(st.names, st.params):
-                if p.device.type != "cpu":
-                    raise RuntimeError(
-                        f"fully_shard: parameter '{name}' is on {p.device} at the first forward; "
-                        "a model built on the meta device needs module.to_empty(device='cpu') "
-                        "and its initialisation before it")
         world, strategy, shard_size = first.mesh
+        # The device the root computes on: the one whose memory its world moves (CUDA for an
+        # nccl world, the CPU for ucx), where every parameter must be at the first forward.
+        self.world_device = _fsdp_init._torch_device(world) if not getattr(
+            world, "_shardline_elastic", False) else torch.device("cpu")
+        for st in self.states:
+            for name, p in zip(st.names, st.params):
+                if p.device != self.world_device:
+                    raise RuntimeError(
+                        f"fully_shard: parameter '{name}' is on {p.device} at the first forward, "
+                        f"but the mesh moves {self.world_device} memory (a model on cuda:N "
+                        "shards over a 'cuda' DeviceMesh or the nccl world); a model built on "
+                        "the meta device needs module.to_empty(device=...) and its "
+                        "initialisation before it")
+        self.cuda = self.world_device.type == "cuda"
+        self.anchor = torch.empty(0, requires_grad=True, device=self.world_device)
         mp = first.mp_policy
         self.param_dtype = mp.param_dtype or torch.float32
         reduce_dtype = mp.reduce_dtype or self.param_dtype
@@ -479,7 +491,8 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
                               if isinstance(m, FSDPModule) and m is not st.module}
         for st in self.units:
             with torch.no_grad():
-                s.set_values(st.unit, [p.detach().contiguous() for p in st.params])
+                # The scheduler takes initial values from host memory (one copy to the device).
+                s.set_values(st.unit, [p.detach().contiguous().cpu() for p in st.params])
             master = s.master_shard(st.unit)
             index = {n: i for i, n in enumerate(st.fqns)}
             st.slices = [(0, 0)] * len(st.params)
@@ -508,7 +521,14 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
             # Every member replica holds the same shards: the shard group spans one copy.
             self.world, self.replicas = shard, 1
         else:
-            self.scheduler = shardline.Scheduler(world, **self.scheduler_options)
+            options = self.scheduler_options
+            if self.cuda:
+                # The compute stream is torch's current stream of the device, wrapped; a hook
+                # that runs under another current stream is bridged to it (stream_hook).
+                self.compute_stream = torch.cuda.current_stream(self.world_device)
+                options = dict(options, device=str(self.world_device),
+                               compute_stream=self.compute_stream.cuda_stream)
+            self.scheduler = shardline.Scheduler(world, **options)
             self.world = world
             self.replicas = world.size // self.scheduler.shard_size
 

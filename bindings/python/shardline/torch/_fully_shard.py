@@ -49,7 +49,7 @@ import torch.nn as nn
 import shardline
 
 from ._fsdp_api import _DTYPE_NAMES, MixedPrecisionPolicy, OffloadPolicy
-from ._fsdp_init import _mesh_config, _reshard_size
+from ._fsdp_init import _mesh_config, _module_device, _reshard_size
 from ._fsdp_param_group import _as_dtensors, _collect_parameters, _owner, _UnitState
 from ._fsdp_state import _post_forward, _pre_forward, _states
 from ._state_dict import (SavePretrainedFullWeights, _before_state_dict, _load_full_tensors,
@@ -108,7 +108,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True,
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError("fully_shard: offload_policy must be a shardline.torch.OffloadPolicy or "
                         "CPUOffloadPolicy")
-    mesh_config = _mesh_config(mesh)
+    mesh_config = _mesh_config(mesh, _module_device(module))
     if type(reshard_after_forward) is not bool:
         reshard_after_forward = _reshard_size(int(reshard_after_forward), mesh_config)
 
@@ -247,9 +247,21 @@ class FSDPModule:
         return self._shardline_state.trace if root is None else root.trace
 
     def set_post_optim_event(self, event):
-        """Accepted for FSDP2 compatibility. On the CPU the optimizer has finished when
-        optimizer.step() returns and the next step's gathers start after it, so there is no
-        event to wait for: this does nothing."""
+        """FSDP2's: `event` (a torch.cuda.Event recorded after the optimizer's last write of
+        the parameters) is what the next step's gathers and reductions wait for, instead of
+        the compute stream (by default they wait for all work on it before the next forward).
+        Once, for the next step; no host synchronization. On the CPU the optimizer has finished
+        when optimizer.step() returns, so there is no event to wait for: this does nothing."""
+        root = self._shardline_state.root
+        if root is None or not root.cuda:
+            return
+        if not isinstance(event, torch.cuda.Event):
+            raise TypeError(f"set_post_optim_event: event must be a torch.cuda.Event, not "
+                            f"{type(event).__name__}")
+        if not event.cuda_event:
+            raise ValueError("set_post_optim_event: the event was never recorded (record it "
+                             "on the optimizer's stream after optimizer.step())")
+        root.scheduler.set_post_optimizer_event(event.cuda_event, event)
 
     def unshard(self, async_op=False):
         """Puts this module's unit's full parameters (float32, no gradient) on the module until

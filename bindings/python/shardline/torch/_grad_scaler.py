@@ -9,14 +9,15 @@ step() reads them, so every rank skips the same steps and the scale follows the 
 
 import torch
 
+from ._fsdp_init import _torch_device
 from ._fsdp_param_group import _sharded_owner
 
 __all__ = ["ShardedGradScaler"]
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """torch.amp.GradScaler (same arguments; device defaults to "cpu", where fully_shard
-    computes) whose unscale_ (explicit, or inside step) agrees on found-inf across the ranks.
+    """torch.amp.GradScaler (same arguments; device defaults to "cpu": pass "cuda" for a model
+    fully_shard'ed on CUDA) whose unscale_ (explicit, or inside step) agrees on found-inf across the ranks.
     Collective: every rank calls unscale_/step for the same optimizers in the same order."""
 
     def __init__(self, device="cpu", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
@@ -39,14 +40,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not worlds:
             return found  # nothing sharded: every rank holds the same gradients
         world = next(iter(worlds.values()))
-        # One flag for every device (the sharded gradients all live on the CPU); a device with
-        # no gradient here still gets the agreed flag, so every rank's step reads the same.
-        local = torch.zeros(1, dtype=torch.float32)
+        # One flag for every device, agreed in the memory the world moves (host memory, or
+        # CUDA memory for an nccl world); a device with no gradient here still gets the agreed
+        # flag, so every rank's step reads the same.
+        local = torch.zeros(1, dtype=torch.float32, device=_torch_device(world))
         for f in found.values():
-            local = torch.maximum(local, f.reshape(1).to(torch.float32))
+            local = torch.maximum(local, f.reshape(1).to(local.device, torch.float32))
         world.all_reduce(local, op="max").wait()
         if not found:
             found[found_inf.device] = found_inf
         for device, f in found.items():
-            f.copy_(local.reshape(f.shape).to(f.dtype))
+            f.copy_(local.reshape(f.shape).to(f.device, f.dtype))
         return found

@@ -107,7 +107,7 @@ def _device_mesh(st):
     root = st.root
     if root.device_mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
-        root.device_mesh = init_device_mesh("cpu", (world.size,))
+        root.device_mesh = init_device_mesh(root.world_device.type, (world.size,))
     return root.device_mesh
 
 
