@@ -75,6 +75,7 @@ from ._core import (  # noqa: E402
     init_local,
     init_with_store,
     sync_module_states,
+    wrap_cuda_stream,
 )
 
 __all__ = [
@@ -84,7 +85,7 @@ __all__ = [
     "InvalidArgumentError", "Mesh", "NotFoundError", "RemoteError", "ResourceExhaustedError",
     "Scheduler", "StepMetrics", "Stream", "Trace", "UnimplementedError", "Unit", "UnitStepMetrics",
     "Work", "__version__", "empty", "export_safetensors", "host_stream", "import_safetensors", "init",
-    "init_local", "init_with_store", "sync_module_states", "zeros",
+    "init_local", "init_with_store", "sync_module_states", "wrap_cuda_stream", "zeros",
 ]
 
 

@@ -23,6 +23,10 @@
 #include "collectives/local/local_communicator.h"
 #include "collectives/process_mesh.h"
 
+#ifdef SHARDLINE_WITH_CUDA
+#include "runtime/cuda/cuda_stream.h"
+#endif
+
 namespace shardline::python {
 namespace {
 
@@ -259,6 +263,28 @@ void RegisterCollectives(nb::module_& m) {
       [](const std::string& name) { return Unwrap(CreateHostStream({.name = name})).release(); },
       nb::arg("name") = "python", nb::rv_policy::take_ownership,
       "A new host stream: collectives issued on it run on its worker thread.");
+  m.def(
+      "wrap_cuda_stream",
+      [](uintptr_t handle, int device, const std::string& name) -> Stream* {
+#ifdef SHARDLINE_WITH_CUDA
+        return Unwrap(WrapCudaStream(reinterpret_cast<cudaStream_t>(handle), device,
+                                     {.name = name}))
+            .release();
+#else
+        (void)handle;
+        (void)device;
+        (void)name;
+        throw StatusError(
+            absl::UnimplementedError("wrap_cuda_stream: this shardline was built without CUDA"));
+#endif
+      },
+      nb::arg("handle"), nb::arg("device"), nb::arg("name") = "python",
+      nb::rv_policy::take_ownership,
+      "A framework's CUDA stream of cuda:device (a cudaStream_t as an int, such as torch's "
+      "Stream.cuda_stream; 0 is the legacy default stream), wrapped without taking it over: "
+      "collectives of an nccl communicator issued on it run in its order, after the work "
+      "enqueued on it before them, and the framework's later work on it comes after them. "
+      "Keep the framework's stream alive while this object lives.");
 
   nb::class_<PyComm>(m, "Communicator",
                      "A group of ranks. Collectives take DLPack tensors (numpy, torch, jax), "

@@ -2,6 +2,7 @@
 
 import torch
 
+from ._fsdp_init import _stream_for
 from ._fsdp_param_group import _sharded_owner
 
 __all__ = ["clip_grad_norm_"]
@@ -58,7 +59,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         # In the memory the world moves: CUDA for an nccl world (offloaded gradients are on the
         # CPU), the host for ucx.
         buf = total.reshape(1).to(root.world_device, copy=True)
-        root.world.all_reduce(buf, op="max" if inf else "sum").wait()
+        work = root.world.all_reduce(buf, op="max" if inf else "sum",
+                                     stream=_stream_for(root.world))
+        if not root.cuda:
+            work.wait()  # (on CUDA torch's later work on the stream comes after it)
         buf = buf.to(total.device)
         total = buf[0] if inf else buf[0] / root.replicas
     rest = local(replicated)

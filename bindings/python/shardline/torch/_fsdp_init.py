@@ -53,6 +53,25 @@ def _join(backend, name):
     return shardline.init(backend=backend, name=name)
 
 
+_wrapped = {}  # (device index, cudaStream_t) -> the shardline.Stream over torch's stream
+
+
+def _stream_for(comm):
+    """The stream= argument for a collective of `comm` on tensors torch made: None (the
+    communicator's own stream) for host memory; for CUDA memory, torch's current stream of the
+    device, wrapped (once per stream), so the collective comes after the work that made its
+    input and before torch's later work on it, with no host synchronization."""
+    if comm.device == "host":
+        return None
+    device = torch.device(comm.device)
+    handle = torch.cuda.current_stream(device).cuda_stream
+    key = (device.index, handle)
+    if key not in _wrapped:
+        _wrapped[key] = shardline.wrap_cuda_stream(handle, device.index,
+                                                   f"torch stream {handle:#x}")
+    return _wrapped[key]
+
+
 def _torch_device(comm):
     """The torch device whose memory communicator `comm` moves."""
     return torch.device("cpu") if comm.device == "host" else torch.device(comm.device)
@@ -90,6 +109,7 @@ def _drop_default_world():
     """At exit (_fsdp_state._release_all): the default worlds go, after the schedulers."""
     global _world, _cuda_world
     _groups.clear()
+    _wrapped.clear()
     _world = None
     _cuda_world = None
 

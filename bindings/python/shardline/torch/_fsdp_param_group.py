@@ -10,6 +10,8 @@ import weakref
 
 import torch
 
+from . import _fsdp_init
+
 
 class _UnitState:
     """What one fully_shard call manages: the module, its parameters, its unit."""
@@ -398,11 +400,12 @@ class _UnitUses:
         # the full tensors on the master shard's device.
         moved = self.world_device
         shards = torch.empty(size * master.numel(), dtype=master.dtype, device=moved)
-        self.world.all_gather(shards, master.contiguous().to(moved)).wait()
+        stream = _fsdp_init._stream_for(self.world)
+        self.world.all_gather(shards, master.contiguous().to(moved), stream=stream).wait()
         table = torch.tensor([[t, o, n] for t, (o, n) in zip(st.tensor_offsets, st.slices)],
                              dtype=torch.int64).reshape(-1)
         tables = torch.empty(size * table.numel(), dtype=torch.int64, device=moved)
-        self.world.all_gather(tables, table.to(moved)).wait()
+        self.world.all_gather(tables, table.to(moved), stream=stream).wait()
         tables = tables.cpu().reshape(size, len(st.params), 3)
         shards = shards.to(master.device).reshape(size, master.numel())
         full = [torch.empty(tuple(shape), dtype=master.dtype, device=master.device)

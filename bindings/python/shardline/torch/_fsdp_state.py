@@ -282,6 +282,7 @@ class _BackwardHooks:
                 raise RuntimeError(f"fully_shard: gradients of units {units} arrived after "
                                    "their backward use ended")
             self.call(self.scheduler.finish_backward)
+            self.offload_wait()
         finally:
             self.step_open = False
             self.backward_started = False
@@ -306,6 +307,13 @@ class _BackwardHooks:
                         if p.grad is None or p.grad.data_ptr() != g.data_ptr():
                             p.grad = g
 
+    def offload_wait(self):
+        """CPU offload on CUDA: the optimizer steps on the host, so the host waits for the
+        sharded gradients' copies to host memory (FinishBackward ordered them before the compute
+        stream's later work only), as FSDP2's CPUOffloadPolicy does."""
+        if self.cuda and self.scheduler_options["cpu_offload"]:
+            self.compute_stream.synchronize()
+
     def settle(self):
         """Ends the step of a backward that raised: autograd no longer runs it (no graph task
         on this thread), but its uses are still open and FinishBackward never ran."""
@@ -324,6 +332,7 @@ class _BackwardHooks:
                     self._close(st)
             self.pending.clear()
             self.call(self.scheduler.finish_backward)
+            self.offload_wait()
         finally:
             self.clear_step()
 

@@ -1,0 +1,78 @@
+"""shardline on CUDA from Python: the Scheduler on torch's CUDA stream and fully_shard of a CUDA
+module. On a machine without a GPU the tests that need one skip and say so (scripts/gpu-run.sh
+runs them on a GPU machine); the checks of what a CUDA call refuses run everywhere."""
+
+import json
+
+import pytest
+
+import shardline
+
+torch = pytest.importorskip("torch")
+
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(
+    not GPU, reason="no CUDA device here (scripts/gpu-run.sh runs this on a GPU machine)")
+
+
+@pytest.fixture
+def world():
+    (comm,) = shardline.init_local(1)
+    return comm
+
+
+def test_a_cuda_scheduler_needs_a_communicator_of_its_device(world):
+    with pytest.raises(shardline.InvalidArgumentError,
+                       match=r"communicator 'world' moves host memory, not cuda:0 memory"):
+        shardline.Scheduler(world, device="cuda:0", framework="torch")
+
+
+def test_cuda_views_are_torch_tensors(world):
+    with pytest.raises(shardline.InvalidArgumentError, match="framework='torch'"):
+        shardline.Scheduler(world, device="cuda:0", framework="numpy")
+
+
+def test_device_and_stream_arguments(world):
+    with pytest.raises(shardline.InvalidArgumentError, match="unknown device 'gpu'"):
+        shardline.Scheduler(world, device="gpu")
+    with pytest.raises(shardline.InvalidArgumentError, match="compute_stream is for device='cuda:N'"):
+        shardline.Scheduler(world, compute_stream=0x1234)
+    s = shardline.Scheduler(world, framework="torch")
+    assert s.device == "host"
+    with pytest.raises(shardline.InvalidArgumentError, match="optimizer has finished"):
+        s.set_post_optimizer_event(0x1234)
+
+
+@pytest.mark.skipif(GPU, reason="checks the refusal on a machine without a GPU")
+def test_cuda_calls_without_a_gpu_are_errors():
+    # A CUDA build reports the missing device; a build without CUDA says so.
+    with pytest.raises((shardline.Error, RuntimeError), match="CUDA|cuda"):
+        shardline.wrap_cuda_stream(0, 0)
+
+
+def test_fully_shard_refuses_parameters_on_two_devices():
+    from shardline.torch import _fsdp_init
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3, device="meta"))
+    assert _fsdp_init._module_device(module) == torch.device("cpu")  # meta decides nothing
+    if not GPU:
+        pytest.skip("a module on CPU and CUDA needs a GPU to build")
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3, device="cuda"))
+    with pytest.raises(ValueError, match="move the module to one device"):
+        _fsdp_init._module_device(module)
+
+
+@needs_gpu
+def test_fully_shard_on_cuda_matches_one_process(launch, tmp_path):
+    """Every variant of cuda_fully_shard_worker.py (full shard, shard-grad-op, bf16,
+    accumulation, activation checkpointing, offload, clip, grad scaler, post-optimizer event,
+    a side stream) at world 1 over NCCL: parameters and losses within 1e-4 (fp32, TF32 off) or
+    2e-2 (bf16, f16) of a plain run of the same global batch, with no host synchronization in
+    the steps after the first."""
+    out = tmp_path / "cuda.json"
+    result = launch(1, ["cuda_fully_shard_worker.py", out], timeout=240)
+    assert out.exists(), result.describe()
+    report = json.loads(out.read_text())
+    failed = {k: v for k, v in report["results"].items() if not v["ok"]}
+    assert not failed, json.dumps(failed, indent=1)
+    assert result.returncode == 0, result.describe()
