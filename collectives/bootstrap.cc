@@ -16,6 +16,7 @@
 #include "collectives/ucx/ucx_communicator.h"
 #ifdef SHARDLINE_WITH_CUDA
 #include "collectives/nccl/nccl_communicator.h"
+#include "collectives/staged/staged_communicator.h"
 #endif
 #include "runtime/config.h"
 #include "runtime/logging.h"
@@ -349,16 +350,26 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
     return absl::InvalidArgumentError("CreateCommunicator needs a store");
   }
   if (options.backend == "ucx") {
+#ifndef SHARDLINE_WITH_CUDA
     if (!options.device.is_host()) {
-      return absl::InvalidArgumentError(absl::StrCat("the ucx backend moves host memory; device ",
-                                                     options.device.ToString(),
-                                                     " needs the nccl backend"));
+      return absl::UnimplementedError(absl::StrCat(
+          "the ucx backend moves ", options.device.ToString(),
+          " memory staged through host memory, but shardline was built without CUDA"));
     }
-    return CreateUcxCommunicator({.rank = options.rank,
-                                  .size = options.size,
-                                  .store = options.store,
-                                  .name = options.name,
-                                  .timeout = options.timeout});
+#endif
+    absl::StatusOr<std::shared_ptr<Communicator>> host =
+        CreateUcxCommunicator({.rank = options.rank,
+                               .size = options.size,
+                               .store = options.store,
+                               .name = options.name,
+                               .timeout = options.timeout});
+#ifdef SHARDLINE_WITH_CUDA
+    // CUDA memory over ucx: staged through pinned host memory (ranks that share a GPU).
+    if (host.ok() && options.device.is_cuda()) {
+      return CreateStagedCommunicator(*std::move(host), options.device.index());
+    }
+#endif
+    return host;
   }
   if (options.backend == "nccl") {
 #ifdef SHARDLINE_WITH_CUDA

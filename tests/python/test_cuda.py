@@ -3,6 +3,7 @@ module. On a machine without a GPU the tests that need one skip and say so (scri
 runs them on a GPU machine); the checks of what a CUDA call refuses run everywhere."""
 
 import json
+import socket
 
 import pytest
 
@@ -48,6 +49,13 @@ def test_cuda_calls_without_a_gpu_are_errors():
     # A CUDA build reports the missing device; a build without CUDA says so.
     with pytest.raises((shardline.Error, RuntimeError), match="CUDA|cuda"):
         shardline.wrap_cuda_stream(0, 0)
+    # ucx over CUDA memory (staged through pinned host memory) needs the device too.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(shardline.Error, match="staged on cuda:0"):
+        shardline.init(backend="ucx", rank=0, world_size=1, address=f"127.0.0.1:{port}",
+                       device="cuda:0", timeout=20)
 
 
 def test_fully_shard_refuses_parameters_on_two_devices():
@@ -71,6 +79,25 @@ def test_fully_shard_on_cuda_matches_one_process(launch, tmp_path):
     the steps after the first."""
     out = tmp_path / "cuda.json"
     result = launch(1, ["cuda_fully_shard_worker.py", out], timeout=240)
+    assert out.exists(), result.describe()
+    report = json.loads(out.read_text())
+    failed = {k: v for k, v in report["results"].items() if not v["ok"]}
+    assert not failed, json.dumps(failed, indent=1)
+    assert result.returncode == 0, result.describe()
+
+
+@needs_gpu
+@pytest.mark.parametrize("world,mesh,variants", [
+    (2, "world", "full_shard,shard_grad_op,bf16,offload,clip"),
+    (4, "world", "full_shard,accumulation,checkpoint"),
+    (4, "hybrid", "full_shard,bf16"),
+])
+def test_ranks_sharing_the_gpu_match_one_process(launch, tmp_path, world, mesh, variants):
+    """Ranks that share the one GPU shard over ucx staged through pinned host memory (NCCL
+    refuses two ranks on one device): the same parity as at world 1."""
+    out = tmp_path / "cuda.json"
+    result = launch(world, ["cuda_fully_shard_worker.py", out, "--variants", variants,
+                            "--mesh", mesh], timeout=300)
     assert out.exists(), result.describe()
     report = json.loads(out.read_text())
     failed = {k: v for k, v in report["results"].items() if not v["ok"]}

@@ -89,7 +89,8 @@ __all__ = [
 ]
 
 
-def init(backend="ucx", rank=None, world_size=None, address=None, timeout=None, name="world"):
+def init(backend="ucx", rank=None, world_size=None, address=None, timeout=None, name="world",
+         device=None):
     """Joins the job and returns the world Communicator (collective over every rank).
 
     rank, world_size, address ("host:port" of the rendezvous store): explicit values, or (all
@@ -97,14 +98,17 @@ def init(backend="ucx", rank=None, world_size=None, address=None, timeout=None, 
     initialised torch.distributed (and no explicit values) the rendezvous goes through torch's
     store instead, under the prefix "shardline/<name>": torch already holds MASTER_PORT.
     timeout: seconds bounding the join and every collective (default SHARDLINE_TIMEOUT_S).
+    device: the memory the world moves: None (host for ucx, cuda:LOCAL_RANK for nccl), "host"
+    or "cuda:N". backend "ucx" with "cuda:N" stages CUDA memory through pinned host memory, for
+    ranks that share a GPU (NCCL refuses two ranks on one device).
     """
     dist = _initialized_torch_distributed()
     if dist is not None and rank is None and world_size is None and address is None:
         store = dist.PrefixStore(f"shardline/{name}", dist.distributed_c10d._get_default_store())
         return _core.init_with_store(store, dist.get_rank(), dist.get_world_size(),
-                                     backend=backend, timeout=timeout, name=name)
+                                     backend=backend, timeout=timeout, name=name, device=device)
     return _core.init(backend=backend, rank=rank, world_size=world_size, address=address,
-                      timeout=timeout, name=name)
+                      timeout=timeout, name=name, device=device)
 
 
 def _initialized_torch_distributed():

@@ -180,10 +180,11 @@ absl::Duration PositiveTimeout(double seconds, const char* fn) {
 
 PyComm Init(const std::string& backend, std::optional<int> rank, std::optional<int> world_size,
             std::optional<std::string> address, std::optional<double> timeout_s,
-            const std::string& name) {
+            const std::string& name, std::optional<std::string> device) {
   InitOptions options;
   options.backend = backend;
   options.name = name;
+  if (device.has_value()) options.device = Unwrap(Device::Parse(*device));
   if (timeout_s.has_value()) options.timeout = PositiveTimeout(*timeout_s, "init");
   if (rank.has_value() || world_size.has_value() || address.has_value()) {
     if (!rank.has_value() || !world_size.has_value()) {
@@ -402,7 +403,8 @@ void RegisterCollectives(nb::module_& m) {
 
   m.def("init", &Init, nb::arg("backend") = "ucx", nb::arg("rank") = nb::none(),
         nb::arg("world_size") = nb::none(), nb::arg("address") = nb::none(),
-        nb::arg("timeout") = nb::none(), nb::arg("name") = "world");
+        nb::arg("timeout") = nb::none(), nb::arg("name") = "world",
+        nb::arg("device") = nb::none());
   m.def("init_local", &InitLocal, nb::arg("size"), nb::arg("timeout") = nb::none());
 
   nb::class_<PyMesh>(m, "Mesh",

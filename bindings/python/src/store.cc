@@ -203,7 +203,8 @@ class PythonStore final : public Store {
 };
 
 PyComm InitWithStore(nb::object store, int rank, int size, const std::string& backend,
-                     std::optional<double> timeout_s, const std::string& name) {
+                     std::optional<double> timeout_s, const std::string& name,
+                     std::optional<std::string> device) {
   for (const char* method : kStoreMethods) {
     if (!nb::hasattr(store, method)) {
       ThrowInvalid(absl::StrCat("init_with_store: the store (a ",
@@ -219,6 +220,13 @@ PyComm InitWithStore(nb::object store, int rank, int size, const std::string& ba
   options.rank = rank;
   options.size = size;
   options.name = name;
+  if (device.has_value()) {
+    options.device = Unwrap(Device::Parse(*device));
+  } else if (backend == "nccl") {
+    // As InitProcessGroup: cuda:LOCAL_RANK (the launcher's), else cuda:rank.
+    absl::StatusOr<LaunchInfo> launch = ReadLaunchEnvironment();
+    options.device = Device::Cuda(launch.ok() ? launch->local_rank : rank);
+  }
   if (timeout_s.has_value()) {
     if (!(*timeout_s > 0)) {
       ThrowInvalid(absl::StrCat("init_with_store: timeout ", *timeout_s, " s is not > 0"));
@@ -241,11 +249,14 @@ PyComm InitWithStore(nb::object store, int rank, int size, const std::string& ba
 void RegisterStore(nb::module_& m) {
   m.def("init_with_store", &InitWithStore, nb::arg("store"), nb::arg("rank"), nb::arg("size"),
         nb::arg("backend") = "ucx", nb::arg("timeout") = nb::none(), nb::arg("name") = "world",
+        nb::arg("device") = nb::none(),
         "A communicator of `size` ranks whose rendezvous goes through `store`, an object with "
         "torch.distributed.Store's methods (set, get, add, compare_set, wait, check, delete_key, "
         "num_keys), e.g. the prefix store torch gives a c10d backend. Collective over the ranks; "
         "keys go under `name`. timeout: seconds bounding the rendezvous and every collective "
-        "(default SHARDLINE_TIMEOUT_S).");
+        "(default SHARDLINE_TIMEOUT_S). device: the memory it moves ('host', 'cuda:N'); None: "
+        "host for ucx, cuda:LOCAL_RANK for nccl. ucx with 'cuda:N' stages CUDA memory through "
+        "pinned host memory (ranks that share a GPU).");
 }
 
 }  // namespace shardline::python

@@ -1,7 +1,11 @@
 """One rank of shardline.torch.fully_shard on CUDA (test_cuda.py; scripts/gpu-run.sh), checked
 against the same training in one process on the global batch, on the same GPU.
 
-    cuda_fully_shard_worker.py OUT_JSON [--variants NAME,...] [--steps S]
+    cuda_fully_shard_worker.py OUT_JSON [--variants NAME,...] [--steps S] [--mesh world|hybrid]
+
+World 1 shards over NCCL; ranks that share the GPU (world 2, 4) over ucx staged through pinned
+host memory (get_default_world's choice). --mesh hybrid: a 2-D "cuda" DeviceMesh of
+(world / 2) x 2 (replicate x shard), under torch.distributed with gloo.
 
 Each variant trains a small transformer-like model (an input projection, norm and head in the
 root unit, three residual MLP blocks as units of their own; odd sizes, so shards cut tensors)
@@ -151,15 +155,17 @@ def reference(opts, steps, world, device):
     return master, torch.stack(losses)
 
 
-def train(opts, steps, rank, world, device):
+def train(opts, steps, rank, world, device, mesh):
     """fully_shard: the blocks and the root; returns the model and this rank's losses."""
     model = make_model(device, opts.get("checkpoint", False))
     mp = slt.MixedPrecisionPolicy(*opts["mp"]) if "mp" in opts else slt.MixedPrecisionPolicy()
     offload = slt.CPUOffloadPolicy(pin_memory=True) if opts.get("offload") else slt.OffloadPolicy()
     reshard = opts.get("reshard", True)
     for block in model.blocks:
-        slt.fully_shard(block, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-    slt.fully_shard(model, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        slt.fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                        offload_policy=offload)
+    slt.fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=offload)
     opt = adamw(model.parameters())
     scaler = slt.ShardedGradScaler("cuda") if opts.get("scaler") else None
     side = torch.cuda.Stream(device) if opts.get("side_stream") else None
@@ -225,6 +231,7 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--mesh", default="world", choices=["world", "hybrid"])
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -232,13 +239,19 @@ def main():
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    mesh = None
+    if args.mesh == "hybrid":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     results, failed = {}, []
     for name in args.variants.split(","):
         opts = VARIANTS[name]
         t0 = time.monotonic()
         tol = 1e-4 if "mp" not in opts else 2e-2
         try:
-            model, losses = train(opts, args.steps, rank, world, device)
+            model, losses = train(opts, args.steps, rank, world, device, mesh)
             ref, ref_losses = reference(opts, args.steps, world, device)
             errors = relative_errors(model, ref)
             want = ref_losses[:, rank]
@@ -260,7 +273,7 @@ def main():
               flush=True)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump(dict(world=world, device=torch.cuda.get_device_name(device),
+            json.dump(dict(world=world, mesh=args.mesh, device=torch.cuda.get_device_name(device),
                            torch=torch.__version__, results=results), f, indent=1)
     return 1 if failed else 0
 

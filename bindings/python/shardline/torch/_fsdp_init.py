@@ -21,25 +21,45 @@ def get_default_world(device=None):
     model, such as a loss averaged over the ranks: get_default_world().all_reduce(t).wait().
 
     device: None or "cpu" for the world over host memory (backend ucx), which a model on the
-    CPU shards over; "cuda" (or a CUDA torch.device) for the world over CUDA memory (backend
-    nccl, one rank per GPU: each rank's device is cuda:LOCAL_RANK), which a model on CUDA
-    shards over.
+    CPU shards over; a CUDA device ("cuda:N", a torch.device; "cuda" is the current device) for
+    the world over that device's memory, which a model on it shards over: backend nccl when
+    every rank on this host has a GPU of its own, else (ranks that share a GPU: NCCL refuses
+    them) ucx staged through pinned host memory. SHARDLINE_CUDA_BACKEND=nccl or ucx chooses.
 
     The first call (or the first such fully_shard call) joins the world, so every rank makes
     it: under an initialised torch.distributed through torch's store; under torchrun otherwise
     as a client of the store its agent serves (torch's env:// rendezvous); otherwise through
     the launcher's environment (shardline.init())."""
     global _world, _cuda_world
-    cuda = device is not None and torch.device(device).type == "cuda"
-    if cuda and _cuda_world is None:
-        _cuda_world = _join("nccl", "fully_shard.cuda")
-    if not cuda and _world is None:
-        _world = _join("ucx", "fully_shard")
-    return _cuda_world if cuda else _world
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda":
+        if _world is None:
+            _world = _join("ucx", "fully_shard", None)
+        return _world
+    where = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    if _cuda_world is None:
+        _cuda_world = _join(_cuda_backend(), "fully_shard.cuda", where)
+    elif _cuda_world.device != where:
+        raise ValueError(f"get_default_world: this process's CUDA world moves {_cuda_world.device} "
+                         f"memory, not {where}'s (one CUDA device per process)")
+    return _cuda_world
 
 
-def _join(backend, name):
-    """The world communicator of `backend`, joined as get_default_world says."""
+def _cuda_backend():
+    """nccl when each rank on this host has a GPU of its own, else ucx staged through host
+    memory; SHARDLINE_CUDA_BACKEND overrides."""
+    chosen = os.environ.get("SHARDLINE_CUDA_BACKEND", "")
+    if chosen:
+        if chosen not in ("nccl", "ucx"):
+            raise ValueError(f"SHARDLINE_CUDA_BACKEND={chosen!r}: expected 'nccl' or 'ucx'")
+        return chosen
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "nccl" if local <= torch.cuda.device_count() else "ucx"
+
+
+def _join(backend, name, device):
+    """The world communicator of `backend` moving `device`'s memory (None: the backend's
+    default), joined as get_default_world says."""
     dist = torch.distributed
     if (dist.is_available() and not dist.is_initialized()
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
@@ -47,10 +67,10 @@ def _join(backend, name):
         # (torch's env:// rendezvous), never binding that port a second time.
         store, rank, size = next(dist.rendezvous("env://"))
         return shardline.init_with_store(dist.PrefixStore(f"shardline/{name}", store), rank, size,
-                                         backend=backend, name=name)
+                                         backend=backend, name=name, device=device)
     # Under an initialised torch.distributed, shardline.init() rendezvouses through torch's
     # store; otherwise through the launcher's environment.
-    return shardline.init(backend=backend, name=name)
+    return shardline.init(backend=backend, name=name, device=device)
 
 
 _wrapped = {}  # (device index, cudaStream_t) -> the shardline.Stream over torch's stream
@@ -129,7 +149,8 @@ def _mesh_config(mesh, device=None):
         if mesh.device_type not in ("cpu", "cuda"):
             raise ValueError(f"fully_shard: the DeviceMesh is on '{mesh.device_type}'; "
                              "shardline.torch.fully_shard computes on 'cpu' and 'cuda'")
-        world = get_default_world(mesh.device_type)
+        same = device is not None and torch.device(device).type == mesh.device_type
+        world = get_default_world(device if same else mesh.device_type)
         ranks = mesh.mesh.flatten().tolist()
         if mesh.ndim == 1 and sorted(ranks) != list(range(world.size)):
             # The dp dimension of a larger mesh (tensor parallel beside it): its own group.
