@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/status.h"
+#include "scheduler/checkpoint/internal/device_staging.h"
 
 namespace shardline {
 namespace {
@@ -46,9 +47,9 @@ absl::Status AgreeOnOutcome(Communicator& comm, Stream& stream, absl::Status min
   std::string recv(per * n, '\0');
   CollectiveOptions options;
   options.timeout = std::max(deadline - absl::Now(), absl::Milliseconds(1));
-  absl::StatusOr<Work> work =
-      comm.AllGather(send.data(), recv.data(), per, DType::kU8, stream, options);
-  absl::Status exchanged = work.ok() ? work->Wait(deadline) : work.status();
+  // (Through the device's memory when the world moves a device's: nccl, ucx staged.)
+  absl::Status exchanged = checkpoint_internal::AllGatherHostBytes(
+      comm, stream, send.data(), recv.data(), per, options, deadline);
   if (!mine.ok()) return mine;
   if (!exchanged.ok()) return Annotate(exchanged, absl::StrCat(what, ": exchanging outcomes"));
   const uint64_t fingerprint0 = GetLittleEndian(&recv[8], 8);

@@ -9,12 +9,15 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
+#include "runtime/stream_ops.h"
 #include "scheduler/checkpoint/agree.h"
 #include "scheduler/checkpoint/internal/checkpoint_internal.h"
 #include "scheduler/checkpoint/internal/kill_points.h"
@@ -161,11 +164,70 @@ std::vector<CheckpointUnitContents> Checkpointer::Contents() const {
 }
 
 void* Checkpointer::StateData(int unit, size_t k) const {
+  const auto copy = host_copies_.find({unit, k});
+  if (copy != host_copies_.end()) return const_cast<uint8_t*>(copy->second.data());
+  return StateMemory(unit, k);
+}
+
+void* Checkpointer::StateMemory(int unit, size_t k) const {
   if (k == 0) return scheduler_.unit(unit).master_shard().data;
   for (const CheckpointState& s : states_) {
     if (s.unit == unit && --k == 0) return s.data;
   }
   return nullptr;
+}
+
+Device Checkpointer::StateDevice(int unit, size_t k) const {
+  if (k == 0) return scheduler_.unit(unit).master_device();
+  for (const CheckpointState& s : states_) {
+    if (s.unit == unit && --k == 0) return s.device;
+  }
+  return Device::Host();
+}
+
+absl::Status Checkpointer::StageDeviceStates(bool copy_out, absl::Time deadline) {
+  host_copies_.clear();
+  std::map<std::string, std::unique_ptr<Stream>> streams;  // one per device, for the copies
+  const std::vector<CheckpointUnitContents> contents = Contents();
+  for (size_t u = 0; u < contents.size(); ++u) {
+    const size_t elements = contents[u].layout.shard_elements();
+    for (size_t k = 0; k < contents[u].states.size(); ++k) {
+      const int unit = static_cast<int>(u);
+      const Device device = StateDevice(unit, k);
+      if (device.is_host()) continue;
+      const size_t bytes = elements * DTypeSize(contents[u].states[k].dtype);
+      std::vector<uint8_t>& copy = host_copies_[{unit, k}];
+      copy.resize(bytes);
+      if (!copy_out || bytes == 0) continue;
+      std::unique_ptr<Stream>& stream = streams[device.ToString()];
+      if (stream == nullptr) {
+        SL_ASSIGN_OR_RETURN(stream, CreateStream(device, {.name = "checkpoint staging"}));
+      }
+      SL_RETURN_IF_ERROR(Annotate(
+          EnqueueCopy(*stream, copy.data(), StateMemory(unit, k), bytes),
+          absl::StrCat("copying state '", contents[u].states[k].name, "' of unit '",
+                       contents[u].name, "' from ", device.ToString(), " to host memory")));
+    }
+  }
+  for (auto& [device, stream] : streams) SL_RETURN_IF_ERROR(stream->Synchronize(deadline));
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::UnstageDeviceStates(absl::Time deadline) {
+  std::map<std::string, std::unique_ptr<Stream>> streams;
+  for (const auto& [key, copy] : host_copies_) {
+    if (copy.empty()) continue;
+    const Device device = StateDevice(key.first, key.second);
+    std::unique_ptr<Stream>& stream = streams[device.ToString()];
+    if (stream == nullptr) {
+      SL_ASSIGN_OR_RETURN(stream, CreateStream(device, {.name = "checkpoint staging"}));
+    }
+    SL_RETURN_IF_ERROR(EnqueueCopy(*stream, StateMemory(key.first, key.second), copy.data(),
+                                   copy.size()));
+  }
+  for (auto& [device, stream] : streams) SL_RETURN_IF_ERROR(stream->Synchronize(deadline));
+  host_copies_.clear();
+  return absl::OkStatus();
 }
 
 bool Checkpointer::StateStable(int unit, size_t k) const {
@@ -206,18 +268,13 @@ absl::Status Checkpointer::PrepareUnits(absl::string_view what, bool for_load,
           absl::StrCat(what, ": unit '", unit.name(), "' is ", FlatParameterStateName(unit.state()),
                        " (save and load between steps, when every unit is sharded)"));
     }
-    if (!unit.master_device().is_host()) {
-      return absl::UnimplementedError(absl::StrCat(
-          what, ": unit '", unit.name(), "' has its master shard on ",
-          unit.master_device().ToString(), " (checkpoints read and write host memory)"));
-    }
   }
   // The optimizer's writes to the shards are ordered on the compute stream; a load also must not
   // overwrite a master shard that a gather still reads.
   SL_RETURN_IF_ERROR(Annotate(scheduler_.compute_stream().Synchronize(deadline), what));
   if (for_load)
     SL_RETURN_IF_ERROR(Annotate(scheduler_.gather_stream().Synchronize(deadline), what));
-  return absl::OkStatus();
+  return Annotate(StageDeviceStates(/*copy_out=*/!for_load, deadline), what);
 }
 
 absl::Status Checkpointer::Agree(absl::Status mine, absl::string_view what, uint64_t fingerprint,

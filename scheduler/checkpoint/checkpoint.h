@@ -67,9 +67,13 @@
 // shards untouched; after a checksum failure the shards' contents are unspecified (the error says
 // so; load again from a good checkpoint).
 //
-// Memory: shards and states must be host memory (Unimplemented for a device master shard; CPU
-// offload's host shards work). A load stages at most max(read_chunk_bytes, one checksum block)
-// at a time; a save writes from the shards directly. File operations are plain blocking system
+// Memory: shards and states in host memory are read and written in place; those on a device (a
+// scheduler on a GPU, an optimizer's state there) go through a host copy each: a save copies
+// them to host memory once (one copy per state on a stream of the device, before Save or
+// SaveAsync return), a load reads into the host copy and copies it back once. A load stages at
+// most max(read_chunk_bytes, one checksum block) at a time; a save writes from the shards
+// (or their host copies) directly. A world of device memory (nccl, ucx staged) exchanges the
+// phases' outcomes through its device's memory. File operations are plain blocking system
 // calls: `deadline` bounds the waits for streams and peers, not a hung file system.
 //
 // SaveAsync(dir): phase 1 on the caller's thread, plus a copy of this rank's data file (its
@@ -94,10 +98,12 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -115,8 +121,8 @@ namespace shardline {
 
 // A shard-shaped state of a unit, owned by the framework: unit(u).layout().shard_elements()
 // elements of `dtype`, laid out as the unit's shard (element i belongs to the same tensor
-// element as element i of the master shard), in host memory that outlives the Checkpointer.
-// Its padding is written as zeros by a load.
+// element as element i of the master shard), in memory (host, or the device of `device`) that
+// outlives the Checkpointer. Its padding is written as zeros by a load.
 struct CheckpointState {
   int unit = 0;          // a Scheduler unit id
   std::string name;      // 1-128 characters of [A-Za-z0-9._-]; not "master"; unique per unit
@@ -126,6 +132,10 @@ struct CheckpointState {
   // it made for the save, say): SaveAsync writes it from `data` and leaves it out of the
   // snapshot, so it is copied once, not twice.
   bool stable = false;
+  // Where `data` lives: host memory, or a device's (an optimizer's state on a GPU), which a save
+  // copies to host memory first (once, before Save/SaveAsync return) and a load fills through
+  // a host copy, as it does device master shards.
+  Device device = Device::Host();
 };
 
 // A state that is not shard-shaped and is the same on every rank (a step counter, a learning-rate
@@ -240,12 +250,22 @@ class Checkpointer {
 
   // The units and their states as a save writes them (master first, then registered states).
   std::vector<CheckpointUnitContents> Contents() const;
-  // The data of state `k` of unit `u` in Contents() order.
+  // The data of state `k` of unit `u` in Contents() order, in host memory: the state's own, or
+  // for a state on a device its host copy (StageDeviceStates).
   void* StateData(int unit, size_t k) const;
+  // The state's own memory and its device.
+  void* StateMemory(int unit, size_t k) const;
+  Device StateDevice(int unit, size_t k) const;
+  // Host copies of the states on devices (master shards of a GPU scheduler, optimizer states on
+  // a GPU): made for every such state, and for a save filled with one device-to-host copy each
+  // on a stream of the device (after the compute stream's work, which PrepareUnits waited for).
+  absl::Status StageDeviceStates(bool copy_out, absl::Time deadline);
+  // After a load: the host copies back into the device states.
+  absl::Status UnstageDeviceStates(absl::Time deadline);
   // Whether that state is stable (CheckpointState::stable; the master shard never is).
   bool StateStable(int unit, size_t k) const;
-  // Checks the units are sharded and host-resident, and waits for the compute (and, for a load,
-  // gather) stream.
+  // Checks the units are sharded, waits for the compute (and, for a load, gather) stream, and
+  // stages the states on devices (StageDeviceStates; for a save, copied out).
   absl::Status PrepareUnits(absl::string_view what, bool for_load, absl::Time deadline);
   // The all-gather every phase ends with (see Agree in checkpoint.cc).
   absl::Status Agree(absl::Status mine, absl::string_view what, uint64_t fingerprint,
@@ -292,6 +312,8 @@ class Checkpointer {
   std::unique_ptr<Stream> stream_;  // a caller stream for the exchanges
   std::vector<CheckpointState> states_;
   std::vector<CheckpointReplicatedState> replicated_;
+  // (unit, state index in Contents() order) -> the host copy of a state on a device.
+  std::map<std::pair<int, size_t>, std::vector<uint8_t>> host_copies_;
   // Set when SHARDLINE_CHECKPOINT_KILL_AT names this rank: wraps the file system, fs_ points here.
   std::unique_ptr<RecordingFileSystem> killer_;
 

@@ -365,6 +365,8 @@ absl::Status Checkpointer::Load(absl::string_view dir_arg, absl::Time deadline) 
   if (local.ok()) local = Annotate(PlanLoad(dir, &plan), what);
   SL_RETURN_IF_ERROR(Agree(local, what, RegistrationFingerprint(), "", 0, nullptr, deadline));
   local = Annotate(RunLoad(plan), what);
+  // States on devices were loaded into their host copies: one copy back each.
+  if (local.ok()) local = Annotate(UnstageDeviceStates(deadline), what);
   return Agree(local, what, 0, "", 0, nullptr, deadline);
 }
 

@@ -14,10 +14,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "runtime/allocator.h"
 #include "runtime/host_kernels.h"
 #include "runtime/status.h"
+#include "runtime/stream_ops.h"
 #include "scheduler/checkpoint/agree.h"
 #include "scheduler/checkpoint/internal/checkpoint_internal.h"
+#include "scheduler/checkpoint/internal/device_staging.h"
 
 namespace shardline {
 namespace {
@@ -49,8 +52,8 @@ std::string ShapeText(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-// Every unit sharded and in host memory; the compute stream's writes of the shards (the
-// optimizer's) done, and for an import the gather stream's reads too.
+// Every unit sharded; the compute stream's writes of the shards (the optimizer's) done, and for
+// an import the gather stream's reads too.
 absl::Status PrepareUnits(Scheduler& scheduler, bool for_import, absl::Time deadline) {
   for (int u = 0; u < scheduler.num_units(); ++u) {
     const FlatParameter& unit = scheduler.unit(u);
@@ -58,11 +61,6 @@ absl::Status PrepareUnits(Scheduler& scheduler, bool for_import, absl::Time dead
       return absl::FailedPreconditionError(
           absl::StrCat("unit '", unit.name(), "' is ", FlatParameterStateName(unit.state()),
                        " (export and import between steps, when every unit is sharded)"));
-    }
-    if (!unit.master_device().is_host()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "unit '", unit.name(), "' has its master shard on ", unit.master_device().ToString(),
-          " (full-weight files are read and written from host memory)"));
     }
   }
   SL_RETURN_IF_ERROR(scheduler.compute_stream().Synchronize(deadline));
@@ -76,6 +74,10 @@ struct Comms {
   std::shared_ptr<Communicator> world;
   std::shared_ptr<Communicator> shard;
   std::unique_ptr<Stream> stream;
+  // A world of device memory (a scheduler on a GPU): the export's gathers run on a stream of the
+  // device into its memory, and are copied to host memory from there.
+  std::unique_ptr<Stream> device_stream;
+  std::unique_ptr<Allocator> device_memory;
 };
 
 absl::StatusOr<Comms> MakeComms(Scheduler& scheduler, bool with_shard, absl::Time deadline) {
@@ -85,6 +87,12 @@ absl::StatusOr<Comms> MakeComms(Scheduler& scheduler, bool with_shard, absl::Tim
     SL_ASSIGN_OR_RETURN(c.shard, scheduler.mesh().shard()->Dup(deadline));
   }
   SL_ASSIGN_OR_RETURN(c.stream, CreateCallerStream({.name = "full_weights"}));
+  const Device device = c.world->device();
+  if (with_shard && !device.is_host()) {
+    SL_ASSIGN_OR_RETURN(c.device_stream, CreateStream(device, {.name = "full_weights"}));
+    SL_ASSIGN_OR_RETURN(c.device_memory,
+                        CreateCudaAllocator(device.index(), "full_weights gathers"));
+  }
   return c;
 }
 
@@ -229,7 +237,10 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
     // Issues unit u's all-gather into a buffer of its own. An error aborts the group's
     // communicator, so that its other members, which wait in this gather, fail now (with this
     // error) and not at the deadline.
-    auto issue = [&](int u, std::unique_ptr<char[]>& full, Work& work) -> absl::Status {
+    // On a device world the gather lands in device memory and is copied into `full` on the
+    // device stream; `copied` is then the event after that copy.
+    auto issue = [&](int u, std::unique_ptr<char[]>& full, Work& work,
+                     std::shared_ptr<Event>& copied) -> absl::Status {
       const FlatParameter& unit = scheduler.unit(u);
       const size_t bytes = std::max<size_t>(1, unit.layout().total_bytes());
       full.reset(new (std::nothrow) char[bytes]);
@@ -242,23 +253,51 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
       CollectiveOptions gather_options;
       gather_options.timeout = std::max(deadline - absl::Now(), absl::Milliseconds(1));
       gather_options.tag = unit.name();
-      absl::StatusOr<Work> issued =
-          comms.shard->AllGather(unit.master_shard().data, full.get(), unit.layout().shard_bytes(),
-                                 DType::kU8, *comms.stream, gather_options);
-      if (!issued.ok()) {
-        return Annotate(issued.status(), absl::StrCat("gathering unit '", unit.name(), "'"));
+      const std::string context = absl::StrCat("gathering unit '", unit.name(), "'");
+      if (comms.device_stream == nullptr) {
+        absl::StatusOr<Work> issued = comms.shard->AllGather(
+            unit.master_shard().data, full.get(), unit.layout().shard_bytes(), DType::kU8,
+            *comms.stream, gather_options);
+        if (!issued.ok()) return Annotate(issued.status(), context);
+        work = *std::move(issued);
+        return absl::OkStatus();
       }
+      Stream& stream = *comms.device_stream;
+      absl::StatusOr<Buffer> on_device = comms.device_memory->Allocate(bytes, stream);
+      if (!on_device.ok()) {
+        comms.shard->Abort(on_device.status());
+        return Annotate(on_device.status(), context);
+      }
+      absl::StatusOr<Work> issued = comms.shard->AllGather(
+          unit.master_shard().data, on_device->data(), unit.layout().shard_bytes(), DType::kU8,
+          stream, gather_options);
+      if (!issued.ok()) return Annotate(issued.status(), context);
       work = *std::move(issued);
+      absl::Status status = EnqueueCopy(stream, full.get(), on_device->data(),
+                                        unit.layout().total_bytes());
+      absl::StatusOr<std::shared_ptr<Event>> done =
+          status.ok() ? RecordEvent(stream) : absl::StatusOr<std::shared_ptr<Event>>(status);
+      if (!done.ok()) {
+        on_device->Leak();  // the gather may still write it
+        comms.shard->Abort(done.status());
+        return Annotate(done.status(), context);
+      }
+      on_device->ReleaseAfter(*done);
+      copied = *std::move(done);
       return absl::OkStatus();
     };
     // The next unit's gather runs on the communication stream while the writer appends this
     // one: two units' buffers at a time, each freed once written.
     std::unique_ptr<char[]> full, next_full;
     Work work, next_work;
-    absl::Status failed = scheduler.num_units() > 0 ? issue(0, full, work) : absl::OkStatus();
+    std::shared_ptr<Event> copied, next_copied;
+    absl::Status failed =
+        scheduler.num_units() > 0 ? issue(0, full, work, copied) : absl::OkStatus();
     for (int u = 0; u < scheduler.num_units() && failed.ok(); ++u) {
       const FlatParameter& unit = scheduler.unit(u);
-      if (absl::Status gathered = work.Wait(deadline); !gathered.ok()) {
+      absl::Status gathered = work.Wait(deadline);
+      if (gathered.ok() && copied != nullptr) gathered = copied->Synchronize(deadline);
+      if (!gathered.ok()) {
         // The communicator is aborted for the whole group: every member stops here. Where a
         // peer aborted it (it could not allocate this unit, say), its reason is the error.
         const absl::Status cause = comms.shard->status();
@@ -266,7 +305,9 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
                           absl::StrCat("gathering unit '", unit.name(), "'"));
         break;
       }
-      if (u + 1 < scheduler.num_units()) failed = issue(u + 1, next_full, next_work);
+      if (u + 1 < scheduler.num_units()) {
+        failed = issue(u + 1, next_full, next_work, next_copied);
+      }
       if (writer != nullptr && written.ok() && failed.ok()) {
         const FlatLayout& layout = unit.layout();
         const DType master = unit.policy().master_dtype;
@@ -284,6 +325,7 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
       }
       full = std::move(next_full);
       work = std::move(next_work);
+      copied = std::move(next_copied);
     }
     // A failed gather stops every member of the group; a failed write only the writer's writes
     // (it keeps gathering with the others).
@@ -437,19 +479,31 @@ absl::Status ImportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
   SL_RETURN_IF_ERROR(AgreeOnOutcome(*comms.world, *comms.stream, Annotate(local, what), what,
                                     fingerprint, kUnitsMismatch, "", 0, nullptr, deadline));
 
-  // Phase 2: every rank copies its ranges and zeroes its padding.
-  for (int u = 0; u < scheduler.num_units(); ++u) {
+  // Phase 2: every rank copies its ranges and zeroes its padding. A master shard on a device
+  // is written through a host copy of it (one copy each way).
+  std::vector<std::vector<char>> staged(scheduler.num_units());
+  auto shard_data = [&](int u) -> char* {
+    return staged[u].empty() ? static_cast<char*>(scheduler.unit(u).master_shard().data)
+                             : staged[u].data();
+  };
+  for (int u = 0; u < scheduler.num_units() && local.ok(); ++u) {
     const FlatParameter& unit = scheduler.unit(u);
-    unit.layout().ZeroShardPadding(shard, unit.master_shard().data);
+    const size_t bytes = unit.layout().shard_bytes();
+    if (!unit.master_device().is_host() && bytes > 0) {
+      staged[u].resize(bytes);
+      local = checkpoint_internal::CopyBlocking(staged[u].data(), unit.master_shard().data, bytes,
+                                                unit.master_device(), deadline);
+    }
+    unit.layout().ZeroShardPadding(shard, shard_data(u));
   }
   for (const ImportTask& task : tasks) {
+    if (!local.ok()) break;
     const FlatParameter& unit = scheduler.unit(task.unit);
     const FlatLayout& layout = unit.layout();
     const DType master = unit.policy().master_dtype;
     const std::optional<ShardSlice> slice = layout.Intersection(task.tensor, shard);
     if (!slice.has_value()) continue;
-    char* dst =
-        static_cast<char*>(unit.master_shard().data) + slice->shard_offset * DTypeSize(master);
+    char* dst = shard_data(task.unit) + slice->shard_offset * DTypeSize(master);
     const char* src =
         file->Data(*task.entry).data() + slice->tensor_offset * DTypeSize(task.file_dtype);
     if (task.file_dtype == master) {
@@ -459,6 +513,12 @@ absl::Status ImportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
                        absl::StrCat(what, ": tensor '", task.entry->name, "'"));
       if (!local.ok()) break;
     }
+  }
+  for (int u = 0; u < scheduler.num_units() && local.ok(); ++u) {
+    if (staged[u].empty()) continue;
+    const FlatParameter& unit = scheduler.unit(u);
+    local = checkpoint_internal::CopyBlocking(unit.master_shard().data, staged[u].data(),
+                                              staged[u].size(), unit.master_device(), deadline);
   }
   return AgreeOnOutcome(*comms.world, *comms.stream, local, what, 0, "", "", 0, nullptr, deadline);
 }

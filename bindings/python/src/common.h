@@ -84,6 +84,9 @@ struct Tensor {
 // C-contiguous, of a dtype shardline does not move, read-only while `writable`, or not on
 // `device`.
 Tensor ToTensor(nb::handle obj, const char* what, bool writable, Device device);
+// The device of a tensor's memory (host for anything DLPack does not import: ToTensor then
+// says what is wrong with it).
+Device TensorDevice(nb::handle obj);
 
 // A communicator as Python sees it: the C++ communicator, the shardline stream its collectives
 // run on (a host stream for host memory: the calls return at once and the collective runs on

@@ -213,6 +213,12 @@ Tensor ToTensor(nb::handle obj, const char* what, bool writable, Device device) 
   return t;
 }
 
+Device TensorDevice(nb::handle obj) {
+  nb::ndarray<nb::ro> array;
+  if (!nb::try_cast(obj, array, /*convert=*/false)) return Device::Host();
+  return DeviceOf(array);
+}
+
 void RegisterTensors(nb::module_& m) {
   m.def("_empty", &Empty, nb::arg("shape"), nb::arg("dtype"), nb::arg("framework"),
         nb::arg("zero"));

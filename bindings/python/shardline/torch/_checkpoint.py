@@ -214,7 +214,10 @@ def _restore_optimizer(root, optimizer, buffers, scalars):
         for i, (p, (offset, length)) in enumerate(zip(st.params, st.slices)):
             if not present[i]:
                 continue
-            state = {name[len(_TENSOR):]: buffer[offset:offset + length].clone().reshape(p.shape)
+            # Beside the parameter (its device: a GPU's, or the host with CPU offload), as
+            # torch's Optimizer.load_state_dict puts them; 0-d states (a step) stay as saved.
+            state = {name[len(_TENSOR):]:
+                     buffer[offset:offset + length].reshape(p.shape).to(p.device, copy=True)
                      for name, buffer in named.items() if name.startswith(_TENSOR)}
             mine = f"{prefix}{i}."
             state.update({name[len(mine):]: value.clone() for name, value in scalars.items()
