@@ -64,7 +64,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, tokens):
-        pos = torch.arange(tokens.shape[1])
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
@@ -93,12 +93,28 @@ def main():
     p.add_argument("--global-ranks", type=int, default=2,
                    help="single: the number of ranks whose micro-batches it runs together")
     p.add_argument("--trace", default="", help="Chrome trace of the last step (torch.profiler)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: the model on cuda:LOCAL_RANK (ranks that share a GPU: modulo "
+                        "the GPUs); fsdp2 and ddp then default to --backend nccl")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the compute dtype: bfloat16 is fully_shard's and FSDP2's "
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32), autocast "
+                        "for single and ddp")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.impl == "single":
         rank, world = 0, 1
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        if args.backend == "gloo":
+            args.backend = "nccl"
+    bf16 = args.dtype == "bfloat16"
     if args.impl in ("fsdp2", "ddp"):
         import torch.distributed as dist
         if args.backend == "shardline":
@@ -106,35 +122,42 @@ def main():
         dist.init_process_group(args.backend)
 
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    with device:  # built where it trains (a large model initialises much faster on a GPU)
+        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
     all_reduce_mean = None
     if args.impl == "shardline":
         import shardline.torch as slt
+        mp = (slt.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else slt.MixedPrecisionPolicy())
         for block in model.blocks:
-            slt.fully_shard(block)
-        slt.fully_shard(model)
+            slt.fully_shard(block, mp_policy=mp)
+        slt.fully_shard(model, mp_policy=mp)
         if args.trace:
             import shardline
             shardline_trace = shardline.Trace(rank)
             model.set_shardline_trace(shardline_trace)
-        world_comm = slt.get_default_world()
+        world_comm = slt.get_default_world(device)
 
         def all_reduce_mean(x):
-            t = torch.tensor([x], dtype=torch.float64)
-            world_comm.all_reduce(t).wait()
+            t = torch.tensor([x], dtype=torch.float64, device=device)
+            world_comm.all_reduce(t, stream=slt.stream_for(world_comm)).wait()
             return t.item() / world
     elif args.impl == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else MixedPrecisionPolicy())
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
     elif args.impl == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     if args.impl in ("fsdp2", "ddp"):
         def all_reduce_mean(x):
-            t = torch.tensor([x], dtype=torch.float64)
+            t = torch.tensor([x], dtype=torch.float64, device=device)
             dist.all_reduce(t)
             return t.item() / world
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                if bf16 and args.impl in ("single", "ddp") else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
     times, cpu_times = [], []
@@ -143,16 +166,25 @@ def main():
             batch = torch.cat([tokens_for(step, r, args) for r in range(args.global_ranks)])
         else:
             batch = tokens_for(step, rank, args)
+        batch = batch.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         profiling = args.trace and step == args.steps - 1
         prof = torch.profiler.profile() if profiling else None
         if prof:
             prof.__enter__()
         start, cpu_start = time.perf_counter(), time.process_time()
-        logits = model(batch[:, :-1])
+        if autocast is not None:
+            with autocast:
+                logits = model(batch[:, :-1])
+        else:
+            logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         cpu_times.append(time.process_time() - cpu_start)
         if prof:
@@ -170,13 +202,21 @@ def main():
     line = (f"rank {rank}: {args.impl} median step {statistics.median(measured) * 1e3:.1f} ms, "
             f"CPU time {statistics.median(cpu) * 1e3:.1f} ms per step (all threads), "
             f"peak RSS {rss_mib:.0f} MiB")
+    if device.type == "cuda":
+        # torch's caching allocator only: shardline's own pool (the gathers and reductions of
+        # fully_shard) is reported by its metrics below.
+        line += (f", torch max_memory_allocated "
+                 f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB, max_memory_reserved "
+                 f"{torch.cuda.max_memory_reserved(device) / 2**20:.0f} MiB")
     if args.impl == "shardline":
         if args.trace:
             shardline_trace.write(f"{args.trace}.shardline.rank{rank}.json")
         metrics = model.shardline_scheduler.metrics()
         exposed = metrics.exposed_communication
         line += (f", exposed communication "
-                 f"{'n/a' if exposed is None else f'{exposed * 1e3:.2f} ms'}; {metrics}")
+                 f"{'n/a' if exposed is None else f'{exposed * 1e3:.2f} ms'}; {metrics}; "
+                 f"shardline pools gather_pool_peak_bytes={metrics.gather_pool_peak_bytes} "
+                 f"reduce_pool_peak_bytes={metrics.reduce_pool_peak_bytes}")
     print(line, flush=True)
     if args.impl in ("fsdp2", "ddp"):
         dist.destroy_process_group()

@@ -26,8 +26,10 @@
 // a reduce stream (reduce-scatters and accumulation into the sharded gradient), an all-reduce
 // stream (the hybrid replicate all-reduce), a grad stream (zero-fills each unsharded gradient
 // when its backward gather is issued, off the compute stream) and a control stream (the
-// cross-rank order check). Every hand-over is an event; buffers go back to
-// their pool after their last reader's event (stream-ordered reuse).
+// cross-rank order check). The gather, reduce and all-reduce streams ask for priority 1
+// (StreamOptions::priority: on CUDA one level above the default, as FSDP2's communication
+// streams). Every hand-over is an event; buffers go back to their pool after their last reader's
+// event (stream-ordered reuse).
 //
 // Communicators. Create splits the world into a ProcessMesh per the sharding strategy and Dups
 // the shard group once more: all-gathers run on one communicator, reduce-scatters on the other,

@@ -103,3 +103,14 @@ def test_ranks_sharing_the_gpu_match_one_process(launch, tmp_path, world, mesh, 
     failed = {k: v for k, v in report["results"].items() if not v["ok"]}
     assert not failed, json.dumps(failed, indent=1)
     assert result.returncode == 0, result.describe()
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_c10d_backend_on_cuda_tensors(launch, world):
+    """init_process_group("shardline") with CUDA tensors: the collectives against plain loops,
+    on the default and a side stream (world 1 over nccl, world 2 sharing the GPU over ucx
+    staged), and point-to-point refused on CUDA naming it."""
+    result = launch(world, ["cuda_c10d_worker.py"], timeout=180)
+    assert result.returncode == 0, result.describe()
+    assert result.output.count(": ok") == world, result.describe()

@@ -34,7 +34,7 @@ from ._fsdp1 import (BackwardPrefetch, CPUOffload, CustomPolicy, FullStateDictCo
                      lambda_auto_wrap_policy, size_based_auto_wrap_policy,
                      transformer_auto_wrap_policy)
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._fsdp_init import get_default_world
+from ._fsdp_init import get_default_world, stream_for
 from ._fully_shard import FSDPModule, fully_shard, original_shape
 from ._grad_scaler import ShardedGradScaler
 from ._state_dict import full_state_dict
@@ -49,7 +49,8 @@ __all__ = [
     "ShardingStrategy", "StateDictType", "always_wrap_policy", "clip_grad_norm_",
     "elastic", "export_safetensors", "full_state_dict", "fully_shard", "get_default_world",
     "import_safetensors", "lambda_auto_wrap_policy", "load_checkpoint", "original_shape",
-    "register", "save_checkpoint", "size_based_auto_wrap_policy", "sync_module_states",
+    "register", "save_checkpoint", "size_based_auto_wrap_policy", "stream_for",
+    "sync_module_states",
     "transformer_auto_wrap_policy",
 ]
 

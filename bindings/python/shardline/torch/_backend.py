@@ -66,6 +66,9 @@ class _Group(_PointToPoint, _Collectives):
         name = f"torch.pg{group_name}" if group_name else "torch.pg"
         self._comm = _core.init_with_store(store, rank, size, backend="ucx",
                                            timeout=self._timeout_s, name=name)
+        # CUDA tensors' communicators, one per device, joined at their first collective
+        # (_Collectives._device_comm) through the same store.
+        self._store, self._comm_name, self._device_comms = store, name, {}
         self._completer_obj = None
         _init_p2p(self)
         _live_groups.add(self)
@@ -73,6 +76,8 @@ class _Group(_PointToPoint, _Collectives):
     def _adopt(self, group):
         """Joins `group`'s communicator instead of a new one."""
         self._timeout_s, self._label, self._comm = group._timeout_s, group._label, group._comm
+        self._store, self._comm_name = group._store, group._comm_name
+        self._device_comms = group._device_comms  # shared: one communicator per device
         self._completer_obj = None
         _init_p2p(self)
         _live_groups.add(self)
@@ -103,12 +108,14 @@ class _Group(_PointToPoint, _Collectives):
             self._completer_obj = None
         if not isinstance(self._comm, _ShutDown):
             self._comm = _ShutDown(self._label)
+        self._device_comms.clear()
         self._close_p2p_streams()
         _live_groups.discard(self)
 
 
 class ProcessGroupShardline(_Group, dist.ProcessGroup):
-    """A torch.distributed ProcessGroup whose collectives are shardline's (CPU tensors): what
+    """A torch.distributed ProcessGroup whose collectives are shardline's (CPU tensors, and CUDA
+    tensors on a GPU machine): what
     init_process_group("shardline") and new_group(backend="shardline") create. torch calls its
     methods directly (Python) or through its trampoline (C++: DDP), so the Work they return is
     this module's, with every Work method."""
@@ -125,6 +132,10 @@ class ProcessGroupShardline(_Group, dist.ProcessGroup):
                                              global_ranks, _share=self)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
                                self._cpu_backend)
+        if torch.cuda.is_available():
+            # The same object serves CUDA tensors too (its device communicators).
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM,
+                                   self._cpu_backend)
         self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
     def shutdown(self):
@@ -210,8 +221,10 @@ def _shares_group_with_other_backends():
 
 
 def register():
-    """Registers the backend "shardline" for CPU tensors (idempotent); the torch entry point
-    `torch.distributed.backends: shardline` calls it."""
+    """Registers the backend "shardline" (idempotent): for CPU tensors, and on a machine with a
+    GPU for CUDA tensors too (their collectives on nccl, or ucx staged through host memory where
+    ranks share a GPU); the torch entry point `torch.distributed.backends: shardline` calls it."""
     if "SHARDLINE" in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)

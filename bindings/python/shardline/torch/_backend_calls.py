@@ -25,7 +25,17 @@ _SUPPORTED = ("allreduce, allreduce_coalesced, allgather, allgather_coalesced, "
               "all_gather_single(_coalesced), reduce_scatter, reduce_scatter_single(_coalesced), "
               "broadcast, reduce, gather, scatter, all_to_all_single, alltoall, barrier, "
               "monitored_barrier, send, recv, recv_anysource; CPU tensors, dense (sparse COO: "
-              "allreduce SUM)")
+              "allreduce SUM); CUDA tensors on a GPU machine: the collectives, not "
+              "point-to-point, reduce, gather, scatter or unequal all-to-all splits")
+
+# The collectives that take CUDA tensors (on the group's CUDA communicator: nccl, or ucx staged
+# through host memory where ranks share a GPU; enqueued on torch's current stream).
+_CUDA_COLLECTIVES = frozenset({
+    "allreduce", "allreduce_coalesced", "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced", "allgather", "allgather_coalesced",
+    "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "reduce_scatter", "broadcast",
+    "all_to_all_single", "alltoall",
+})
 
 def _unsupported(what):
     return NotImplementedError(f"shardline backend: {what} is not supported (supported: "
@@ -49,9 +59,9 @@ def _check_tensor(t, what):
         raise TypeError(f"shardline backend: {what} is a {type(t).__name__}, not a torch.Tensor")
     if t.layout != torch.strided:
         raise _unsupported(f"{what} with layout {t.layout}")
-    if t.device.type != "cpu":
+    if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"shardline backend: {what} is on {t.device}; this backend moves CPU "
-                         "tensors only (a device map such as 'cpu:shardline,cuda:nccl' gives "
+                         "and CUDA tensors (a device map such as 'cpu:shardline,xpu:xccl' gives "
                          "other devices other backends)")
 
 
@@ -63,10 +73,27 @@ class _Call:
         self.collective = collective
         self.works = []  # shardline Works
         self.finish = []
+        self.device = None  # the device of its tensors (one per call)
+
+    def place(self, t, what):
+        """Checks `t` and that the call's tensors share one device, which a CUDA tensor's
+        collective must take."""
+        _check_tensor(t, what)
+        if self.device is None:
+            self.device = t.device
+            if t.is_cuda and self.collective not in _CUDA_COLLECTIVES:
+                raise _unsupported(f"{self.collective} of CUDA tensors")
+        elif t.device != self.device:
+            raise ValueError(f"shardline backend: {self.collective}: {what} is on {t.device} "
+                             f"but the call's first tensor is on {self.device}")
+
+    @property
+    def cuda(self):
+        return self.device is not None and self.device.type == "cuda"
 
     def source(self, t, what, reduce):
         """A contiguous tensor shardline can read with `t`'s values (`t` itself when it is)."""
-        _check_tensor(t, what)
+        self.place(t, what)
         t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
@@ -76,11 +103,12 @@ class _Call:
         """A contiguous tensor shardline writes whose contents end up in `t` (`t` itself when it
         is contiguous; otherwise a copy, holding `t`'s values when `initial`, copied back when
         the collective is done)."""
-        _check_tensor(t, what)
+        self.place(t, what)
         t = t.detach()
         if t.is_contiguous():
             return self._as_moved(t, what, reduce)
-        staged = t.contiguous() if initial else torch.empty(t.shape, dtype=t.dtype)
+        staged = (t.contiguous() if initial
+                  else torch.empty(t.shape, dtype=t.dtype, device=t.device))
         self.finish.append(lambda: t.copy_(staged))
         return self._as_moved(staged, what, reduce)
 

@@ -6,7 +6,9 @@ each pair's part as a message: _backend_p2p.py)."""
 import torch
 import torch.distributed as dist
 
+from .. import _core
 from .._core import Error
+from ._fsdp_init import _cuda_backend, stream_for
 from ._backend_calls import (_NATIVE_DTYPES, _Call, _check_tensor, _copy_chunks, _reduce_op,
                              _unsupported)
 from ._backend_work import _WAIT_MARGIN_S, _Completer, _Work, _live_completers
@@ -32,12 +34,33 @@ class _Collectives:
         error.peer_error = getattr(e, "peer_error", False)
         return error
 
-    def _issue(self, call, fn, *args):
-        """Issues one shardline collective of `call`; a refusal raises at once, named."""
+    def _issue(self, call, name, *args):
+        """Issues the shardline collective `name` of `call`: on the group's communicator for
+        CPU tensors; for CUDA tensors on its communicator of that device, enqueued on torch's
+        current stream (the work before it on the stream made its inputs; the work after it
+        sees its outputs). A refusal raises at once, named."""
         try:
-            call.works.append(fn(*args))
+            if call.cuda:
+                comm = self._device_comm(call.device)
+                call.works.append(getattr(comm, name)(*args, stream=stream_for(comm)))
+            else:
+                call.works.append(getattr(self._comm, name)(*args))
         except Error as e:
             raise self._named_error(call.collective, e) from e
+
+    def _device_comm(self, device):
+        """The group's communicator of CUDA device `device`, joined at its first collective
+        (every rank's first CUDA collective of the group: collective, like the rest) through
+        the group's store."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        comm = self._device_comms.get(index)
+        if comm is None:
+            comm = _core.init_with_store(self._store, self.rank(), self.size(),
+                                         backend=_cuda_backend(), timeout=self._timeout_s,
+                                         name=f"{self._comm_name}.cuda{index}",
+                                         device=f"cuda:{index}")
+            self._device_comms[index] = comm
+        return comm
 
     # ---- all-reduce ----------------------------------------------------------------------------
 
@@ -59,7 +82,7 @@ class _Collectives:
             buf = call.target(t, f"tensor {i}", reduce=True, initial=True)
             if factor is not None:
                 buf.mul_(factor)
-            self._issue(call, self._comm.all_reduce, buf, op)
+            self._issue(call, "all_reduce", buf, op)
         return _Work(self, call, list(tensors))
 
     def _sparse_allreduce(self, call, t, op, factor, what):
@@ -91,7 +114,7 @@ class _Collectives:
         gathered = [torch.empty((size * most,) + tuple(x.shape[1:]), dtype=x.dtype)
                     for x in padded]
         for out, mine in zip(gathered, padded):
-            self._issue(call, self._comm.all_gather, out, mine)
+            self._issue(call, "all_gather", out, mine)
 
         def finish():
             keep = torch.cat([torch.arange(r * most, r * most + int(counts[r]))
@@ -138,7 +161,7 @@ class _Collectives:
         src = call.source(input, f"input{index}", reduce=False)
         self._check_per_rank(call, output, input, index, big="output", small="input")
         dst = call.target(output, f"output{index}", reduce=False)
-        self._issue(call, self._comm.all_gather, dst, src)
+        self._issue(call, "all_gather", dst, src)
 
     def allgather(self, output_lists, inputs, opts=None):
         # output_lists[i][r] receives input i of rank r.
@@ -181,9 +204,10 @@ class _Collectives:
         for i, (outputs, input) in enumerate(zip(output_lists, inputs)):
             self._check_rank_list(collective, outputs, "output", input, "input", i)
             src = call.source(input, f"input {i}", reduce=False)
-            flat = torch.empty(input.numel() * self.size(), dtype=input.dtype)
+            flat = torch.empty(input.numel() * self.size(), dtype=input.dtype,
+                               device=input.device)
             dst = call.target(flat, f"output list {i}", reduce=False)
-            self._issue(call, self._comm.all_gather, dst, src)
+            self._issue(call, "all_gather", dst, src)
             call.finish.append(_copy_chunks(flat, outputs))
         return _Work(self, call, [list(o) for o in result])
 
@@ -216,7 +240,7 @@ class _Collectives:
             src = src * factor
         self._check_per_rank(call, input, output, index, big="input", small="output")
         dst = call.target(output, f"output{index}", reduce=True)
-        self._issue(call, self._comm.reduce_scatter, dst, src, op)
+        self._issue(call, "reduce_scatter", dst, src, op)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = dist.ReduceScatterOptions() if opts is None else opts
@@ -232,7 +256,7 @@ class _Collectives:
                 flat.mul_(factor)
             src = call.source(flat, f"input list {i}", reduce=True)
             dst = call.target(output, f"output {i}", reduce=True)
-            self._issue(call, self._comm.reduce_scatter, dst, src, op)
+            self._issue(call, "reduce_scatter", dst, src, op)
         return _Work(self, call, list(outputs))
 
     # ---- broadcast, all-to-all, barrier --------------------------------------------------------
@@ -249,7 +273,7 @@ class _Collectives:
                                "the list is broadcast from the root rank's same tensor)")
         for i, t in enumerate(tensors):
             buf = call.target(t, f"tensor {i}", reduce=False, initial=True)
-            self._issue(call, self._comm.broadcast, buf, root)
+            self._issue(call, "broadcast", buf, root)
         return _Work(self, call, list(tensors))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
@@ -265,8 +289,10 @@ class _Collectives:
         if len(set(in_rows)) == 1 and in_rows == out_rows and input.numel() == output.numel():
             src = call.source(input, "input", reduce=False)
             dst = call.target(output, "output", reduce=False)
-            self._issue(call, self._comm.all_to_all, dst, src)
+            self._issue(call, "all_to_all", dst, src)
             return _Work(self, call, [output])
+        if input.is_cuda:
+            raise _unsupported("all_to_all_single with unequal splits of CUDA tensors")
         # Unequal splits: rank j gets input's rows of split j, each pair's rows as one message.
         flat_in = input.detach().contiguous().reshape(-1)
         out = output.detach()
@@ -314,6 +340,8 @@ class _Collectives:
                     raise ValueError(f"shardline backend: alltoall: {name} {j} is {t.dtype} "
                                      f"but input 0 is {first.dtype}")
         if any(t.numel() != first.numel() for t in list(inputs) + list(outputs)):
+            if first.is_cuda:
+                raise _unsupported("alltoall with unequal sizes of CUDA tensors")
             ins = [call.source(t, f"input {j}", reduce=False) for j, t in enumerate(inputs)]
             outs = [call.target(t, f"output {i}", reduce=False) for i, t in enumerate(outputs)]
             self._all_to_all_uneven(call, outs, ins)
@@ -322,13 +350,13 @@ class _Collectives:
         flat_out = torch.empty_like(flat_in)
         src = call.source(flat_in, "inputs", reduce=False)
         dst = call.target(flat_out, "outputs", reduce=False)
-        self._issue(call, self._comm.all_to_all, dst, src)
+        self._issue(call, "all_to_all", dst, src)
         call.finish.append(_copy_chunks(flat_out, outputs))
         return _Work(self, call, list(outputs))
 
     def barrier(self, opts=None):
         call = _Call("barrier")
-        self._issue(call, self._comm.barrier)
+        self._issue(call, "barrier")
         return _Work(self, call, [])
 
 

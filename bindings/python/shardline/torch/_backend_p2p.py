@@ -70,7 +70,7 @@ class _PointToPoint:
         call = _Call("send")
         t = self._one_tensor("send", tensors)
         src = call.source(t, "tensor", reduce=False)
-        self._issue(call, self._comm.send, src, dstRank, tag & _USER_TAG_MASK,
+        self._issue(call, "send", src, dstRank, tag & _USER_TAG_MASK,
                     self._p2p_stream("send"))
         return _Work(self, call, [t])
 
@@ -84,7 +84,7 @@ class _PointToPoint:
         call = _Call(collective)
         t = self._one_tensor(collective, tensors)
         dst = call.target(t, "tensor", reduce=False)
-        self._issue(call, self._comm.recv, dst, src_rank, tag & _USER_TAG_MASK,
+        self._issue(call, "recv", dst, src_rank, tag & _USER_TAG_MASK,
                     self._p2p_stream(stream_key))
         return _Work(self, call, [t], source=call.works[-1])
 
@@ -118,15 +118,15 @@ class _PointToPoint:
             reduced = torch.empty(chunk * size, dtype=source.dtype) if me == root else None
         if me != root:
             shard = torch.empty(chunk, dtype=flat.dtype)
-            self._issue(call, self._comm.reduce_scatter, shard, flat, op)
-            self._issue(call, self._comm.send, shard, root, _TAG_REDUCE)
+            self._issue(call, "reduce_scatter", shard, flat, op)
+            self._issue(call, "send", shard, root, _TAG_REDUCE)
             return _Work(self, call, [t])
         # In place when direct: the root's shard is its block of its own tensor.
-        self._issue(call, self._comm.reduce_scatter, reduced[root * chunk:(root + 1) * chunk],
+        self._issue(call, "reduce_scatter", reduced[root * chunk:(root + 1) * chunk],
                     flat, op)
         for r in range(size):
             if r != root:
-                self._issue(call, self._comm.recv, reduced[r * chunk:(r + 1) * chunk], r,
+                self._issue(call, "recv", reduced[r * chunk:(r + 1) * chunk], r,
                             _TAG_REDUCE)
         if not direct:
             call.finish.append(lambda: t.detach().copy_(reduced[:numel].view(t.shape)))
@@ -143,7 +143,7 @@ class _PointToPoint:
         _check_tensor(t, "input")
         if self.rank() != root:
             src = call.source(t, "input", reduce=False)
-            self._issue(call, self._comm.send, src, root, _TAG_GATHER)
+            self._issue(call, "send", src, root, _TAG_GATHER)
             return _Work(self, call, output_tensors)
         outputs = self._one_tensor("gather's output lists", output_tensors)
         self._check_rank_list("gather", outputs, "output", t, "input", 0)
@@ -153,7 +153,7 @@ class _PointToPoint:
                 call.finish.insert(0, lambda own=own: own.copy_(t.detach()))
                 continue
             dst = call.target(out, f"output {r}", reduce=False)
-            self._issue(call, self._comm.recv, dst, r, _TAG_GATHER)
+            self._issue(call, "recv", dst, r, _TAG_GATHER)
         return _Work(self, call, output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -166,7 +166,7 @@ class _PointToPoint:
         _check_tensor(out, "output")
         if self.rank() != root:
             dst = call.target(out, "output", reduce=False)
-            self._issue(call, self._comm.recv, dst, root, _TAG_SCATTER)
+            self._issue(call, "recv", dst, root, _TAG_SCATTER)
             return _Work(self, call, output_tensors)
         inputs = self._one_tensor("scatter's input lists", input_tensors)
         self._check_rank_list("scatter", inputs, "input", out, "output", 0)
@@ -175,7 +175,7 @@ class _PointToPoint:
                 call.finish.insert(0, lambda t=t: out.detach().copy_(t.detach()))
                 continue
             src = call.source(t, f"input {r}", reduce=False)
-            self._issue(call, self._comm.send, src, r, _TAG_SCATTER)
+            self._issue(call, "send", src, r, _TAG_SCATTER)
         return _Work(self, call, output_tensors)
 
     # ---- all-to-all with unequal splits --------------------------------------------------------
@@ -187,10 +187,10 @@ class _PointToPoint:
         me = self.rank()
         for j, src in enumerate(ins):
             if j != me:
-                self._issue(call, self._comm.send, src, j, _TAG_ALL_TO_ALL)
+                self._issue(call, "send", src, j, _TAG_ALL_TO_ALL)
         for i, dst in enumerate(outs):
             if i != me:
-                self._issue(call, self._comm.recv, dst, i, _TAG_ALL_TO_ALL)
+                self._issue(call, "recv", dst, i, _TAG_ALL_TO_ALL)
         if outs[me].numel() != ins[me].numel():
             raise ValueError(f"shardline backend: {call.collective}: this rank sends itself "
                              f"{ins[me].numel()} elements but expects {outs[me].numel()}")

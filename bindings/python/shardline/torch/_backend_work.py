@@ -68,6 +68,16 @@ class _Work(dist.Work):
         self._done = False
         self._error = None
         self._future = None
+        # CUDA tensors: the collectives are on torch's current stream, so the finishing copies
+        # go there now, and an event after them is what wait() makes the waiter's stream wait
+        # for (torch's NCCL semantics: no host block).
+        self._event = None
+        if getattr(call, "cuda", False):
+            for f in self._finish:
+                f()
+            self._finish = ()
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(call.device))
 
     # Errors are kept and handed out as fresh copies without tracebacks: a traceback's frames
     # would hold this Work (and its shardline Works), and torch's C++ (a future, DDP) may hold
@@ -106,7 +116,16 @@ class _Work(dist.Work):
 
     def wait(self, timeout=None):
         """Blocks (the GIL released) until the collective is done; raises its error.
-        timeout: a timedelta (torch's zero or None: the group's timeout)."""
+        timeout: a timedelta (torch's zero or None: the group's timeout). CUDA tensors: the
+        current stream waits for the collective instead (no host block); an error the
+        collective already reported is raised, a later one fails the group's next calls."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+            if all(w.is_completed() for w in self._works):
+                error = self._complete(0.0)
+                if error is not None:
+                    raise _copy_error(error)
+            return True
         if isinstance(timeout, datetime.timedelta) and timeout > datetime.timedelta(0):
             timeout_s = timeout.total_seconds()
         elif isinstance(timeout, (int, float)) and timeout > 0:

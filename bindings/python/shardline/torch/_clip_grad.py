@@ -2,7 +2,7 @@
 
 import torch
 
-from ._fsdp_init import _stream_for
+from ._fsdp_init import stream_for
 from ._fsdp_param_group import _sharded_owner
 
 __all__ = ["clip_grad_norm_"]
@@ -60,7 +60,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         # CPU), the host for ucx.
         buf = total.reshape(1).to(root.world_device, copy=True)
         work = root.world.all_reduce(buf, op="max" if inf else "sum",
-                                     stream=_stream_for(root.world))
+                                     stream=stream_for(root.world))
         if not root.cuda:
             work.wait()  # (on CUDA torch's later work on the stream comes after it)
         buf = buf.to(total.device)

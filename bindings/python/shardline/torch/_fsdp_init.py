@@ -8,7 +8,7 @@ import torch
 
 import shardline
 
-__all__ = ["get_default_world"]
+__all__ = ["get_default_world", "stream_for"]
 
 _world = None  # the default world communicator over host memory, made once per process
 _cuda_world = None  # the default world over CUDA memory (backend nccl), made once per process
@@ -76,7 +76,7 @@ def _join(backend, name, device):
 _wrapped = {}  # (device index, cudaStream_t) -> the shardline.Stream over torch's stream
 
 
-def _stream_for(comm):
+def stream_for(comm):
     """The stream= argument for a collective of `comm` on tensors torch made: None (the
     communicator's own stream) for host memory; for CUDA memory, torch's current stream of the
     device, wrapped (once per stream), so the collective comes after the work that made its

@@ -400,7 +400,7 @@ class _UnitUses:
         # the full tensors on the master shard's device.
         moved = self.world_device
         shards = torch.empty(size * master.numel(), dtype=master.dtype, device=moved)
-        stream = _fsdp_init._stream_for(self.world)
+        stream = _fsdp_init.stream_for(self.world)
         self.world.all_gather(shards, master.contiguous().to(moved), stream=stream).wait()
         table = torch.tensor([[t, o, n] for t, (o, n) in zip(st.tensor_offsets, st.slices)],
                              dtype=torch.int64).reshape(-1)

@@ -9,7 +9,7 @@ step() reads them, so every rank skips the same steps and the scale follows the 
 
 import torch
 
-from ._fsdp_init import _stream_for, _torch_device
+from ._fsdp_init import _torch_device, stream_for
 from ._fsdp_param_group import _sharded_owner
 
 __all__ = ["ShardedGradScaler"]
@@ -46,7 +46,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         local = torch.zeros(1, dtype=torch.float32, device=_torch_device(world))
         for f in found.values():
             local = torch.maximum(local, f.reshape(1).to(local.device, torch.float32))
-        work = world.all_reduce(local, op="max", stream=_stream_for(world))
+        work = world.all_reduce(local, op="max", stream=stream_for(world))
         if world.device == "host":
             work.wait()  # (on CUDA torch's later work on the stream comes after it)
         if not found:
