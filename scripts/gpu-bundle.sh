@@ -15,7 +15,7 @@ bins=(tests/runtime_cuda_stream_test tests/runtime_cuda_kernels_test tests/runti
       tests/scheduler_external_memory_test tests/scheduler_cuda_scheduler_test tests/c_api_test
       tests/collectives_staged_communicator_test bench/all_reduce_perf bench/all_gather_perf
       bench/reduce_scatter_perf examples/scheduler_tour examples/framework_streams
-      bench/overlap_bench bench/scheduler_hooks_bench bin/shardline-launch)
+      bench/overlap_bench bench/scheduler_hooks_bench bin/shardline-launch bin/shardline-tune)
 for b in "${bins[@]}"; do
   f=$(find build -path "*$b" -type f -perm -u+x | head -1)
   [[ -n "$f" ]] || { echo "missing $b"; continue; }

@@ -81,6 +81,12 @@ if tier 4 && [[ -d python ]]; then
   echo "=== tier 4: bench/torch/gpu_bench.py"
   timeout 420 python3 bench/torch/gpu_bench.py --out $OUT > /tmp/gpu_bench.log 2>&1; rc=$?
   tail -20 /tmp/gpu_bench.log; summary+=("gpu_bench: rc=$rc")
+  echo "=== the simulator's prediction for that model at world 1 (dgx-h100's device; GPT's MLP"
+  echo "    as a gated FFN of 5461 for the same FLOPs): compare its step_ms with fully_shard's"
+  bin/shardline-tune sweep --model llama3-8b --layers 24 --hidden 2048 --ffn 5461 --heads 16 \
+      --kv-heads 16 --vocab 32768 --seq-len 2048 --micro-batch 2 --topology dgx-h100 --world 1 \
+      --strategies full --param-dtypes bf16 --reduce-dtypes f32 --checkpointing off \
+      --forward-prefetch 1 --top 1 --no-progress 2>&1 | tail -3
   echo "=== world 2 sharing the GPU (ucx staged): a timeline"
   timeout 150 python3 bench/torch/timeline.py --out $OUT/world2_timeline.png --ranks 2 \
       --steps 4 --keep /tmp/w2 -- --device cuda --dtype bfloat16 --dim 1024 --layers 8 \

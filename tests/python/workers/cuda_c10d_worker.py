@@ -12,6 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+import shardline.torch  # noqa: F401  (registers "shardline": torch 2.11 reads no entry point)
+
 N = 1237
 
 

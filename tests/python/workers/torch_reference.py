@@ -52,4 +52,9 @@ TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.Red
 
 
 def torch_op(op):
-    return dist.ReduceOp.PREMUL_SUM(0.5) if op == "premul" else TORCH_OPS[op]
+    if op != "premul":
+        return TORCH_OPS[op]
+    try:
+        return dist.ReduceOp.PREMUL_SUM(0.5)
+    except TypeError:  # torch 2.11: not callable there
+        return dist._make_nccl_premul_sum(0.5)

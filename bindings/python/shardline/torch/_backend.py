@@ -121,25 +121,32 @@ class ProcessGroupShardline(_Group, dist.ProcessGroup):
     this module's, with every Work method."""
 
     def __init__(self, store, rank, size, timeout, group_name=None, global_ranks=None):
-        dist.ProcessGroup.__init__(self, store, rank, size)
+        # (rank, size): the constructor whose instance the subclass is in every torch from 2.11
+        # on (2.11 refuses the (store, rank, size) one for a Python subclass).
+        dist.ProcessGroup.__init__(self, rank, size)
         self._group_name = ""
         self._group_desc = ""
         self._join(store, rank, size, timeout, group_name, global_ranks)
         # The group's CPU backend, over the same communicator: what torch's C++ dispatches to
         # (functional collectives) and what its Python asks for (batch_isend_irecv,
         # monitored_barrier). Calls on the group itself stay this class's.
-        self._cpu_backend = BackendShardline(store, rank, size, timeout, group_name,
-                                             global_ranks, _share=self)
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
-                               self._cpu_backend)
-        if torch.cuda.is_available():
-            # The same object serves CUDA tensors too (its device communicators).
-            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM,
+        # A torch whose c10d Backend a Python class cannot construct (2.11) gets the group
+        # alone: its methods serve every call made on the group, not torch's C++ dispatch.
+        self._cpu_backend = None
+        if _python_backends():
+            self._cpu_backend = BackendShardline(store, rank, size, timeout, group_name,
+                                                 global_ranks, _share=self)
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
                                    self._cpu_backend)
-        self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+            if torch.cuda.is_available():
+                # The same object serves CUDA tensors too (its device communicators).
+                self._register_backend(torch.device("cuda"),
+                                       dist.ProcessGroup.BackendType.CUSTOM, self._cpu_backend)
+            self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
     def shutdown(self):
-        self._cpu_backend.shutdown()
+        if self._cpu_backend is not None:
+            self._cpu_backend.shutdown()
         super().shutdown()
 
     # A ProcessGroup without C++ backends keeps its name and description only if the subclass
@@ -199,9 +206,34 @@ class _ShutDown:
                            "(destroy_process_group); create a new group")
 
 
+_python_backends_ok = None
+
+
+def _python_backends():
+    """Whether this torch lets a Python class construct a c10d Backend (2.15 does; 2.11's
+    Backend has no constructor for Python subclasses)."""
+    global _python_backends_ok
+    if _python_backends_ok is None:
+        class Probe(C10DBackend):
+            pass
+        try:
+            C10DBackend.__init__(Probe.__new__(Probe), 0, 1)
+            _python_backends_ok = True
+        except TypeError:
+            _python_backends_ok = False
+    return _python_backends_ok
+
+
 def _create(options, backend_options=None):
     """torch's creator (extended API): the group's store, rank, size, timeout and name."""
-    cls = BackendShardline if _shares_group_with_other_backends() else ProcessGroupShardline
+    shares = _shares_group_with_other_backends()
+    if shares and not _python_backends():
+        raise NotImplementedError(
+            f"shardline backend: torch {torch.__version__} cannot take a Python c10d Backend, "
+            "which a device map such as 'cpu:shardline,cuda:nccl' needs; use "
+            "init_process_group('shardline') alone (it serves CPU and CUDA tensors) or a newer "
+            "torch")
+    cls = BackendShardline if shares else ProcessGroupShardline
     return cls(options.store, options.group_rank, options.group_size, options.timeout,
                options.group_id, options.global_ranks_in_group)
 

@@ -46,7 +46,12 @@ def _reduce_op(op, collective):
     """(shardline op name, premultiply factor or None) for a torch ReduceOp."""
     kind = op.op if isinstance(op, dist.ReduceOp) else op
     if kind == _RedOpType.PREMUL_SUM:
-        return "sum", op.factor
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise _unsupported(f"{collective} with ReduceOp.PREMUL_SUM on torch "
+                               f"{torch.__version__}, whose ReduceOp does not show its factor "
+                               "to Python (torch 2.15 does)")
+        return "sum", factor
     name = _REDUCE_OPS.get(kind)
     if name is None:
         raise _unsupported(f"{collective} with ReduceOp.{getattr(kind, 'name', kind)} "
