@@ -352,9 +352,9 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateCommunicator(
   if (options.backend == "ucx") {
 #ifndef SHARDLINE_WITH_CUDA
     if (!options.device.is_host()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "the ucx backend moves ", options.device.ToString(),
-          " memory staged through host memory, but shardline was built without CUDA"));
+      return absl::UnimplementedError(
+          absl::StrCat("the ucx backend moves ", options.device.ToString(),
+                       " memory staged through host memory, but shardline was built without CUDA"));
     }
 #endif
     absl::StatusOr<std::shared_ptr<Communicator>> host =

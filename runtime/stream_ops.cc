@@ -1,6 +1,7 @@
 #include "runtime/stream_ops.h"
 
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/host_kernels.h"
@@ -127,6 +128,19 @@ absl::Status EnqueueCopy(Stream& stream, void* dst, const void* src, size_t byte
 #else
   return NoDevice(stream);
 #endif
+}
+
+absl::Status CopyBlocking(Device device, void* dst, const void* src, size_t bytes,
+                          absl::Time deadline) {
+  if (bytes == 0) return absl::OkStatus();
+  if (device.is_host()) {
+    std::memmove(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
+                      CreateStream(device, {.name = "blocking copy"}));
+  SL_RETURN_IF_ERROR(EnqueueCopy(*stream, dst, src, bytes));
+  return stream->Synchronize(deadline);
 }
 
 absl::Status EnqueueScale(Stream& stream, void* data, size_t count, DType dtype, double factor) {

@@ -38,6 +38,12 @@ absl::Status EnqueueFill(Stream& stream, void* data, size_t bytes);
 // stream: device, pinned or managed memory; a copy between host and device is allowed).
 absl::Status EnqueueCopy(Stream& stream, void* dst, const void* src, size_t bytes);
 
+// `bytes` between host memory and memory of `device` (either way), blocking the caller until done
+// or `deadline`: memcpy for the host, a copy on a new stream of the device otherwise. For setup
+// and checkpoints, which may block; never in a step.
+absl::Status CopyBlocking(Device device, void* dst, const void* src, size_t bytes,
+                          absl::Time deadline);
+
 // data[i] *= factor for i < count (host_kernels.h's Scale rules; CudaScale on a CUDA stream).
 absl::Status EnqueueScale(Stream& stream, void* data, size_t count, DType dtype, double factor);
 

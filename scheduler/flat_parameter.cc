@@ -23,25 +23,6 @@ namespace shardline {
 using flat_parameter_internal::CallContext;
 using flat_parameter_internal::ElementAt;
 
-namespace {
-
-// Copies `bytes` of host memory into memory of `device`, blocking until done (initialisation is
-// allowed to block): memcpy for the host, a copy on a stream of the device otherwise.
-absl::Status CopyFromHost(void* dst, Device device, const void* src, size_t bytes,
-                          absl::Time deadline) {
-  if (bytes == 0) return absl::OkStatus();
-  if (device.is_host()) {
-    std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
-                      CreateStream(device, {.name = "flat parameter init"}));
-  SL_RETURN_IF_ERROR(EnqueueCopy(*stream, dst, src, bytes));
-  return stream->Synchronize(deadline);
-}
-
-}  // namespace
-
 absl::string_view FlatParameterStateName(FlatParameterState state) {
   switch (state) {
     case FlatParameterState::kSharded:
@@ -325,7 +306,7 @@ absl::Status FlatParameter::SetShardFromTensors(absl::Span<const void* const> te
   }
   if (!staging.empty()) {
     SL_RETURN_IF_ERROR(Annotate(
-        CopyFromHost(master_.data(), shard_allocator_->device(), staging.data(), bytes, deadline),
+        CopyBlocking(shard_allocator_->device(), master_.data(), staging.data(), bytes, deadline),
         absl::StrCat("flat parameter '", name_, "': ", kCall)));
   }
   return absl::OkStatus();

@@ -68,8 +68,7 @@ class StagedCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  absl::Status CheckPointToPoint(CollectiveKind kind, int peer,
-                                 uint64_t match_tag) const override {
+  absl::Status CheckPointToPoint(CollectiveKind kind, int peer, uint64_t match_tag) const override {
     if (peer == kAnySource) {
       return absl::UnimplementedError(
           "a communicator staged through host memory receives from a known rank only (its copy "
@@ -89,8 +88,8 @@ class StagedCommunicator final : public Communicator {
           PointerText(output), " is ", out.text, "; both must be memory of cuda:", device_));
     }
     for (const auto& [ptr, bytes, kind, name] :
-         {std::tuple(input, input_bytes, &in, "input"), std::tuple(output, output_bytes, &out,
-                                                                   "output")}) {
+         {std::tuple(input, input_bytes, &in, "input"),
+          std::tuple(output, output_bytes, &out, "output")}) {
       if (bytes > 0 && !kind->usable) {
         return absl::InvalidArgumentError(
             absl::StrCat(what, ": ", name, " ", PointerText(ptr), " is ", kind->text,
@@ -111,9 +110,10 @@ class StagedCommunicator final : public Communicator {
   absl::StatusOr<std::shared_ptr<Communicator>> CreateSubgroup(const std::vector<int>& ranks,
                                                                int index, const std::string& name,
                                                                absl::Time deadline) override {
-    return absl::UnimplementedError(absl::StrCat(
-        "communicator ", this->name(), ": a communicator staged through host memory cannot "
-        "shrink (shrink its host communicator and stage the result)"));
+    return absl::UnimplementedError(
+        absl::StrCat("communicator ", this->name(),
+                     ": a communicator staged through host memory cannot "
+                     "shrink (shrink its host communicator and stage the result)"));
   }
 
   void OnAbort(const absl::Status& reason) override { host_->Abort(reason); }
@@ -276,9 +276,9 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateStagedCommunicator(
     std::shared_ptr<Communicator> host, int device) {
   if (host == nullptr) return absl::InvalidArgumentError("CreateStagedCommunicator: host is null");
   if (!host->device().is_host()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CreateStagedCommunicator: communicator ", host->name(), " (", host->backend(),
-        ") moves ", host->device().ToString(), " memory, not host memory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CreateStagedCommunicator: communicator ", host->name(), " (", host->backend(),
+                     ") moves ", host->device().ToString(), " memory, not host memory"));
   }
   const std::string what = absl::StrCat("communicator ", host->name(), " staged on cuda:", device);
   int count = 0;
@@ -286,8 +286,8 @@ absl::StatusOr<std::shared_ptr<Communicator>> CreateStagedCommunicator(
     return absl::UnavailableError(absl::StrCat(what, ": ", s.message()));
   }
   if (device < 0 || device >= count) {
-    return absl::UnavailableError(
-        absl::StrCat(what, ": cuda:", device, " does not exist (", count, " CUDA devices visible)"));
+    return absl::UnavailableError(absl::StrCat(what, ": cuda:", device, " does not exist (", count,
+                                               " CUDA devices visible)"));
   }
   SL_ASSIGN_OR_RETURN(std::unique_ptr<Allocator> pinned,
                       CreatePinnedAllocator(absl::StrCat(host->name(), ".staging")));

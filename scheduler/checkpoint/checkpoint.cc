@@ -222,8 +222,8 @@ absl::Status Checkpointer::UnstageDeviceStates(absl::Time deadline) {
     if (stream == nullptr) {
       SL_ASSIGN_OR_RETURN(stream, CreateStream(device, {.name = "checkpoint staging"}));
     }
-    SL_RETURN_IF_ERROR(EnqueueCopy(*stream, StateMemory(key.first, key.second), copy.data(),
-                                   copy.size()));
+    SL_RETURN_IF_ERROR(
+        EnqueueCopy(*stream, StateMemory(key.first, key.second), copy.data(), copy.size()));
   }
   for (auto& [device, stream] : streams) SL_RETURN_IF_ERROR(stream->Synchronize(deadline));
   host_copies_.clear();

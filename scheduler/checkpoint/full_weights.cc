@@ -268,13 +268,13 @@ absl::Status ExportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
         comms.shard->Abort(on_device.status());
         return Annotate(on_device.status(), context);
       }
-      absl::StatusOr<Work> issued = comms.shard->AllGather(
-          unit.master_shard().data, on_device->data(), unit.layout().shard_bytes(), DType::kU8,
-          stream, gather_options);
+      absl::StatusOr<Work> issued =
+          comms.shard->AllGather(unit.master_shard().data, on_device->data(),
+                                 unit.layout().shard_bytes(), DType::kU8, stream, gather_options);
       if (!issued.ok()) return Annotate(issued.status(), context);
       work = *std::move(issued);
-      absl::Status status = EnqueueCopy(stream, full.get(), on_device->data(),
-                                        unit.layout().total_bytes());
+      absl::Status status =
+          EnqueueCopy(stream, full.get(), on_device->data(), unit.layout().total_bytes());
       absl::StatusOr<std::shared_ptr<Event>> done =
           status.ok() ? RecordEvent(stream) : absl::StatusOr<std::shared_ptr<Event>>(status);
       if (!done.ok()) {
@@ -491,8 +491,8 @@ absl::Status ImportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
     const size_t bytes = unit.layout().shard_bytes();
     if (!unit.master_device().is_host() && bytes > 0) {
       staged[u].resize(bytes);
-      local = checkpoint_internal::CopyBlocking(staged[u].data(), unit.master_shard().data, bytes,
-                                                unit.master_device(), deadline);
+      local = CopyBlocking(unit.master_device(), staged[u].data(), unit.master_shard().data, bytes,
+                           deadline);
     }
     unit.layout().ZeroShardPadding(shard, shard_data(u));
   }
@@ -517,8 +517,8 @@ absl::Status ImportSafetensors(Scheduler& scheduler, absl::string_view path_arg,
   for (int u = 0; u < scheduler.num_units() && local.ok(); ++u) {
     if (staged[u].empty()) continue;
     const FlatParameter& unit = scheduler.unit(u);
-    local = checkpoint_internal::CopyBlocking(unit.master_shard().data, staged[u].data(),
-                                              staged[u].size(), unit.master_device(), deadline);
+    local = CopyBlocking(unit.master_device(), unit.master_shard().data, staged[u].data(),
+                         staged[u].size(), deadline);
   }
   return AgreeOnOutcome(*comms.world, *comms.stream, local, what, 0, "", "", 0, nullptr, deadline);
 }

@@ -13,8 +13,8 @@
 // Both are collective over scheduler.mesh().world() (every rank calls them, with the same path and
 // options, between steps: every unit sharded; master shards on a device are gathered in its
 // memory and copied to host memory unit by unit for an export, and written through one host copy
-// each way for an import); they block the calling thread, every wait for streams and peers bounded by
-// `deadline`, and return the same outcome on every rank (scheduler/checkpoint/agree.h): a rank
+// each way for an import); they block the calling thread, every wait for streams and peers bounded
+// by `deadline`, and return the same outcome on every rank (scheduler/checkpoint/agree.h): a rank
 // whose own part failed returns its error, the others the lowest failing rank's, prefixed
 // "failed on rank N: " and marked as a peer error. Messages begin with
 // "safetensors export '<path>': " / "safetensors import '<path>': ".

@@ -38,6 +38,7 @@ TEST(StagedCommunicatorTest, BootstrapSaysCudaIsMissing) {
 #include "collectives/staged/staged_communicator.h"
 #include "runtime/cuda/cuda_stream.h"
 #include "tests/collectives/rank_comms.h"
+#include "tests/common/cuda_device.h"
 #include "tests/common/rank_threads.h"
 
 namespace shardline {
@@ -47,27 +48,15 @@ using ::shardline::testing::MakeUcxComms;
 using ::shardline::testing::RunRankThreads;
 using ::shardline::testing::WaitFor;
 
-bool HaveGpu(std::string* why) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) {
-    (void)cudaGetLastError();
-    *why = absl::StrCat("no CUDA device: ", cudaGetErrorString(error));
-    return false;
-  }
-  if (count == 0) *why = "no CUDA device: cudaGetDeviceCount reports 0";
-  return count > 0;
-}
-
-#define SKIP_WITHOUT_GPU()                \
-  do {                                    \
-    std::string why;                      \
-    if (!HaveGpu(&why)) GTEST_SKIP() << why; \
+#define SKIP_WITHOUT_GPU()                                                            \
+  do {                                                                                \
+    if (std::string why = testing::NoCudaDevice(); !why.empty()) GTEST_SKIP() << why; \
   } while (0)
 
 // Hashed floats of rank r (no small integers: sums are inexact, order shows).
 float Value(int rank, size_t i) {
-  uint64_t x = (static_cast<uint64_t>(rank) + 1) * 0x9E3779B97F4A7C15ULL ^ (i * 0xBF58476D1CE4E5B9ULL);
+  uint64_t x =
+      (static_cast<uint64_t>(rank) + 1) * 0x9E3779B97F4A7C15ULL ^ (i * 0xBF58476D1CE4E5B9ULL);
   x ^= x >> 31;
   return static_cast<float>(static_cast<double>(x % 2000003) / 2000003.0 - 0.5);
 }
@@ -165,8 +154,7 @@ TEST(StagedCommunicatorTest, CollectivesMatchPlainLoops) {
     ReduceOptions avg;
     avg.op = ReduceOp::kAvg;
     ASSERT_TRUE(
-        WaitFor(comm.ReduceScatter(full.data, part.data, kCount, DType::kF32, **stream, avg))
-            .ok());
+        WaitFor(comm.ReduceScatter(full.data, part.data, kCount, DType::kF32, **stream, avg)).ok());
     got = part.Read();
     for (size_t i = 0; i < kCount; ++i) {
       float want = 0;
@@ -204,7 +192,8 @@ TEST(StagedCommunicatorTest, RefusesHostMemoryAndMixesNamingThem) {
   absl::StatusOr<Work> all_host =
       comms[0]->AllReduce(host.data(), host.data(), 64, DType::kF32, **stream);
   EXPECT_EQ(all_host.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(all_host.status().message(), "is host memory")) << all_host.status();
+  EXPECT_TRUE(absl::StrContains(all_host.status().message(), "is host memory"))
+      << all_host.status();
   absl::StatusOr<Work> mixed =
       comms[0]->AllReduce(device.data, host.data(), 64, DType::kF32, **stream);
   EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument);
@@ -218,7 +207,8 @@ TEST(StagedCommunicatorTest, RefusesHostMemoryAndMixesNamingThem) {
   EXPECT_TRUE(absl::StrContains(wrong_stream.status().message(), "not a CUDA stream"))
       << wrong_stream.status();
   // A refused call spends nothing: the communicator still works.
-  EXPECT_TRUE(WaitFor(comms[0]->AllReduce(device.data, device.data, 64, DType::kF32, **stream)).ok());
+  EXPECT_TRUE(
+      WaitFor(comms[0]->AllReduce(device.data, device.data, 64, DType::kF32, **stream)).ok());
 }
 
 }  // namespace

@@ -70,6 +70,18 @@ def test_fully_shard_refuses_parameters_on_two_devices():
         _fsdp_init._module_device(module)
 
 
+def check_parity(launch, tmp_path, world, args, timeout):
+    """Runs cuda_fully_shard_worker.py on `world` ranks; every variant it ran must be within
+    its tolerance (the report names the failures)."""
+    out = tmp_path / "cuda.json"
+    result = launch(world, ["cuda_fully_shard_worker.py", out, *args], timeout=timeout)
+    assert out.exists(), result.describe()
+    report = json.loads(out.read_text())
+    failed = {k: v for k, v in report["results"].items() if not v["ok"]}
+    assert not failed, json.dumps(failed, indent=1)
+    assert result.returncode == 0, result.describe()
+
+
 @needs_gpu
 def test_fully_shard_on_cuda_matches_one_process(launch, tmp_path):
     """Every variant of cuda_fully_shard_worker.py (full shard, shard-grad-op, bf16,
@@ -77,13 +89,7 @@ def test_fully_shard_on_cuda_matches_one_process(launch, tmp_path):
     a side stream) at world 1 over NCCL: parameters and losses within 1e-4 (fp32, TF32 off) or
     2e-2 (bf16, f16) of a plain run of the same global batch, with no host synchronization in
     the steps after the first."""
-    out = tmp_path / "cuda.json"
-    result = launch(1, ["cuda_fully_shard_worker.py", out], timeout=240)
-    assert out.exists(), result.describe()
-    report = json.loads(out.read_text())
-    failed = {k: v for k, v in report["results"].items() if not v["ok"]}
-    assert not failed, json.dumps(failed, indent=1)
-    assert result.returncode == 0, result.describe()
+    check_parity(launch, tmp_path, 1, [], timeout=240)
 
 
 @needs_gpu
@@ -95,14 +101,7 @@ def test_fully_shard_on_cuda_matches_one_process(launch, tmp_path):
 def test_ranks_sharing_the_gpu_match_one_process(launch, tmp_path, world, mesh, variants):
     """Ranks that share the one GPU shard over ucx staged through pinned host memory (NCCL
     refuses two ranks on one device): the same parity as at world 1."""
-    out = tmp_path / "cuda.json"
-    result = launch(world, ["cuda_fully_shard_worker.py", out, "--variants", variants,
-                            "--mesh", mesh], timeout=300)
-    assert out.exists(), result.describe()
-    report = json.loads(out.read_text())
-    failed = {k: v for k, v in report["results"].items() if not v["ok"]}
-    assert not failed, json.dumps(failed, indent=1)
-    assert result.returncode == 0, result.describe()
+    check_parity(launch, tmp_path, world, ["--variants", variants, "--mesh", mesh], timeout=300)
 
 
 @needs_gpu

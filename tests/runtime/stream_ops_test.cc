@@ -176,5 +176,22 @@ TEST(StreamOpsTest, APoisonedStreamRefusesOps) {
   EXPECT_EQ(x[0], 1.0f);
 }
 
+TEST(StreamOpsTest, CopyBlockingCopiesHostMemoryAndRefusesAMissingDevice) {
+  std::vector<float> src(1031), dst(1031, 0.f);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = std::sin(0.37f * static_cast<float>(i)) + 0.1f;
+  ASSERT_TRUE(CopyBlocking(Device::Host(), dst.data(), src.data(), src.size() * sizeof(float),
+                           absl::Now() + absl::Seconds(10))
+                  .ok());
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size() * sizeof(float)), 0);
+  // A device that cannot be used (no GPU here, or an index past the last one) is an error, not a
+  // copy: nothing is written.
+  std::vector<float> untouched(4, 7.f);
+  const absl::Status missing =
+      CopyBlocking(Device::Cuda(1 << 20), untouched.data(), src.data(),
+                   untouched.size() * sizeof(float), absl::Now() + absl::Seconds(10));
+  EXPECT_FALSE(missing.ok());
+  EXPECT_EQ(untouched[0], 7.f);
+}
+
 }  // namespace
 }  // namespace shardline

@@ -129,8 +129,9 @@ void AddState(PyCheckpointer& c, nb::handle unit_id, const std::string& name, nb
   // GPU), which saves and loads copy through host memory.
   const Device where = TensorDevice(array);
   if (!where.is_host() && where != p.master_device()) {
-    ThrowInvalid(absl::StrCat(what, " is on ", where.ToString(), ", but the unit's master shard is on ",
-                              p.master_device().ToString(), "; a state lives in host memory or "
+    ThrowInvalid(absl::StrCat(what, " is on ", where.ToString(),
+                              ", but the unit's master shard is on ", p.master_device().ToString(),
+                              "; a state lives in host memory or "
                               "beside the master shard"));
   }
   Tensor t = ToTensor(array, what.c_str(), /*writable=*/true, where);
@@ -139,9 +140,12 @@ void AddState(PyCheckpointer& c, nb::handle unit_id, const std::string& name, nb
     ThrowInvalid(absl::StrCat(what, " has ", t.numel, " elements; the unit's shard has ", want,
                               " (unit.shard_elements, padding included)"));
   }
-  ThrowIfError(c.checkpointer->AddState(
-      {.unit = unit, .name = name, .data = t.data, .dtype = t.dtype, .stable = stable,
-       .device = where}));
+  ThrowIfError(c.checkpointer->AddState({.unit = unit,
+                                         .name = name,
+                                         .data = t.data,
+                                         .dtype = t.dtype,
+                                         .stable = stable,
+                                         .device = where}));
   c.owners.push_back(std::move(t.owner));
 }
 

@@ -268,8 +268,8 @@ void RegisterCollectives(nb::module_& m) {
       "wrap_cuda_stream",
       [](uintptr_t handle, int device, const std::string& name) -> Stream* {
 #ifdef SHARDLINE_WITH_CUDA
-        return Unwrap(WrapCudaStream(reinterpret_cast<cudaStream_t>(handle), device,
-                                     {.name = name}))
+        return Unwrap(
+                   WrapCudaStream(reinterpret_cast<cudaStream_t>(handle), device, {.name = name}))
             .release();
 #else
         (void)handle;
@@ -403,8 +403,7 @@ void RegisterCollectives(nb::module_& m) {
 
   m.def("init", &Init, nb::arg("backend") = "ucx", nb::arg("rank") = nb::none(),
         nb::arg("world_size") = nb::none(), nb::arg("address") = nb::none(),
-        nb::arg("timeout") = nb::none(), nb::arg("name") = "world",
-        nb::arg("device") = nb::none());
+        nb::arg("timeout") = nb::none(), nb::arg("name") = "world", nb::arg("device") = nb::none());
   m.def("init_local", &InitLocal, nb::arg("size"), nb::arg("timeout") = nb::none());
 
   nb::class_<PyMesh>(m, "Mesh",

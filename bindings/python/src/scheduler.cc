@@ -122,8 +122,9 @@ nb::object MakeView(PyScheduler& s, void* data, DType dtype, const std::vector<s
         .cast();
   }
   if (device.is_cuda()) {
-    ThrowInvalid("a view of CUDA memory cannot be a numpy array; create the Scheduler with "
-                 "framework='torch'");
+    ThrowInvalid(
+        "a view of CUDA memory cannot be a numpy array; create the Scheduler with "
+        "framework='torch'");
   }
   return nb::ndarray<nb::numpy>(data, shape.size(), shape.data(), owner, nullptr, DlpackOf(dtype),
                                 nb::device::cpu::value, 0)
@@ -151,9 +152,9 @@ std::unique_ptr<Stream> MakeComputeStream(const Device& device, uintptr_t cuda_s
         {.name = absl::StrCat(name, ".compute"), .trace = trace, .track = "compute"}));
   }
 #ifdef SHARDLINE_WITH_CUDA
-  return Unwrap(WrapCudaStream(
-      reinterpret_cast<cudaStream_t>(cuda_stream), device.index(),
-      {.name = absl::StrCat(name, ".compute"), .trace = trace, .track = "compute"}));
+  return Unwrap(
+      WrapCudaStream(reinterpret_cast<cudaStream_t>(cuda_stream), device.index(),
+                     {.name = absl::StrCat(name, ".compute"), .trace = trace, .track = "compute"}));
 #else
   throw StatusError(absl::UnimplementedError(absl::StrCat(
       "Scheduler: device='", device.ToString(), "': this shardline was built without CUDA")));
@@ -175,12 +176,13 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
     if (c.comm->device() == device) return;
     if (device.is_host()) {
       ThrowInvalid(absl::StrCat("Scheduler(device='cpu'): communicator '", c.comm->name(),
-                                "' moves ", c.comm->device().ToString(),
-                                " memory; pass device='", c.comm->device().ToString(), "'"));
+                                "' moves ", c.comm->device().ToString(), " memory; pass device='",
+                                c.comm->device().ToString(), "'"));
     }
     ThrowInvalid(absl::StrCat("Scheduler(device='", device.ToString(), "'): communicator '",
                               c.comm->name(), "' moves ", c.comm->device().ToString(),
-                              " memory, not ", device.ToString(), " memory (a CUDA scheduler "
+                              " memory, not ", device.ToString(),
+                              " memory (a CUDA scheduler "
                               "needs a communicator of its device: backend 'nccl')"));
   };
   PyComm* replicate_comm = nullptr;
@@ -198,8 +200,9 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
     ThrowInvalid(absl::StrCat("framework '", framework, "' is not 'numpy' or 'torch'"));
   }
   if (device.is_cuda() && framework != "torch") {
-    ThrowInvalid(absl::StrCat("Scheduler(device='", device.ToString(),
-                              "'): views of CUDA memory are torch tensors; pass framework='torch'"));
+    ThrowInvalid(
+        absl::StrCat("Scheduler(device='", device.ToString(),
+                     "'): views of CUDA memory are torch tensors; pass framework='torch'"));
   }
   check_comm(comm);
   SchedulerOptions options;
@@ -237,9 +240,9 @@ void Create(PyScheduler* self, nb::object world, const std::string& strategy, in
     }
   }
   std::unique_ptr<Scheduler> made = Unwrap(std::move(scheduler));
-  new (self) PyScheduler{std::move(world), std::move(replicate), std::move(trace),
-                         framework,        precision,            device,
-                         nb::none(),       std::move(compute),   std::move(made)};
+  new (self) PyScheduler{
+      std::move(world), std::move(replicate), std::move(trace),   framework,      precision,
+      device,           nb::none(),           std::move(compute), std::move(made)};
 }
 
 int RegisterUnit(PyScheduler& s, const std::string& name, nb::list tensors,
@@ -545,8 +548,9 @@ void RegisterScheduler(nb::module_& m) {
              return *id;
            })
       .def_prop_ro("num_units", [](const PyScheduler& s) { return s.scheduler->num_units(); })
-      .def_prop_ro("device", [](const PyScheduler& s) { return s.device.ToString(); },
-                   "The compute stream's device: 'host' or 'cuda:N'.")
+      .def_prop_ro(
+          "device", [](const PyScheduler& s) { return s.device.ToString(); },
+          "The compute stream's device: 'host' or 'cuda:N'.")
       .def_prop_ro("steps", [](const PyScheduler& s) { return s.scheduler->steps(); })
       .def_prop_ro("forward_order",
                    [](const PyScheduler& s) { return s.scheduler->forward_order(); })

@@ -13,19 +13,6 @@
 
 namespace shardline::checkpoint_internal {
 
-absl::Status CopyBlocking(void* dst, const void* src, size_t bytes, Device device,
-                          absl::Time deadline) {
-  if (bytes == 0) return absl::OkStatus();
-  if (device.is_host()) {
-    std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  SL_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream,
-                      CreateStream(device, {.name = "checkpoint staging"}));
-  SL_RETURN_IF_ERROR(EnqueueCopy(*stream, dst, src, bytes));
-  return stream->Synchronize(deadline);
-}
-
 absl::Status AllGatherHostBytes(Communicator& comm, Stream& host_stream, const void* send,
                                 void* recv, size_t per, const CollectiveOptions& options,
                                 absl::Time deadline) {
@@ -42,7 +29,8 @@ absl::Status AllGatherHostBytes(Communicator& comm, Stream& host_stream, const v
   SL_ASSIGN_OR_RETURN(Buffer in, memory->Allocate(std::max<size_t>(per, 1), *stream));
   SL_ASSIGN_OR_RETURN(Buffer out, memory->Allocate(std::max<size_t>(all, 1), *stream));
   SL_RETURN_IF_ERROR(EnqueueCopy(*stream, in.data(), send, per));
-  absl::StatusOr<Work> work = comm.AllGather(in.data(), out.data(), per, DType::kU8, *stream, options);
+  absl::StatusOr<Work> work =
+      comm.AllGather(in.data(), out.data(), per, DType::kU8, *stream, options);
   if (!work.ok()) return work.status();
   SL_RETURN_IF_ERROR(work->Wait(deadline));
   SL_RETURN_IF_ERROR(EnqueueCopy(*stream, recv, out.data(), all));

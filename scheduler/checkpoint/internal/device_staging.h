@@ -1,9 +1,10 @@
 // File: scheduler/checkpoint/internal/device_staging.h
 // -----------------------------------------------------------------------------
 // Checkpoints and full-weight files of a scheduler on a GPU: the files are read and written from
-// host memory, so device memory goes through host copies, and the few host bytes the ranks
-// exchange (outcomes, fingerprints) go through the device when the world moves device memory
-// (nccl, ucx staged). Blocking calls: checkpoints run between steps.
+// host memory, so device memory goes through host copies (runtime/stream_ops.h's CopyBlocking),
+// and the few host bytes the ranks exchange (outcomes, fingerprints) go through the device when
+// the world moves device memory (nccl, ucx staged). Blocking calls: checkpoints run between
+// steps.
 
 #ifndef SHARDLINE_SCHEDULER_CHECKPOINT_INTERNAL_DEVICE_STAGING_H_
 #define SHARDLINE_SCHEDULER_CHECKPOINT_INTERNAL_DEVICE_STAGING_H_
@@ -17,11 +18,6 @@
 #include "runtime/stream.h"
 
 namespace shardline::checkpoint_internal {
-
-// Copies `bytes` between host memory and `device`'s memory (either way; memcpy for the host) on a
-// stream of the device, blocking until done or `deadline`.
-absl::Status CopyBlocking(void* dst, const void* src, size_t bytes, Device device,
-                          absl::Time deadline);
 
 // The all-gather of `per` host bytes of every rank (`send` -> `recv`, rank-major) over `comm`:
 // on `host_stream` for a host communicator; for a device communicator through its device's memory
