@@ -113,3 +113,48 @@ def test_c10d_backend_on_cuda_tensors(launch, world):
     result = launch(world, ["cuda_c10d_worker.py"], timeout=180)
     assert result.returncode == 0, result.describe()
     assert result.output.count(": ok") == world, result.describe()
+
+
+def test_the_cuda_world_backend_choice(monkeypatch):
+    """get_default_world's backend for a CUDA model: nccl when each rank on the host has a GPU,
+    ucx staged when ranks outnumber the GPUs, SHARDLINE_CUDA_BACKEND overriding either."""
+    from shardline.torch import _fsdp_init
+
+    gpus = torch.cuda.device_count()
+    monkeypatch.delenv("SHARDLINE_CUDA_BACKEND", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(gpus + 1))
+    assert _fsdp_init._cuda_backend() == "ucx"
+    if gpus:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(gpus))
+        assert _fsdp_init._cuda_backend() == "nccl"
+    for chosen in ("nccl", "ucx"):
+        monkeypatch.setenv("SHARDLINE_CUDA_BACKEND", chosen)
+        assert _fsdp_init._cuda_backend() == chosen
+    monkeypatch.setenv("SHARDLINE_CUDA_BACKEND", "gloo")
+    with pytest.raises(ValueError, match="SHARDLINE_CUDA_BACKEND='gloo'"):
+        _fsdp_init._cuda_backend()
+
+
+def test_stream_for_a_host_communicator_is_its_own(world):
+    from shardline.torch import stream_for
+
+    assert stream_for(world) is None  # host memory: the communicator's own stream
+
+
+def test_backend_premul_sum_without_a_readable_factor_is_named():
+    """torch 2.11's ReduceOp hides PREMUL_SUM's factor: the backend names the op instead of
+    failing on the missing attribute."""
+    import torch.distributed as dist
+    from shardline.torch import _backend_calls
+
+    class Hidden:  # a PREMUL_SUM ReduceOp as torch 2.11 shows it to Python
+        op = dist.ReduceOp.RedOpType.PREMUL_SUM
+
+    with pytest.raises(NotImplementedError, match="PREMUL_SUM on torch"):
+        _backend_calls._reduce_op(Hidden(), "allreduce")
+    made = dist._make_nccl_premul_sum(0.25)
+    if getattr(made, "factor", None) is None:  # this torch hides it too (2.11)
+        with pytest.raises(NotImplementedError, match="PREMUL_SUM on torch"):
+            _backend_calls._reduce_op(made, "allreduce")
+    else:
+        assert _backend_calls._reduce_op(made, "allreduce") == ("sum", 0.25)

@@ -44,7 +44,7 @@ def _unsupported(what):
 
 def _reduce_op(op, collective):
     """(shardline op name, premultiply factor or None) for a torch ReduceOp."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = getattr(op, "op", op)  # a ReduceOp, or its RedOpType
     if kind == _RedOpType.PREMUL_SUM:
         factor = getattr(op, "factor", None)
         if factor is None:

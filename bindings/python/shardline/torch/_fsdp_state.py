@@ -533,7 +533,7 @@ class _Root(_ForwardHooks, _BackwardHooks, _UnitUses):
             options = self.scheduler_options
             if self.cuda:
                 # The compute stream is torch's current stream of the device, wrapped; a hook
-                # that runs under another current stream is bridged to it (stream_hook).
+                # that runs under another current stream is bridged to it (_UnitUses.call).
                 self.compute_stream = torch.cuda.current_stream(self.world_device)
                 options = dict(options, device=str(self.world_device),
                                compute_stream=self.compute_stream.cuda_stream)
